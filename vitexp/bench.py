@@ -1,0 +1,150 @@
+"""Throughput, side by side and interleaved, and Lightning's per-step overhead.
+
+- :func:`measure_throughput`: images/s of a model alone (eval, no grad), warm-up discarded.
+- :func:`compare_throughput`: several models timed in one process in interleaved rounds
+  (A, B, A, B, ...), so drift of the machine (thermal, other load) hits all alike; the median
+  over rounds is reported.
+- :func:`lightning_overhead`: seconds per training step of the same model on the same batches,
+  in a plain PyTorch loop and under ``lightning.Trainer``; the overhead is their ratio − 1.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+@torch.no_grad()
+def _time_forward(model: nn.Module, x: torch.Tensor, iters: int) -> float:
+    device = x.device
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        model(x)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def measure_throughput(model: nn.Module, batch_size: int, img_size: int, warmup: int = 2,
+                       iters: int = 10, in_chans: int = 3) -> dict[str, Any]:
+    """Images per second of ``model`` (eval mode, no grad, random input) after ``warmup``
+    discarded passes."""
+    return compare_throughput({"model": model}, batch_size, img_size, warmup=warmup, rounds=1,
+                              iters=iters, in_chans=in_chans)["model"]
+
+
+def compare_throughput(models: Mapping[str, nn.Module], batch_size: int, img_size: int, warmup: int = 2,
+                       rounds: int = 5, iters: int = 5, in_chans: int = 3) -> dict[str, dict[str, Any]]:
+    """Time each model on the same input in interleaved rounds; report the median images/s."""
+    was_training = {k: m.training for k, m in models.items()}
+    for m in models.values():
+        m.eval()
+    device = _device_of(next(iter(models.values())))
+    x = torch.randn(batch_size, in_chans, img_size, img_size, device=device)
+    for m in models.values():
+        _time_forward(m, x, warmup)
+    samples: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(rounds):
+        for name, m in models.items():
+            samples[name].append(batch_size * iters / _time_forward(m, x, iters))
+    for k, m in models.items():
+        m.train(was_training[k])
+    return {
+        name: {
+            "throughput": statistics.median(s),
+            "throughput_min": min(s),
+            "throughput_max": max(s),
+            "batch_size": batch_size,
+            "img_size": img_size,
+            "rounds": rounds,
+            "iters": iters,
+            "warmup": warmup,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+        }
+        for name, s in samples.items()
+    }
+
+
+def _step_times(stamps: list[float], skip: int) -> float:
+    deltas = [b - a for a, b in zip(stamps[:-1], stamps[1:])][skip:]
+    return statistics.median(deltas)
+
+
+def lightning_overhead(make_model: Callable[[], nn.Module], make_loader: Callable[[], Any],
+                       num_classes: int, recipe: Mapping[str, Any], steps: int, warmup: int = 5,
+                       repeats: int = 2) -> dict[str, float]:
+    """Median seconds per training step (time between consecutive batch starts, data loading
+    included) of the same model on the same batches: a plain PyTorch loop (forward,
+    cross-entropy, backward, optimizer and scheduler step) against ``lightning.Trainer`` running
+    vitexp's :class:`~vitexp.module.ClassifyModule` (which also logs and checks the loss). The
+    two alternate ``repeats`` times and the best median of each is kept."""
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from vitexp.module import ClassifyModule, build_optimizer
+
+    class _Stamp(Callback):
+        def __init__(self):
+            self.stamps: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.stamps.append(time.perf_counter())
+
+    lr = float(recipe["lr"])
+
+    def plain() -> float:
+        torch.manual_seed(0)
+        model = make_model().train()
+        opt, sched = build_optimizer(model, recipe, lr, steps)
+        stamps: list[float] = []
+        loader = make_loader()
+        it = iter(loader)
+        for step in range(steps):
+            stamps.append(time.perf_counter())
+            try:
+                x, y = next(it)
+            except StopIteration:
+                it = iter(loader)
+                x, y = next(it)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if sched is not None:
+                sched.step_update(num_updates=step + 1)
+        stamps.append(time.perf_counter())
+        return _step_times(stamps, warmup)
+
+    def lightning() -> float:
+        torch.manual_seed(0)
+        module = ClassifyModule(make_model(), num_classes, {**recipe, "lr_base_batch": None})
+        stamp = _Stamp()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[stamp], limit_val_batches=0, num_sanity_val_steps=0,
+        )
+        trainer.fit(module, train_dataloaders=make_loader())
+        stamp.stamps.append(time.perf_counter())
+        return _step_times(stamp.stamps, warmup)
+
+    plain_s, light_s = [], []
+    for _ in range(repeats):
+        plain_s.append(plain())
+        light_s.append(lightning())
+    p, lt = min(plain_s), min(light_s)
+    return {"plain_step_s": p, "lightning_step_s": lt, "lightning_overhead": lt / p - 1.0, "steps": steps}

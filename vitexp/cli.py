@@ -1,0 +1,219 @@
+"""Console scripts. The Hydra apps (vitexp-train, vitexp-flops, vitexp-bench) compose
+``conf/train.yaml``; vitexp-sweep and vitexp-tables take plain arguments.
+
+Every command ends its standard output with one line of JSON: the run's metrics and the ledger
+path (``{"status": "failed", "error": ...}`` when it fails, with a non-zero exit code).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, open_dict
+
+from vitexp import CONF_DIR
+from vitexp.config import ConfigError, group_choices, run_name, to_container, validate
+
+
+def _print_result(payload: dict[str, Any]) -> None:
+    sys.stderr.flush()
+    print(json.dumps(payload, default=str), flush=True)
+
+
+def _name_from_command_line(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    overrides = list(HydraConfig.get().overrides.task)
+    with open_dict(cfg):
+        cfg.name = run_name(cfg, group_choices(), overrides)
+
+
+def _hydra_app(body: Callable[[DictConfig], dict[str, Any]]) -> Callable[[DictConfig], Any]:
+    """Wrap a run body: name the run, print the closing JSON line, exit non-zero on failure."""
+
+    def task(cfg: DictConfig):
+        _name_from_command_line(cfg)
+        try:
+            result = body(cfg)
+        except ConfigError as err:
+            print(f"vitexp: invalid config: {err}", file=sys.stderr)
+            _print_result({"status": "invalid", "error": str(err), "ledger": None})
+            raise SystemExit(2) from None
+        except Exception as err:
+            from vitexp.results import default_results_dir  # noqa: F401
+
+            _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}",
+                           "ledger": getattr(err, "ledger_path", None)})
+            raise
+        _print_result({"status": "completed", **result})
+        return result.get("metrics")
+
+    return task
+
+
+def _run_hydra(body: Callable[[DictConfig], dict[str, Any]]) -> None:
+    import hydra
+
+    # Hydra reads sys.argv; its own errors (unknown group option or key) name the valid choices.
+    main = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_hydra_app(body))
+    main()
+
+
+# -- vitexp-train --------------------------------------------------------------------------------
+def _train_body(cfg: DictConfig) -> dict[str, Any]:
+    from vitexp.train import train
+
+    return train(cfg)
+
+
+def train_main() -> None:
+    """Train, test and record one run (or a multirun with -m)."""
+    _run_hydra(_train_body)
+
+
+# -- vitexp-flops --------------------------------------------------------------------------------
+def run_flops(cfg: DictConfig) -> dict[str, Any]:
+    """Params and MACs of the configured model as deployed, without training; one ledger entry."""
+    from vitexp.flops import count_macs
+    from vitexp.logging_utils import build_logger, finish, log_final, wandb_url
+    from vitexp.results import LedgerEntry
+    from vitexp.train import build_model
+
+    validate(cfg, need_data=False)
+    config = to_container(cfg)
+    ledger = LedgerEntry(cfg.name, "flops", config, cfg.results_dir).start()
+    logger = None
+    try:
+        model, method, _ = build_model(cfg)
+        report = count_macs(method.deploy(model), int(cfg.backbone.img_size))
+        metrics = report.metrics()
+        protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
+        print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
+              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {cfg.backbone.img_size} px, "
+              f"attention matmuls counted; by module (GMACs): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in report.by_module.items() if v > 0))
+        logger = build_logger(cfg.logger, cfg.name, Path(cfg.output_dir), config, job_type="flops")
+        log_final(logger, metrics)
+        path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger), by_module=report.by_module)
+        return {"metrics": metrics, "protocol": protocol, "ledger": str(path), "run_id": ledger.run_id}
+    except BaseException as err:
+        ledger.fail(err)
+        raise
+    finally:
+        finish(logger)
+
+
+def flops_main() -> None:
+    """Count params and FLOPs of a configured model (no training)."""
+    _run_hydra(run_flops)
+
+
+# -- vitexp-bench --------------------------------------------------------------------------------
+def run_bench(cfg: DictConfig) -> dict[str, Any]:
+    """``bench.mode=throughput``: the method's deployed model against its unmodified backbone,
+    interleaved, images/s and their ratio beside the GMACs ratio. ``bench.mode=overhead``:
+    Lightning's per-step overhead against a plain PyTorch loop on the same model and batches."""
+    from vitexp.bench import compare_throughput, lightning_overhead
+    from vitexp.flops import count_macs
+    from vitexp.logging_utils import build_logger, finish, log_final, wandb_url
+    from vitexp.models import build_backbone
+    from vitexp.results import LedgerEntry
+    from vitexp.train import build_datamodule, build_model
+
+    if cfg.bench.mode not in ("throughput", "overhead"):
+        raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of ('throughput', 'overhead')")
+    validate(cfg, need_data=cfg.bench.mode == "overhead")
+    config = to_container(cfg)
+    ledger = LedgerEntry(cfg.name, "bench", config, cfg.results_dir).start()
+    logger = None
+    try:
+        import torch
+
+        img = int(cfg.backbone.img_size)
+        b = cfg.bench
+        if b.mode == "throughput":
+            model, method, _ = build_model(cfg)
+            deployed = method.deploy(model)
+            baseline = build_backbone(cfg.backbone, num_classes=int(cfg.data.num_classes))
+            res = compare_throughput({"method": deployed, "baseline": baseline}, int(b.batch_size), img,
+                                     warmup=int(b.warmup), rounds=int(b.rounds), iters=int(b.iters))
+            macs_m = count_macs(deployed, img).gmacs
+            macs_b = count_macs(baseline, img).gmacs
+            metrics = {
+                "throughput": res["method"]["throughput"],
+                "baseline_throughput": res["baseline"]["throughput"],
+                "throughput_ratio": res["method"]["throughput"] / res["baseline"]["throughput"],
+                "gmacs": macs_m,
+                "baseline_gmacs": macs_b,
+                "gmacs_ratio": macs_b / macs_m,
+            }
+            protocol = {"mode": "throughput", "interleaved": True, **res["method"], "statistic": "median over rounds"}
+            protocol.pop("throughput", None)
+            print(f"{cfg.name}: {metrics['throughput']:.1f} vs baseline {metrics['baseline_throughput']:.1f} images/s "
+                  f"(ratio {metrics['throughput_ratio']:.2f}; GMACs ratio {metrics['gmacs_ratio']:.2f}), "
+                  f"batch {b.batch_size}, {img} px, {protocol['device']}, {torch.get_num_threads()} threads")
+        else:
+            model, method, data_config = build_model(cfg)
+            if method.objective != "classify":
+                raise ConfigError(f"bench.mode=overhead times the classify objective; method {method.name} is {method.objective}")
+            datamodule = build_datamodule(cfg, data_config)
+            datamodule.setup("fit")
+            import copy
+
+            state = copy.deepcopy(model.state_dict())
+
+            def make_model():
+                m = copy.deepcopy(model)
+                m.load_state_dict(state)
+                return m
+
+            res = lightning_overhead(make_model, datamodule.train_dataloader, int(cfg.data.num_classes),
+                                     dict(cfg.recipe), steps=int(b.steps), warmup=int(b.warmup) + 3)
+            metrics = dict(res)
+            protocol = {"mode": "overhead", "batch_size": int(cfg.recipe.batch_size), "img_size": img,
+                        "device": "cpu", "threads": torch.get_num_threads(),
+                        "statistic": "median seconds between consecutive batch starts, best of 2 alternations"}
+            print(f"{cfg.name}: plain loop {res['plain_step_s'] * 1e3:.2f} ms/step, Lightning "
+                  f"{res['lightning_step_s'] * 1e3:.2f} ms/step: overhead {100 * res['lightning_overhead']:+.1f} %")
+        logger = build_logger(cfg.logger, cfg.name, Path(cfg.output_dir), config, job_type="bench")
+        log_final(logger, metrics)
+        path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger))
+        return {"metrics": metrics, "ledger": str(path), "run_id": ledger.run_id}
+    except BaseException as err:
+        ledger.fail(err)
+        raise
+    finally:
+        finish(logger)
+
+
+def bench_main() -> None:
+    """Throughput of a method against its backbone, or Lightning's step overhead."""
+    _run_hydra(run_bench)
+
+
+# -- vitexp-sweep, vitexp-tables ---------------------------------------------------------------------
+def sweep_main(argv: list[str] | None = None) -> None:
+    from vitexp.sweep import main
+
+    raise SystemExit(main(argv))
+
+
+def tables_main(argv: list[str] | None = None) -> None:
+    from vitexp.tables import main
+
+    raise SystemExit(main(argv))
+
+
+_APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "sweep": sweep_main, "tables": tables_main}
+
+if __name__ == "__main__":  # python -m vitexp.cli {train,flops,bench,sweep,tables} [args]
+    if len(sys.argv) < 2 or sys.argv[1] not in _APPS:
+        print(f"usage: python -m vitexp.cli {{{','.join(_APPS)}}} [args]", file=sys.stderr)
+        raise SystemExit(2)
+    app = _APPS[sys.argv.pop(1)]
+    app()

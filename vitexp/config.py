@@ -1,0 +1,144 @@
+"""Config composition helpers and validation.
+
+Hydra composes ``conf/train.yaml`` in struct mode, so an unknown key (``recipe.lrr=1``) and an
+unknown group option (``backbone=nope``) already fail at composition, Hydra naming the valid
+options. :func:`validate` then checks values and cross-group constraints (ranges, the budget
+against the backbone's architecture facts) before any model is built or ledger entry written.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf
+
+from vitexp import CONF_DIR, PROJECT_ROOT
+
+if not OmegaConf.has_resolver("vitexp_root"):
+    OmegaConf.register_new_resolver("vitexp_root", lambda: str(PROJECT_ROOT))
+
+#: Groups whose choice defines what a run is (a change renames the run).
+IDENTITY_GROUPS = ("backbone", "method", "budget", "data", "recipe")
+#: Overrides that change where or how a run executes, not what it is.
+NON_IDENTITY_KEYS = ("backbone.pretrained", "data.root", "data.num_workers")
+LOGGER_KINDS = ("wandb", "csv", "none")
+
+
+class ConfigError(ValueError):
+    """A composed config that vitexp cannot run; the message names the key and valid values."""
+
+
+def compose(overrides: Iterable[str] = (), config_name: str = "train") -> DictConfig:
+    """Compose the real config tree (as tests and tools do), without Hydra's runtime."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides))
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {msg}")
+
+
+def validate(cfg: DictConfig, need_data: bool = True) -> None:
+    """Check values and cross-group constraints; raise :class:`ConfigError` naming the key.
+
+    ``need_data=False`` (vitexp-flops, vitexp-bench) skips the dataset's location."""
+    from vitexp.methods import method_from_config
+
+    _check(isinstance(cfg.name, str) and cfg.name != "", "name", "must be a non-empty string")
+    _check(cfg.logger.kind in LOGGER_KINDS, "logger.kind", f"{cfg.logger.kind!r} is not one of {LOGGER_KINDS}")
+
+    bb = cfg.backbone
+    arch = bb.arch
+    _check(int(bb.img_size) > 0 and int(bb.img_size) % int(arch.patch_size) == 0, "backbone.img_size",
+           f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}")
+    if bb.pretrained:
+        _check(Path(str(bb.pretrained)).expanduser().is_file(), "backbone.pretrained",
+               f"checkpoint file not found: {bb.pretrained}")
+
+    data = cfg.data
+    _check(not OmegaConf.is_missing(data, "num_classes"), "data.num_classes", "required (data.num_classes=N)")
+    _check(int(data.num_classes) >= 2, "data.num_classes", f"{data.num_classes} must be >= 2")
+    if "root" in data.keys() and need_data:
+        _check(not OmegaConf.is_missing(data, "root"), "data.root", f"required for data={data.name} (data.root=/path/to/dataset)")
+        root = data.root
+        _check(root is not None and Path(str(root)).expanduser().is_dir(), "data.root",
+               f"dataset root not found: {root}")
+    if "split" in data:
+        split = list(data.split)
+        _check(len(split) == 3 and all(0 < s < 1 for s in split) and math.isclose(sum(split), 1.0),
+               "data.split", f"{split} must be three fractions in (0, 1) summing to 1 (train, val, test)")
+
+    r = cfg.recipe
+    _check(int(r.epochs) >= 1, "recipe.epochs", f"{r.epochs} must be >= 1")
+    _check(int(r.batch_size) >= 1, "recipe.batch_size", f"{r.batch_size} must be >= 1")
+    _check(float(r.lr) > 0, "recipe.lr", f"{r.lr} must be > 0")
+    _check(0 <= float(r.warmup_epochs) < int(r.epochs), "recipe.warmup_epochs",
+           f"{r.warmup_epochs} must be in [0, recipe.epochs={r.epochs})")
+    _check(0 <= float(r.label_smoothing) < 1, "recipe.label_smoothing", f"{r.label_smoothing} must be in [0, 1)")
+    _check(0 <= float(r.mixup) and 0 <= float(r.cutmix), "recipe.mixup/cutmix", "must be >= 0")
+    _check(0 <= float(r.drop_path) < 1, "recipe.drop_path", f"{r.drop_path} must be in [0, 1)")
+    _check(r.sched in ("cosine", "step", "none"), "recipe.sched", f"{r.sched!r} is not one of ('cosine', 'step', 'none')")
+
+    method = method_from_config(cfg.method)
+    method.validate_budget(cfg.budget, arch)
+
+
+def group_choices(cfg: DictConfig | None = None) -> dict[str, str]:
+    """Hydra's group choices of the running app (empty outside a Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return {k: v for k, v in HydraConfig.get().runtime.choices.items() if v is not None}
+    return {}
+
+
+def run_name(cfg: DictConfig, choices: dict[str, str], overrides: Iterable[str]) -> str:
+    """The name a run is recorded under: its experiment's name, or, when the command line
+    changed what the experiment is (a group choice or a key of an identity group),
+    ``"<experiment>+<override>,..."``, so a ledger row never claims an experiment it did not run."""
+    experiment = choices.get("experiment")
+    if not experiment:
+        return str(cfg.name)
+    pinned_choices = _pinned_choices(experiment)
+    changes = []
+    for group in IDENTITY_GROUPS:
+        if group in choices and pinned_choices.get(group, choices[group]) != choices[group]:
+            changes.append(f"{group}={choices[group]}")
+    for ov in overrides:
+        key = ov.split("=", 1)[0].lstrip("+~")
+        if "/" in key or key in IDENTITY_GROUPS or key in ("experiment", "name"):
+            continue
+        if key.split(".")[0] in IDENTITY_GROUPS + ("seed",) and key not in NON_IDENTITY_KEYS:
+            changes.append(ov.lstrip("+~"))
+    if any(ov.split("=", 1)[0] == "name" for ov in overrides):
+        return str(cfg.name)
+    return str(cfg.name) + ("+" + ",".join(changes) if changes else "")
+
+
+def _pinned_choices(experiment: str) -> dict[str, str]:
+    """Group choices an experiment composes: train.yaml's defaults, updated by the experiment
+    file's ``override /group: choice`` entries."""
+    pins: dict[str, str] = {}
+    for file, prefix in ((CONF_DIR / "train.yaml", ""), (CONF_DIR / "experiment" / f"{experiment}.yaml", "override /")):
+        if not file.is_file():
+            continue
+        for entry in OmegaConf.load(file).get("defaults", []) or []:
+            if isinstance(entry, (dict, DictConfig)):
+                for k, v in entry.items():
+                    if str(k).startswith(prefix) and v is not None:
+                        pins[str(k)[len(prefix):]] = str(v)
+    return pins
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as plain Python (for the ledger and W&B); Hydra's node is dropped."""
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    container.pop("hydra", None)
+    return container

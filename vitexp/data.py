@@ -1,0 +1,264 @@
+"""LightningDataModules: digits, synthetic, imagenet / imagefolder, cifar100.
+
+Every module takes ``num_classes`` and ``batch_size`` from its config group and the model's
+data config (``timm.data.resolve_data_config``: input size, interpolation, mean, std, crop) from
+:func:`vitexp.train.build_model`, so images are prepared as the backbone's pretrained weights
+expect. Nothing is downloaded: a missing dataset root is a ``FileNotFoundError`` naming it.
+
+Reproducibility: every DataLoader carries its own seeded generator and the training sampler
+reshuffles from ``seed + epoch`` (:class:`EpochSeededSampler`), so a resumed run sees the same
+batches as an uninterrupted one and no loader draws from the global RNG.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
+
+DEFAULT_DATA_CONFIG = {
+    "input_size": (3, 224, 224),
+    "interpolation": "bicubic",
+    "mean": (0.485, 0.456, 0.406),
+    "std": (0.229, 0.224, 0.225),
+    "crop_pct": 0.875,
+    "crop_mode": "center",
+}
+
+
+class EpochSeededSampler(RandomSampler):
+    """A random permutation drawn from ``seed + epoch`` (Lightning calls ``set_epoch``).
+
+    It subclasses ``RandomSampler`` so that under DDP Lightning swaps it for a
+    ``DistributedSampler`` (itself seeded per epoch)."""
+
+    def __init__(self, data_source: Sequence, seed: int = 0):
+        super().__init__(data_source)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(len(self.data_source), generator=g).tolist()
+
+
+class _TransformedTensorDataset(Dataset):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform=None):
+        self.images, self.labels, self.transform = images, labels, transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        x = self.images[i]
+        if self.transform is not None:
+            x = self.transform(x)
+        return x, self.labels[i]
+
+
+class VitexpDataModule(L.LightningDataModule):
+    """Shared loader logic; subclasses build ``self.train_set``, ``self.val_set``, ``self.test_set``."""
+
+    def __init__(self, name: str, num_classes: int, batch_size: int, num_workers: int = 0,
+                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+        super().__init__()
+        self.name = name
+        self.num_classes = int(num_classes)
+        self.batch_size = int(batch_size)
+        self.num_workers = int(num_workers)
+        self.data_config = {**DEFAULT_DATA_CONFIG, **(data_config or {})}
+        self.loader_seed = int(loader_seed)
+        self.train_set = self.val_set = self.test_set = None
+
+    @property
+    def img_size(self) -> int:
+        return int(self.data_config["input_size"][-1])
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.loader_seed + (0 if train else 1))
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=EpochSeededSampler(dataset, self.loader_seed) if train else None,
+            shuffle=False if not train else None,
+            drop_last=train and len(dataset) > self.batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            generator=generator,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+
+class DigitsDataModule(VitexpDataModule):
+    """scikit-learn's handwritten digits (1,797 real 8×8 images, 10 classes).
+
+    Pixels 0..16 are scaled to [0, 1], upsampled bilinearly to the model's resolution, repeated to
+    3 channels and normalised with the model's mean/std. The split is stratified and fixed by
+    ``split_seed``. Training images get a small random affine jitter (torchvision v2)."""
+
+    def __init__(self, name: str = "digits", num_classes: int = 10, batch_size: int = 64,
+                 num_workers: int = 0, split: Sequence[float] = (0.6, 0.2, 0.2), split_seed: int = 0,
+                 augment: bool = True, data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+        super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
+        self.split = tuple(float(s) for s in split)
+        self.split_seed = int(split_seed)
+        self.augment = bool(augment)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        labels = torch.tensor(digits.target, dtype=torch.long)
+        images = F.interpolate(images, size=(self.img_size, self.img_size), mode="bilinear", align_corners=False)
+        images = images.repeat(1, 3, 1, 1)
+        idx = np.arange(len(labels))
+        train_frac, val_frac, test_frac = self.split
+        train_idx, rest = train_test_split(idx, train_size=train_frac, stratify=labels.numpy(),
+                                           random_state=self.split_seed)
+        val_idx, test_idx = train_test_split(rest, test_size=test_frac / (val_frac + test_frac),
+                                             stratify=labels.numpy()[rest], random_state=self.split_seed)
+        self.split_indices = {"train": train_idx, "val": val_idx, "test": test_idx}
+        from torchvision.transforms import v2
+
+        normalize = v2.Normalize(mean=list(self.data_config["mean"]), std=list(self.data_config["std"]))
+        train_tf = v2.Compose([v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)), normalize])
+        self.train_set = _TransformedTensorDataset(images[train_idx], labels[train_idx],
+                                                   train_tf if self.augment else normalize)
+        self.val_set = _TransformedTensorDataset(images[val_idx], labels[val_idx], normalize)
+        self.test_set = _TransformedTensorDataset(images[test_idx], labels[test_idx], normalize)
+
+
+class SyntheticDataModule(VitexpDataModule):
+    """Class-conditional synthetic images: each class has a fixed smooth random prototype
+    (8×8 noise upsampled), and a sample is its prototype plus Gaussian noise of std ``noise``."""
+
+    def __init__(self, name: str = "synthetic", num_classes: int = 10, batch_size: int = 64,
+                 num_workers: int = 0, num_train: int = 512, num_val: int = 128, num_test: int = 128,
+                 noise: float = 0.5, seed: int = 0, data_config: dict[str, Any] | None = None,
+                 loader_seed: int = 0):
+        super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
+        self.sizes = (int(num_train), int(num_val), int(num_test))
+        self.noise = float(noise)
+        self.seed = int(seed)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        g = torch.Generator().manual_seed(self.seed)
+        size = self.img_size
+        protos = F.interpolate(torch.randn(self.num_classes, 3, 8, 8, generator=g), size=(size, size),
+                               mode="bilinear", align_corners=False)
+        sets = []
+        for n in self.sizes:
+            labels = torch.randint(0, self.num_classes, (n,), generator=g)
+            images = protos[labels] + self.noise * torch.randn(n, 3, size, size, generator=g)
+            sets.append(TensorDataset(images, labels))
+        self.train_set, self.val_set, self.test_set = sets
+
+
+def _require_dir(path: Path, what: str) -> Path:
+    if not path.is_dir():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    return path
+
+
+def timm_transforms(data_config: dict[str, Any], train: bool, auto_augment: str | None = None,
+                    random_erase: float = 0.0):
+    """timm's ImageNet transforms for the model's data config (RandomResizedCrop + flip + RandAugment
+    + random erasing for training; resize to size / crop_pct + center crop for evaluation)."""
+    from timm.data import create_transform
+
+    return create_transform(
+        input_size=data_config["input_size"],
+        is_training=train,
+        interpolation=data_config["interpolation"],
+        mean=data_config["mean"],
+        std=data_config["std"],
+        crop_pct=data_config["crop_pct"],
+        auto_augment=auto_augment if train else None,
+        re_prob=random_erase if train else 0.0,
+    )
+
+
+class ImageFolderDataModule(VitexpDataModule):
+    """ImageNet or any ImageFolder dataset: ``<root>/<train_dir>``, ``<root>/<val_dir>``,
+    optional ``<root>/<test_dir>`` (else the val split is the test split)."""
+
+    def __init__(self, root: str, name: str = "imagefolder", num_classes: int = 1000, batch_size: int = 128,
+                 num_workers: int = 8, train_dir: str = "train", val_dir: str = "val",
+                 test_dir: str | None = None, auto_augment: str | None = None, random_erase: float = 0.0,
+                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+        super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
+        self.root = Path(str(root)).expanduser()
+        self.dirs = {"train": train_dir, "val": val_dir, "test": test_dir or val_dir}
+        self.auto_augment, self.random_erase = auto_augment, float(random_erase or 0.0)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from torchvision.datasets import ImageFolder
+
+        _require_dir(self.root, f"{self.name} root")
+        sets = {}
+        for split, sub in self.dirs.items():
+            folder = _require_dir(self.root / sub, f"{self.name} {split} split")
+            tf = timm_transforms(self.data_config, split == "train", self.auto_augment, self.random_erase)
+            sets[split] = ImageFolder(str(folder), transform=tf)
+            if len(sets[split].classes) != self.num_classes:
+                raise ValueError(
+                    f"{folder} has {len(sets[split].classes)} class folders but data.num_classes={self.num_classes}"
+                )
+        self.train_set, self.val_set, self.test_set = sets["train"], sets["val"], sets["test"]
+
+
+class CIFAR100DataModule(VitexpDataModule):
+    """CIFAR-100 from a local torchvision root (``<root>/cifar-100-python``), never downloaded;
+    val is a fixed stratified ``val_fraction`` of the training set, test is CIFAR's test set."""
+
+    def __init__(self, root: str, name: str = "cifar100", num_classes: int = 100, batch_size: int = 128,
+                 num_workers: int = 8, val_fraction: float = 0.02, split_seed: int = 0,
+                 auto_augment: str | None = None, random_erase: float = 0.0,
+                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+        super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
+        self.root = Path(str(root)).expanduser()
+        self.val_fraction, self.split_seed = float(val_fraction), int(split_seed)
+        self.auto_augment, self.random_erase = auto_augment, float(random_erase or 0.0)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from sklearn.model_selection import train_test_split
+        from torch.utils.data import Subset
+        from torchvision.datasets import CIFAR100
+
+        _require_dir(self.root / "cifar-100-python", "CIFAR-100 (python version) folder")
+        train_tf = timm_transforms(self.data_config, True, self.auto_augment, self.random_erase)
+        eval_tf = timm_transforms(self.data_config, False)
+        full_train = CIFAR100(str(self.root), train=True, transform=train_tf, download=False)
+        full_eval = CIFAR100(str(self.root), train=True, transform=eval_tf, download=False)
+        idx = np.arange(len(full_train.targets))
+        train_idx, val_idx = train_test_split(idx, test_size=self.val_fraction, stratify=full_train.targets,
+                                              random_state=self.split_seed)
+        self.train_set = Subset(full_train, train_idx)
+        self.val_set = Subset(full_eval, val_idx)
+        self.test_set = CIFAR100(str(self.root), train=False, transform=eval_tf, download=False)

@@ -1,0 +1,161 @@
+"""MAC/FLOP counting under an explicit protocol.
+
+Convention (reproduces the published DeiT / T2T-ViT / LV-ViT figures): multiply-accumulates
+of matmuls, linear layers and convolutions, **attention matmuls included**; normalisations and
+element-wise ops (add, GELU, softmax, scaling) are not counted. ``gmacs`` is 1e9 MACs (what the
+token-pruning papers call "FLOPs"); ``gflops`` = 2 × MACs (what SAPER and RAPTOR print).
+
+The counter is fvcore's ``FlopCountAnalysis`` (its "flops" are MACs). fvcore and
+``torch.utils.flop_counter`` do not count ``aten::scaled_dot_product_attention`` on CPU, which
+timm's fused attention calls, so vitexp registers a handle for it; fvcore's default handles for
+normalisations and resampling are switched off to follow the convention. Methods that add ops
+register their handles with :func:`register_op_handle`.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+#: fvcore handles that would count non-MAC work; the convention leaves these out.
+_UNCOUNTED_OPS = (
+    "aten::layer_norm",
+    "aten::batch_norm",
+    "aten::group_norm",
+    "aten::instance_norm",
+    "aten::upsample_nearest2d",
+    "aten::upsample_bilinear2d",
+    "aten::adaptive_avg_pool2d",
+    "aten::grid_sampler",
+)
+
+_EXTRA_HANDLES: dict[str, Callable] = {}
+
+
+def _shape(value) -> list[int]:
+    from fvcore.nn.jit_handles import get_shape
+
+    return list(get_shape(value))
+
+
+def sdpa_mac_handle(inputs: list, outputs: list) -> int:
+    """MACs of ``scaled_dot_product_attention(q, k, v)``: Q·Kᵀ is B·H·N·M·d and A·V is
+    B·H·N·M·d_v, for q of shape (..., N, d), k (..., M, d), v (..., M, d_v)."""
+    q, k, v = (_shape(x) for x in inputs[:3])
+    batch_heads = math.prod(q[:-2])
+    n, d = q[-2], q[-1]
+    m, dv = k[-2], v[-1]
+    return batch_heads * n * m * (d + dv)
+
+
+def _zero_handle(inputs: list, outputs: list) -> int:
+    return 0
+
+
+def register_op_handle(op_name: str, handle: Callable[[list, list], int]) -> None:
+    """Count an extra traced op (``"aten::..."``) with ``handle(inputs, outputs) -> MACs``."""
+    _EXTRA_HANDLES[op_name] = handle
+
+
+register_op_handle("aten::scaled_dot_product_attention", sdpa_mac_handle)
+
+
+@dataclass
+class FlopsReport:
+    gmacs: float
+    gflops: float
+    params_m: float
+    protocol: dict[str, Any] = field(default_factory=dict)
+    by_module: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        return {"gmacs": self.gmacs, "gflops": self.gflops, "params_m": self.params_m}
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def count_macs(
+    model: nn.Module,
+    img_size: int,
+    in_chans: int = 3,
+    registers: int = 0,
+    extra_params: int = 0,
+    by_module_depth: int = 1,
+) -> FlopsReport:
+    """Count MACs of one image through ``model`` (eval mode, batch 1) under vitexp's protocol.
+
+    ``registers`` is recorded in the protocol (it is a property of the model being counted);
+    ``extra_params`` adds parameters that live outside ``model`` (e.g. a probe head counted
+    separately)."""
+    import fvcore
+    from fvcore.nn import FlopCountAnalysis
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    x = torch.randn(1, in_chans, img_size, img_size, device=device)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        analysis = FlopCountAnalysis(model, x)
+        for op in _UNCOUNTED_OPS:  # a zero handle: fvcore's None keeps its default handle
+            analysis.set_op_handle(op, _zero_handle)
+        for op, handle in _EXTRA_HANDLES.items():
+            analysis.set_op_handle(op, handle)
+        analysis.unsupported_ops_warnings(False)
+        analysis.uncalled_modules_warnings(False)
+        analysis.tracer_warnings("none")
+        total = analysis.total()
+        by_module = {
+            name: macs / 1e9
+            for name, macs in analysis.by_module().items()
+            if name and name.count(".") < by_module_depth
+        }
+    model.train(was_training)
+    protocol = {
+        "counter": f"fvcore {fvcore.__version__} + vitexp op handles ({', '.join(sorted(_EXTRA_HANDLES))})",
+        "unit": "GMACs (gflops = 2 x MACs)",
+        "resolution": img_size,
+        "batch": 1,
+        "registers": registers,
+        "attention_counted": True,
+        "normalisation_counted": False,
+        "elementwise_counted": False,
+    }
+    return FlopsReport(
+        gmacs=total / 1e9,
+        gflops=2 * total / 1e9,
+        params_m=(count_params(model) + extra_params) / 1e6,
+        protocol=protocol,
+        by_module=by_module,
+    )
+
+
+def vit_analytic_macs(
+    *,
+    img_size: int,
+    patch_size: int,
+    embed_dim: int,
+    depth: int,
+    mlp_ratio: float,
+    num_classes: int,
+    in_chans: int = 3,
+    num_prefix_tokens: int = 1,
+) -> int:
+    """Closed-form MACs of a DeiT-layout ViT under vitexp's protocol.
+
+    Patch embedding P·(c·p²)·D; per block, with N = P + prefix tokens: qkv 3·N·D², attention
+    Q·Kᵀ and A·V 2·N²·D, output projection N·D², MLP 2·N·D·(r·D); classifier D·C."""
+    patches = (img_size // patch_size) ** 2
+    n, d = patches + num_prefix_tokens, embed_dim
+    hidden = int(mlp_ratio * d)
+    per_block = 3 * n * d * d + 2 * n * n * d + n * d * d + 2 * n * d * hidden
+    return patches * in_chans * patch_size**2 * d + depth * per_block + d * num_classes

@@ -1,0 +1,157 @@
+"""LightningModules, one per objective. A module trains whatever ``nn.Module`` it is given and
+never knows which method produced it (design.md).
+
+``classify``: cross-entropy (label smoothing, or soft targets under timm's Mixup/CutMix),
+timm optimizer and scheduler, torchmetrics top-1/top-5 (synced across DDP ranks).
+Later objectives (``distill``, ``probe``) register in :data:`OBJECTIVE_MODULES`.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Mapping
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or infinite."""
+
+
+class ClassifyModule(L.LightningModule):
+    """Supervised classification of ``model``'s logits.
+
+    ``recipe`` holds the optimisation keys of ``conf/recipe/*.yaml``. The learning rate is
+    ``recipe.lr`` × global batch / ``recipe.lr_base_batch`` when the latter is set (DeiT's rule).
+    The timm scheduler steps every optimisation step (warm-up and cosine in steps).
+    """
+
+    def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any]):
+        super().__init__()
+        self.model = model
+        self.num_classes = int(num_classes)
+        self.recipe = dict(recipe)
+        self.mixup_fn = None
+        if float(self.recipe.get("mixup", 0)) > 0 or float(self.recipe.get("cutmix", 0)) > 0:
+            from timm.data import Mixup
+
+            self.mixup_fn = Mixup(
+                mixup_alpha=float(self.recipe["mixup"]),
+                cutmix_alpha=float(self.recipe["cutmix"]),
+                label_smoothing=float(self.recipe.get("label_smoothing", 0.0)),
+                num_classes=self.num_classes,
+            )
+        top_k = min(5, self.num_classes)
+        for split in ("val", "test"):
+            setattr(self, f"{split}_top1", MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro"))
+            setattr(self, f"{split}_top5", MulticlassAccuracy(num_classes=self.num_classes, top_k=top_k, average="micro"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    # -- steps ---------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.mixup_fn is not None and len(x) % 2 == 0:
+            x, soft = self.mixup_fn(x, y)
+            loss = torch.sum(-soft * F.log_softmax(self(x), dim=-1), dim=-1).mean()
+        else:
+            loss = F.cross_entropy(self(x), y, label_smoothing=float(self.recipe.get("label_smoothing", 0.0)))
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"training loss is {loss.item()} at epoch {self.current_epoch}, step {self.global_step}: "
+                "stopping (lower recipe.lr, set recipe.grad_clip, or check the data)"
+            )
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
+        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=False, on_step=True, on_epoch=False)
+        return loss
+
+    def _eval_step(self, batch, split: str) -> None:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        top1, top5 = getattr(self, f"{split}_top1"), getattr(self, f"{split}_top5")
+        top1.update(logits, y)
+        top5.update(logits, y)
+        self.log(f"{split}/loss", loss, prog_bar=split == "val", on_epoch=True, sync_dist=True)
+        self.log(f"{split}/top1", top1, prog_bar=True, on_epoch=True)
+        self.log(f"{split}/top5", top5, on_epoch=True)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    # -- optimisation --------------------------------------------------------------------------
+    def effective_lr(self) -> float:
+        lr = float(self.recipe["lr"])
+        base = self.recipe.get("lr_base_batch")
+        if base:
+            world = self.trainer.world_size if self._trainer is not None else 1
+            lr *= int(self.recipe["batch_size"]) * world / float(base)
+        return lr
+
+    def configure_optimizers(self):
+        steps = max(1, int(self.trainer.estimated_stepping_batches))
+        optimizer, scheduler = build_optimizer(self.model, self.recipe, self.effective_lr(), steps)
+        if scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def lr_scheduler_step(self, scheduler, metric) -> None:
+        scheduler.step_update(num_updates=self.global_step)
+
+    # -- exact resume: the global RNGs (augmentation, mixup, drop path) travel with checkpoints --
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        checkpoint["vitexp_rng"] = {  # plain types and tensors only: loadable with weights_only=True
+            "torch": torch.get_rng_state(),
+            "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+            "python": random.getstate(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("vitexp_rng")
+        if state:
+            torch.set_rng_state(state["torch"])
+            kind, keys, pos, has_gauss, gauss = state["numpy"]
+            np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+            random.setstate(state["python"])
+
+
+def build_optimizer(model: nn.Module, recipe: Mapping[str, Any], lr: float, total_steps: int):
+    """timm's optimizer (no weight decay on norms, biases and ``model.no_weight_decay()``) and
+    timm's scheduler (warm-up then ``recipe.sched``), stepped per optimisation step."""
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import create_scheduler_v2
+
+    optimizer = create_optimizer_v2(model, opt=recipe["opt"], lr=lr, weight_decay=float(recipe["weight_decay"]))
+    if recipe.get("sched", "cosine") == "none":
+        return optimizer, None
+    epochs = int(recipe["epochs"])
+    scheduler, _ = create_scheduler_v2(
+        optimizer,
+        sched=recipe["sched"],
+        num_epochs=epochs,
+        warmup_epochs=int(recipe["warmup_epochs"]),
+        warmup_lr=float(recipe["warmup_lr"]),
+        min_lr=float(recipe["min_lr"]),
+        step_on_epochs=False,
+        updates_per_epoch=max(1, total_steps // epochs),
+    )
+    return optimizer, scheduler
+
+
+OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {"classify": ClassifyModule}
+
+
+def module_for(objective: str) -> type[L.LightningModule]:
+    try:
+        return OBJECTIVE_MODULES[objective]
+    except KeyError:
+        raise ValueError(f"no LightningModule for objective {objective!r}; known: {sorted(OBJECTIVE_MODULES)}") from None
