@@ -1,0 +1,106 @@
+"""Composition of every experiment config, and bad input failing at composition/validation."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import timm
+from hydra.errors import ConfigCompositionException, MissingConfigException
+
+import vitexp.config as vconfig
+from vitexp import CONF_DIR
+from vitexp.config import ConfigError, run_name, validate
+
+EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+BACKBONES = sorted(p.stem for p in (CONF_DIR / "backbone").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(experiment):
+    cfg = vconfig.compose([f"experiment={experiment}"])
+    assert cfg.name == experiment, "an experiment file must set name to its own file name"
+    validate(cfg, need_data=False)
+    for group in ("backbone", "method", "budget", "data", "recipe", "trainer", "logger"):
+        assert group in cfg
+
+
+def test_default_config_is_the_demo():
+    cfg = vconfig.compose([])
+    assert cfg.name == "demo"
+    assert (cfg.backbone.name, cfg.data.name, cfg.recipe.name, cfg.method.name) == ("vit_micro", "digits", "demo", "baseline")
+    validate(cfg)
+
+
+def test_unknown_group_option_names_the_valid_choices():
+    with pytest.raises(MissingConfigException) as err:
+        vconfig.compose(["backbone=nope"])
+    for choice in BACKBONES:
+        assert choice in str(err.value)
+
+
+def test_unknown_key_fails_at_composition():
+    with pytest.raises(ConfigCompositionException, match="recipe.lrr"):
+        vconfig.compose(["recipe.lrr=0.1"])
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("recipe.epochs=0", "recipe.epochs"),
+        ("recipe.lr=-1", "recipe.lr"),
+        ("recipe.warmup_epochs=40", "recipe.warmup_epochs"),
+        ("data.split=[0.5,0.5,0.5]", "data.split"),
+        ("recipe.sched=linear", "recipe.sched"),
+        ("recipe.label_smoothing=1.5", "recipe.label_smoothing"),
+    ],
+)
+def test_out_of_range_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(vconfig.compose([override]))
+
+
+def test_missing_dataset_root_and_checkpoint_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="data.root: required"):
+        validate(vconfig.compose(["data=imagenet"]))
+    missing = tmp_path / "no_such_imagenet"
+    with pytest.raises(ConfigError, match=str(missing)):
+        validate(vconfig.compose(["data=imagenet", f"data.root={missing}"]))
+    ckpt = tmp_path / "deit_small.pth"
+    with pytest.raises(ConfigError, match=str(ckpt)):
+        validate(vconfig.compose(["backbone=deit_small", f"backbone.pretrained={ckpt}"]))
+
+
+def test_budget_kind_is_checked_against_the_method():
+    cfg = vconfig.compose([])
+    cfg.budget.kind = "heads"
+    with pytest.raises(ConfigError, match="accepts budget kinds"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_backbone_arch_facts_match_the_built_model(backbone):
+    import vitexp  # noqa: F401  (registers vitexp models)
+    from vitexp.models import backbone_info
+
+    cfg = vconfig.compose([f"backbone={backbone}"])
+    model = timm.create_model(cfg.backbone.timm_name, pretrained=False)
+    info = backbone_info(model)
+    arch = cfg.backbone.arch
+    assert (info.depth, info.num_heads, info.embed_dim, info.patch_size, info.num_prefix_tokens) == (
+        arch.depth, arch.num_heads, arch.embed_dim, arch.patch_size, arch.num_prefix_tokens)
+    assert info.img_size == cfg.backbone.img_size
+
+
+def test_run_name_marks_command_line_changes_of_an_experiment():
+    cfg = vconfig.compose(["experiment=demo", "backbone=deit_tiny"])
+    choices = {"experiment": "demo", "backbone": "deit_tiny", "data": "digits", "method": "baseline",
+               "budget": "none", "recipe": "demo", "trainer": "cpu", "logger": "none"}
+    assert run_name(cfg, choices, ["backbone=deit_tiny", "logger=none"]) == "demo+backbone=deit_tiny"
+    same = dict(choices, backbone="vit_micro")
+    assert run_name(cfg, same, ["logger=none", "trainer=gpu", "data.root=/x"]) == "demo"
+    assert run_name(cfg, same, ["recipe.lr=0.1"]) == "demo+recipe.lr=0.1"
+    # choices of the experiment's own file are not changes
+    exp = {"experiment": "deit_small_baseline", "backbone": "deit_small", "data": "imagenet",
+           "recipe": "deit_finetune", "method": "baseline", "budget": "none", "trainer": "ddp"}
+    cfg2 = vconfig.compose(["experiment=deit_small_baseline"])
+    assert run_name(cfg2, exp, ["experiment=deit_small_baseline", "trainer=ddp"]) == "deit_small_baseline"

@@ -1,0 +1,73 @@
+"""The ledger: atomic writes, concurrent writers, finished entries never overwritten."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+
+import pytest
+
+from vitexp.results import LedgerEntry, atomic_write_json, completed_runs, iter_runs
+
+
+def test_entry_lifecycle_and_schema(results_dir):
+    entry = LedgerEntry("demo", "train", {"a": 1}, results_dir).start()
+    on_disk = json.loads(entry.path.read_text())
+    assert on_disk["status"] == "running"
+    path = entry.finish({"top1": 90.0}, {"unit": "GMACs"}, wandb_url=None)
+    record = json.loads(path.read_text())
+    for key in ("run_id", "experiment", "status", "kind", "config", "metrics", "protocol", "env",
+                "wandb_url", "started", "finished", "error"):
+        assert key in record
+    assert record["status"] == "completed" and record["metrics"]["top1"] == 90.0
+    assert record["env"]["packages"]["torch"]
+    with pytest.raises(RuntimeError, match="already completed"):
+        entry.fail(ValueError("late"))
+    assert json.loads(path.read_text())["status"] == "completed"
+
+
+def test_failed_entry_records_the_error(results_dir):
+    entry = LedgerEntry("demo", "train", {}, results_dir).start()
+    entry.fail(FloatingPointError("loss is nan"))
+    record = json.loads(entry.path.read_text())
+    assert record["status"] == "failed" and "loss is nan" in record["error"]
+    assert completed_runs(results_dir=results_dir) == []
+
+
+def test_atomic_write_keeps_the_old_file_when_serialisation_fails(tmp_path):
+    target = tmp_path / "runs" / "x.json"
+    atomic_write_json(target, {"ok": 1})
+
+    class Boom:
+        def __str__(self):
+            raise RuntimeError("cannot serialise")
+
+    with pytest.raises(RuntimeError):
+        atomic_write_json(target, {"bad": Boom()})
+    assert json.loads(target.read_text()) == {"ok": 1}
+    assert [p.name for p in target.parent.iterdir()] == ["x.json"], "no temporary file left behind"
+
+
+def _writer(args):
+    results_dir, i = args
+    entry = LedgerEntry(f"exp{i % 3}", "train", {"i": i}, results_dir).start()
+    entry.finish({"top1": float(i)})
+    return entry.run_id
+
+
+def test_concurrent_writers_all_land(results_dir):
+    n = 16
+    with mp.get_context("spawn").Pool(4) as pool:
+        ids = pool.map(_writer, [(str(results_dir), i) for i in range(n)])
+    assert len(set(ids)) == n
+    records = list(iter_runs(results_dir))
+    assert len(records) == n and all(r["status"] == "completed" for r in records)
+    assert sorted(r["metrics"]["top1"] for r in records) == [float(i) for i in range(n)]
+    assert not [p for p in os.listdir(results_dir / "runs") if p.endswith(".tmp")]
+
+
+def test_unreadable_files_are_skipped(results_dir):
+    (results_dir / "runs").mkdir(parents=True)
+    (results_dir / "runs" / "broken.json").write_text("{not json")
+    LedgerEntry("demo", "flops", {}, results_dir).start().finish({"gmacs": 1.0})
+    assert [r["experiment"] for r in iter_runs(results_dir)] == ["demo"]

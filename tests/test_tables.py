@@ -1,0 +1,106 @@
+"""Tables rendered from a fixture ledger: vitexp beside paper, "not run", cited rows, plots."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from vitexp import tables
+from vitexp.results import LedgerEntry
+
+SPEC = {
+    "name": "fixture",
+    "title": "Fixture table",
+    "columns": [
+        {"key": "top1", "label": "Top-1", "unit": "%", "digits": 1},
+        {"key": "gmacs", "label": "GMACs", "unit": "GMACs", "digits": 2},
+    ],
+    "plot": {"x": "gmacs", "y": "top1"},
+    "rows": [
+        {"label": "Trained", "experiment": "exp_a", "paper": {"top1": {"value": 72.2, "source": "Paper T1"}}},
+        {"label": "Counted only", "experiment": "exp_b", "paper": {"gmacs": {"value": 4.6, "source": "Paper T1"}}},
+        {"label": "Never run", "experiment": "exp_c", "paper": {}},
+        {"label": "MCTF", "cited": True, "paper": {"top1": {"value": 80.1, "source": "MCTF"}, "gmacs": {"value": 2.6, "source": "MCTF"}}},
+    ],
+}
+
+
+@pytest.fixture
+def ledger(results_dir):
+    old = LedgerEntry("exp_a", "train", {}, results_dir).start()
+    old.finish({"top1": 50.0, "gmacs": 1.0})
+    new = LedgerEntry("exp_a", "train", {}, results_dir).start()
+    new.record["started"] = "9999-01-01T00:00:00+00:00"  # newest
+    new.finish({"top1": 71.23, "gmacs": 1.254})
+    LedgerEntry("exp_b", "flops", {}, results_dir).start().finish({"gmacs": 4.5989})
+    failed = LedgerEntry("exp_c", "train", {}, results_dir).start()
+    failed.fail(RuntimeError("crash"))
+    return results_dir
+
+
+def test_cells_from_newest_completed_run_and_not_run(ledger):
+    from vitexp.results import iter_runs
+
+    rows = tables.fill(SPEC, list(iter_runs(ledger)))
+    by = {r["label"]: r for r in rows}
+    assert by["Trained"]["cells"]["top1"]["value"] == pytest.approx(71.23)
+    assert by["Counted only"]["cells"]["top1"]["value"] is None
+    assert by["Counted only"]["cells"]["gmacs"]["value"] == pytest.approx(4.5989)
+    assert by["Never run"]["cells"]["top1"]["value"] is None  # the failed run does not count
+    md = tables.render_markdown(SPEC, rows)
+    assert "| Trained | 71.2 | 72.2 | 1.25 | — |" in md
+    assert "| Counted only | not run | — | 4.60 | 4.6 |" in md
+    assert "| Never run | not run | — | not run | — |" in md
+    assert "| MCTF | cited, not run | 80.1 | cited, not run | 2.6 |" in md
+
+
+def test_written_files(ledger, tmp_path):
+    from vitexp.results import iter_runs
+
+    written = tables.write_table(SPEC, list(iter_runs(ledger)), tmp_path / "tables")
+    assert set(written) == {"md", "tex", "csv", "png"}
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "tables" / "fixture.csv").read_text())))
+    assert rows[2]["top1"] == "not run" and rows[3]["top1"] == "cited, not run"
+    assert float(rows[0]["top1"]) == pytest.approx(71.23) and rows[0]["top1_paper"] == "72.2"
+    tex = (tmp_path / "tables" / "fixture.tex").read_text()
+    assert r"\begin{tabular}" in tex and "not run" in tex
+    assert (tmp_path / "tables" / "fixture.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_renders_the_demo_spec(ledger, results_dir, capsys):
+    assert tables.main(["demo", "--results-dir", str(results_dir)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert result["status"] == "completed"
+    md = (results_dir / "tables" / "demo.md").read_text()
+    assert "not run" in md and "4.6" in md
+
+
+def test_unknown_table_names_valid_ones(capsys):
+    assert tables.main(["nope"]) == 2
+    assert "demo" in capsys.readouterr().err
+
+
+def test_wandb_source(monkeypatch, tmp_path):
+    runs = [
+        SimpleNamespace(id="r1", name="x", config={"name": "exp_a"}, state="finished", job_type="train",
+                        summary={"top1": 70.0, "gmacs": 1.2, "_step": 3}, created_at="2026-01-01", url="u1"),
+        SimpleNamespace(id="r2", name="y", config={"name": "exp_b"}, state="crashed", job_type="flops",
+                        summary={"gmacs": 4.6}, created_at="2026-01-02", url="u2"),
+    ]
+
+    class Api:
+        def runs(self, path):
+            assert path == "me/vitexp"
+            return runs
+
+    import wandb
+
+    monkeypatch.setattr(wandb, "Api", Api)
+    records = tables.wandb_runs("me/vitexp")
+    rows = {r["label"]: r for r in tables.fill(SPEC, records)}
+    assert rows["Trained"]["cells"]["top1"]["value"] == 70.0
+    assert rows["Counted only"]["cells"]["gmacs"]["value"] is None  # crashed run is not completed

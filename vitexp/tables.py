@@ -1,0 +1,279 @@
+"""Table specs (``sweeps/<table>.yaml``) joined with the ledger -> Markdown, LaTeX, CSV and an
+accuracy-vs-GMACs plot in ``results/tables/``.
+
+A cell shows vitexp's value from the newest completed run of the row's experiment that has that
+metric, beside the paper's value. With no such run the cell says "not run"; a row marked
+``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
+number ever comes from anywhere but a run or the spec's paper value.
+
+Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``); ``plot`` (``x``,
+``y`` metric keys, optional); ``rows`` (``label``, ``experiment``, ``run``: train | flops | bench,
+``cited``, ``paper``: {metric: {value, source}}).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from vitexp import SWEEPS_DIR
+from vitexp.results import default_results_dir, iter_runs
+
+NOT_RUN = "not run"
+CITED = "cited, not run"
+NO_PAPER = "—"
+
+
+def load_spec(table: str | Path) -> dict[str, Any]:
+    """A table spec by name (``sweeps/<name>.yaml``) or path; a clear error lists valid names."""
+    path = Path(table)
+    if not path.suffix:
+        path = SWEEPS_DIR / f"{table}.yaml"
+    if not path.is_file():
+        valid = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"table spec {path} not found; valid tables: {valid}")
+    spec = yaml.safe_load(path.read_text())
+    spec["name"] = path.stem
+    for key in ("title", "columns", "rows"):
+        if key not in spec:
+            raise ValueError(f"{path}: missing key {key!r}")
+    for row in spec["rows"]:
+        if not row.get("cited") and not row.get("experiment"):
+            raise ValueError(f"{path}: row {row.get('label')!r} has neither an experiment nor cited: true")
+    return spec
+
+
+def all_specs() -> list[str]:
+    return sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
+
+
+def wandb_runs(path: str) -> list[dict[str, Any]]:
+    """Runs of a W&B project (``ENTITY/PROJECT``) as ledger-like records."""
+    import wandb
+
+    records = []
+    for run in wandb.Api().runs(path):
+        config = dict(run.config)
+        summary = {k: v for k, v in dict(run.summary).items() if not k.startswith("_")}
+        records.append({
+            "run_id": run.id,
+            "experiment": config.get("name", run.name),
+            "status": {"finished": "completed", "crashed": "failed", "failed": "failed"}.get(run.state, run.state),
+            "kind": getattr(run, "job_type", None) or "train",
+            "metrics": summary,
+            "started": str(getattr(run, "created_at", "")),
+            "wandb_url": getattr(run, "url", None),
+        })
+    return sorted(records, key=lambda r: r["started"])
+
+
+def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For every row and column: vitexp's value (newest completed run with that metric), its
+    run id, the paper's value and source."""
+    completed = [r for r in runs if r.get("status") == "completed"]
+    filled = []
+    for row in spec["rows"]:
+        mine = [r for r in completed if row.get("experiment") and r.get("experiment") == row["experiment"]]
+        cells = {}
+        for col in spec["columns"]:
+            key = col["key"]
+            value, run_id = None, None
+            for r in mine:  # oldest first: the newest run wins
+                v = (r.get("metrics") or {}).get(key)
+                if v is not None:
+                    value, run_id = v, r["run_id"]
+            paper = (row.get("paper") or {}).get(key) or {}
+            cells[key] = {"value": value, "run_id": run_id, "paper": paper.get("value"),
+                          "source": paper.get("source")}
+        filled.append({"label": row["label"], "experiment": row.get("experiment"),
+                       "cited": bool(row.get("cited")), "cells": cells})
+    return filled
+
+
+def _fmt(value: Any, digits: int) -> str:
+    if isinstance(value, (int, float)):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
+    cell = row["cells"][col["key"]]
+    digits = int(col.get("digits", 2))
+    if cell["value"] is not None:
+        ours = _fmt(cell["value"], digits)
+    else:
+        ours = CITED if row["cited"] else NOT_RUN
+    paper = f"{cell['paper']:g}" if isinstance(cell["paper"], (int, float)) else (cell["paper"] or NO_PAPER)
+    return ours, paper
+
+
+def _header(spec) -> list[str]:
+    head = ["Row"]
+    for col in spec["columns"]:
+        unit = f" ({col['unit']})" if col.get("unit") and len(col["unit"]) <= 12 else ""
+        head += [f"{col['label']}{unit} vitexp", f"{col['label']}{unit} paper"]
+    return head
+
+
+def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    head = _header(spec)
+    lines = [f"# {spec['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["label"]]
+        for col in spec["columns"]:
+            cells += list(_cell_texts(row, col))
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Units: " + "; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"]) + "."]
+    sources = sorted({(c["source"]) for r in rows for c in r["cells"].values() if c["source"]})
+    if sources:
+        lines += ["", "Paper values: " + "; ".join(sources) + "."]
+    run_ids = sorted({c["run_id"] for r in rows for c in r["cells"].values() if c["run_id"]})
+    if run_ids:
+        lines += ["", "vitexp runs (results/runs/): " + ", ".join(f"`{i}`" for i in run_ids) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def _tex_escape(text: str) -> str:
+    for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
+                 ("—", "---"), ("×", r"$\times$")):
+        text = text.replace(a, b)
+    return text
+
+
+def render_latex(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    ncol = 1 + 2 * len(spec["columns"])
+    out = [r"\begin{table}[t]", r"\centering", rf"\caption{{{_tex_escape(spec['title'])}}}",
+           r"\begin{tabular}{l" + "rr" * len(spec["columns"]) + "}", r"\toprule"]
+    top = ["Row"] + [rf"\multicolumn{{2}}{{c}}{{{_tex_escape(c['label'])}}}" for c in spec["columns"]]
+    out.append(" & ".join(top) + r" \\")
+    out.append(" & " + " & ".join(["vitexp & paper"] * len(spec["columns"])) + r" \\")
+    out.append(r"\midrule")
+    for row in rows:
+        cells = [_tex_escape(row["label"])]
+        for col in spec["columns"]:
+            cells += [_tex_escape(t) for t in _cell_texts(row, col)]
+        out.append(" & ".join(cells) + r" \\")
+    out += [r"\bottomrule", r"\end{tabular}", rf"% {ncol} columns; units: "
+            + _tex_escape("; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"])),
+            r"\end{table}"]
+    return "\n".join(out) + "\n"
+
+
+def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    head = ["row", "experiment"]
+    for col in spec["columns"]:
+        k = col["key"]
+        head += [k, f"{k}_paper", f"{k}_paper_source", f"{k}_run_id"]
+    writer.writerow(head)
+    for row in rows:
+        line = [row["label"], row["experiment"] or ""]
+        for col in spec["columns"]:
+            c = row["cells"][col["key"]]
+            ours = c["value"] if c["value"] is not None else (CITED if row["cited"] else NOT_RUN)
+            line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c["run_id"] or ""]
+        writer.writerow(line)
+    return buf.getvalue()
+
+
+def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> bool:
+    """Accuracy vs GMACs: vitexp's runs (filled) and the paper's values (hollow), one colour per
+    row. Returns False (and writes nothing) when the spec has no plot."""
+    plot = spec.get("plot")
+    if not plot:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xk, yk = plot["x"], plot["y"]
+    cols = {c["key"]: c for c in spec["columns"]}
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    plotted = 0
+    for i, row in enumerate(rows):
+        color = colors[i % len(colors)]
+        x, y = row["cells"][xk], row["cells"][yk]
+        if x["value"] is not None and y["value"] is not None:
+            ax.scatter(x["value"], y["value"], color=color, marker="o", s=50, zorder=3,
+                       label=f"{row['label']} (vitexp)")
+            plotted += 1
+        if x["paper"] is not None and y["paper"] is not None:
+            ax.scatter(x["paper"], y["paper"], facecolors="none", edgecolors=color, marker="s", s=60, zorder=3,
+                       label=f"{row['label']} (paper)")
+            plotted += 1
+    ax.set_xlabel(f"{cols[xk]['label']} ({cols[xk].get('unit', '')})"[:80])
+    ax.set_ylabel(f"{cols[yk]['label']} ({cols[yk].get('unit', '')})")
+    ax.set_title(spec["title"], fontsize=9)
+    ax.grid(alpha=0.3)
+    if plotted:
+        ax.legend(fontsize=6, loc="best")
+    else:
+        ax.text(0.5, 0.5, "no row has both values yet (not run)", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def write_table(spec: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> dict[str, str]:
+    """Write <name>.md/.tex/.csv/.png (each through a temporary file and a rename)."""
+    import os
+    import tempfile
+
+    rows = fill(spec, runs)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for ext, text in (("md", render_markdown(spec, rows)), ("tex", render_latex(spec, rows)),
+                      ("csv", render_csv(spec, rows))):
+        path = out_dir / f"{spec['name']}.{ext}"
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+        written[ext] = str(path)
+    png = out_dir / f"{spec['name']}.png"
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{png.name}.", suffix=".png")
+    os.close(fd)
+    if render_plot(spec, rows, Path(tmp)):
+        os.replace(tmp, png)
+        written["png"] = str(png)
+    else:
+        os.unlink(tmp)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vitexp-tables",
+        description="Join the ledger with the table specs in sweeps/ and write results/tables/<table>.{md,tex,csv,png}.",
+    )
+    parser.add_argument("tables", nargs="*", help=f"table names (default: all of {all_specs()})")
+    parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs through wandb.Api() instead of the ledger")
+    parser.add_argument("--results-dir", type=Path, default=None, help="ledger root (default: $VITEXP_RESULTS or results/)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: <results-dir>/tables)")
+    args = parser.parse_args(argv)
+    results_dir = args.results_dir or default_results_dir()
+    out_dir = args.out or results_dir / "tables"
+    try:
+        specs = [load_spec(t) for t in (args.tables or all_specs())]
+    except (FileNotFoundError, ValueError) as err:
+        print(f"vitexp-tables: {err}", file=sys.stderr)
+        print(json.dumps({"status": "failed", "error": str(err)}))
+        return 2
+    runs = wandb_runs(args.wandb) if args.wandb else list(iter_runs(results_dir))
+    written = {}
+    for spec in specs:
+        written[spec["name"]] = write_table(spec, runs, out_dir)
+        print(render_markdown(spec, fill(spec, runs)))
+    print(json.dumps({"status": "completed", "tables": written, "runs_read": len(runs),
+                      "source": args.wandb or str(results_dir / "runs")}))
+    return 0
