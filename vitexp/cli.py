@@ -45,8 +45,6 @@ def _hydra_app(body: Callable[[DictConfig], dict[str, Any]]) -> Callable[[DictCo
             _print_result({"status": "invalid", "error": str(err), "ledger": None})
             raise SystemExit(2) from None
         except Exception as err:
-            from vitexp.results import default_results_dir  # noqa: F401
-
             _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}",
                            "ledger": getattr(err, "ledger_path", None)})
             raise
@@ -88,6 +86,7 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
     config = to_container(cfg)
     ledger = LedgerEntry(cfg.name, "flops", config, cfg.results_dir).start()
     logger = None
+    failed = False
     try:
         model, method, _ = build_model(cfg)
         report = count_macs(method.deploy(model), int(cfg.backbone.img_size))
@@ -102,10 +101,11 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
         path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger), by_module=report.by_module)
         return {"metrics": metrics, "protocol": protocol, "ledger": str(path), "run_id": ledger.run_id}
     except BaseException as err:
+        failed = True
         ledger.fail(err)
         raise
     finally:
-        finish(logger)
+        finish(logger, failed)
 
 
 def flops_main() -> None:
@@ -131,6 +131,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     config = to_container(cfg)
     ledger = LedgerEntry(cfg.name, "bench", config, cfg.results_dir).start()
     logger = None
+    failed = False
     try:
         import torch
 
@@ -185,10 +186,11 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger))
         return {"metrics": metrics, "ledger": str(path), "run_id": ledger.run_id}
     except BaseException as err:
+        failed = True
         ledger.fail(err)
         raise
     finally:
-        finish(logger)
+        finish(logger, failed)
 
 
 def bench_main() -> None:

@@ -71,7 +71,9 @@ def wandb_url(logger) -> str | None:
 
         if isinstance(logger, WandbLogger):
             run = logger.experiment
-            return getattr(run, "url", None) or f"offline:{getattr(run, 'dir', '')}"
+            if getattr(run, "offline", False):
+                return f"offline:{getattr(run, 'dir', '')}"
+            return getattr(run, "url", None)
     except Exception:  # pragma: no cover - a broken W&B never fails a run
         return None
     return None
@@ -88,21 +90,20 @@ def log_final(logger, metrics: Mapping[str, Any], step: int | None = None) -> No
 
         if isinstance(logger, WandbLogger):
             logger.experiment.summary.update(dict(metrics))
-    except Exception:  # pragma: no cover
-        pass
+    except Exception as err:  # pragma: no cover - a broken W&B never fails a finished run
+        log.warning("W&B summary update failed: %s", err)
     logger.save()
 
 
-def finish(logger) -> None:
+def finish(logger, failed: bool = False) -> None:
+    """Close the logger; a W&B run of a failed vitexp run is marked failed (exit code 1)."""
     if not logger:
         return
     try:
         from lightning.pytorch.loggers import WandbLogger
 
         if isinstance(logger, WandbLogger):
-            import wandb
-
-            logger.finalize("success")
-            wandb.finish(quiet=True)
-    except Exception:  # pragma: no cover
-        pass
+            logger.finalize("failed" if failed else "success")
+            logger.experiment.finish(exit_code=1 if failed else 0)
+    except Exception as err:  # pragma: no cover - a broken W&B never fails a finished run
+        log.warning("W&B finish failed: %s", err)

@@ -112,6 +112,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
     rank_zero = is_rank_zero()
     ledger = LedgerEntry(cfg.name, "train", config, cfg.results_dir).start() if rank_zero else None
     logger = None
+    failed = False
     try:
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         model, method, data_config = build_model(cfg)
@@ -144,8 +145,9 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger), output_dir=str(output_dir))
         return {"metrics": metrics, "ledger": str(path), "run_id": ledger.run_id}
     except BaseException as err:
+        failed = True
         if ledger is not None and ledger.record["status"] == "running":
             ledger.fail(err, output_dir=str(output_dir))
         raise
     finally:
-        finish(logger)
+        finish(logger, failed)

@@ -1,0 +1,89 @@
+"""The console scripts as a user runs them: closing JSON line, exit codes, ledger entries."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, ledger_entries
+
+BIN = Path(sys.executable).parent
+
+
+def run(app: str, *args: str, results_dir: Path, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / app), *args], capture_output=True, text=True, cwd=cwd,
+                          env=cli_env(results_dir), timeout=timeout)
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def test_flops_cli_prints_params_and_gmacs(results_dir, tmp_path):
+    proc = run("vitexp-flops", "experiment=deit_small_baseline", "logger=none", results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = last_json(proc.stdout)
+    assert result["status"] == "completed"
+    assert result["metrics"]["gmacs"] == pytest.approx(4.61, abs=0.02)
+    assert result["metrics"]["params_m"] == pytest.approx(22.05, abs=0.05)
+    assert result["protocol"]["resolution"] == 224 and result["protocol"]["registers"] == 0
+    (entry,) = ledger_entries(results_dir)
+    assert entry["kind"] == "flops" and entry["experiment"] == "deit_small_baseline"
+    assert Path(result["ledger"]) == results_dir / "runs" / f"{entry['run_id']}.json"
+
+
+def test_unknown_backbone_fails_naming_choices_and_writes_nothing(results_dir, tmp_path):
+    proc = run("vitexp-train", "backbone=nope", results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "Available options in 'backbone'" in proc.stderr and "deit_small" in proc.stderr
+    assert ledger_entries(results_dir) == []
+
+
+def test_invalid_value_fails_before_the_ledger(results_dir, tmp_path):
+    proc = run("vitexp-train", "recipe.epochs=0", "logger=none", results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert last_json(proc.stdout)["status"] == "invalid" and "recipe.epochs" in proc.stderr
+    assert ledger_entries(results_dir) == []
+
+
+def test_failed_train_run_ends_with_json_and_failed_entry(results_dir, tmp_path):
+    proc = run("vitexp-train", "data=synthetic", "data.noise=nan", "recipe.epochs=1", "recipe.warmup_epochs=0",
+               "logger=none", "trainer.enable_progress_bar=false", results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode != 0
+    result = last_json(proc.stdout)
+    assert result["status"] == "failed" and "NonFiniteLossError" in result["error"]
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "failed" and Path(result["ledger"]).name == f"{entry['run_id']}.json"
+
+
+def test_bench_throughput_records_both_models(results_dir, tmp_path):
+    proc = run("vitexp-bench", "logger=none", "bench.batch_size=8", "bench.rounds=2", "bench.iters=2",
+               results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    m = last_json(proc.stdout)["metrics"]
+    assert m["throughput"] > 0 and m["baseline_throughput"] > 0
+    assert m["gmacs_ratio"] == pytest.approx(1.0)  # baseline method: the same model twice
+    (entry,) = ledger_entries(results_dir)
+    assert entry["kind"] == "bench" and entry["protocol"]["interleaved"] is True
+
+
+def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path):
+    proc = run("vitexp-sweep", "demo", "--kind", "flops", "logger=none", results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = last_json(proc.stdout)
+    assert summary["launched"]["flops"] == ["demo", "deit_tiny_baseline", "deit_small_baseline"]
+    entries = ledger_entries(results_dir)
+    assert sorted(e["experiment"] for e in entries) == ["deit_small_baseline", "deit_tiny_baseline", "demo"]
+    again = last_json(run("vitexp-sweep", "demo", "--kind", "flops", "logger=none", "--dry-run",
+                          results_dir=results_dir, cwd=tmp_path).stdout)
+    assert again["launched"] == {} and len(again["skipped"]["flops"]) == 3
+    forced = last_json(run("vitexp-sweep", "demo", "--kind", "flops", "--force", "--dry-run",
+                           results_dir=results_dir, cwd=tmp_path).stdout)
+    assert len(forced["launched"]["flops"]) == 3
+    tables = run("vitexp-tables", "demo", results_dir=results_dir, cwd=tmp_path)
+    assert tables.returncode == 0
+    md = (results_dir / "tables" / "demo.md").read_text()
+    assert "| DeiT-S (224 px, ImageNet-1K) | not run | 79.8 | 4.599 | 4.6 |" in md

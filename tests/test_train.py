@@ -1,0 +1,141 @@
+"""Training end to end on the CPU: fast_dev_run per backbone x method, the demo's accuracy,
+NaN loss, exact resume, bad checkpoints and datasets, the W&B offline logger."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+import vitexp.config as vconfig
+from vitexp import CONF_DIR
+from vitexp.models import CheckpointMismatchError, build_backbone
+from vitexp.module import NonFiniteLossError
+from vitexp.train import train
+
+from conftest import QUIET, ledger_entries
+
+BACKBONES = sorted(p.stem for p in (CONF_DIR / "backbone").glob("*.yaml"))
+METHODS = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
+SMALL = QUIET + ["data=synthetic", "data.num_train=16", "data.num_val=8", "data.num_test=8",
+                 "recipe.batch_size=4", "eval.throughput_batch=2", "eval.throughput_iters=1"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("backbone", BACKBONES)
+def test_fast_dev_run(backbone, method, make_cfg, results_dir):
+    cfg = make_cfg(SMALL + [f"backbone={backbone}", f"method={method}", "trainer.fast_dev_run=true"])
+    result = train(cfg)
+    m = result["metrics"]
+    assert 0 <= m["top1"] <= 100 and m["gmacs"] > 0 and m["throughput"] > 0
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "completed" and entry["kind"] == "train"
+    assert entry["protocol"]["resolution"] == cfg.backbone.img_size
+
+
+def test_demo_reaches_85_percent_on_digits(make_cfg, results_dir):
+    """The default experiment (micro ViT on the real digits, 30 epochs) on the CPU."""
+    cfg = make_cfg(QUIET + ["eval.throughput=false"])
+    assert cfg.name == "demo"
+    metrics = train(cfg)["metrics"]
+    assert metrics["top1"] >= 85.0
+    assert 0.1 <= metrics["params_m"] <= 0.5
+    (entry,) = ledger_entries(results_dir)
+    assert entry["experiment"] == "demo" and entry["metrics"]["top1"] == pytest.approx(metrics["top1"])
+
+
+def test_nan_loss_stops_the_run_and_marks_it_failed(make_cfg, results_dir):
+    cfg = make_cfg(SMALL + ["data.noise=nan", "recipe.epochs=1", "recipe.warmup_epochs=0"])
+    with pytest.raises(NonFiniteLossError, match="training loss is nan"):
+        train(cfg)
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "failed" and "NonFiniteLossError" in entry["error"]
+
+
+class _CrashAtEpoch(Callback):
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch == self.epoch:
+            raise RuntimeError("simulated crash")
+
+
+def test_resume_matches_an_uninterrupted_run(make_cfg, results_dir, tmp_path):
+    """Interrupted after epoch 1, resumed: same test metrics as a run never interrupted
+    (mixup, cutmix and drop path on, so the RNG state must travel with the checkpoint)."""
+    over = QUIET + ["data=synthetic", "data.num_train=64", "recipe.batch_size=16", "recipe.epochs=3",
+                    "recipe.warmup_epochs=1", "recipe.mixup=0.8", "recipe.cutmix=1.0", "recipe.drop_path=0.1",
+                    "eval.throughput=false", "eval.flops=false"]
+    whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(make_cfg(over, tmp_path / "split"), callbacks=[_CrashAtEpoch(1)])
+    resumed = train(make_cfg(over + ["resume=true"], tmp_path / "split"))["metrics"]
+    assert resumed["steps"] == whole["steps"]
+    assert resumed["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5, abs=1e-6)
+    assert resumed["top1"] == pytest.approx(whole["top1"])
+    statuses = sorted(e["status"] for e in ledger_entries(results_dir))
+    assert statuses == ["completed", "completed", "failed"]
+
+
+def test_resume_without_checkpoint_names_the_path(make_cfg, tmp_path, results_dir):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "fresh" / "checkpoints" / "last.ckpt")):
+        train(make_cfg(SMALL + ["resume=true"], tmp_path / "fresh"))
+    assert ledger_entries(results_dir)[0]["status"] == "failed"
+
+
+def test_pretrained_weights_load_from_a_local_file_only(tmp_path):
+    cfg = vconfig.compose([]).backbone
+    model = build_backbone(cfg, num_classes=10)
+    path = tmp_path / "micro.pth"
+    torch.save({"model": model.state_dict()}, path)  # the DeiT release layout
+    loaded = build_backbone({**cfg, "pretrained": str(path)}, num_classes=10)
+    for (k, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_checkpoint_with_wrong_keys_names_them(tmp_path):
+    cfg = vconfig.compose([]).backbone
+    state = build_backbone(cfg, num_classes=10).state_dict()
+    state["extra.weight"] = torch.zeros(1)
+    del state["blocks.0.norm1.weight"]
+    path = tmp_path / "bad.pth"
+    torch.save(state, path)
+    with pytest.raises(CheckpointMismatchError) as err:
+        build_backbone({**cfg, "pretrained": str(path)}, num_classes=10)
+    assert "blocks.0.norm1.weight" in str(err.value) and "extra.weight" in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_missing_checkpoint_file_names_the_path(tmp_path):
+    cfg = vconfig.compose([]).backbone
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "none.pth")):
+        build_backbone({**cfg, "pretrained": str(tmp_path / "none.pth")}, num_classes=10)
+
+
+def test_wandb_offline_logger_records_config_and_metrics(make_cfg, results_dir, tmp_path, monkeypatch):
+    """W&B (offline here) receives the resolved config and the final metrics, FLOPs, params and
+    throughput: read back from the run object as it finishes."""
+    from wandb.sdk.wandb_run import Run
+
+    seen = {}
+    original_finish = Run.finish
+
+    def spy_finish(self, *args, **kwargs):
+        seen["config"] = dict(self.config)
+        seen["summary"] = {k: self.summary[k] for k in self.summary.keys()}
+        seen["offline"] = self.offline
+        return original_finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(Run, "finish", spy_finish)
+    cfg = make_cfg(SMALL + ["logger=wandb", "recipe.epochs=1", "recipe.warmup_epochs=0",
+                            "trainer.limit_train_batches=2"], tmp_path / "wb")
+    metrics = train(cfg)["metrics"]
+    assert seen["offline"] is True
+    assert seen["config"]["name"] == cfg.name and seen["config"]["recipe"]["lr"] == cfg.recipe.lr
+    for key in ("top1", "gmacs", "gflops", "params_m", "throughput"):
+        assert seen["summary"][key] == pytest.approx(metrics[key]), key
+    (entry,) = ledger_entries(results_dir)
+    assert entry["wandb_url"].startswith("offline:")
+    assert len(list((tmp_path / "wb" / "wandb").glob("offline-run-*"))) == 1
