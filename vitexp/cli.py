@@ -48,7 +48,10 @@ def _hydra_app(body: Callable[[DictConfig], dict[str, Any]]) -> Callable[[DictCo
             _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}",
                            "ledger": getattr(err, "ledger_path", None)})
             raise
-        _print_result({"status": "completed", **result})
+        from vitexp.train import is_rank_zero
+
+        if is_rank_zero():  # one closing line per command, from the process that owns the ledger
+            _print_result({"status": "completed", **result})
         return result.get("metrics")
 
     return task

@@ -3,7 +3,9 @@ Trainer -> test -> FLOPs and throughput of the deployed model -> ledger and logg
 
 ``train(cfg)`` returns ``{"metrics": ..., "ledger": path, "run_id": ...}``. Accuracies in the
 ledger are percentages. The test split is evaluated with the final weights (no checkpoint
-selection on the test set).
+selection on the test set). Under DDP every rank trains; torchmetrics syncs the accuracies across
+ranks (Lightning's DistributedSampler pads an uneven split by at most world_size - 1 repeated
+samples); only rank 0 writes the ledger, logs, counts FLOPs and times throughput.
 """
 from __future__ import annotations
 

@@ -1,0 +1,71 @@
+"""Data modules: the digits split, synthetic data, ImageFolder and CIFAR-100 from local roots."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vitexp.data import CIFAR100DataModule, DigitsDataModule, EpochSeededSampler, ImageFolderDataModule, SyntheticDataModule
+
+CFG32 = {"input_size": (3, 32, 32)}
+
+
+def test_digits_split_is_fixed_stratified_and_disjoint():
+    a, b = DigitsDataModule(data_config=CFG32), DigitsDataModule(data_config=CFG32)
+    a.setup(), b.setup()
+    sizes = {k: len(v) for k, v in a.split_indices.items()}
+    assert sizes == {"train": 1078, "val": 359, "test": 360} and sum(sizes.values()) == 1797
+    for k in a.split_indices:
+        assert np.array_equal(a.split_indices[k], b.split_indices[k])
+    all_idx = np.concatenate(list(a.split_indices.values()))
+    assert len(np.unique(all_idx)) == 1797
+    test_labels = torch.stack([a.test_set[i][1] for i in range(len(a.test_set))])
+    assert torch.bincount(test_labels, minlength=10).min() >= 34  # stratified: ~36 per class
+    x, y = next(iter(a.train_dataloader()))
+    assert x.shape == (64, 3, 32, 32) and y.dtype == torch.long
+
+
+def test_epoch_seeded_sampler_is_reproducible_per_epoch():
+    s = EpochSeededSampler(range(50), seed=3)
+    first = list(s)
+    s.set_epoch(1)
+    second = list(s)
+    s.set_epoch(0)
+    assert list(s) == first and second != first and sorted(second) == list(range(50))
+
+
+def test_synthetic_is_deterministic_and_class_conditional():
+    dm = SyntheticDataModule(num_classes=4, data_config=CFG32, noise=0.1)
+    dm.setup()
+    x, y = dm.train_set.tensors
+    assert x.shape == (512, 3, 32, 32)
+    means = torch.stack([x[y == c].mean(0) for c in range(4)])
+    assert (means[0] - means[1]).abs().mean() > 0.1  # classes differ
+
+
+def test_imagefolder_from_local_root(tmp_path):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for cls in ("cat", "dog"):
+            folder = tmp_path / split / cls
+            folder.mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    dm = ImageFolderDataModule(root=str(tmp_path), num_classes=2, batch_size=4, num_workers=0,
+                               data_config={**CFG32, "interpolation": "bicubic", "crop_pct": 0.875})
+    dm.setup()
+    x, y = next(iter(dm.train_dataloader()))
+    assert x.shape == (4, 3, 32, 32)
+    assert len(dm.test_set) == 6  # val doubles as test
+    bad = ImageFolderDataModule(root=str(tmp_path), num_classes=1000, data_config=CFG32)
+    with pytest.raises(ValueError, match="2 class folders but data.num_classes=1000"):
+        bad.setup()
+
+
+def test_missing_roots_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "imagenet")):
+        ImageFolderDataModule(root=str(tmp_path / "imagenet"), data_config=CFG32).setup()
+    with pytest.raises(FileNotFoundError, match="cifar-100-python"):
+        CIFAR100DataModule(root=str(tmp_path), data_config=CFG32).setup()
