@@ -104,3 +104,12 @@ def test_run_name_marks_command_line_changes_of_an_experiment():
            "recipe": "deit_finetune", "method": "baseline", "budget": "none", "trainer": "ddp"}
     cfg2 = vconfig.compose(["experiment=deit_small_baseline"])
     assert run_name(cfg2, exp, ["experiment=deit_small_baseline", "trainer=ddp"]) == "deit_small_baseline"
+
+
+def test_slurm_launcher_config_composes_with_the_trainer():
+    cfg = vconfig.compose(["hydra/launcher=submitit_slurm", "experiment=deit_small_baseline", "trainer=ddp",
+                           "trainer.num_nodes=2", "hydra.launcher.partition=gpu"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert launcher.nodes == 2 and launcher.partition == "gpu" and launcher.max_num_timeout >= 1
+    assert cfg.trainer.strategy == "ddp"

@@ -69,3 +69,15 @@ def test_missing_roots_are_named(tmp_path):
         ImageFolderDataModule(root=str(tmp_path / "imagenet"), data_config=CFG32).setup()
     with pytest.raises(FileNotFoundError, match="cifar-100-python"):
         CIFAR100DataModule(root=str(tmp_path), data_config=CFG32).setup()
+
+
+def test_randaugment_posterize_at_full_magnitude_gives_black_not_an_error():
+    from PIL import Image
+    import timm.data.auto_augment as aa
+
+    from vitexp.data import timm_transforms
+
+    timm_transforms({**CFG32, "interpolation": "bicubic", "crop_pct": 0.875}, True, "rand-m9-mstd0.5-inc1")
+    op = aa.AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)
+    out = op(Image.new("RGB", (8, 8), (200, 120, 40)))
+    assert out.getextrema() == ((0, 0), (0, 0), (0, 0))

@@ -139,3 +139,25 @@ def test_wandb_offline_logger_records_config_and_metrics(make_cfg, results_dir, 
     (entry,) = ledger_entries(results_dir)
     assert entry["wandb_url"].startswith("offline:")
     assert len(list((tmp_path / "wb" / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_imagefolder_and_csv_logger_through_the_same_program(make_cfg, results_dir, tmp_path):
+    """The paper-scale path (ImageFolder layout, timm transforms) at micro size, logged to CSV."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    root = tmp_path / "tiny_imagenet"
+    for split in ("train", "val"):
+        for cls in ("a", "b", "c"):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(4):
+                Image.fromarray(rng.integers(0, 255, (36, 36, 3), dtype=np.uint8)).save(root / split / cls / f"{i}.png")
+    cfg = make_cfg(QUIET + ["data=imagefolder", f"data.root={root}", "data.num_classes=3", "data.num_workers=0",
+                            "recipe=deit_scratch", "recipe.epochs=2", "recipe.warmup_epochs=1", "recipe.batch_size=4",
+                            "logger=csv", "eval.throughput_batch=2", "eval.throughput_iters=1"], tmp_path / "if")
+    metrics = train(cfg)["metrics"]
+    assert metrics["epochs"] == 2 and 0 <= metrics["top1"] <= 100
+    log = (tmp_path / "if" / "csv" / "metrics.csv").read_text()
+    assert "val/top1" in log and "train/loss_epoch" in log
+    assert ledger_entries(results_dir)[0]["config"]["recipe"]["mixup"] == 0.8

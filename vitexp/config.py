@@ -29,7 +29,8 @@ class ConfigError(ValueError):
     """A composed config that vitexp cannot run; the message names the key and valid values."""
 
 
-def compose(overrides: Iterable[str] = (), config_name: str = "train") -> DictConfig:
+def compose(overrides: Iterable[str] = (), config_name: str = "train",
+            return_hydra_config: bool = False) -> DictConfig:
     """Compose the real config tree (as tests and tools do), without Hydra's runtime."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -37,7 +38,8 @@ def compose(overrides: Iterable[str] = (), config_name: str = "train") -> DictCo
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
+        return hydra_compose(config_name=config_name, overrides=list(overrides),
+                             return_hydra_config=return_hydra_config)
 
 
 def _check(cond: bool, key: str, msg: str) -> None:

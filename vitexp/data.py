@@ -182,12 +182,35 @@ def _require_dir(path: Path, what: str) -> Path:
     return path
 
 
+def _posterize_keeping_zero_bits(img, bits_to_keep, **__):
+    """timm's RandAugment ``PosterizeIncreasing`` asks for 0 bits at magnitude 10 (DeiT's
+    ``rand-m9-mstd0.5-inc1`` reaches it); Pillow >= 11 rejects 0 where older Pillow, which DeiT
+    was trained with, masked every bit off (a black image). vitexp keeps the old behaviour."""
+    from PIL import Image, ImageOps
+
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def _patch_timm_posterize() -> None:
+    import timm.data.auto_augment as aa
+
+    for name in ("Posterize", "PosterizeIncreasing", "PosterizeOriginal"):
+        if aa.NAME_TO_OP.get(name) is aa.posterize:
+            aa.NAME_TO_OP[name] = _posterize_keeping_zero_bits
+
+
 def timm_transforms(data_config: dict[str, Any], train: bool, auto_augment: str | None = None,
                     random_erase: float = 0.0):
     """timm's ImageNet transforms for the model's data config (RandomResizedCrop + flip + RandAugment
     + random erasing for training; resize to size / crop_pct + center crop for evaluation)."""
     from timm.data import create_transform
 
+    _patch_timm_posterize()
+    data_config = {**DEFAULT_DATA_CONFIG, **data_config}
     return create_transform(
         input_size=data_config["input_size"],
         is_training=train,
