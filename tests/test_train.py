@@ -22,10 +22,18 @@ SMALL = QUIET + ["data=synthetic", "data.num_train=16", "data.num_val=8", "data.
                  "recipe.batch_size=4", "eval.throughput_batch=2", "eval.throughput_iters=1"]
 
 
+def budget_for(method: str) -> str:
+    """The first budget kind a method accepts (each kind is a conf/budget option)."""
+    from vitexp.methods import method_from_config
+
+    return method_from_config(vconfig.compose([f"method={method}", "budget=keep_ratio"]).method).budget_kinds[0]
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_fast_dev_run(backbone, method, make_cfg, results_dir):
-    cfg = make_cfg(SMALL + [f"backbone={backbone}", f"method={method}", "trainer.fast_dev_run=true"])
+    cfg = make_cfg(SMALL + [f"backbone={backbone}", f"method={method}", f"budget={budget_for(method)}",
+                            "trainer.fast_dev_run=true"])
     result = train(cfg)
     m = result["metrics"]
     assert 0 <= m["top1"] <= 100 and m["gmacs"] > 0 and m["throughput"] > 0

@@ -89,7 +89,7 @@ def validate(cfg: DictConfig, need_data: bool = True) -> None:
     _check(r.sched in ("cosine", "step", "none"), "recipe.sched", f"{r.sched!r} is not one of ('cosine', 'step', 'none')")
 
     method = method_from_config(cfg.method)
-    method.validate_budget(cfg.budget, arch)
+    method.validate_budget(cfg.budget, {**arch, "img_size": int(bb.img_size)})
 
 
 def group_choices(cfg: DictConfig | None = None) -> dict[str, str]:
