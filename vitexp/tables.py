@@ -210,8 +210,12 @@ def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) ->
             ax.scatter(x["paper"], y["paper"], facecolors="none", edgecolors=color, marker="s", s=60, zorder=3,
                        label=f"{row['label']} (paper)")
             plotted += 1
-    ax.set_xlabel(f"{cols[xk]['label']} ({cols[xk].get('unit', '')})"[:80])
-    ax.set_ylabel(f"{cols[yk]['label']} ({cols[yk].get('unit', '')})")
+    def axis_label(col):  # long units are spelled out in the table files, not on the axis
+        unit = col.get("unit", "")
+        return col["label"] if not unit or len(unit) > 12 or unit == col["label"] else f"{col['label']} ({unit})"
+
+    ax.set_xlabel(axis_label(cols[xk]))
+    ax.set_ylabel(axis_label(cols[yk]))
     ax.set_title(spec["title"], fontsize=9)
     ax.grid(alpha=0.3)
     if plotted:
