@@ -214,7 +214,51 @@ def tables_main(argv: list[str] | None = None) -> None:
     raise SystemExit(main(argv))
 
 
-_APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "sweep": sweep_main, "tables": tables_main}
+def audit_main(argv: list[str] | None = None) -> None:
+    """``vitexp-audit bspf``: measure the public review's objections; writes
+    ``results/audit/<paper>.md`` and a ledger entry (kind audit)."""
+    import argparse
+    import os
+    import tempfile
+
+    from vitexp.results import LedgerEntry, default_results_dir
+
+    audits = ("bspf",)
+    parser = argparse.ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
+    parser.add_argument("paper", choices=audits, help="which paper's claims to audit")
+    parser.add_argument("--micro-checkpoint", help="Lightning checkpoint of a trained micro ViT (default: train one, ~30 s)")
+    parser.add_argument("--deit-small", help="local DeiT-S weights file (default: random initialisation, said so)")
+    parser.add_argument("--images", type=int, default=16, help="digits fed through the micro model (DeiT-S gets a quarter)")
+    parser.add_argument("--results-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    results_dir = args.results_dir or default_results_dir()
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    ledger = LedgerEntry(f"{args.paper}_audit", "audit", config, results_dir).start()
+    try:
+        from vitexp.analysis import audit_bspf
+
+        findings = audit_bspf.audit(args.micro_checkpoint, args.deit_small, args.images, results_dir)
+        report = audit_bspf.render(findings)
+        out = results_dir / "audit" / f"{args.paper}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(report)
+        os.replace(tmp, out)
+        metrics = {f"{scale}_{k}": v for scale in ("micro", "deit_small") for k, v in findings[scale].items()}
+        metrics.update({f"gmacs_{k}": v for k, v in findings["gmacs"].items()})
+        path = ledger.finish(metrics, {"unit": "GMACs", "resolution": 224, "counter": "vitexp.flops"},
+                             report=str(out), findings=findings)
+    except BaseException as err:
+        ledger.fail(err)
+        _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}", "ledger": str(ledger.path)})
+        raise SystemExit(1) from err
+    print(report)
+    _print_result({"status": "completed", "metrics": metrics, "report": str(out), "ledger": str(path)})
+
+
+_APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "sweep": sweep_main, "tables": tables_main,
+         "audit": audit_main}
 
 if __name__ == "__main__":  # python -m vitexp.cli {train,flops,bench,sweep,tables} [args]
     if len(sys.argv) < 2 or sys.argv[1] not in _APPS:

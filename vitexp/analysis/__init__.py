@@ -1,0 +1,1 @@
+"""Audits of the papers' claims (``vitexp-audit``)."""
