@@ -65,6 +65,23 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]]) -> None:
     main()
 
 
+def _close_run(cfg: DictConfig, ledger, config: dict[str, Any], job_type: str, metrics: dict[str, Any],
+               protocol: dict[str, Any], **extra: Any) -> Path:
+    """A finished flops/bench run: its metrics to the logger (a short W&B run of ``job_type``),
+    then its ledger entry closed as completed."""
+    from vitexp.logging_utils import build_logger, finish, log_final, wandb_url
+
+    logger = build_logger(cfg.logger, cfg.name, Path(cfg.output_dir), config, job_type=job_type)
+    try:
+        log_final(logger, metrics)
+        path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger), **extra)
+    except BaseException:
+        finish(logger, failed=True)
+        raise
+    finish(logger)
+    return path
+
+
 # -- vitexp-train --------------------------------------------------------------------------------
 def _train_body(cfg: DictConfig) -> dict[str, Any]:
     from vitexp.train import train
@@ -81,15 +98,12 @@ def train_main() -> None:
 def run_flops(cfg: DictConfig) -> dict[str, Any]:
     """Params and MACs of the configured model as deployed, without training; one ledger entry."""
     from vitexp.flops import count_macs
-    from vitexp.logging_utils import build_logger, finish, log_final, wandb_url
     from vitexp.results import LedgerEntry
     from vitexp.train import build_model
 
     validate(cfg, need_data=False)
     config = to_container(cfg)
     ledger = LedgerEntry(cfg.name, "flops", config, cfg.results_dir).start()
-    logger = None
-    failed = False
     try:
         model, method, _ = build_model(cfg)
         report = count_macs(method.deploy(model), int(cfg.backbone.img_size))
@@ -99,16 +113,12 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
               f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {cfg.backbone.img_size} px, "
               f"attention matmuls counted; by module (GMACs): "
               + ", ".join(f"{k} {v:.3f}" for k, v in report.by_module.items() if v > 0))
-        logger = build_logger(cfg.logger, cfg.name, Path(cfg.output_dir), config, job_type="flops")
-        log_final(logger, metrics)
-        path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger), by_module=report.by_module)
+        path = _close_run(cfg, ledger, config, "flops", metrics, protocol, by_module=report.by_module)
         return {"metrics": metrics, "protocol": protocol, "ledger": str(path), "run_id": ledger.run_id}
     except BaseException as err:
-        failed = True
-        ledger.fail(err)
+        if ledger.record["status"] == "running":
+            ledger.fail(err)
         raise
-    finally:
-        finish(logger, failed)
 
 
 def flops_main() -> None:
@@ -123,7 +133,6 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     Lightning's per-step overhead against a plain PyTorch loop on the same model and batches."""
     from vitexp.bench import compare_throughput, lightning_overhead
     from vitexp.flops import count_macs
-    from vitexp.logging_utils import build_logger, finish, log_final, wandb_url
     from vitexp.models import build_backbone
     from vitexp.results import LedgerEntry
     from vitexp.train import build_datamodule, build_model
@@ -133,8 +142,6 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg, need_data=cfg.bench.mode == "overhead")
     config = to_container(cfg)
     ledger = LedgerEntry(cfg.name, "bench", config, cfg.results_dir).start()
-    logger = None
-    failed = False
     try:
         import torch
 
@@ -184,16 +191,12 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
                         "statistic": "median seconds between consecutive batch starts, best of 2 alternations"}
             print(f"{cfg.name}: plain loop {res['plain_step_s'] * 1e3:.2f} ms/step, Lightning "
                   f"{res['lightning_step_s'] * 1e3:.2f} ms/step: overhead {100 * res['lightning_overhead']:+.1f} %")
-        logger = build_logger(cfg.logger, cfg.name, Path(cfg.output_dir), config, job_type="bench")
-        log_final(logger, metrics)
-        path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger))
+        path = _close_run(cfg, ledger, config, "bench", metrics, protocol)
         return {"metrics": metrics, "ledger": str(path), "run_id": ledger.run_id}
     except BaseException as err:
-        failed = True
-        ledger.fail(err)
+        if ledger.record["status"] == "running":
+            ledger.fail(err)
         raise
-    finally:
-        finish(logger, failed)
 
 
 def bench_main() -> None:
