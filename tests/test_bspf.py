@@ -59,7 +59,10 @@ def test_keep_ratio_one_with_one_chunk_reproduces_the_backbone():
     base = micro()
     x = torch.randn(3, 3, 32, 32)
     expected = base(x)
+    one_chunk = ChunkOnly(chunk_size=None).apply(copy.deepcopy(base), {"kind": "none"})
+    assert torch.equal(one_chunk(x), expected)  # the same fused attention call: bit-exact
     model = BSPF(chunk_size=None, prune_layers=[1, 3]).apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+    # the pruning layers compute the softmax explicitly (its blocks are scored): float tolerance
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -120,6 +120,11 @@ class ChunkAttention(Attention):
         q, k, v = self._qkv(x)
         H, d = q.shape[1], q.shape[-1]
         chunks = self.num_chunks or 1
+        drop = self.attn_drop.p if self.training else 0.0
+        if chunks == 1 and not self.keep_probs:  # one chunk is full attention: timm's single fused call
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)
+            out = self.norm(out.transpose(1, 2).reshape(B, N, H * d))
+            return self.proj_drop(self.proj(out))
         L = (N - P) // chunks
         if L * chunks != N - P:
             raise RuntimeError(f"{N - P} patch tokens do not split into {chunks} equal chunks")
@@ -128,7 +133,6 @@ class ChunkAttention(Attention):
         vp = v[:, :, P:].reshape(B, H, chunks, L, d)
         kc = torch.cat([k[:, :, :P].unsqueeze(2).expand(B, H, chunks, P, d), kp], dim=3)
         vc = torch.cat([v[:, :, :P].unsqueeze(2).expand(B, H, chunks, P, d), vp], dim=3)
-        drop = self.attn_drop.p if self.training else 0.0
         if self.keep_probs:
             attn = (qp * self.scale) @ kc.transpose(-2, -1)
             attn = attn.softmax(dim=-1)
