@@ -163,3 +163,18 @@ def test_bad_chunk_size_names_valid_ones():
         vconfig.validate(cfg)
     with pytest.raises(vconfig.ConfigError, match="keep_ratio"):
         vconfig.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "budget.keep_ratio=1.5"]))
+
+
+def test_bspf_on_lvvit_keeps_its_residual_scaling_and_aux_head():
+    torch.manual_seed(0)
+    base = timm.create_model("lvvit_micro", num_classes=10).eval()
+    x = torch.randn(2, 3, 64, 64)
+    expected = base(x)
+    same = BSPF(chunk_size=None, prune_layers=[1]).apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+    torch.testing.assert_close(same(x), expected, rtol=1e-5, atol=1e-5)
+    pruned = BSPF(chunk_size=8, prune_layers=[1]).apply(copy.deepcopy(base), KEEP).eval()
+    with torch.no_grad():
+        feats = pruned.forward_features(x)
+        assert feats.shape[1] == 1 + 2 * 4  # 16 patches in 2 chunks of 8 -> 2 x 4 survive
+        aux = pruned.aux_head(feats[:, 1:]).max(dim=1).values  # max over the surviving tokens
+        torch.testing.assert_close(pruned(x), pruned.head(feats[:, 0]) + 0.5 * aux)

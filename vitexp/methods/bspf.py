@@ -122,7 +122,7 @@ class ChunkAttention(Attention):
         chunks = self.num_chunks or 1
         drop = self.attn_drop.p if self.training else 0.0
         if chunks == 1 and not self.keep_probs:  # one chunk is full attention: timm's single fused call
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=drop)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, scale=self.scale)
             out = self.norm(out.transpose(1, 2).reshape(B, N, H * d))
             return self.proj_drop(self.proj(out))
         L = (N - P) // chunks
@@ -139,10 +139,10 @@ class ChunkAttention(Attention):
             self.last_blocks = attn[..., P:].mean(dim=1)  # B, C, Ω, Ω (head-averaged)
             out_p = self.attn_drop(attn) @ vc
         else:
-            out_p = F.scaled_dot_product_attention(qp, kc, vc, dropout_p=drop)
+            out_p = F.scaled_dot_product_attention(qp, kc, vc, dropout_p=drop, scale=self.scale)
         out_p = out_p.reshape(B, H, N - P, d)
         if P:
-            out_pre = F.scaled_dot_product_attention(q[:, :, :P], k, v, dropout_p=drop)
+            out_pre = F.scaled_dot_product_attention(q[:, :, :P], k, v, dropout_p=drop, scale=self.scale)
             out = torch.cat([out_pre, out_p], dim=2)
         else:
             out = out_p
@@ -153,14 +153,16 @@ class ChunkAttention(Attention):
 
 
 class PruneBlock(Block):
-    """timm ``Block`` whose tokens are pruned (and fused) between attention and MLP."""
+    """timm ``Block`` whose tokens are pruned (and fused) between attention and MLP. A block that
+    divides its residual branches (LV-ViT's ``skip_lam``) keeps doing so."""
 
     pruner: "TokenPruner"
 
     def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        lam = getattr(self, "skip_lam", 1.0)
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x)))) / lam
         x = self.pruner(x, self.attn.last_blocks)
-        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+        x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))) / lam
         return x
 
 

@@ -3,6 +3,7 @@
 Pretrained weights load only from a local file (``backbone.pretrained=/path/to/file``),
 through timm's ``pretrained_cfg_overlay=dict(file=...)``: nothing is ever downloaded.
 """
+from vitexp.models import lvvit as _lvvit  # noqa: F401  (registers lvvit_s, lvvit_micro)
 from vitexp.models import micro as _micro  # noqa: F401  (registers vit_micro_patch4_32)
 from vitexp.models.factory import BackboneInfo, CheckpointMismatchError, backbone_info, build_backbone
 

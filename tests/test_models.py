@@ -1,0 +1,83 @@
+"""vitexp's registered architectures, tested in timm's style, and their published size and cost."""
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+import vitexp  # noqa: F401
+from vitexp.flops import count_macs
+
+#: vitexp's own registered models, at a size the CPU tests afford.
+MICRO = {"vit_micro_patch4_32": 32, "lvvit_micro": 64}
+
+
+@pytest.mark.parametrize("name", sorted(MICRO))
+def test_model_behaves_like_a_timm_model(name):
+    torch.manual_seed(0)
+    size = MICRO[name]
+    model = timm.create_model(name, num_classes=7)
+    x = torch.randn(2, 3, size, size)
+    out = model(x)
+    assert out.shape == (2, 7) and torch.isfinite(out).all()
+    out.sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not missing, missing
+    model.eval()
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        assert feats.shape[:2] == (2, model.patch_embed.num_patches + model.num_prefix_tokens)
+        torch.testing.assert_close(model.forward_head(feats), model(x))
+        assert model.forward_head(feats, pre_logits=True).shape == (2, model.num_features)
+        one = model(x[:1])
+        torch.testing.assert_close(one, model(x)[:1], rtol=1e-5, atol=1e-5)  # batch 1 and 2 agree
+    model.reset_classifier(3)
+    assert model(x).shape == (2, 3)
+    assert model.pretrained_cfg["input_size"][-1] == size
+
+
+def test_vit_micro_size():
+    assert 0.1e6 <= sum(p.numel() for p in timm.create_model("vit_micro_patch4_32").parameters()) <= 0.5e6
+
+
+@pytest.mark.parametrize("name, params_m, gmacs", [("lvvit_s", 26.15, 6.6)])
+def test_published_size_and_cost(name, params_m, gmacs):
+    report = count_macs(timm.create_model(name), 224)
+    assert report.params_m == pytest.approx(params_m, abs=0.1)
+    assert report.gmacs == pytest.approx(gmacs, abs=0.1)
+
+
+def test_lvvit_eval_logits_add_half_the_max_of_the_aux_head():
+    model = timm.create_model("lvvit_micro", num_classes=5).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        expected = model.head(feats[:, 0]) + 0.5 * model.aux_head(feats[:, 1:]).max(dim=1).values
+        torch.testing.assert_close(model(x), expected)
+    assert all(block.skip_lam == 2.0 for block in model.blocks)
+
+
+def test_lvvit_block_divides_residual_branches_by_two():
+    model = timm.create_model("lvvit_micro").eval()
+    block = model.blocks[0]
+    x = torch.randn(1, 17, 64)
+    with torch.no_grad():
+        h = x + block.attn(block.norm1(x)) / 2
+        torch.testing.assert_close(block(x), h + block.mlp(block.norm2(h)) / 2)
+
+
+@pytest.mark.parametrize("wrapper", ["state_dict", "state_dict_ema"])
+def test_lvvit_official_checkpoint_layout_loads_exactly(tmp_path, wrapper):
+    from vitexp.models import build_backbone
+
+    torch.manual_seed(0)
+    source = timm.create_model("lvvit_micro", num_classes=10)
+    path = tmp_path / "lvvit_micro.pth.tar"
+    torch.save({wrapper: {f"module.{k}": v for k, v in source.state_dict().items()}, "epoch": 300}, path)
+    loaded = build_backbone({"timm_name": "lvvit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=10)
+    for k, v in source.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    # another resolution: the position embedding is resized (4x4 -> 6x6 grid)
+    bigger = build_backbone({"timm_name": "lvvit_micro", "img_size": 96, "pretrained": str(path)}, num_classes=10)
+    assert bigger.pos_embed.shape == (1, 37, 64)
+    assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)
