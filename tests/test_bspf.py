@@ -178,3 +178,14 @@ def test_bspf_on_lvvit_keeps_its_residual_scaling_and_aux_head():
         assert feats.shape[1] == 1 + 2 * 4  # 16 patches in 2 chunks of 8 -> 2 x 4 survive
         aux = pruned.aux_head(feats[:, 1:]).max(dim=1).values  # max over the surviving tokens
         torch.testing.assert_close(pruned(x), pruned.head(feats[:, 0]) + 0.5 * aux)
+
+
+def test_bspf_on_t2t_vit_uses_its_attention_scale():
+    torch.manual_seed(0)
+    base = timm.create_model("t2t_vit_micro", num_classes=10, qk_scale=0.05).eval()
+    x = torch.randn(2, 3, 64, 64)
+    expected = base(x)
+    same = BSPF(chunk_size=None, prune_layers=[1]).apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+    torch.testing.assert_close(same(x), expected, rtol=1e-5, atol=1e-5)
+    chunked = ChunkOnly(chunk_size=8).apply(copy.deepcopy(base), {"kind": "none"})
+    assert chunked(x).shape == (2, 10)

@@ -9,7 +9,7 @@ import vitexp  # noqa: F401
 from vitexp.flops import count_macs
 
 #: vitexp's own registered models, at a size the CPU tests afford.
-MICRO = {"vit_micro_patch4_32": 32, "lvvit_micro": 64}
+MICRO = {"vit_micro_patch4_32": 32, "lvvit_micro": 64, "t2t_vit_micro": 64}
 
 
 @pytest.mark.parametrize("name", sorted(MICRO))
@@ -40,7 +40,8 @@ def test_vit_micro_size():
     assert 0.1e6 <= sum(p.numel() for p in timm.create_model("vit_micro_patch4_32").parameters()) <= 0.5e6
 
 
-@pytest.mark.parametrize("name, params_m, gmacs", [("lvvit_s", 26.15, 6.6)])
+@pytest.mark.parametrize("name, params_m, gmacs", [("lvvit_s", 26.15, 6.6), ("t2t_vit_14", 21.5, 4.8),
+                                                   ("t2t_vit_t_14", 21.5, 6.1)])
 def test_published_size_and_cost(name, params_m, gmacs):
     report = count_macs(timm.create_model(name), 224)
     assert report.params_m == pytest.approx(params_m, abs=0.1)
@@ -81,3 +82,33 @@ def test_lvvit_official_checkpoint_layout_loads_exactly(tmp_path, wrapper):
     bigger = build_backbone({"timm_name": "lvvit_micro", "img_size": 96, "pretrained": str(path)}, num_classes=10)
     assert bigger.pos_embed.shape == (1, 37, 64)
     assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)
+
+
+def test_t2t_performer_matrix_is_frozen_and_saved_and_position_table_is_fixed():
+    model = timm.create_model("t2t_vit_micro")
+    state = model.state_dict()
+    assert "tokens_to_token.attention1.w" in state and not model.tokens_to_token.attention1.w.requires_grad
+    assert "pos_embed" in state and not model.pos_embed.requires_grad
+    w = model.tokens_to_token.attention1.w  # orthogonal rows scaled by sqrt(m)
+    torch.testing.assert_close(w @ w.T / w.shape[0], torch.eye(w.shape[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_t2t_qk_scale_is_a_key():
+    default = timm.create_model("t2t_vit_micro")
+    assert default.blocks[0].attn.scale == pytest.approx(16 ** -0.5)  # head_dim^-0.5, the official eval build
+    scaled = timm.create_model("t2t_vit_micro", qk_scale=64 ** -0.5)
+    scaled.load_state_dict(default.state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    assert not torch.allclose(default.eval()(x), scaled.eval()(x))
+
+
+def test_t2t_official_checkpoint_layout_loads_exactly(tmp_path):
+    from vitexp.models import build_backbone
+
+    torch.manual_seed(0)
+    source = timm.create_model("t2t_vit_micro", num_classes=10)
+    path = tmp_path / "t2t_micro.pth.tar"
+    torch.save({"state_dict_ema": {f"module.{k}": v for k, v in source.state_dict().items()}}, path)
+    loaded = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=10)
+    for k, v in source.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k

@@ -1,0 +1,277 @@
+"""T2T-ViT (Yuan et al., "Tokens-to-Token ViT", ICCV 2021), registered with timm as
+``t2t_vit_14`` (Performer tokens-to-token module), ``t2t_vit_t_14`` (Transformer variant) and
+``t2t_vit_micro`` (CPU tests). Parameter names follow the official code, so its checkpoints load.
+
+- Tokens-to-token module: Unfold(7, s4, p2) → token block (147 → 64) → Unfold(3, s2, p1) → token
+  block (576 → 64) → Unfold(3, s2, p1) → Linear(576 → dim).
+  - A Performer token block has a single head with 32 random features from a frozen orthogonal
+    matrix ``w``, kept in the state dict.
+  - A Transformer token block has a single head, MLP ratio 1, and a skip connection from v.
+- Backbone: a fixed sinusoidal position embedding (in the state dict), pre-norm blocks with qkv
+  without bias and MLP ratio 3, and a CLS head after the final norm. The blocks are timm's
+  ``Block``, with an attention that honours ``qk_scale``.
+- **qk_scale.** The official ``t2t_vit_14(pretrained=True)`` builds the backbone's attention with
+  scale 384^-0.5. Its evaluation script builds the model with ``pretrained=False``, which gives
+  head_dim^-0.5, and then loads the released checkpoint into it. vitexp defaults to that
+  evaluation build (``qk_scale=None`` → head_dim^-0.5) and exposes the key
+  (``backbone.kwargs.qk_scale=0.05103``). Which of the two reproduces 81.5 % can only be checked
+  with the released weights on ImageNet.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import Mlp, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.vision_transformer import Attention, Block
+
+
+class ScaledAttention(Attention):
+    """timm ``Attention`` whose fused path uses ``self.scale`` (T2T-ViT's ``qk_scale``)."""
+
+    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
+                                           scale=self.scale)
+        x = self.norm(x.transpose(1, 2).reshape(B, N, self.attn_dim))
+        return self.proj_drop(self.proj(x))
+
+
+class TokenPerformer(nn.Module):
+    """Single-head Performer token block (official ``Token_performer``): FAVOR+ positive random
+    features, m = 0.5 × 64 = 32, from a frozen orthogonal matrix."""
+
+    def __init__(self, dim: int, in_dim: int, kernel_ratio: float = 0.5, drop: float = 0.1):
+        super().__init__()
+        self.emb = in_dim
+        self.kqv = nn.Linear(dim, 3 * self.emb)
+        self.dp = nn.Dropout(drop)
+        self.proj = nn.Linear(self.emb, self.emb)
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(self.emb)
+        self.epsilon = 1e-8
+        self.mlp = nn.Sequential(nn.Linear(self.emb, self.emb), nn.GELU(), nn.Linear(self.emb, self.emb), nn.Dropout(drop))
+        self.m = int(self.emb * kernel_ratio)
+        w = nn.init.orthogonal_(torch.randn(self.m, self.emb)) * math.sqrt(self.m)
+        self.w = nn.Parameter(w, requires_grad=False)
+
+    def prm_exp(self, x: torch.Tensor) -> torch.Tensor:
+        xd = (x * x).sum(dim=-1, keepdim=True) / 2
+        wtx = torch.einsum("bti,mi->btm", x.float(), self.w)
+        return torch.exp(wtx - xd) / math.sqrt(self.m)
+
+    def single_attn(self, x: torch.Tensor) -> torch.Tensor:
+        k, q, v = torch.split(self.kqv(x), self.emb, dim=-1)
+        kp, qp = self.prm_exp(k), self.prm_exp(q)
+        d = torch.einsum("bti,bi->bt", qp, kp.sum(dim=1)).unsqueeze(dim=2)
+        kptv = torch.einsum("bin,bim->bnm", v.float(), kp)
+        y = torch.einsum("bti,bni->btn", qp, kptv) / (d + self.epsilon)
+        return v + self.dp(self.proj(y))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.single_attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _TokenAttention(nn.Module):
+    """Single-head attention from ``dim`` to ``in_dim`` with a skip from v (official code's scale:
+    ``dim``^-0.5, since its head_dim is dim // num_heads)."""
+
+    def __init__(self, dim: int, in_dim: int):
+        super().__init__()
+        self.in_dim = in_dim
+        self.scale = dim ** -0.5
+        self.qkv = nn.Linear(dim, in_dim * 3, bias=False)
+        self.proj = nn.Linear(in_dim, in_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, 1, self.in_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        x = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        x = self.proj(x.transpose(1, 2).reshape(B, N, self.in_dim))
+        return v.squeeze(1) + x
+
+
+class TokenTransformer(nn.Module):
+    """Single-head Transformer token block (official ``Token_transformer``, MLP ratio 1)."""
+
+    def __init__(self, dim: int, in_dim: int):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = _TokenAttention(dim, in_dim)
+        self.norm2 = nn.LayerNorm(in_dim)
+        self.mlp = Mlp(in_features=in_dim, hidden_features=in_dim, out_features=in_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class T2TModule(nn.Module):
+    """Tokens-to-token: three soft splits (Unfold) with two token blocks between them."""
+
+    def __init__(self, img_size: int = 224, tokens_type: str = "performer", in_chans: int = 3,
+                 embed_dim: int = 384, token_dim: int = 64):
+        super().__init__()
+        if tokens_type not in ("performer", "transformer"):
+            raise ValueError(f"tokens_type={tokens_type!r}: valid types are ('performer', 'transformer')")
+        self.soft_split0 = nn.Unfold(kernel_size=(7, 7), stride=(4, 4), padding=(2, 2))
+        self.soft_split1 = nn.Unfold(kernel_size=(3, 3), stride=(2, 2), padding=(1, 1))
+        self.soft_split2 = nn.Unfold(kernel_size=(3, 3), stride=(2, 2), padding=(1, 1))
+        block = TokenPerformer if tokens_type == "performer" else TokenTransformer
+        self.attention1 = block(in_chans * 7 * 7, token_dim)
+        self.attention2 = block(token_dim * 3 * 3, token_dim)
+        self.project = nn.Linear(token_dim * 3 * 3, embed_dim)
+        self.img_size = (img_size, img_size)
+        self.patch_size = (16, 16)
+        self.grid_size = (img_size // 16, img_size // 16)
+        self.num_patches = self.grid_size[0] * self.grid_size[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = x.shape[-1] // 4
+        x = self.attention1(self.soft_split0(x).transpose(1, 2))
+        x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], side, side)
+        x = self.attention2(self.soft_split1(x).transpose(1, 2))
+        x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], side // 2, side // 2)
+        return self.project(self.soft_split2(x).transpose(1, 2))
+
+
+def sinusoid_encoding(n_position: int, d_hid: int) -> torch.Tensor:
+    """The fixed sinusoidal table of the official code, shape (1, n_position, d_hid)."""
+    pos = np.arange(n_position)[:, None]
+    j = np.arange(d_hid)[None, :]
+    table = pos / np.power(10000, 2 * (j // 2) / d_hid)
+    table[:, 0::2] = np.sin(table[:, 0::2])
+    table[:, 1::2] = np.cos(table[:, 1::2])
+    return torch.tensor(table, dtype=torch.float32).unsqueeze(0)
+
+
+class T2TViT(nn.Module):
+    def __init__(self, img_size: int = 224, tokens_type: str = "performer", in_chans: int = 3, num_classes: int = 1000,
+                 embed_dim: int = 384, depth: int = 14, num_heads: int = 6, mlp_ratio: float = 3.0,
+                 qkv_bias: bool = False, qk_scale: float | None = None, drop_rate: float = 0.0,
+                 drop_path_rate: float = 0.0, token_dim: int = 64):
+        super().__init__()
+        self.num_classes = num_classes
+        self.num_features = self.embed_dim = embed_dim
+        self.num_prefix_tokens = 1
+        self.tokens_to_token = T2TModule(img_size, tokens_type, in_chans, embed_dim, token_dim)
+        n = self.tokens_to_token.num_patches
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(sinusoid_encoding(n + 1, embed_dim), requires_grad=False)
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
+        self.blocks = nn.ModuleList()
+        for i in range(depth):
+            block = Block(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=drop_rate,
+                          drop_path=dpr[i])
+            block.attn.__class__ = ScaledAttention
+            if qk_scale is not None:
+                block.attn.scale = float(qk_scale)
+            self.blocks.append(block)
+        self.norm = nn.LayerNorm(embed_dim)
+        self.head = nn.Linear(embed_dim, num_classes) if num_classes else nn.Identity()
+        trunc_normal_(self.cls_token, std=0.02)
+        self.apply(self._init_weights)
+
+    @property
+    def patch_embed(self) -> T2TModule:
+        """The tokens-to-token module plays the patch embedding's role (token grid, patch size)."""
+        return self.tokens_to_token
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set[str]:
+        return {"cls_token"}
+
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Any = None) -> None:
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes else nn.Identity()
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tokens_to_token(x)
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        x = self.pos_drop(x + self.pos_embed)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return x[:, 0] if pre_logits else self.head(x[:, 0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: dict[str, Any], model: T2TViT) -> dict[str, torch.Tensor]:
+    """Unwrap ``state_dict_ema`` / ``state_dict`` / ``model``, strip ``module.``; a position
+    table of another length is rebuilt (it is fixed, not learned)."""
+    for key in ("state_dict_ema", "state_dict", "model"):
+        if isinstance(state_dict.get(key), dict):
+            state_dict = state_dict[key]
+            break
+    out = {}
+    for k, v in state_dict.items():
+        k = k[len("module."):] if k.startswith("module.") else k
+        if k == "pos_embed" and v.shape != model.pos_embed.shape:
+            v = sinusoid_encoding(model.pos_embed.shape[1], model.pos_embed.shape[2])
+        out[k] = v
+    return out
+
+
+def _cfg(**kwargs):
+    return {"url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.9,
+            "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
+            "first_conv": "tokens_to_token.soft_split0", "classifier": "head", **kwargs}
+
+
+default_cfgs = generate_default_cfgs({
+    "t2t_vit_14": _cfg(),
+    "t2t_vit_t_14": _cfg(),
+    "t2t_vit_micro": _cfg(num_classes=10, input_size=(3, 64, 64), crop_pct=1.0),
+})
+
+
+def _create(variant: str, pretrained: bool, **kwargs) -> T2TViT:
+    return build_model_with_cfg(T2TViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
+
+
+@register_model
+def t2t_vit_14(pretrained: bool = False, **kwargs) -> T2TViT:
+    """T2T-ViT-14, Performer tokens-to-token: 21.5 M params, 4.8 GMACs at 224 px."""
+    args = dict(tokens_type="performer", embed_dim=384, depth=14, num_heads=6, mlp_ratio=3.0)
+    return _create("t2t_vit_14", pretrained, **{**args, **kwargs})
+
+
+@register_model
+def t2t_vit_t_14(pretrained: bool = False, **kwargs) -> T2TViT:
+    """T2T-ViT_t-14, Transformer tokens-to-token: 21.5 M params, 6.1 GMACs at 224 px."""
+    args = dict(tokens_type="transformer", embed_dim=384, depth=14, num_heads=6, mlp_ratio=3.0)
+    return _create("t2t_vit_t_14", pretrained, **{**args, **kwargs})
+
+
+@register_model
+def t2t_vit_micro(pretrained: bool = False, **kwargs) -> T2TViT:
+    """The T2T-ViT layout at micro size for CPU tests: 64 px (16 tokens), dim 64, depth 4."""
+    args = dict(img_size=64, tokens_type="performer", embed_dim=64, depth=4, num_heads=4, mlp_ratio=3.0, token_dim=16)
+    return _create("t2t_vit_micro", pretrained, **{**args, **kwargs})
