@@ -189,3 +189,28 @@ def test_bspf_on_t2t_vit_uses_its_attention_scale():
     torch.testing.assert_close(same(x), expected, rtol=1e-5, atol=1e-5)
     chunked = ChunkOnly(chunk_size=8).apply(copy.deepcopy(base), {"kind": "none"})
     assert chunked(x).shape == (2, 10)
+
+
+def test_bspf_on_caformer_prunes_stage_3_and_restores_the_grid():
+    """CaFormer: pruning inside stage 3, the full 2-D grid restored before stage 4's downsampling."""
+    from vitexp.methods.bspf import RestoringSequential
+
+    torch.manual_seed(0)
+    base = timm.create_model("caformer_micro", num_classes=10).eval()
+    x = torch.randn(2, 3, 64, 64)
+    expected = base(x)
+    same = BSPF(chunk_size=None, prune_layers=[0]).apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+    torch.testing.assert_close(same(x), expected, rtol=1e-5, atol=1e-5)
+    model = BSPF(chunk_size=8, prune_layers=[0]).apply(copy.deepcopy(base), KEEP).eval()
+    stage = model.stages[2]
+    assert isinstance(stage.blocks, RestoringSequential)
+    seen = {}
+    stage.blocks[1].mlp.register_forward_hook(lambda m, i, o: seen.__setitem__("tokens", i[0].shape[1]))
+    stage_out = {}
+    stage.register_forward_hook(lambda m, i, o: stage_out.__setitem__("shape", o.shape))
+    assert model(x).shape == (2, 10)
+    assert seen["tokens"] == 8  # 16 tokens in 2 chunks of 8 -> 2 x 4 survive
+    assert stage_out["shape"] == (2, 64, 4, 4)  # the grid stage 4 downsamples is whole again
+    assign = model.stages[2].blocks[0].pruner.last["assign"]
+    assert assign.shape == (2, 16) and int(assign.max()) < 8
+    assert count_macs(model, 64).gmacs < count_macs(base, 64).gmacs

@@ -10,6 +10,8 @@ from vitexp.flops import count_macs
 
 #: vitexp's own registered models, at a size the CPU tests afford.
 MICRO = {"vit_micro_patch4_32": 32, "lvvit_micro": 64, "t2t_vit_micro": 64}
+#: Registered models whose token layout is a ViT's (CLS + patch tokens from forward_features).
+VIT_LIKE = set(MICRO)
 
 
 @pytest.mark.parametrize("name", sorted(MICRO))
@@ -41,7 +43,7 @@ def test_vit_micro_size():
 
 
 @pytest.mark.parametrize("name, params_m, gmacs", [("lvvit_s", 26.15, 6.6), ("t2t_vit_14", 21.5, 4.8),
-                                                   ("t2t_vit_t_14", 21.5, 6.1)])
+                                                   ("t2t_vit_t_14", 21.5, 6.1), ("caformer_s18", 26.3, 4.13)])
 def test_published_size_and_cost(name, params_m, gmacs):
     report = count_macs(timm.create_model(name), 224)
     assert report.params_m == pytest.approx(params_m, abs=0.1)
@@ -112,3 +114,14 @@ def test_t2t_official_checkpoint_layout_loads_exactly(tmp_path):
     loaded = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=10)
     for k, v in source.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
+
+
+def test_caformer_micro_behaves_like_a_timm_model():
+    model = timm.create_model("caformer_micro", num_classes=7)
+    x = torch.randn(2, 3, 64, 64)
+    out = model(x)
+    assert out.shape == (2, 7) and torch.isfinite(out).all()
+    out.sum().backward()
+    assert not [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.reset_classifier(3)
+    assert model(x).shape == (2, 3)

@@ -54,6 +54,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.models.metaformer import Attention as MetaAttention
+from timm.models.metaformer import MetaFormer, MetaFormerBlock
 from timm.models.vision_transformer import Attention, Block
 
 from vitexp.methods.base import Method
@@ -166,6 +168,35 @@ class PruneBlock(Block):
         return x
 
 
+class PruneMetaBlock(MetaFormerBlock):
+    """timm ``MetaFormerBlock`` (CaFormer) pruned between its attention mixer and its MLP."""
+
+    pruner: "TokenPruner"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.res_scale1(x) + self.layer_scale1(self.drop_path1(self.token_mixer(self.norm1(x))))
+        x = self.pruner(x, self.token_mixer.last_blocks)
+        return self.res_scale2(x) + self.layer_scale2(self.drop_path2(self.mlp(self.norm2(x))))
+
+
+class RestoringSequential(nn.Sequential):
+    """A MetaFormer stage's blocks run on pruned tokens, then the full grid is restored for the
+    next stage's strided downsampling: every pruned position takes the value of the token it was
+    fused into (its similarity target), every kept position its own. The restore is a gather: no MACs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        where = torch.arange(N, device=x.device).expand(B, N)
+        for block in self:
+            x = block(x)
+            pruner = getattr(block, "pruner", None)
+            if pruner is not None:
+                where = pruner.last["assign"].gather(1, where)
+        if x.shape[1] == N:
+            return x
+        return x.gather(1, where.unsqueeze(-1).expand(B, N, D))
+
+
 class TokenPruner(nn.Module):
     """Block-based 2D pruning and fusion of one layer (see the module docstring, steps 2–3)."""
 
@@ -175,6 +206,7 @@ class TokenPruner(nn.Module):
             raise ValueError(f"method.fusion={fusion!r}: valid fusions are {FUSIONS}")
         self.keep_ratio, self.num_prefix, self.num_chunks, self.fusion = keep_ratio, num_prefix, num_chunks, fusion
         self.scorer = BlockScorer(score, mirror)
+        self.track = False  # record where every token went (for restoring a full grid)
         self.last: dict[str, torch.Tensor] = {}
 
     def select(self, blocks: torch.Tensor):
@@ -205,9 +237,12 @@ class TokenPruner(nn.Module):
         # straight-through: forward value 1, gradient to the scorer through every kept token
         g = 1.0 + soft - soft.detach()
         kept = kept * g.gather(2, keep).unsqueeze(-1)
-        if self.fusion == "similarity" and n_keep < L:
-            kept = self._fuse_similarity(patches, kept, keep, mask)
+        match = self._match(patches, kept, keep, mask) if n_keep < L and (self.fusion == "similarity" or self.track) else None
+        if self.fusion == "similarity" and match is not None:
+            kept = self._merge(kept, *match)
         self.last = {"keep": keep.detach(), "mask": mask.detach()}
+        if self.track:  # where each input token went: its own slot, or its fusion target's
+            self.last["assign"] = self._assignment(keep, match, L)
         return torch.cat([x[:, :P], kept.reshape(B, C * n_keep, D)], dim=1)
 
     @staticmethod
@@ -218,7 +253,9 @@ class TokenPruner(nn.Module):
         return patches * k + (patches * (1 - k)) * k
 
     @staticmethod
-    def _fuse_similarity(patches, kept, keep, mask) -> torch.Tensor:
+    def _match(patches, kept, keep, mask):
+        """Each pruned token's best kept token of its chunk by cos(x_i, x_j)·(1 − Hamming(m_i, m_j)/Ω):
+        (pruned indices, pruned tokens, target slot, similarity)."""
         B, C, L, D = patches.shape
         n_keep = keep.shape[-1]
         is_kept = torch.zeros(B, C, L, dtype=patches.dtype, device=patches.device).scatter_(2, keep, 1.0)
@@ -229,12 +266,33 @@ class TokenPruner(nn.Module):
         m_kept = mask.gather(2, keep.unsqueeze(-1).expand(B, C, n_keep, L))
         inter = m_pruned @ m_kept.transpose(-1, -2)
         hamming = m_pruned.sum(-1, keepdim=True) + m_kept.sum(-1).unsqueeze(-2) - 2 * inter
-        sim = cos * (1.0 - hamming / L)
-        best, target = sim.max(dim=-1)  # B,C,R
+        best, target = (cos * (1.0 - hamming / L)).max(dim=-1)  # B,C,R
+        return pruned_idx, pruned, target, best
+
+    @staticmethod
+    def _merge(kept, pruned_idx, pruned, target, best) -> torch.Tensor:
+        """x_j ← (x_j + Σ w_i x_i) / (1 + Σ w_i) over the pruned tokens i matched to j, w = max(sim, 0)."""
+        B, C, n_keep, _ = kept.shape
         w = best.clamp(min=0).unsqueeze(-1)
         num = kept.scatter_add(2, target.unsqueeze(-1).expand_as(pruned), w * pruned)
         den = torch.ones(B, C, n_keep, 1, dtype=kept.dtype, device=kept.device).scatter_add(2, target.unsqueeze(-1), w)
         return num / den
+
+    @classmethod
+    def _fuse_similarity(cls, patches, kept, keep, mask) -> torch.Tensor:
+        return cls._merge(kept, *cls._match(patches, kept, keep, mask))
+
+    @staticmethod
+    def _assignment(keep: torch.Tensor, match, L: int) -> torch.Tensor:
+        """(B, C·L) index of the output patch token that stands for each input patch token."""
+        B, C, n_keep = keep.shape
+        base = (torch.arange(C, device=keep.device) * n_keep).view(1, C, 1)
+        assign = torch.zeros(B, C, L, dtype=torch.long, device=keep.device)
+        assign.scatter_(2, keep, (base + torch.arange(n_keep, device=keep.device).view(1, 1, n_keep)).expand(B, C, n_keep))
+        if match is not None:
+            pruned_idx, _, target, _ = match
+            assign.scatter_(2, pruned_idx, base.expand_as(target) + target)
+        return assign.reshape(B, C * L)
 
 
 def _chunk_count(num_patches: int, chunk_size: int | None) -> int:
@@ -247,11 +305,15 @@ def _chunk_count(num_patches: int, chunk_size: int | None) -> int:
     return num_patches // chunk_size
 
 
-def patch_attention(attn: Attention, num_prefix: int, num_chunks: int, symmetric: bool) -> ChunkAttention:
+def patch_attention(attn: nn.Module, num_prefix: int, num_chunks: int, symmetric: bool) -> ChunkAttention:
     """Swap a timm ``Attention``'s class to :class:`ChunkAttention`; with ``symmetric``, replace
-    its qkv projection by a shared q/k projection initialised from (W_q + W_k)/2 and a v projection."""
-    if not isinstance(attn, Attention) or getattr(attn, "gate", None) is not None:
-        raise TypeError(f"BSPF patches timm's vision_transformer.Attention, got {type(attn).__name__}")
+    its qkv projection by a shared q/k projection initialised from (W_q + W_k)/2 and a v projection.
+    timm's MetaFormer attention (CaFormer) is given the ViT attention's identity norms first."""
+    if isinstance(attn, MetaAttention):
+        attn.q_norm, attn.k_norm, attn.norm = nn.Identity(), nn.Identity(), nn.Identity()
+        attn.attn_dim, attn.gate = attn.num_heads * attn.head_dim, None
+    elif not isinstance(attn, Attention) or getattr(attn, "gate", None) is not None:
+        raise TypeError(f"BSPF patches timm's vision_transformer or metaformer Attention, got {type(attn).__name__}")
     attn.__class__ = ChunkAttention
     attn.num_prefix, attn.num_chunks, attn.keep_probs = num_prefix, num_chunks, False
     attn.qk = None
@@ -309,6 +371,8 @@ class BSPF(Method):
                 raise ConfigError(str(err)) from None
 
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
+        if isinstance(backbone, MetaFormer):
+            return self._apply_metaformer(backbone, budget)
         blocks = getattr(backbone, "blocks", None)
         if blocks is None or not len(blocks):
             raise TypeError(f"BSPF needs a ViT with .blocks; {type(backbone).__name__} has none")
@@ -323,6 +387,35 @@ class BSPF(Method):
                 block.attn.keep_probs = True
                 block.pruner = TokenPruner(rho, P, chunks, self.score, self.mirror, self.fusion)
         return backbone
+
+
+    def _apply_metaformer(self, model: MetaFormer, budget: Mapping[str, Any]) -> MetaFormer:
+        """CaFormer (decision, README "Reading of the papers"): chunk attention in every attention
+        stage (a stage whose token count Ω does not divide attends as one chunk); pruning and
+        fusion at ``prune_layers``, counted within the first attention stage (stage 3, 14×14
+        tokens at 224 px); before that stage hands its tokens to the strided downsampling of
+        stage 4, :class:`RestoringSequential` puts the full grid back from the fused tokens.
+        Stage 4 (7×7) runs unpruned."""
+        size = int(model.pretrained_cfg["input_size"][-1])
+        attn_stages = [i for i, st in enumerate(model.stages) if isinstance(st.blocks[0].token_mixer, MetaAttention)]
+        if not attn_stages:
+            raise TypeError("BSPF on a MetaFormer needs attention stages (CaFormer)")
+        rho = self.keep_ratio(budget)
+        for i in attn_stages:
+            side = size // (4 * 2 ** i)
+            tokens = side * side
+            chunks = tokens // self.chunk_size if self.chunk_size and tokens % self.chunk_size == 0 else 1
+            stage = model.stages[i]
+            for j, block in enumerate(stage.blocks):
+                patch_attention(block.token_mixer, 0, chunks, self.symmetric)
+                if i == attn_stages[0] and j in self.prune_layers:
+                    block.__class__ = PruneMetaBlock
+                    block.token_mixer.keep_probs = True
+                    block.pruner = TokenPruner(rho, 0, chunks, self.score, self.mirror, self.fusion)
+                    block.pruner.track = True
+            if i == attn_stages[0]:
+                stage.blocks.__class__ = RestoringSequential
+        return model
 
 
 class ChunkOnly(BSPF):

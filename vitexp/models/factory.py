@@ -54,7 +54,18 @@ class BackboneInfo:
 
 
 def backbone_info(model: nn.Module, name: str = "") -> BackboneInfo:
-    """Read depth, heads, width and token layout off a timm ViT-like model."""
+    """Read depth, heads, width and token layout off a timm ViT-like model. For a MetaFormer
+    (CaFormer) the facts are its first attention stage's: blocks, heads, width, stride, no prefix."""
+    stages = getattr(model, "stages", None)
+    if stages is not None and not hasattr(model, "blocks"):
+        for i, stage in enumerate(stages):
+            mixer = stage.blocks[0].token_mixer
+            if hasattr(mixer, "num_heads"):
+                return BackboneInfo(
+                    name=name or type(model).__name__, depth=len(stage.blocks), num_heads=int(mixer.num_heads),
+                    embed_dim=int(mixer.num_heads * mixer.head_dim), num_prefix_tokens=0,
+                    img_size=int(model.pretrained_cfg["input_size"][-1]), patch_size=4 * 2 ** i,
+                )
     blocks = getattr(model, "blocks", [])
     attn = getattr(blocks[0], "attn", None) if len(blocks) else None
     patch = getattr(model, "patch_embed", None)
@@ -84,12 +95,19 @@ def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     """``timm.create_model`` from a backbone config: ``timm_name``, ``img_size``, ``pretrained``,
     ``drop_path_rate`` and free ``kwargs`` passed to the model constructor."""
     kwargs = dict(cfg.get("kwargs") or {})
-    kwargs.setdefault("img_size", int(cfg["img_size"]))
+    img = int(cfg["img_size"])
+    overlay: dict[str, Any] = {}
+    if "img_size_kwarg" in cfg and not cfg["img_size_kwarg"]:
+        # models without an img_size argument (timm's MetaFormer) carry the resolution in their pretrained_cfg
+        overlay["input_size"] = (3, img, img)
+    else:
+        kwargs.setdefault("img_size", img)
     if cfg.get("drop_path_rate") is not None:
         kwargs["drop_path_rate"] = float(cfg["drop_path_rate"])
     path = cfg.get("pretrained")
     if not path:
-        return timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes, **kwargs)
+        return timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes,
+                                 pretrained_cfg_overlay=overlay or None, **kwargs)
 
     file = Path(str(path)).expanduser()
     if not file.is_file():
@@ -98,13 +116,14 @@ def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
         return timm.create_model(
             cfg["timm_name"],
             pretrained=True,
-            pretrained_cfg_overlay=dict(file=str(file), hf_hub_id=None, url=None),
+            pretrained_cfg_overlay=dict(file=str(file), hf_hub_id=None, url=None, **overlay),
             num_classes=num_classes,
             **kwargs,
         )
     except RuntimeError as err:  # strict load_state_dict failure: name the keys
         if "state_dict" not in str(err) and "size mismatch" not in str(err):
             raise
-        bare = timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes, **kwargs)
+        bare = timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes,
+                                 pretrained_cfg_overlay=overlay or None, **kwargs)
         missing, unexpected = _checkpoint_key_diff(bare, str(file))
         raise CheckpointMismatchError(str(file), missing, unexpected, str(err)) from err
