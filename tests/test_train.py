@@ -169,3 +169,14 @@ def test_imagefolder_and_csv_logger_through_the_same_program(make_cfg, results_d
     log = (tmp_path / "if" / "csv" / "metrics.csv").read_text()
     assert "val/top1" in log and "train/loss_epoch" in log
     assert ledger_entries(results_dir)[0]["config"]["recipe"]["mixup"] == 0.8
+
+
+@pytest.mark.parametrize("backbone", ["lvvit_micro", "t2t_vit_micro", "caformer_micro"])
+def test_bspf_trains_on_digits_on_each_micro_backbone(backbone, make_cfg, results_dir, tmp_path):
+    cfg = make_cfg(QUIET + [f"backbone={backbone}", "method=bspf", "budget=keep_ratio", "recipe.epochs=1",
+                            "recipe.warmup_epochs=0", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2",
+                            "trainer.limit_test_batches=2", "eval.throughput_batch=4", "eval.throughput_iters=1"],
+                   tmp_path / backbone)
+    metrics = train(cfg)["metrics"]
+    assert metrics["steps"] == 4 and 0 <= metrics["top1"] <= 100
+    assert ledger_entries(results_dir)[0]["status"] == "completed"
