@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import resample_abs_pos_embed, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Block
+
+from vitexp.models._common import ClsTokenViT, init_weights, official_cfg, official_checkpoint_filter
 
 
 class LVBlock(Block):
@@ -64,7 +65,7 @@ class Stem42(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
-class LVViT(nn.Module):
+class LVViT(ClsTokenViT):
     def __init__(self, img_size: int = 224, in_chans: int = 3, num_classes: int = 1000, embed_dim: int = 384,
                  depth: int = 16, num_heads: int = 6, mlp_ratio: float = 3.0, qkv_bias: bool = False,
                  skip_lam: float = 2.0, stem_dim: int = 64, drop_rate: float = 0.0, drop_path_rate: float = 0.0,
@@ -72,7 +73,6 @@ class LVViT(nn.Module):
         super().__init__()
         self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1
         self.aux_weight = aux_weight
         self.patch_embed = Stem42(img_size, in_chans, stem_dim, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -91,37 +91,15 @@ class LVViT(nn.Module):
         self.aux_head = nn.Linear(embed_dim, num_classes) if num_classes else nn.Identity()
         trunc_normal_(self.pos_embed, std=0.02)
         trunc_normal_(self.cls_token, std=0.02)
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
+        self.apply(init_weights)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"pos_embed", "cls_token"}
 
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
     def reset_classifier(self, num_classes: int, global_pool: Any = None) -> None:
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes else nn.Identity()
+        super().reset_classifier(num_classes)
         self.aux_head = nn.Linear(self.embed_dim, num_classes) if num_classes else nn.Identity()
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.patch_embed(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Class head on CLS + aux_weight × max over the (surviving) patch tokens of the aux head."""
@@ -129,29 +107,14 @@ class LVViT(nn.Module):
             return x[:, 0]
         return self.head(x[:, 0]) + self.aux_weight * self.aux_head(x[:, 1:]).max(dim=1).values
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
-
 def checkpoint_filter_fn(state_dict: dict[str, Any], model: LVViT) -> dict[str, torch.Tensor]:
-    """Unwrap ``state_dict_ema`` / ``state_dict`` / ``model``, strip ``module.``, resize pos_embed."""
-    for key in ("state_dict_ema", "state_dict", "model"):
-        if isinstance(state_dict.get(key), dict):
-            state_dict = state_dict[key]
-            break
-    out = {}
-    for k, v in state_dict.items():
-        k = k[len("module."):] if k.startswith("module.") else k
-        if k == "pos_embed" and v.shape != model.pos_embed.shape:
-            v = resample_abs_pos_embed(v, new_size=model.patch_embed.grid_size, num_prefix_tokens=1)
-        out[k] = v
-    return out
+    """Official checkpoint layouts; the position embedding is resampled to the model's grid."""
+    return official_checkpoint_filter(state_dict, model.pos_embed, lambda v: resample_abs_pos_embed(
+        v, new_size=model.patch_embed.grid_size, num_prefix_tokens=1))
 
 
 def _cfg(**kwargs):
-    return {"url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.9,
-            "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-            "first_conv": "patch_embed.conv1", "classifier": "head", **kwargs}
+    return official_cfg("patch_embed.conv1", **kwargs)
 
 
 default_cfgs = generate_default_cfgs({

@@ -26,10 +26,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import Mlp, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Attention, Block
+
+from vitexp.models._common import ClsTokenViT, init_weights, official_cfg, official_checkpoint_filter
 
 
 class ScaledAttention(Attention):
@@ -154,7 +155,7 @@ def sinusoid_encoding(n_position: int, d_hid: int) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.float32).unsqueeze(0)
 
 
-class T2TViT(nn.Module):
+class T2TViT(ClsTokenViT):
     def __init__(self, img_size: int = 224, tokens_type: str = "performer", in_chans: int = 3, num_classes: int = 1000,
                  embed_dim: int = 384, depth: int = 14, num_heads: int = 6, mlp_ratio: float = 3.0,
                  qkv_bias: bool = False, qk_scale: float | None = None, drop_rate: float = 0.0,
@@ -162,7 +163,6 @@ class T2TViT(nn.Module):
         super().__init__()
         self.num_classes = num_classes
         self.num_features = self.embed_dim = embed_dim
-        self.num_prefix_tokens = 1
         self.tokens_to_token = T2TModule(img_size, tokens_type, in_chans, embed_dim, token_dim)
         n = self.tokens_to_token.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
@@ -180,69 +180,26 @@ class T2TViT(nn.Module):
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes else nn.Identity()
         trunc_normal_(self.cls_token, std=0.02)
-        self.apply(self._init_weights)
+        self.apply(init_weights)
 
     @property
     def patch_embed(self) -> T2TModule:
         """The tokens-to-token module plays the patch embedding's role (token grid, patch size)."""
         return self.tokens_to_token
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
-
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"cls_token"}
 
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Any = None) -> None:
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes else nn.Identity()
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.tokens_to_token(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return x[:, 0] if pre_logits else self.head(x[:, 0])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
 
 def checkpoint_filter_fn(state_dict: dict[str, Any], model: T2TViT) -> dict[str, torch.Tensor]:
-    """Unwrap ``state_dict_ema`` / ``state_dict`` / ``model``, strip ``module.``; a position
-    table of another length is rebuilt (it is fixed, not learned)."""
-    for key in ("state_dict_ema", "state_dict", "model"):
-        if isinstance(state_dict.get(key), dict):
-            state_dict = state_dict[key]
-            break
-    out = {}
-    for k, v in state_dict.items():
-        k = k[len("module."):] if k.startswith("module.") else k
-        if k == "pos_embed" and v.shape != model.pos_embed.shape:
-            v = sinusoid_encoding(model.pos_embed.shape[1], model.pos_embed.shape[2])
-        out[k] = v
-    return out
+    """Official checkpoint layouts; a position table of another length is rebuilt (it is fixed)."""
+    shape = model.pos_embed.shape
+    return official_checkpoint_filter(state_dict, model.pos_embed, lambda v: sinusoid_encoding(shape[1], shape[2]))
 
 
 def _cfg(**kwargs):
-    return {"url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.9,
-            "interpolation": "bicubic", "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD,
-            "first_conv": "tokens_to_token.soft_split0", "classifier": "head", **kwargs}
+    return official_cfg("tokens_to_token.soft_split0", **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
