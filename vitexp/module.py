@@ -54,6 +54,13 @@ class ClassifyModule(L.LightningModule):
         return self.model(x)
 
     # -- steps ---------------------------------------------------------------------------------
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        """Models with a training schedule of their own (SAPER's annealed head budget) expose
+        ``set_progress(fraction)``; the module tells them how far training is, nothing more."""
+        if hasattr(self.model, "set_progress"):
+            total = max(1, int(self.trainer.estimated_stepping_batches))
+            self.model.set_progress(min(1.0, self.global_step / total))
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
         if self.mixup_fn is not None and len(x) % 2 == 0:

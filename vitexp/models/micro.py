@@ -26,7 +26,10 @@ def _cfg(**kwargs):
     }
 
 
-default_cfgs = generate_default_cfgs({"vit_micro_patch4_32": _cfg()})
+default_cfgs = generate_default_cfgs({
+    "vit_micro_patch4_32": _cfg(),
+    "vit_micro_patch14_dinov2": _cfg(input_size=(3, 56, 56), interpolation="bicubic"),
+})
 
 
 @register_model
@@ -37,6 +40,21 @@ def vit_micro_patch4_32(pretrained: bool = False, **kwargs) -> VisionTransformer
     return build_model_with_cfg(
         VisionTransformer,
         "vit_micro_patch4_32",
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        **model_args,
+    )
+
+
+@register_model
+def vit_micro_patch14_dinov2(pretrained: bool = False, **kwargs) -> VisionTransformer:
+    """DINOv2 layout at micro size (CPU tests): 56 px, patch 14 (16 patches), LayerScale 1e-5,
+    dim 64, depth 4, 4 heads (16 heads in all)."""
+    model_args = dict(img_size=56, patch_size=14, embed_dim=64, depth=4, num_heads=4, mlp_ratio=4.0, init_values=1e-5)
+    model_args.update(kwargs)
+    return build_model_with_cfg(
+        VisionTransformer,
+        "vit_micro_patch14_dinov2",
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         **model_args,

@@ -1,0 +1,209 @@
+"""SAPER: attention-head pruning with the LapSum soft top-k (arXiv 2608.00264), as vitexp reads it.
+
+This module holds the parts that exist so far: head selection, gating, physical removal, and the
+probe model whose FLOPs follow SAPER's protocol. The training objectives (fine-tune and
+distillation) come with the rest of the SAPER issue.
+
+- **Selection.** One learnable score per head over all heads of the model (L×H: 72 for ViT-S/14,
+  144 for ViT-B/14). The gates are g = soft_topk(scores, k_t, α_t) (vitexp/methods/lapsum.py),
+  and each head's output is scaled by its gate before the output projection.
+- **Schedule** (config keys). k_t anneals from the total head count to the budget k by a cosine
+  over the first ``anneal_fraction`` of training; α_t falls geometrically from ``alpha_start`` to
+  ``alpha_end`` over the same span.
+- **Deployment** keeps the top-k heads by score and **physically removes** the rest: their
+  q, k, v output rows and output-projection input columns are deleted. A layer with no head left
+  keeps only the output projection's bias, a constant with no MACs, so the deployed model equals
+  the hard-gated one.
+- **Probe model** (SAPER's head). A linear classifier on [CLS ‖ mean of patch tokens] after the
+  backbone's final norm; register tokens are excluded from the mean. Its MACs are counted with
+  the model's.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from timm.models.vision_transformer import Attention
+
+from vitexp.methods.base import Method
+from vitexp.methods.lapsum import soft_topk
+
+
+class ProbeModel(nn.Module):
+    """Backbone features -> Linear(2d -> classes) on [CLS ‖ mean of patch tokens]."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int):
+        super().__init__()
+        backbone.reset_classifier(0)
+        self.backbone = backbone
+        self.num_prefix_tokens = int(getattr(backbone, "num_prefix_tokens", 1))
+        self.head = nn.Linear(2 * backbone.embed_dim, num_classes)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.backbone.forward_features(x)
+        return torch.cat([tokens[:, 0], tokens[:, self.num_prefix_tokens:].mean(dim=1)], dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class GatedAttention(Attention):
+    """timm ``Attention`` whose heads are scaled by ``gate_values`` (H,) before the projection."""
+
+    gate_values: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
+                                             scale=self.scale)
+        if self.gate_values is not None:
+            out = out * self.gate_values.view(1, -1, 1, 1).to(out.dtype)
+        out = self.norm(out.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim))
+        return self.proj_drop(self.proj(out))
+
+
+class ConstantBranch(nn.Module):
+    """A layer whose heads were all removed: the output projection's bias, broadcast (no MACs)."""
+
+    def __init__(self, bias: torch.Tensor | None, dim: int):
+        super().__init__()
+        self.register_buffer("bias", bias.detach().clone() if bias is not None else torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        return self.bias.expand_as(x)
+
+
+def prune_attention_heads(attn: Attention, keep: torch.Tensor) -> nn.Module:
+    """A timm ``Attention`` with only the heads in ``keep`` (indices), or a :class:`ConstantBranch`."""
+    dim = attn.qkv.in_features
+    if keep.numel() == 0:
+        return ConstantBranch(attn.proj.bias, attn.proj.out_features)
+    H, d = attn.num_heads, attn.head_dim
+    rows = torch.cat([(part * H + keep).mul(d).unsqueeze(-1) + torch.arange(d) for part in range(3)]).flatten()
+    cols = (keep.mul(d).unsqueeze(-1) + torch.arange(d)).flatten()
+    qkv = nn.Linear(dim, rows.numel(), bias=attn.qkv.bias is not None).to(attn.qkv.weight)
+    qkv.weight.data.copy_(attn.qkv.weight.data[rows])
+    if attn.qkv.bias is not None:
+        qkv.bias.data.copy_(attn.qkv.bias.data[rows])
+    proj = nn.Linear(cols.numel(), attn.proj.out_features, bias=attn.proj.bias is not None).to(attn.proj.weight)
+    proj.weight.data.copy_(attn.proj.weight.data[:, cols])
+    if attn.proj.bias is not None:
+        proj.bias.data.copy_(attn.proj.bias.data)
+    attn.qkv, attn.proj = qkv, proj
+    attn.num_heads = int(keep.numel())
+    attn.attn_dim = attn.num_heads * d
+    if not isinstance(attn.norm, nn.Identity):
+        raise TypeError("head pruning with a scale norm over all heads is not supported")
+    attn.__class__ = GatedAttention
+    attn.gate_values = None
+    return attn
+
+
+class HeadSelector(nn.Module):
+    """Per-head scores and the annealed LapSum gates."""
+
+    def __init__(self, depth: int, heads: int, k: int, alpha_start: float, alpha_end: float, anneal_fraction: float):
+        super().__init__()
+        self.depth, self.heads, self.k = depth, heads, int(k)
+        self.alpha_start, self.alpha_end, self.anneal_fraction = alpha_start, alpha_end, anneal_fraction
+        self.scores = nn.Parameter(1e-3 * torch.randn(depth * heads))
+        self.register_buffer("progress", torch.zeros(()))
+
+    @property
+    def total(self) -> int:
+        return self.depth * self.heads
+
+    def schedule(self) -> tuple[float, float]:
+        """(k_t, α_t) at the current training progress (0 -> 1)."""
+        t = min(1.0, float(self.progress) / max(self.anneal_fraction, 1e-8))
+        k_t = self.k + (self.total - self.k) * 0.5 * (1 + math.cos(math.pi * t))
+        alpha_t = self.alpha_start * (self.alpha_end / self.alpha_start) ** t
+        return k_t, alpha_t
+
+    def gates(self) -> torch.Tensor:
+        k_t, alpha_t = self.schedule()
+        if k_t >= self.total - 1e-6:
+            return torch.ones(self.depth, self.heads, device=self.scores.device)
+        return soft_topk(self.scores, k_t, alpha_t).view(self.depth, self.heads)
+
+    def hard_mask(self) -> torch.Tensor:
+        mask = torch.zeros(self.total, device=self.scores.device)
+        mask[self.scores.detach().topk(self.k).indices] = 1.0
+        return mask.view(self.depth, self.heads)
+
+
+class HeadPrunedModel(ProbeModel):
+    """The probe model with gated heads (training) that deploys to a physically pruned one."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int, selector: HeadSelector, hard: bool = False):
+        super().__init__(backbone, num_classes)
+        self.selector = selector
+        self.hard = hard
+        for block in backbone.blocks:
+            block.attn.__class__ = GatedAttention
+
+    def set_progress(self, fraction: float) -> None:
+        self.selector.progress.fill_(fraction)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gates = self.selector.hard_mask() if self.hard else self.selector.gates()
+        for block, g in zip(self.backbone.blocks, gates):
+            block.attn.gate_values = g
+        return super().forward(x)
+
+    def deploy(self) -> ProbeModel:
+        """Keep the top-k heads by score; remove the others physically."""
+        import copy
+
+        deployed = copy.deepcopy(self)
+        mask = deployed.selector.hard_mask()
+        for block, m in zip(deployed.backbone.blocks, mask):
+            block.attn = prune_attention_heads(block.attn, m.nonzero().flatten().cpu())
+        plain = ProbeModel.__new__(ProbeModel)
+        nn.Module.__init__(plain)
+        plain.backbone, plain.head, plain.num_prefix_tokens = deployed.backbone, deployed.head, deployed.num_prefix_tokens
+        return plain
+
+
+def head_count(model: nn.Module) -> int:
+    """Attention heads present in a model (a ConstantBranch has none)."""
+    return sum(int(m.num_heads) for m in model.modules() if isinstance(m, Attention))
+
+
+class SaperHeads(Method):
+    """Head selection under a head budget (``budget=heads``, ``budget.k``)."""
+
+    objective: ClassVar[str] = "classify"
+    budget_kinds: ClassVar[tuple[str, ...]] = ("heads",)
+
+    def __init__(self, name: str = "saper_ft", alpha_start: float = 1.0, alpha_end: float = 0.01,
+                 anneal_fraction: float = 0.7, freeze_backbone: bool = True):
+        super().__init__(name)
+        self.alpha_start, self.alpha_end = float(alpha_start), float(alpha_end)
+        self.anneal_fraction, self.freeze_backbone = float(anneal_fraction), bool(freeze_backbone)
+
+    def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
+        from vitexp.config import ConfigError
+
+        super().validate_budget(budget, arch)
+        total = int(arch["depth"]) * int(arch["num_heads"])
+        if not 1 <= int(budget["k"]) < total:
+            raise ConfigError(f"budget.k: {budget['k']} heads must be in [1, {total - 1}] "
+                              f"(the backbone has {total} heads)")
+
+    def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
+        num_classes = backbone.num_classes
+        depth, heads = len(backbone.blocks), backbone.blocks[0].attn.num_heads
+        if self.freeze_backbone:
+            for p in backbone.parameters():
+                p.requires_grad_(False)
+        selector = HeadSelector(depth, heads, int(budget["k"]), self.alpha_start, self.alpha_end, self.anneal_fraction)
+        return HeadPrunedModel(backbone, num_classes, selector)
+
+    def deploy(self, model: nn.Module) -> nn.Module:
+        return model.deploy() if isinstance(model, HeadPrunedModel) else model
