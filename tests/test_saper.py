@@ -40,7 +40,8 @@ def test_a_layer_without_heads_keeps_only_the_projection_bias():
 
 def test_gates_anneal_from_all_heads_to_k_and_get_gradients():
     sel = HeadSelector(4, 4, k=3, alpha_start=1.0, alpha_end=0.01, anneal_fraction=0.5)
-    torch.testing.assert_close(sel.gates(), torch.ones(4, 4))
+    start = sel.gates()
+    assert float(start.sum()) == pytest.approx(15.5, abs=1e-4) and float(start.min()) > 0.9
     sel.progress.fill_(0.25)
     k_mid, _ = sel.schedule()
     assert 3 < k_mid < 16 and float(sel.gates().sum()) == pytest.approx(k_mid, abs=1e-4)
@@ -98,3 +99,31 @@ def test_training_anneals_the_head_budget_through_the_module(tmp_path):
     assert float(model.selector.gates().sum()) == pytest.approx(5.0, abs=1e-3)
     assert not torch.equal(before, model.selector.scores.detach())
     assert head_count(model.deploy()) == 5
+
+
+def test_weighted_knn_votes():
+    from vitexp.module import weighted_knn_votes
+
+    bank = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
+    labels = torch.tensor([0, 0, 1])
+    votes = weighted_knn_votes(torch.tensor([[1.0, 0.05], [0.05, 1.0]]), bank, labels, 2, k=2, temperature=0.07)
+    assert votes.argmax(-1).tolist() == [0, 1]
+    sims = torch.nn.functional.normalize(torch.tensor([[1.0, 0.05]]), dim=-1) @ torch.nn.functional.normalize(bank, dim=-1).T
+    top = sims[0].topk(2).values
+    torch.testing.assert_close(votes[0, 0], (top / 0.07).exp().sum())
+
+
+@pytest.mark.parametrize("method", ["saper_ft", "saper_kd"])
+def test_micro_dinov2_trains_in_both_modes_on_digits_and_ends_with_k_heads(method, make_cfg, results_dir, tmp_path):
+    from vitexp.train import train
+
+    from conftest import QUIET, ledger_entries
+
+    cfg = make_cfg(QUIET + ["backbone=dinov2_micro", f"method={method}", "budget=heads", "budget.k=5",
+                            "recipe.epochs=3", "recipe.warmup_epochs=0", "recipe.lr=0.01",
+                            "eval.throughput_iters=1", "eval.throughput_batch=8"], tmp_path / method)
+    metrics = train(cfg)["metrics"]
+    assert metrics["heads"] == 5
+    assert metrics["top1"] > 20  # 10 classes: chance is 10 %
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "completed" and entry["metrics"]["gmacs"] > 0

@@ -76,6 +76,7 @@ class VitexpDataModule(L.LightningDataModule):
         self.data_config = {**DEFAULT_DATA_CONFIG, **(data_config or {})}
         self.loader_seed = int(loader_seed)
         self.train_set = self.val_set = self.test_set = None
+        self.train_eval_set = None  # the training split with evaluation transforms (k-NN memory bank)
 
     @property
     def img_size(self) -> int:
@@ -97,6 +98,10 @@ class VitexpDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)
+
+    def train_eval_dataloader(self) -> DataLoader:
+        """The training split in order, with evaluation transforms (a k-NN classifier's memory bank)."""
+        return self._loader(self.train_eval_set if self.train_eval_set is not None else self.train_set, train=False)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)
@@ -144,6 +149,7 @@ class DigitsDataModule(VitexpDataModule):
         train_tf = v2.Compose([v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)), normalize])
         self.train_set = _TransformedTensorDataset(images[train_idx], labels[train_idx],
                                                    train_tf if self.augment else normalize)
+        self.train_eval_set = _TransformedTensorDataset(images[train_idx], labels[train_idx], normalize)
         self.val_set = _TransformedTensorDataset(images[val_idx], labels[val_idx], normalize)
         self.test_set = _TransformedTensorDataset(images[test_idx], labels[test_idx], normalize)
 
@@ -247,6 +253,8 @@ class ImageFolderDataModule(VitexpDataModule):
             folder = _require_dir(self.root / sub, f"{self.name} {split} split")
             tf = timm_transforms(self.data_config, split == "train", self.auto_augment, self.random_erase)
             sets[split] = ImageFolder(str(folder), transform=tf)
+            if split == "train":
+                self.train_eval_set = ImageFolder(str(folder), transform=timm_transforms(self.data_config, False))
             if len(sets[split].classes) != self.num_classes:
                 raise ValueError(
                     f"{folder} has {len(sets[split].classes)} class folders but data.num_classes={self.num_classes}"
@@ -284,4 +292,5 @@ class CIFAR100DataModule(VitexpDataModule):
                                               random_state=self.split_seed)
         self.train_set = Subset(full_train, train_idx)
         self.val_set = Subset(full_eval, val_idx)
+        self.train_eval_set = Subset(full_eval, train_idx)
         self.test_set = CIFAR100(str(self.root), train=False, transform=eval_tf, download=False)

@@ -79,6 +79,13 @@ class FlopsReport:
         return asdict(self)
 
 
+def count_heads(model: nn.Module) -> int:
+    """Attention heads present in a model (modules with a ``num_heads`` and a ``qkv`` or ``qk``
+    projection: timm's ViT and MetaFormer attentions and their patched forms)."""
+    return sum(int(m.num_heads) for m in model.modules()
+               if hasattr(m, "num_heads") and (hasattr(m, "qkv") or getattr(m, "qk", None) is not None))
+
+
 def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

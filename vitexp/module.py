@@ -154,7 +154,82 @@ def build_optimizer(model: nn.Module, recipe: Mapping[str, Any], lr: float, tota
     return optimizer, scheduler
 
 
-OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {"classify": ClassifyModule}
+def weighted_knn_votes(features: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
+                       k: int = 20, temperature: float = 0.07) -> torch.Tensor:
+    """DINO's weighted k-NN classifier: cosine similarities to the k nearest bank features,
+    weights exp(sim / T), summed per class. Returns (N, classes) votes (usable as logits)."""
+    sims = F.normalize(features, dim=-1) @ F.normalize(bank, dim=-1).T
+    top, idx = sims.topk(min(k, bank.shape[0]), dim=-1)
+    weights = (top / temperature).exp()
+    votes = torch.zeros(features.shape[0], num_classes, device=features.device, dtype=weights.dtype)
+    return votes.scatter_add_(1, bank_labels[idx], weights)
+
+
+class DistillModule(ClassifyModule):
+    """Feature distillation: the model returns (student tokens, teacher tokens) from
+    ``distill_targets(x)`` and its k-NN features from ``forward(x)``. The loss is per-token MSE
+    (or 1 − cosine) over CLS and patch tokens. Evaluation is a weighted k-NN classifier over the
+    training split's features (evaluation transforms), recomputed at every validation and test.
+    Accuracy logs as ``val/top1`` and ``test/top1`` like the classify objective."""
+
+    def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any], loss: str = "mse",
+                 knn_k: int = 20, knn_temperature: float = 0.07):
+        if loss not in ("mse", "cosine"):
+            raise ValueError(f"method.loss={loss!r}: valid losses are ('mse', 'cosine')")
+        super().__init__(model, num_classes, {**recipe, "mixup": 0.0, "cutmix": 0.0})
+        self.loss_kind, self.knn_k, self.knn_temperature = loss, int(knn_k), float(knn_temperature)
+        self._eval_feats: list[torch.Tensor] = []
+        self._eval_labels: list[torch.Tensor] = []
+
+    def distill_loss(self, x: torch.Tensor) -> torch.Tensor:
+        student, teacher = self.model.distill_targets(x)
+        if self.loss_kind == "mse":
+            return F.mse_loss(student, teacher)
+        return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = self.distill_loss(batch[0])
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(f"distillation loss is {loss.item()} at step {self.global_step}")
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
+        return loss
+
+    def _eval_step(self, batch, split: str) -> None:
+        x, y = batch
+        self._eval_feats.append(self.model(x).detach())
+        self._eval_labels.append(y)
+        self.log(f"{split}/loss", self.distill_loss(x), on_epoch=True, sync_dist=True)
+
+    @torch.no_grad()
+    def _knn_epoch_end(self, split: str) -> None:
+        if not self._eval_feats:
+            return
+        feats, labels = torch.cat(self._eval_feats), torch.cat(self._eval_labels)
+        self._eval_feats, self._eval_labels = [], []
+        loader = self.trainer.datamodule.train_eval_dataloader()
+        bank, bank_labels = [], []
+        for xb, yb in loader:
+            bank.append(self.model(xb.to(self.device)))
+            bank_labels.append(yb.to(self.device))
+        bank, bank_labels = torch.cat(bank), torch.cat(bank_labels)
+        if self.trainer.world_size > 1:  # every rank classifies its own samples against the whole bank
+            bank = self.all_gather(bank).flatten(0, 1)
+            bank_labels = self.all_gather(bank_labels).flatten(0, 1)
+        votes = weighted_knn_votes(feats, bank, bank_labels, self.num_classes, self.knn_k, self.knn_temperature)
+        top1, top5 = getattr(self, f"{split}_top1"), getattr(self, f"{split}_top5")
+        top1.update(votes, labels)
+        top5.update(votes, labels)
+        self.log(f"{split}/top1", top1, prog_bar=True)
+        self.log(f"{split}/top5", top5)
+
+    def on_validation_epoch_end(self) -> None:
+        self._knn_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._knn_epoch_end("test")
+
+
+OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {"classify": ClassifyModule, "distill": DistillModule}
 
 
 def module_for(objective: str) -> type[L.LightningModule]:

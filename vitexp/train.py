@@ -85,7 +85,7 @@ def resume_checkpoint(cfg: DictConfig, output_dir: Path) -> str | None:
 def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """FLOPs/params and throughput of the model as deployed; (metrics, protocol)."""
     from vitexp.bench import measure_throughput
-    from vitexp.flops import count_macs
+    from vitexp.flops import count_heads, count_macs
 
     deployed = method.deploy(model)
     img_size = int(cfg.backbone.img_size)
@@ -95,6 +95,7 @@ def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tupl
         report = count_macs(deployed, img_size)
         metrics.update(report.metrics())
         protocol.update(report.protocol)
+    metrics["heads"] = count_heads(deployed)
     if cfg.eval.throughput:
         tp = measure_throughput(deployed, int(cfg.eval.throughput_batch), img_size, iters=int(cfg.eval.throughput_iters))
         metrics["throughput"] = tp["throughput"]
@@ -119,7 +120,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         model, method, data_config = build_model(cfg)
         datamodule = build_datamodule(cfg, data_config)
-        module = module_for(method.objective)(model, num_classes=int(cfg.data.num_classes), recipe=cfg.recipe)
+        module = module_for(method.objective)(model, num_classes=int(cfg.data.num_classes), recipe=cfg.recipe,
+                                              **method.module_kwargs())
         logger = build_logger(cfg.logger, cfg.name, output_dir, config) if rank_zero else False
         trainer = build_trainer(cfg, logger, output_dir, callbacks)
         fit_start = time.perf_counter()

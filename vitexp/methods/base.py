@@ -38,6 +38,10 @@ class Method(abc.ABC):
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
         """Return the model to train (may modify ``backbone`` in place)."""
 
+    def module_kwargs(self) -> dict[str, Any]:
+        """Extra keyword arguments for the objective's LightningModule (e.g. the k-NN settings)."""
+        return {}
+
     def deploy(self, model: nn.Module) -> nn.Module:
         """The trained model as deployed (pruned parts physically removed). Default: as is."""
         return model

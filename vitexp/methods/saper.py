@@ -7,7 +7,8 @@ distillation) come with the rest of the SAPER issue.
 - **Selection.** One learnable score per head over all heads of the model (L×H: 72 for ViT-S/14,
   144 for ViT-B/14). The gates are g = soft_topk(scores, k_t, α_t) (vitexp/methods/lapsum.py),
   and each head's output is scaled by its gate before the output projection.
-- **Schedule** (config keys). k_t anneals from the total head count to the budget k by a cosine
+- **Schedule** (config keys). k_t anneals from the total head count (less ½, as the soft top-k needs
+  k < n) to the budget k by a cosine
   over the first ``anneal_fraction`` of training; α_t falls geometrically from ``alpha_start`` to
   ``alpha_end`` over the same span.
 - **Deployment** keeps the top-k heads by score and **physically removes** the rest: their
@@ -121,14 +122,13 @@ class HeadSelector(nn.Module):
     def schedule(self) -> tuple[float, float]:
         """(k_t, α_t) at the current training progress (0 -> 1)."""
         t = min(1.0, float(self.progress) / max(self.anneal_fraction, 1e-8))
-        k_t = self.k + (self.total - self.k) * 0.5 * (1 + math.cos(math.pi * t))
+        # from total − ½ (soft_topk needs k < n; every gate starts near 1) down to the budget k
+        k_t = self.k + (self.total - 0.5 - self.k) * 0.5 * (1 + math.cos(math.pi * t))
         alpha_t = self.alpha_start * (self.alpha_end / self.alpha_start) ** t
         return k_t, alpha_t
 
     def gates(self) -> torch.Tensor:
         k_t, alpha_t = self.schedule()
-        if k_t >= self.total - 1e-6:
-            return torch.ones(self.depth, self.heads, device=self.scores.device)
         return soft_topk(self.scores, k_t, alpha_t).view(self.depth, self.heads)
 
     def hard_mask(self) -> torch.Tensor:
@@ -150,10 +150,14 @@ class HeadPrunedModel(ProbeModel):
     def set_progress(self, fraction: float) -> None:
         self.selector.progress.fill_(fraction)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_gates(self) -> None:
+        """Set every attention's gates for the next forward pass (hard top-k when ``hard``)."""
         gates = self.selector.hard_mask() if self.hard else self.selector.gates()
         for block, g in zip(self.backbone.blocks, gates):
             block.attn.gate_values = g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_gates()
         return super().forward(x)
 
     def deploy(self) -> ProbeModel:
@@ -172,7 +176,9 @@ class HeadPrunedModel(ProbeModel):
 
 def head_count(model: nn.Module) -> int:
     """Attention heads present in a model (a ConstantBranch has none)."""
-    return sum(int(m.num_heads) for m in model.modules() if isinstance(m, Attention))
+    from vitexp.flops import count_heads
+
+    return count_heads(model)
 
 
 class SaperHeads(Method):
@@ -191,6 +197,9 @@ class SaperHeads(Method):
         from vitexp.config import ConfigError
 
         super().validate_budget(budget, arch)
+        if arch.get("family") == "metaformer":
+            raise ConfigError(f"method {self.name} does not apply to a MetaFormer backbone: it prunes the heads of "
+                              "a ViT's blocks (use a DINOv2, DeiT, T2T-ViT or LV-ViT backbone)")
         total = int(arch["depth"]) * int(arch["num_heads"])
         if not 1 <= int(budget["k"]) < total:
             raise ConfigError(f"budget.k: {budget['k']} heads must be in [1, {total - 1}] "
@@ -207,3 +216,65 @@ class SaperHeads(Method):
 
     def deploy(self, model: nn.Module) -> nn.Module:
         return model.deploy() if isinstance(model, HeadPrunedModel) else model
+
+
+class DistillPair(nn.Module):
+    """A head-pruned student and its frozen unpruned teacher. ``forward`` gives the student's
+    k-NN features ([CLS ‖ mean patch] after the final norm); ``distill_targets`` the student's and
+    teacher's tokens (CLS and patches; registers excluded)."""
+
+    def __init__(self, student: HeadPrunedModel, teacher: nn.Module):
+        super().__init__()
+        self.student = student
+        self.teacher = teacher.eval()
+        for p in self.teacher.parameters():
+            p.requires_grad_(False)
+
+    def set_progress(self, fraction: float) -> None:
+        self.student.set_progress(fraction)
+
+    def train(self, mode: bool = True) -> "DistillPair":
+        super().train(mode)
+        self.teacher.eval()
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.student.forward_gates()
+        return self.student.features(x)
+
+    def distill_targets(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.student.forward_gates()
+        p = self.student.num_prefix_tokens
+        s = self.student.backbone.forward_features(x)
+        with torch.no_grad():
+            t = self.teacher.forward_features(x)
+        keep = [0] + list(range(p, s.shape[1]))
+        return s[:, keep], t[:, keep]
+
+    def deploy(self) -> ProbeModel:
+        return self.student.deploy()
+
+
+class SaperDistill(SaperHeads):
+    """``method=saper_kd``: the student's tokens regress onto the frozen teacher's; k-NN evaluation."""
+
+    objective: ClassVar[str] = "distill"
+
+    def __init__(self, name: str = "saper_kd", alpha_start: float = 1.0, alpha_end: float = 0.01,
+                 anneal_fraction: float = 0.7, freeze_backbone: bool = True, loss: str = "mse",
+                 knn_k: int = 20, knn_temperature: float = 0.07):
+        super().__init__(name, alpha_start, alpha_end, anneal_fraction, freeze_backbone)
+        self.loss, self.knn_k, self.knn_temperature = loss, int(knn_k), float(knn_temperature)
+
+    def module_kwargs(self) -> dict[str, Any]:
+        return {"loss": self.loss, "knn_k": self.knn_k, "knn_temperature": self.knn_temperature}
+
+    def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
+        import copy
+
+        teacher = copy.deepcopy(backbone)
+        teacher.reset_classifier(0)
+        return DistillPair(super().apply(backbone, budget), teacher)
+
+    def deploy(self, model: nn.Module) -> nn.Module:
+        return model.deploy() if isinstance(model, DistillPair) else super().deploy(model)
