@@ -97,7 +97,7 @@ def train_main() -> None:
 # -- vitexp-flops --------------------------------------------------------------------------------
 def run_flops(cfg: DictConfig) -> dict[str, Any]:
     """Params and MACs of the configured model as deployed, without training; one ledger entry."""
-    from vitexp.flops import count_macs
+    from vitexp.flops import count_heads, count_macs
     from vitexp.results import LedgerEntry
     from vitexp.train import build_model
 
@@ -106,8 +106,9 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
     ledger = LedgerEntry(cfg.name, "flops", config, cfg.results_dir).start()
     try:
         model, method, _ = build_model(cfg)
-        report = count_macs(method.deploy(model), int(cfg.backbone.img_size))
-        metrics = report.metrics()
+        deployed = method.deploy(model)
+        report = count_macs(deployed, int(cfg.backbone.img_size))
+        metrics = {**report.metrics(), "heads": count_heads(deployed)}
         protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
         print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
               f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {cfg.backbone.img_size} px, "

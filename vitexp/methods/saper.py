@@ -278,3 +278,19 @@ class SaperDistill(SaperHeads):
 
     def deploy(self, model: nn.Module) -> nn.Module:
         return model.deploy() if isinstance(model, DistillPair) else super().deploy(model)
+
+
+class LinearProbe(Method):
+    """``method=probe``: the unpruned, frozen backbone with SAPER's linear head (its reference rows)."""
+
+    objective: ClassVar[str] = "classify"
+    budget_kinds: ClassVar[tuple[str, ...]] = ("none",)
+
+    def __init__(self, name: str = "probe"):
+        super().__init__(name)
+
+    def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
+        num_classes = backbone.num_classes
+        for p in backbone.parameters():
+            p.requires_grad_(False)
+        return ProbeModel(backbone, num_classes)
