@@ -261,8 +261,78 @@ def audit_main(argv: list[str] | None = None) -> None:
     _print_result({"status": "completed", "metrics": metrics, "report": str(out), "ledger": str(path)})
 
 
+def analyze_main(argv: list[str] | None = None) -> None:
+    """``vitexp-analyze {laplace,clusters} [options] [overrides]``: Laplace maps or head clustering
+    of the configured backbone (``backbone.pretrained`` for real weights) on the configured data's
+    test split; a PNG under ``results/analysis/``, a ledger entry (kind analyze), W&B images."""
+    import argparse
+
+    from vitexp.analysis import heads as head_analysis
+    from vitexp.config import compose
+    from vitexp.logging_utils import build_logger, finish, wandb_url
+    from vitexp.models import build_backbone
+    from vitexp.results import LedgerEntry
+    from vitexp.train import build_datamodule
+
+    parser = argparse.ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
+    parser.add_argument("analysis", choices=("laplace", "clusters"))
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. backbone=dinov2_vitb14 backbone.pretrained=/p")
+    parser.add_argument("--images", type=int, default=256, help="clusters: test images used")
+    parser.add_argument("--image-index", type=int, default=0, help="laplace: which test image")
+    parser.add_argument("--clusters", type=int, default=4, help="clusters: number of spectral clusters")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg = compose(args.overrides, return_hydra_config=True)
+        choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if v}
+        with open_dict(cfg):  # no Hydra run directory here: outputs go beside the figures
+            del cfg["hydra"]
+            cfg.output_dir = str(Path(cfg.results_dir) / "analysis")
+            cfg.name = run_name(cfg, choices, args.overrides)
+        validate(cfg)
+    except Exception as err:  # composition or validation: nothing written
+        print(f"vitexp-analyze: {err}", file=sys.stderr)
+        _print_result({"status": "invalid", "error": str(err), "ledger": None})
+        raise SystemExit(2) from None
+    config = {**to_container(cfg), "analysis": vars(args)}
+    ledger = LedgerEntry(cfg.name, "analyze", config, cfg.results_dir).start()
+    logger = None
+    try:
+        from timm.data import resolve_data_config
+
+        model = build_backbone(cfg.backbone, num_classes=int(cfg.data.num_classes)).eval()
+        datamodule = build_datamodule(cfg, resolve_data_config({}, model=model))
+        datamodule.setup("test")
+        test = datamodule.test_set
+        prefix = int(getattr(model, "num_prefix_tokens", 1))
+        out = Path(cfg.results_dir) / "analysis" / f"{cfg.name}_{args.analysis}.png"
+        if args.analysis == "laplace":
+            image = test[args.image_index][0]
+            metrics = head_analysis.laplace_grid(model, image, prefix, out)
+        else:
+            import torch
+
+            n = min(args.images, len(test))
+            images = torch.stack([test[i][0] for i in range(n)])
+            metrics = head_analysis.head_clusters(model, images, prefix, args.clusters, out)
+        logger = build_logger(cfg.logger, cfg.name, Path(cfg.results_dir) / "analysis", config, job_type="analyze")
+        if logger and hasattr(logger, "log_image"):
+            logger.log_image(key=args.analysis, images=[str(out)])
+        path = ledger.finish({k: v for k, v in metrics.items() if k != "labels"},
+                             {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
+                             figure=str(out), head_clusters=metrics.get("labels"), wandb_url=wandb_url(logger))
+    except BaseException as err:
+        if ledger.record["status"] == "running":
+            ledger.fail(err)
+        finish(logger, failed=True)
+        _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}", "ledger": str(ledger.path)})
+        raise SystemExit(1) from err
+    finish(logger)
+    print(f"{cfg.name}: {args.analysis} -> {out}")
+    _print_result({"status": "completed", "metrics": metrics, "figure": str(out), "ledger": str(path)})
+
+
 _APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "sweep": sweep_main, "tables": tables_main,
-         "audit": audit_main}
+         "audit": audit_main, "analyze": analyze_main}
 
 if __name__ == "__main__":  # python -m vitexp.cli {train,flops,bench,sweep,tables} [args]
     if len(sys.argv) < 2 or sys.argv[1] not in _APPS:

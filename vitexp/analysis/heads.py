@@ -1,0 +1,140 @@
+"""Interpretability of attention heads (SAPER's analyses): Laplace maps and head clustering.
+
+- **Laplace maps** (``vitexp-analyze laplace``). For each head, the attention among patch tokens of
+  one image is a weighted graph.
+  - It is directed (row-softmax), so its normalised Laplacian would not be symmetric PSD (the
+    review's objection). vitexp symmetrises it: W = (A + Aᵀ)/2.
+  - L = I − D^{−1/2} W D^{−1/2}, with D = diag(W·1).
+  - Eigenvectors 2–4 of L (the Fiedler vector and the next two) are each min–max scaled to [0, 1]
+    and drawn as the R, G and B channels over the patch grid.
+  - The output is a PNG grid of layers × heads.
+- **Head clustering** (``vitexp-analyze clusters``).
+  - Per image and head: the maximal attention the CLS query pays to a patch token.
+  - The Pearson correlation of these values between heads over the dataset, then spectral
+    clustering of the heads with affinity (1 + ρ)/2.
+  - Davies–Bouldin and silhouette scores (scikit-learn) of the clustering, with each head
+    represented by its vector over the images.
+  - A heatmap of the correlation, ordered by cluster.
+
+Attention probabilities are recomputed from each block's own q/k projection on the block's input,
+so fused attention (SDPA) needs no change.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+
+@torch.no_grad()
+def attention_maps(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """Post-softmax attention of every block: (layers, B, heads, N, N)."""
+    blocks = model.blocks
+    inputs: list[torch.Tensor] = []
+    hooks = [b.attn.register_forward_pre_hook(lambda m, args: inputs.append(args[0])) for b in blocks]
+    try:
+        model.eval()
+        model.forward_features(images) if hasattr(model, "forward_features") else model(images)
+    finally:
+        for h in hooks:
+            h.remove()
+    maps = []
+    for block, x in zip(blocks, inputs):
+        attn = block.attn
+        B, N, _ = x.shape
+        q, k, _ = attn.qkv(x).reshape(B, N, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        maps.append(((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1))
+    return torch.stack(maps)
+
+
+def normalized_laplacian(adjacency: torch.Tensor) -> torch.Tensor:
+    """L = I − D^{−1/2} W D^{−1/2} of the symmetrised graph W = (A + Aᵀ)/2."""
+    w = 0.5 * (adjacency + adjacency.transpose(-1, -2))
+    d = w.sum(-1).clamp(min=1e-12).rsqrt()
+    eye = torch.eye(w.shape[-1], dtype=w.dtype, device=w.device)
+    return eye - d.unsqueeze(-1) * w * d.unsqueeze(-2)
+
+
+def laplace_rgb(patch_attention: torch.Tensor, side: int) -> np.ndarray:
+    """Eigenvectors 2–4 of the normalised Laplacian, min–max scaled, as an (side, side, 3) image."""
+    lap = normalized_laplacian(patch_attention.double())
+    _, vecs = torch.linalg.eigh(lap)
+    rgb = vecs[:, 1:4]
+    lo, hi = rgb.min(0).values, rgb.max(0).values
+    rgb = (rgb - lo) / (hi - lo).clamp(min=1e-12)
+    return rgb.reshape(side, side, 3).float().numpy()
+
+
+def laplace_grid(model: nn.Module, image: torch.Tensor, num_prefix: int, out: Path) -> dict[str, Any]:
+    """Write the layers × heads PNG of Laplace maps for one image; returns summary numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    maps = attention_maps(model, image.unsqueeze(0))[:, 0]  # layers, heads, N, N
+    L, H = maps.shape[:2]
+    n_patch = maps.shape[-1] - num_prefix
+    side = int(round(n_patch ** 0.5))
+    fig, axes = plt.subplots(L, H, figsize=(1.2 * H + 1, 1.2 * L + 0.6), squeeze=False)
+    min_eig = 1.0
+    for l in range(L):
+        for h in range(H):
+            a = maps[l, h, num_prefix:, num_prefix:]
+            min_eig = min(min_eig, float(torch.linalg.eigvalsh(normalized_laplacian(a.double())).min()))
+            axes[l][h].imshow(laplace_rgb(a, side), interpolation="nearest")
+            axes[l][h].set_xticks([])
+            axes[l][h].set_yticks([])
+            if l == 0:
+                axes[l][h].set_title(f"head {h}", fontsize=7)
+            if h == 0:
+                axes[l][h].set_ylabel(f"layer {l}", fontsize=7)
+    fig.suptitle("Laplace maps: eigenvectors 2-4 of the normalised Laplacian of (A + A^T)/2 as RGB", fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return {"layers": L, "heads": H, "grid_side": side, "min_laplacian_eigenvalue": min_eig}
+
+
+def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clusters: int, out: Path,
+                  batch_size: int = 64) -> dict[str, Any]:
+    """Cluster heads by the correlation of their maximal CLS attention over images; heatmap PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.cluster import SpectralClustering
+    from sklearn.metrics import davies_bouldin_score, silhouette_score
+
+    values = []
+    for chunk in images.split(batch_size):
+        maps = attention_maps(model, chunk)  # layers, B, heads, N, N
+        cls_max = maps[:, :, :, 0, num_prefix:].amax(-1)  # layers, B, heads
+        values.append(cls_max.permute(1, 0, 2).reshape(chunk.shape[0], -1))
+    x = torch.cat(values).double().numpy()  # images, heads
+    corr = np.nan_to_num(np.corrcoef(x.T), nan=0.0)
+    np.fill_diagonal(corr, 1.0)
+    affinity = (1.0 + corr) / 2.0
+    labels = SpectralClustering(n_clusters=n_clusters, affinity="precomputed", random_state=0).fit_predict(affinity)
+    heads_x = x.T  # each head as its vector over the images
+    scores = {"davies_bouldin": float(davies_bouldin_score(heads_x, labels)),
+              "silhouette": float(silhouette_score(heads_x, labels))}
+    order = np.argsort(labels, kind="stable")
+    fig, ax = plt.subplots(figsize=(6, 5))
+    im = ax.imshow(corr[np.ix_(order, order)], cmap="RdBu_r", vmin=-1, vmax=1)
+    fig.colorbar(im, ax=ax, label="Pearson correlation")
+    ax.set_title(f"Heads ordered by spectral cluster (k={n_clusters}); max CLS attention, {x.shape[0]} images",
+                 fontsize=8)
+    ax.set_xlabel("head (layer-major index)")
+    ax.set_ylabel("head")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return {**scores, "n_clusters": n_clusters, "images": int(x.shape[0]), "heads": int(x.shape[1]),
+            "labels": labels.tolist()}
