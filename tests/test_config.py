@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import timm
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 import vitexp.config as vconfig
@@ -82,9 +81,10 @@ def test_backbone_arch_facts_match_the_built_model(backbone):
     import vitexp  # noqa: F401  (registers vitexp models)
     from vitexp.models import backbone_info
 
+    from vitexp.models import build_backbone
+
     cfg = vconfig.compose([f"backbone={backbone}"])
-    model = timm.create_model(cfg.backbone.timm_name, pretrained=False)
-    info = backbone_info(model)
+    info = backbone_info(build_backbone(cfg.backbone, num_classes=10))
     arch = cfg.backbone.arch
     assert (info.depth, info.num_heads, info.embed_dim, info.patch_size, info.num_prefix_tokens) == (
         arch.depth, arch.num_heads, arch.embed_dim, arch.patch_size, arch.num_prefix_tokens)

@@ -181,6 +181,15 @@ def head_count(model: nn.Module) -> int:
     return count_heads(model)
 
 
+def require_vit(method: str, arch: Mapping[str, Any]) -> None:
+    """SAPER's methods read a ViT's CLS and patch tokens from ``forward_features``."""
+    from vitexp.config import ConfigError
+
+    if arch.get("family") == "metaformer":
+        raise ConfigError(f"method {method} does not apply to a MetaFormer backbone: it needs a ViT's blocks and "
+                          "CLS token (use a DINOv2, DeiT, T2T-ViT or LV-ViT backbone)")
+
+
 class SaperHeads(Method):
     """Head selection under a head budget (``budget=heads``, ``budget.k``)."""
 
@@ -197,9 +206,7 @@ class SaperHeads(Method):
         from vitexp.config import ConfigError
 
         super().validate_budget(budget, arch)
-        if arch.get("family") == "metaformer":
-            raise ConfigError(f"method {self.name} does not apply to a MetaFormer backbone: it prunes the heads of "
-                              "a ViT's blocks (use a DINOv2, DeiT, T2T-ViT or LV-ViT backbone)")
+        require_vit(self.name, arch)
         total = int(arch["depth"]) * int(arch["num_heads"])
         if not 1 <= int(budget["k"]) < total:
             raise ConfigError(f"budget.k: {budget['k']} heads must be in [1, {total - 1}] "
@@ -288,6 +295,10 @@ class LinearProbe(Method):
 
     def __init__(self, name: str = "probe"):
         super().__init__(name)
+
+    def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
+        super().validate_budget(budget, arch)
+        require_vit(self.name, arch)
 
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
         num_classes = backbone.num_classes
