@@ -22,7 +22,7 @@ import tempfile
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 from vitexp import PROJECT_ROOT
 
@@ -176,12 +176,3 @@ def completed_runs(experiment: str | None = None, kind: str | None = None,
         and (experiment is None or r.get("experiment") == experiment)
         and (kind is None or r.get("kind") == kind)
     ]
-
-
-def latest_metric(runs: Iterable[dict[str, Any]], key: str) -> tuple[Any, dict[str, Any]] | None:
-    """The newest completed run that has metric ``key``: (value, run)."""
-    found = None
-    for run in runs:
-        if run.get("status") == "completed" and run.get("metrics", {}).get(key) is not None:
-            found = (run["metrics"][key], run)
-    return found

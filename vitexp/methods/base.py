@@ -6,14 +6,12 @@ from typing import Any, ClassVar, Mapping
 
 import torch.nn as nn
 
-#: Objectives a LightningModule exists for (vitexp/module.py).
-OBJECTIVES = ("classify", "distill", "probe")
-
 
 class Method(abc.ABC):
     """Turns a backbone into the model to train.
 
-    Subclasses set ``objective`` (which LightningModule trains the result) and
+    Subclasses set ``objective`` (which LightningModule of ``vitexp.module.OBJECTIVE_MODULES``
+    trains the result) and
     ``budget_kinds`` (the ``budget`` group options they accept), and take their knobs as named
     constructor arguments (the keys of their ``conf/method/*.yaml``).
     """

@@ -26,22 +26,22 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from timm.models.vision_transformer import Attention
 
 from vitexp.methods.base import Method
+from vitexp.models._common import ScaledAttention
 from vitexp.methods.lapsum import soft_topk
 
 
 class ProbeModel(nn.Module):
     """Backbone features -> Linear(2d -> classes) on [CLS ‖ mean of patch tokens]."""
 
-    def __init__(self, backbone: nn.Module, num_classes: int):
+    def __init__(self, backbone: nn.Module, num_classes: int, head: nn.Linear | None = None):
         super().__init__()
         backbone.reset_classifier(0)
         self.backbone = backbone
         self.num_prefix_tokens = int(getattr(backbone, "num_prefix_tokens", 1))
-        self.head = nn.Linear(2 * backbone.embed_dim, num_classes)
+        self.head = head if head is not None else nn.Linear(2 * backbone.embed_dim, num_classes)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.backbone.forward_features(x)
@@ -51,21 +51,8 @@ class ProbeModel(nn.Module):
         return self.head(self.features(x))
 
 
-class GatedAttention(Attention):
-    """timm ``Attention`` whose heads are scaled by ``gate_values`` (H,) before the projection."""
-
-    gate_values: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-        B, N, _ = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
-                                             scale=self.scale)
-        if self.gate_values is not None:
-            out = out * self.gate_values.view(1, -1, 1, 1).to(out.dtype)
-        out = self.norm(out.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim))
-        return self.proj_drop(self.proj(out))
+#: The gated attention SAPER swaps in: timm's attention with per-head gates before the projection.
+GatedAttention = ScaledAttention
 
 
 class ConstantBranch(nn.Module):
@@ -168,10 +155,7 @@ class HeadPrunedModel(ProbeModel):
         mask = deployed.selector.hard_mask()
         for block, m in zip(deployed.backbone.blocks, mask):
             block.attn = prune_attention_heads(block.attn, m.nonzero().flatten().cpu())
-        plain = ProbeModel.__new__(ProbeModel)
-        nn.Module.__init__(plain)
-        plain.backbone, plain.head, plain.num_prefix_tokens = deployed.backbone, deployed.head, deployed.num_prefix_tokens
-        return plain
+        return ProbeModel(deployed.backbone, deployed.head.out_features, head=deployed.head)
 
 
 def head_count(model: nn.Module) -> int:

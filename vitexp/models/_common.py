@@ -5,8 +5,10 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import trunc_normal_
+from timm.models.vision_transformer import Attention
 
 
 def official_cfg(first_conv: str, **kwargs) -> dict[str, Any]:
@@ -71,3 +73,21 @@ class ClsTokenViT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
+
+
+class ScaledAttention(Attention):
+    """timm ``Attention`` whose fused path honours ``self.scale`` (T2T-ViT's ``qk_scale``) and,
+    when ``gate_values`` (heads,) is set, scales each head's output before the projection (SAPER)."""
+
+    gate_values: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        B, N, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
+                                             scale=self.scale)
+        if self.gate_values is not None:
+            out = out * self.gate_values.view(1, -1, 1, 1).to(out.dtype)
+        out = self.norm(out.transpose(1, 2).reshape(B, N, self.num_heads * self.head_dim))
+        return self.proj_drop(self.proj(out))

@@ -28,22 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from timm.layers import Mlp, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
-from timm.models.vision_transformer import Attention, Block
+from timm.models.vision_transformer import Block
 
-from vitexp.models._common import ClsTokenViT, init_weights, official_cfg, official_checkpoint_filter
-
-
-class ScaledAttention(Attention):
-    """timm ``Attention`` whose fused path uses ``self.scale`` (T2T-ViT's ``qk_scale``)."""
-
-    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
-        B, N, _ = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
-                                           scale=self.scale)
-        x = self.norm(x.transpose(1, 2).reshape(B, N, self.attn_dim))
-        return self.proj_drop(self.proj(x))
+from vitexp.models._common import ClsTokenViT, ScaledAttention, init_weights, official_cfg, official_checkpoint_filter
 
 
 class TokenPerformer(nn.Module):
