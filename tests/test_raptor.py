@@ -1,4 +1,5 @@
-"""RAPTOR's phases and surrogate architecture (vitexp/methods/raptor.py); training comes later."""
+"""RAPTOR (vitexp/methods/raptor.py): phases, surrogate, the two training stages, the cache,
+the probes in a run, the phases analysis and the FLOPs audit."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,18 @@ import torch
 
 import vitexp  # noqa: F401
 from vitexp.flops import count_macs
-from vitexp.methods.raptor import RaptorSurrogate, layer_distance_matrix, max_cut_phases, phases_for_blocks
+from vitexp.config import ConfigError
+from vitexp.methods.raptor import (
+    RaptorDistill,
+    RaptorSurrogate,
+    TeacherCache,
+    anneal_tau,
+    layer_distance_matrix,
+    max_cut_phases,
+    phases_for_blocks,
+    teacher_states,
+    weighted_token_mse,
+)
 from vitexp.methods.saper import ProbeModel
 
 
@@ -73,3 +85,206 @@ def test_surrogate_runs_all_layers_with_k_blocks_and_only_blocks_train():
     assert trainable == {"blocks"}
     out.sum().backward()
     assert all(p.grad is not None for p in surrogate.blocks.parameters())
+
+
+def micro_teacher(reg_tokens: int = 4, depth: int = 4):
+    torch.manual_seed(0)
+    return timm.create_model("vit_micro_patch14_dinov2", num_classes=0, reg_tokens=reg_tokens, depth=depth).eval()
+
+
+def test_tau_anneals_from_teacher_forced_to_autoregressive_over_a_quarter_of_the_steps():
+    assert [anneal_tau(p) for p in (0.0, 0.125, 0.25, 0.5, 1.0)] == [1.0, 0.5, 0.0, 0.0, 0.0]
+
+
+def test_weighted_token_mse_weights_cls_registers_and_patches():
+    target = torch.zeros(2, 1 + 4 + 16, 8)
+    for kind, sl, weight in (("cls", slice(0, 1), 0.45), ("registers", slice(1, 5), 0.10), ("patches", slice(5, None), 0.45)):
+        pred = target.clone()
+        pred[:, sl] = 2.0  # squared error 4 on that kind's tokens only
+        assert float(weighted_token_mse(pred, target, 5)) == pytest.approx(4 * weight), kind
+    pred = target.clone()
+    pred[:, 1:] = 1.0  # no registers: CLS and patches renormalised to 0.5 each
+    assert float(weighted_token_mse(pred[:, [0] + list(range(5, 21))], target[:, [0] + list(range(5, 21))], 1)) == \
+        pytest.approx(0.5)
+
+
+def test_teacher_states_are_the_blocks_outputs():
+    teacher = micro_teacher()
+    x = torch.randn(2, 3, 56, 56)
+    h = teacher_states(teacher, x)
+    assert h.shape == (5, 2, 21, 64)
+    torch.testing.assert_close(teacher.norm(h[-1]), teacher.forward_features(x))
+
+
+def pair_with_recorded_blocks():
+    """A micro teacher/surrogate pair, an input, the teacher's states, and the list each block
+    application appends (its input, its output) to."""
+    teacher = micro_teacher()
+    pair = RaptorDistill(teacher, RaptorSurrogate(teacher, [[0, 1], [2, 3]]))
+    x = torch.randn(2, 3, 56, 56)
+    seen = []
+    for block in pair.surrogate.blocks:
+        block.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
+    return pair, x, teacher_states(teacher, x), seen
+
+
+def test_stage1_teacher_forced_feeds_each_block_the_teachers_states_and_trains_only_blocks():
+    pair, x, h, seen = pair_with_recorded_blocks()
+    loss = pair.stage1_loss(x, tau=1.0)
+    assert len(seen) == 4
+    for (got, _), layer in zip(seen, [0, 1, 2, 3]):
+        torch.testing.assert_close(got, h[layer])
+    loss.backward()
+    assert all(p.grad is not None for p in pair.surrogate.blocks.parameters())
+    assert all(p.grad is None for p in pair.teacher.parameters())
+
+
+def test_stage1_autoregressive_feeds_each_block_its_own_output_from_the_phase_start():
+    pair, x, h, seen = pair_with_recorded_blocks()
+    pair.stage1_loss(x, tau=0.0)
+    (in0, out0), (in1, _), (in2, out2), (in3, _) = seen
+    torch.testing.assert_close(in0, h[0])
+    torch.testing.assert_close(in1, out0)  # recurrent: its own output
+    torch.testing.assert_close(in2, h[2])  # the second block starts from the teacher at its phase start
+    torch.testing.assert_close(in3, out2)
+
+
+def test_stage2_runs_the_whole_surrogate_and_equals_the_weighted_mse_per_layer():
+    teacher = micro_teacher()
+    pair = RaptorDistill(teacher, RaptorSurrogate(teacher, [[0, 1], [2, 3]]))
+    x = torch.randn(2, 3, 56, 56)
+    h = teacher_states(teacher, x)
+    z, expected = h[0], []
+    for block, phase in zip(pair.surrogate.blocks, pair.surrogate.phases):
+        for layer in phase:
+            z = block(z, layer)
+            expected.append(weighted_token_mse(z, h[layer + 1], 5))
+    torch.testing.assert_close(pair.stage2_loss(x), sum(expected) / 4)
+    torch.testing.assert_close(teacher.norm(z), pair.surrogate.forward_features(x))
+    final = RaptorDistill(teacher, pair.surrogate, stage2_targets="final")
+    torch.testing.assert_close(final.stage2_loss(x), expected[-1] * 0 + weighted_token_mse(z, h[-1], 5))
+
+
+def test_teacher_cache_hits_on_the_same_images_and_misses_on_new_ones(tmp_path):
+    teacher = micro_teacher()
+    cache = TeacherCache(tmp_path / "cache", teacher)
+    x = torch.randn(3, 3, 56, 56)
+    first = cache.states(teacher, x)
+    assert (cache.hits, cache.misses) == (0, 3) and len(list(cache.dir.glob("*.pt"))) == 3
+    again = cache.states(teacher, torch.cat([x[:2], torch.randn(1, 3, 56, 56)]))
+    assert (cache.hits, cache.misses) == (2, 4)
+    torch.testing.assert_close(again[:, :2], first[:, :2], rtol=1e-3, atol=1e-3)  # stored in float16
+    torch.testing.assert_close(first, teacher_states(teacher, x), rtol=1e-3, atol=1e-3)
+    other = micro_teacher(depth=4)
+    other.blocks[0].mlp.fc1.weight.data += 1
+    assert TeacherCache(tmp_path / "cache", other).dir != cache.dir  # another teacher, another folder
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["budget.k=4"], r"budget.k: 4 blocks must be in \[1, 3\]"),
+    (["budget=heads"], "accepts budget kinds \\['blocks'\\]"),
+    (["method.phases=[[0,1,2],[4,5]]"], "method.phases"),
+    (["+method.probe.lrr=1"], "method.probe: unknown recipe keys"),  # past Hydra's struct check
+    (["backbone=caformer_micro"], "MetaFormer"),
+])
+def test_raptor_config_errors_name_the_key(make_cfg, overrides, match):
+    from vitexp.config import validate
+
+    base = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor"]
+    with pytest.raises(ConfigError, match=match):
+        validate(make_cfg(base + overrides))
+
+
+def test_run_weights_that_do_not_exist_name_what_to_run(make_cfg):
+    from vitexp.config import validate
+
+    with pytest.raises(ConfigError, match="vitexp-train experiment=raptor_micro_teacher"):
+        validate(make_cfg(["experiment=raptor_micro"]))
+
+
+def test_micro_raptor_run_trains_teacher_then_surrogate_then_both_probes(make_cfg, results_dir, tmp_path):
+    """Teacher (a short demo-recipe run) -> ``backbone.pretrained=run:<teacher>`` -> phases from
+    its distance matrix, stages 1 and 2, the probes; the ledger holds both accuracies."""
+    from conftest import QUIET, ledger_entries
+    from vitexp.train import train
+
+    small = ["eval.throughput_iters=1", "eval.throughput_batch=8"]
+    teacher = train(make_cfg(QUIET + small + ["experiment=raptor_micro_teacher", "recipe.epochs=4",
+                                              "recipe.warmup_epochs=1"], tmp_path / "teacher"))
+    out = train(make_cfg(QUIET + small + ["experiment=raptor_micro", f"backbone.pretrained=run:{teacher['run_id']}",
+                                          "recipe.epochs=2", "method.probe.epochs=3", "method.phase_images=64",
+                                          "recipe.warmup_steps=4"], tmp_path / "raptor"))
+    m = out["metrics"]
+    assert {"top1", "teacher_top1", "recovered", "stage1_val_loss", "stage2_val_loss"} <= set(m)
+    assert m["recovered"] == pytest.approx(m["top1"] / m["teacher_top1"])
+    assert m["teacher_top1"] > 20 and m["top1"] > 10  # 10 classes
+    assert m["heads"] == 8  # 2 blocks x 4 heads, applied over 6 layers
+    entry = [e for e in ledger_entries(results_dir) if e["run_id"] == out["run_id"]][0]
+    assert entry["status"] == "completed" and entry["protocol"]["registers"] == 4
+    assert len(entry["phases"]) == 2 and sum(map(len, entry["phases"])) == 6
+    assert entry["phases_source"].startswith("max-cut") and len(entry["distance_matrix"]) == 6
+    for stage in ("stage1", "stage2", "probe", "teacher_probe"):
+        assert (tmp_path / "raptor" / "checkpoints" / stage / "last.ckpt").is_file()
+    # the surrogate's weights: the probe model as deployed, loadable again
+    state = torch.load(entry["artifacts"]["weights"], weights_only=True)
+    assert any(k.startswith("backbone.blocks.1.gate") for k in state)
+
+
+def test_analyze_phases_writes_the_heatmap_and_phases(results_dir, capsys):
+    import json
+
+    from conftest import ledger_entries
+    from vitexp.cli import analyze_main
+
+    analyze_main(["phases", "backbone=dinov2_micro_reg", "logger=none", "--images", "32", "--blocks", "2", "3"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["status"] == "completed"
+    (entry,) = ledger_entries(results_dir)
+    assert open(entry["figure"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    by_k = entry["metrics"]["phases_by_blocks"]
+    assert sorted(by_k) == ["2", "3"] and all(sum(map(len, p)) == 6 for p in by_k.values())
+    assert len(entry["distance_matrix"]) == 6
+
+
+def test_audit_raptor_decomposes_the_flops_gap(results_dir):
+    from vitexp.analysis import audit_raptor
+
+    f = audit_raptor.audit(["s"])["s"]
+    rows = f["rows"]
+    assert rows["dinov2"]["gflops"] == pytest.approx(12.25, abs=0.02)
+    assert rows["raptor_k2"]["gflops"] == pytest.approx(16.15, abs=0.02) and f["k_independent"]
+    assert rows["raptor_k2"]["tokens"] == 261 and rows["raptor_noreg"]["tokens"] == 257
+    # SwiGLU adds one d x 4d matrix per layer: 12 layers x 257 tokens x 4 d^2 MACs
+    assert f["swiglu_gflops"] == pytest.approx(2 * 12 * 257 * 4 * 384 ** 2 / 1e9, rel=1e-3)
+    total = rows["raptor_k2"]["gflops"] - rows["dinov2"]["gflops"]
+    assert f["swiglu_gflops"] + f["registers_gflops"] + f["gates_gflops"] == pytest.approx(total)
+    assert "upheld" in audit_raptor.render({"s": f})
+
+
+def test_phases_for_blocks_never_cuts_itself_out_of_the_budget():
+    """6 uniform layers, 3 phases of >= 2: a first cut 3 | 3 would leave no third phase."""
+    for k in (1, 2, 3):
+        phases = phases_for_blocks(block_matrix([6], inside=1.0), k)
+        assert len(phases) == k and [l for p in phases for l in p] == list(range(6))
+        assert min(map(len, phases)) >= 2
+    with pytest.raises(ValueError, match="cannot form 4 phases"):
+        phases_for_blocks(block_matrix([6], inside=1.0), 4)
+
+
+def test_resumed_raptor_run_skips_finished_stages_and_ends_with_the_same_metrics(make_cfg, tmp_path):
+    """A finished run resumed from its folder: every stage restores its last checkpoint, nothing
+    retrains, and the probes test to the same accuracies."""
+    from conftest import QUIET
+    from vitexp.train import train
+
+    base = QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "recipe=raptor", "data=synthetic",
+                    "data.num_train=32", "data.num_val=16", "data.num_test=16", "recipe.batch_size=8",
+                    "recipe.epochs=1", "recipe.warmup_steps=1", "method.probe.epochs=2", "method.probe.batch_size=8",
+                    "method.phase_images=16", "eval.throughput=false"]
+    first = train(make_cfg(base, tmp_path / "run"))["metrics"]
+    ckpt = tmp_path / "run" / "checkpoints" / "probe" / "last.ckpt"
+    stamp = ckpt.stat().st_mtime_ns
+    again = train(make_cfg(base + ["resume=true"], tmp_path / "run"))["metrics"]
+    for key in ("top1", "teacher_top1", "recovered", "test_loss"):
+        assert again[key] == pytest.approx(first[key]), key
+    assert ckpt.stat().st_mtime_ns == stamp  # the probe was not trained again

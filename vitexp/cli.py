@@ -99,7 +99,7 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
     """Params and MACs of the configured model as deployed, without training; one ledger entry."""
     from vitexp.flops import count_heads, count_macs
     from vitexp.results import LedgerEntry
-    from vitexp.train import build_model
+    from vitexp.train import build_model, registers_of
 
     validate(cfg, need_data=False)
     config = to_container(cfg)
@@ -107,7 +107,7 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
     try:
         model, method, _ = build_model(cfg)
         deployed = method.deploy(model)
-        report = count_macs(deployed, int(cfg.backbone.img_size))
+        report = count_macs(deployed, int(cfg.backbone.img_size), registers=registers_of(cfg))
         metrics = {**report.metrics(), "heads": count_heads(deployed)}
         protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
         print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
@@ -219,40 +219,55 @@ def tables_main(argv: list[str] | None = None) -> None:
 
 
 def audit_main(argv: list[str] | None = None) -> None:
-    """``vitexp-audit bspf``: measure the public review's objections; writes
-    ``results/audit/<paper>.md`` and a ledger entry (kind audit)."""
+    """``vitexp-audit {bspf,raptor}``: measure the public review's objections (BSPF-ViT) or decompose
+    SAPER's FLOPs comparison with RAPTOR; writes ``results/audit/<paper>.md`` and a ledger entry
+    (kind audit)."""
     import argparse
     import os
     import tempfile
 
     from vitexp.results import LedgerEntry, default_results_dir
 
-    audits = ("bspf",)
+    audits = ("bspf", "raptor")
     parser = argparse.ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
     parser.add_argument("paper", choices=audits, help="which paper's claims to audit")
     parser.add_argument("--micro-checkpoint", help="Lightning checkpoint of a trained micro ViT (default: train one, ~30 s)")
     parser.add_argument("--deit-small", help="local DeiT-S weights file (default: random initialisation, said so)")
     parser.add_argument("--images", type=int, default=16, help="digits fed through the micro model (DeiT-S gets a quarter)")
+    parser.add_argument("--sizes", nargs="+", choices=("b", "s"), default=["b", "s"],
+                        help="raptor: DINOv2 sizes to count (ViT-B, ViT-S)")
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     results_dir = args.results_dir or default_results_dir()
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     ledger = LedgerEntry(f"{args.paper}_audit", "audit", config, results_dir).start()
     try:
-        from vitexp.analysis import audit_bspf
+        if args.paper == "raptor":
+            from vitexp.analysis import audit_raptor
 
-        findings = audit_bspf.audit(args.micro_checkpoint, args.deit_small, args.images, results_dir)
-        report = audit_bspf.render(findings)
+            findings = audit_raptor.audit(args.sizes)
+            report = audit_raptor.render(findings)
+        else:
+            from vitexp.analysis import audit_bspf
+
+            findings = audit_bspf.audit(args.micro_checkpoint, args.deit_small, args.images, results_dir)
+            report = audit_bspf.render(findings)
         out = results_dir / "audit" / f"{args.paper}.md"
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
         with os.fdopen(fd, "w") as fh:
             fh.write(report)
         os.replace(tmp, out)
-        metrics = {f"{scale}_{k}": v for scale in ("micro", "deit_small") for k, v in findings[scale].items()}
-        metrics.update({f"gmacs_{k}": v for k, v in findings["gmacs"].items()})
-        path = ledger.finish(metrics, {"unit": "GMACs", "resolution": 224, "counter": "vitexp.flops"},
-                             report=str(out), findings=findings)
+        if args.paper == "raptor":
+            metrics = {f"{size}_{key}_gflops": r["gflops"] for size, f in findings.items() for key, r in f["rows"].items()}
+            metrics.update({f"{size}_{k}": v for size, f in findings.items() for k, v in f.items() if k.endswith("_gflops")
+                            or k.startswith("raptor_over")})
+            protocol = {"unit": "GFLOPs (2 x MACs)", "resolution": 224, "counter": "vitexp.flops", "head": "included"}
+        else:
+            metrics = {f"{scale}_{k}": v for scale in ("micro", "deit_small") for k, v in findings[scale].items()}
+            metrics.update({f"gmacs_{k}": v for k, v in findings["gmacs"].items()})
+            protocol = {"unit": "GMACs", "resolution": 224, "counter": "vitexp.flops"}
+        path = ledger.finish(metrics, protocol, report=str(out), findings=findings)
     except BaseException as err:
         ledger.fail(err)
         _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}", "ledger": str(ledger.path)})
@@ -262,9 +277,11 @@ def audit_main(argv: list[str] | None = None) -> None:
 
 
 def analyze_main(argv: list[str] | None = None) -> None:
-    """``vitexp-analyze {laplace,clusters} [options] [overrides]``: Laplace maps or head clustering
-    of the configured backbone (``backbone.pretrained`` for real weights) on the configured data's
-    test split; a PNG under ``results/analysis/``, a ledger entry (kind analyze), W&B images."""
+    """``vitexp-analyze {laplace,clusters,phases} [options] [overrides]``: Laplace maps or head
+    clustering of the configured backbone (``backbone.pretrained`` for real weights) on the
+    configured data's test split, or RAPTOR's layer distance matrix and phases over training images
+    (evaluation transforms); a PNG under ``results/analysis/``, a ledger entry (kind analyze),
+    W&B images."""
     import argparse
 
     from vitexp.analysis import heads as head_analysis
@@ -275,9 +292,11 @@ def analyze_main(argv: list[str] | None = None) -> None:
     from vitexp.train import build_datamodule
 
     parser = argparse.ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
-    parser.add_argument("analysis", choices=("laplace", "clusters"))
+    parser.add_argument("analysis", choices=("laplace", "clusters", "phases"))
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. backbone=dinov2_vitb14 backbone.pretrained=/p")
-    parser.add_argument("--images", type=int, default=256, help="clusters: test images used")
+    parser.add_argument("--images", type=int, default=256, help="clusters: test images used; phases: training images")
+    parser.add_argument("--f", type=float, default=0.7, help="phases: max-cut threshold fraction f")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[2, 3, 4], help="phases: block budgets k to partition for")
     parser.add_argument("--image-index", type=int, default=0, help="laplace: which test image")
     parser.add_argument("--clusters", type=int, default=4, help="clusters: number of spectral clusters")
     args = parser.parse_intermixed_args(argv)
@@ -297,10 +316,12 @@ def analyze_main(argv: list[str] | None = None) -> None:
     ledger = LedgerEntry(cfg.name, "analyze", config, cfg.results_dir).start()
     logger = None
     try:
-        from timm.data import resolve_data_config
+        from vitexp.results import resolve_weights
+        from vitexp.train import data_config_for
 
-        model = build_backbone(cfg.backbone, num_classes=int(cfg.data.num_classes)).eval()
-        datamodule = build_datamodule(cfg, resolve_data_config({}, model=model))
+        backbone_cfg = {**cfg.backbone, "pretrained": resolve_weights(cfg.backbone.pretrained, cfg.results_dir)}
+        model = build_backbone(backbone_cfg, num_classes=int(cfg.data.num_classes)).eval()
+        datamodule = build_datamodule(cfg, data_config_for(cfg, model))
         datamodule.setup("test")
         test = datamodule.test_set
         prefix = int(getattr(model, "num_prefix_tokens", 1))
@@ -308,6 +329,12 @@ def analyze_main(argv: list[str] | None = None) -> None:
         if args.analysis == "laplace":
             image = test[args.image_index][0]
             metrics = head_analysis.laplace_grid(model, image, prefix, out)
+        elif args.analysis == "phases":
+            from vitexp.analysis.phases import phase_report
+
+            datamodule.setup("fit")
+            metrics = phase_report(model, datamodule.train_eval_dataloader(), args.images, args.f, args.blocks, out)
+            print("\n".join(metrics["phases_text"]))
         else:
             import torch
 
@@ -317,9 +344,10 @@ def analyze_main(argv: list[str] | None = None) -> None:
         logger = build_logger(cfg.logger, cfg.name, Path(cfg.results_dir) / "analysis", config, job_type="analyze")
         if logger and hasattr(logger, "log_image"):
             logger.log_image(key=args.analysis, images=[str(out)])
-        path = ledger.finish({k: v for k, v in metrics.items() if k != "labels"},
+        path = ledger.finish({k: v for k, v in metrics.items() if k not in ("labels", "distance_matrix")},
                              {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
-                             figure=str(out), head_clusters=metrics.get("labels"), wandb_url=wandb_url(logger))
+                             figure=str(out), head_clusters=metrics.get("labels"),
+                             distance_matrix=metrics.get("distance_matrix"), wandb_url=wandb_url(logger))
     except BaseException as err:
         if ledger.record["status"] == "running":
             ledger.fail(err)

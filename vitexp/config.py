@@ -61,8 +61,14 @@ def validate(cfg: DictConfig, need_data: bool = True) -> None:
     _check(int(bb.img_size) > 0 and int(bb.img_size) % int(arch.patch_size) == 0, "backbone.img_size",
            f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}")
     if bb.pretrained:
-        _check(Path(str(bb.pretrained)).expanduser().is_file(), "backbone.pretrained",
-               f"checkpoint file not found: {bb.pretrained}")
+        from vitexp.results import resolve_weights
+
+        try:
+            weights = resolve_weights(str(bb.pretrained), cfg.results_dir)
+        except FileNotFoundError as err:
+            raise ConfigError(f"backbone.pretrained: {err}") from None
+        _check(Path(str(weights)).expanduser().is_file(), "backbone.pretrained",
+               f"checkpoint file not found: {weights}")
 
     data = cfg.data
     _check(not OmegaConf.is_missing(data, "num_classes"), "data.num_classes", "required (data.num_classes=N)")

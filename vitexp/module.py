@@ -3,7 +3,8 @@ never knows which method produced it (design.md).
 
 ``classify``: cross-entropy (label smoothing, or soft targets under timm's Mixup/CutMix),
 timm optimizer and scheduler, torchmetrics top-1/top-5 (synced across DDP ranks).
-Later objectives (``distill``, ``probe``) register in :data:`OBJECTIVE_MODULES`.
+``distill``: feature distillation with k-NN evaluation (SAPER). ``raptor``: one stage of
+RAPTOR's surrogate training. All register in :data:`OBJECTIVE_MODULES`.
 """
 from __future__ import annotations
 
@@ -133,13 +134,22 @@ class ClassifyModule(L.LightningModule):
 
 def build_optimizer(model: nn.Module, recipe: Mapping[str, Any], lr: float, total_steps: int):
     """timm's optimizer (no weight decay on norms, biases and ``model.no_weight_decay()``) and
-    timm's scheduler (warm-up then ``recipe.sched``), stepped per optimisation step."""
+    timm's scheduler (warm-up then ``recipe.sched``), stepped per optimisation step. With
+    ``recipe.warmup_steps`` the warm-up is that many steps (capped below the run's length)."""
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
 
     optimizer = create_optimizer_v2(model, opt=recipe["opt"], lr=lr, weight_decay=float(recipe["weight_decay"]))
     if recipe.get("sched", "cosine") == "none":
         return optimizer, None
+    if recipe.get("warmup_steps"):  # a warm-up counted in steps (RAPTOR's 10k): the schedule runs in steps
+        scheduler, _ = create_scheduler_v2(
+            optimizer, sched=recipe["sched"], num_epochs=total_steps,
+            warmup_epochs=min(int(recipe["warmup_steps"]), max(0, total_steps - 1)),
+            warmup_lr=float(recipe["warmup_lr"]), min_lr=float(recipe["min_lr"]),
+            step_on_epochs=False, updates_per_epoch=1,
+        )
+        return optimizer, scheduler
     epochs = int(recipe["epochs"])
     scheduler, _ = create_scheduler_v2(
         optimizer,
@@ -229,7 +239,40 @@ class DistillModule(ClassifyModule):
         self._knn_epoch_end("test")
 
 
-OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {"classify": ClassifyModule, "distill": DistillModule}
+class RaptorStageModule(ClassifyModule):
+    """One stage of RAPTOR's surrogate training: the model's ``stage_loss(x, stage, progress)``
+    (vitexp/methods/raptor.py) on the training images, labels unused. Validation logs the same
+    stage's loss at the end of its schedule (stage 1: autoregressive, τ = 0) as ``val/loss``."""
+
+    def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any], stage: int = 2):
+        if stage not in (1, 2):
+            raise ValueError(f"RAPTOR stage {stage!r}: valid stages are (1, 2)")
+        super().__init__(model, num_classes, {**recipe, "mixup": 0.0, "cutmix": 0.0})
+        self.stage = int(stage)
+
+    def progress(self) -> float:
+        return min(1.0, self.global_step / max(1, int(self.trainer.estimated_stepping_batches)))
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        progress = self.progress()
+        loss = self.model.stage_loss(batch[0], self.stage, progress)
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(f"RAPTOR stage {self.stage} loss is {loss.item()} at step {self.global_step}")
+        self.log(f"train/stage{self.stage}_loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
+        if self.stage == 1:
+            from vitexp.methods.raptor import anneal_tau
+
+            self.log("train/tau", anneal_tau(progress, self.model.tau_fraction), on_step=True, on_epoch=False)
+        return loss
+
+    def _eval_step(self, batch, split: str) -> None:
+        loss = self.model.stage_loss(batch[0], self.stage, 1.0)
+        self.log(f"{split}/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
+
+
+OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {
+    "classify": ClassifyModule, "distill": DistillModule, "raptor": RaptorStageModule,
+}
 
 
 def module_for(objective: str) -> type[L.LightningModule]:

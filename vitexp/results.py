@@ -176,3 +176,28 @@ def completed_runs(experiment: str | None = None, kind: str | None = None,
         and (experiment is None or r.get("experiment") == experiment)
         and (kind is None or r.get("kind") == kind)
     ]
+
+
+#: ``backbone.pretrained: run:<experiment>`` takes the weights of that experiment's latest completed run.
+RUN_WEIGHTS_PREFIX = "run:"
+
+
+def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> str | None:
+    """A ``backbone.pretrained`` value as a file path: a path is returned as given;
+    ``run:<experiment>`` becomes the ``weights`` file recorded by the newest completed train run of
+    that experiment (``run:<run_id>`` also works). Raises ``FileNotFoundError`` naming what to run."""
+    if not spec or not str(spec).startswith(RUN_WEIGHTS_PREFIX):
+        return spec
+    target = str(spec)[len(RUN_WEIGHTS_PREFIX):]
+    runs = [r for r in completed_runs(kind="train", results_dir=results_dir)
+            if target in (r.get("experiment"), r.get("run_id"))]
+    where = (Path(results_dir) if results_dir else default_results_dir()) / "runs"
+    if not runs:
+        raise FileNotFoundError(f"backbone.pretrained={spec}: no completed train run of {target!r} in {where}; "
+                                f"run `vitexp-train experiment={target}` first")
+    run = runs[-1]
+    weights = (run.get("artifacts") or {}).get("weights")
+    if not weights or not Path(weights).is_file():
+        raise FileNotFoundError(f"backbone.pretrained={spec}: run {run['run_id']} recorded weights at {weights}, "
+                                f"which is not on this machine; rerun `vitexp-train experiment={target}`")
+    return str(weights)

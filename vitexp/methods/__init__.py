@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from vitexp.methods.base import Method
+from vitexp.methods.base import Method, Stage
 
 
 def method_from_config(cfg: Mapping[str, Any]) -> Method:
@@ -21,4 +21,4 @@ def method_from_config(cfg: Mapping[str, Any]) -> Method:
     return method
 
 
-__all__ = ["Method", "method_from_config"]
+__all__ = ["Method", "Stage", "method_from_config"]

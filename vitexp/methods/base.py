@@ -2,9 +2,32 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch.nn as nn
+
+
+@dataclass
+class Stage:
+    """One ``Trainer.fit`` of a run. Most methods train in one stage; RAPTOR trains its surrogate
+    in two, then probes it and its teacher.
+
+    - ``name``: checkpoints go to ``checkpoints/`` for ``main``, else ``checkpoints/<name>/``.
+    - ``model``: called when the stage starts (it may wrap what earlier stages trained).
+    - ``recipe``: keys that replace the run's ``recipe`` for this stage (``epochs``, ``lr``, ...).
+    - ``metrics_prefix``: the stage is tested and its accuracies are recorded as ``<prefix>top1``
+      ...; ``""`` is the run's own top-1; ``None`` means no test.
+    - ``deployed``: this stage's trained model is the one FLOPs and throughput measure.
+    """
+
+    name: str
+    objective: str
+    model: Callable[[], nn.Module]
+    recipe: Mapping[str, Any] = field(default_factory=dict)
+    module_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    metrics_prefix: str | None = ""
+    deployed: bool = True
 
 
 class Method(abc.ABC):
@@ -39,6 +62,13 @@ class Method(abc.ABC):
     def module_kwargs(self) -> dict[str, Any]:
         """Extra keyword arguments for the objective's LightningModule (e.g. the k-NN settings)."""
         return {}
+
+    def prepare(self, backbone: nn.Module, datamodule: Any) -> None:
+        """Look at the training data before ``apply`` (RAPTOR's phases). Default: nothing."""
+
+    def stages(self, model: nn.Module) -> list[Stage]:
+        """The fits of a run, in order. Default: one stage training ``model`` with ``objective``."""
+        return [Stage("main", self.objective, lambda: model, module_kwargs=self.module_kwargs())]
 
     def deploy(self, model: nn.Module) -> nn.Module:
         """The trained model as deployed (pruned parts physically removed). Default: as is."""
