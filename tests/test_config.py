@@ -53,6 +53,7 @@ def test_unknown_key_fails_at_composition():
         ("data.split=[0.5,0.5,0.5]", "data.split"),
         ("recipe.sched=linear", "recipe.sched"),
         ("recipe.label_smoothing=1.5", "recipe.label_smoothing"),
+        ("bench.device=tpu", "bench.device"),
     ],
 )
 def test_out_of_range_values_name_the_key(override, key):

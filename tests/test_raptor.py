@@ -288,3 +288,25 @@ def test_resumed_raptor_run_skips_finished_stages_and_ends_with_the_same_metrics
     for key in ("top1", "teacher_top1", "recovered", "test_loss"):
         assert again[key] == pytest.approx(first[key]), key
     assert ckpt.stat().st_mtime_ns == stamp  # the probe was not trained again
+
+
+@pytest.mark.parametrize("experiment, gflops", [("raptor_vits14_k3_in1k", 16.15), ("raptor_vits14_k4_c100", 16.15)])
+def test_vitexp_flops_on_raptor_experiments(experiment, gflops, make_cfg, results_dir):
+    """What `vitexp-flops experiment=raptor_*` records: RAPTOR's setting, any k (CIFAR's 100-class
+    head is smaller than ImageNet's)."""
+    from vitexp.cli import run_flops
+
+    out = run_flops(make_cfg([f"experiment={experiment}", "logger=none"]))
+    head = 2 * 2 * 384 * (1000 - 100) / 1e9 if experiment.endswith("c100") else 0.0
+    assert out["metrics"]["gflops"] == pytest.approx(gflops - head, abs=0.02)
+    assert out["protocol"]["registers"] == 4 and out["metrics"]["heads"] == 6 * int(experiment.split("_k")[1][0])
+
+
+def test_swiglu_gates_with_the_first_half():
+    from vitexp.methods.raptor import swiglu
+
+    mlp = swiglu(8, 32)
+    x = torch.randn(2, 3, 8)
+    a, b = mlp.fc1(x).chunk(2, dim=-1)
+    assert mlp.fc1.out_features == 64 and mlp.fc2.in_features == 32
+    torch.testing.assert_close(mlp(x), mlp.fc2(torch.nn.functional.silu(a) * b))

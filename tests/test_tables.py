@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vitexp import tables
+from vitexp import SWEEPS_DIR, tables
 from vitexp.results import LedgerEntry
 
 SPEC = {
@@ -104,3 +104,17 @@ def test_wandb_source(monkeypatch, tmp_path):
     rows = {r["label"]: r for r in tables.fill(SPEC, records)}
     assert rows["Trained"]["cells"]["top1"]["value"] == 70.0
     assert rows["Counted only"]["cells"]["gmacs"]["value"] is None  # crashed run is not completed
+
+
+@pytest.mark.parametrize("spec", sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
+def test_every_table_spec_parses_and_names_existing_experiments(spec):
+    """A spec that does not parse or names a missing experiment would fail only when a user sweeps it."""
+    import yaml
+
+    from vitexp import CONF_DIR
+
+    data = yaml.safe_load((SWEEPS_DIR / f"{spec}.yaml").read_text())
+    assert data["title"] and data["columns"] and data["rows"]
+    for row in data["rows"]:
+        if not row.get("cited"):
+            assert (CONF_DIR / "experiment" / f"{row['experiment']}.yaml").is_file(), row["label"]

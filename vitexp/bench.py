@@ -28,38 +28,49 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 @torch.no_grad()
-def _time_forward(model: nn.Module, x: torch.Tensor, iters: int) -> float:
+def _time_forward(model: nn.Module, x: torch.Tensor, iters: int, amp: bool = False) -> float:
     device = x.device
     _sync(device)
     start = time.perf_counter()
-    for _ in range(iters):
-        model(x)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+        for _ in range(iters):
+            model(x)
     _sync(device)
     return time.perf_counter() - start
 
 
+def bench_device(name: str) -> torch.device:
+    """``bench.device``: ``auto`` is the GPU when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"bench.device={name!r}: valid devices are ('auto', 'cpu', 'cuda')")
+    return torch.device(name)
+
+
 def measure_throughput(model: nn.Module, batch_size: int, img_size: int, warmup: int = 2,
-                       iters: int = 10, in_chans: int = 3) -> dict[str, Any]:
-    """Images per second of ``model`` (eval mode, no grad, random input) after ``warmup``
-    discarded passes."""
+                       iters: int = 10, in_chans: int = 3, amp: bool = False) -> dict[str, Any]:
+    """Images per second of ``model`` (eval mode, no grad, random input, on the model's device)
+    after ``warmup`` discarded passes."""
     return compare_throughput({"model": model}, batch_size, img_size, warmup=warmup, rounds=1,
-                              iters=iters, in_chans=in_chans)["model"]
+                              iters=iters, in_chans=in_chans, amp=amp)["model"]
 
 
 def compare_throughput(models: Mapping[str, nn.Module], batch_size: int, img_size: int, warmup: int = 2,
-                       rounds: int = 5, iters: int = 5, in_chans: int = 3) -> dict[str, dict[str, Any]]:
-    """Time each model on the same input in interleaved rounds; report the median images/s."""
+                       rounds: int = 5, iters: int = 5, in_chans: int = 3, amp: bool = False) -> dict[str, dict[str, Any]]:
+    """Time each model on the same input in interleaved rounds; report the median images/s.
+    ``amp``: bfloat16 autocast (what inference on a GPU uses)."""
     was_training = {k: m.training for k, m in models.items()}
     for m in models.values():
         m.eval()
     device = _device_of(next(iter(models.values())))
     x = torch.randn(batch_size, in_chans, img_size, img_size, device=device)
     for m in models.values():
-        _time_forward(m, x, warmup)
+        _time_forward(m, x, warmup, amp)
     samples: dict[str, list[float]] = {k: [] for k in models}
     for _ in range(rounds):
         for name, m in models.items():
-            samples[name].append(batch_size * iters / _time_forward(m, x, iters))
+            samples[name].append(batch_size * iters / _time_forward(m, x, iters, amp))
     for k, m in models.items():
         m.train(was_training[k])
     return {
@@ -73,6 +84,8 @@ def compare_throughput(models: Mapping[str, nn.Module], batch_size: int, img_siz
             "iters": iters,
             "warmup": warmup,
             "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "precision": "bf16 autocast" if amp else "fp32",
             "threads": torch.get_num_threads(),
         }
         for name, s in samples.items()

@@ -132,7 +132,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     """``bench.mode=throughput``: the method's deployed model against its unmodified backbone,
     interleaved, images/s and their ratio beside the GMACs ratio. ``bench.mode=overhead``:
     Lightning's per-step overhead against a plain PyTorch loop on the same model and batches."""
-    from vitexp.bench import compare_throughput, lightning_overhead
+    from vitexp.bench import bench_device, compare_throughput, lightning_overhead
     from vitexp.flops import count_macs
     from vitexp.models import build_backbone
     from vitexp.results import LedgerEntry
@@ -151,11 +151,15 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         if b.mode == "throughput":
             model, method, _ = build_model(cfg)
             deployed = method.deploy(model)
-            baseline = build_backbone(cfg.backbone, num_classes=int(cfg.data.num_classes))
-            res = compare_throughput({"method": deployed, "baseline": baseline}, int(b.batch_size), img,
-                                     warmup=int(b.warmup), rounds=int(b.rounds), iters=int(b.iters))
+            from vitexp.results import resolve_weights
+
+            weights = resolve_weights(cfg.backbone.pretrained, cfg.results_dir)
+            baseline = build_backbone({**cfg.backbone, "pretrained": weights}, num_classes=int(cfg.data.num_classes))
             macs_m = count_macs(deployed, img).gmacs
             macs_b = count_macs(baseline, img).gmacs
+            device = bench_device(str(b.device))
+            res = compare_throughput({"method": deployed.to(device), "baseline": baseline.to(device)}, int(b.batch_size),
+                                     img, warmup=int(b.warmup), rounds=int(b.rounds), iters=int(b.iters), amp=bool(b.amp))
             metrics = {
                 "throughput": res["method"]["throughput"],
                 "baseline_throughput": res["baseline"]["throughput"],
@@ -168,7 +172,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
             protocol.pop("throughput", None)
             print(f"{cfg.name}: {metrics['throughput']:.1f} vs baseline {metrics['baseline_throughput']:.1f} images/s "
                   f"(ratio {metrics['throughput_ratio']:.2f}; GMACs ratio {metrics['gmacs_ratio']:.2f}), "
-                  f"batch {b.batch_size}, {img} px, {protocol['device']}, {torch.get_num_threads()} threads")
+                  f"batch {b.batch_size}, {img} px, {protocol['device_name']}, {protocol['precision']}, "
+                  f"{torch.get_num_threads()} threads")
         else:
             model, method, data_config = build_model(cfg)
             if method.objective != "classify":

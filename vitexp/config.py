@@ -94,6 +94,9 @@ def validate(cfg: DictConfig, need_data: bool = True) -> None:
     _check(0 <= float(r.drop_path) < 1, "recipe.drop_path", f"{r.drop_path} must be in [0, 1)")
     _check(r.sched in ("cosine", "step", "none"), "recipe.sched", f"{r.sched!r} is not one of ('cosine', 'step', 'none')")
 
+    _check(cfg.bench.device in ("auto", "cpu", "cuda"), "bench.device",
+           f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')")
+
     method = method_from_config(cfg.method)
     method.validate_budget(cfg.budget, {**arch, "img_size": int(bb.img_size)})
 

@@ -135,7 +135,7 @@ def registers_of(cfg: DictConfig) -> int:
 
 def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """FLOPs/params and throughput of the model as deployed; (metrics, protocol)."""
-    from vitexp.bench import measure_throughput
+    from vitexp.bench import bench_device, measure_throughput
     from vitexp.flops import count_heads, count_macs
 
     deployed = method.deploy(model)
@@ -147,8 +147,10 @@ def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tupl
         metrics.update(report.metrics())
         protocol.update(report.protocol)
     metrics["heads"] = count_heads(deployed)
-    if cfg.eval.throughput:
-        tp = measure_throughput(deployed, int(cfg.eval.throughput_batch), img_size, iters=int(cfg.eval.throughput_iters))
+    if cfg.eval.throughput:  # on bench.device (the GPU when there is one: Lightning hands the model back on the CPU)
+        deployed = deployed.to(bench_device(str(cfg.bench.device)))
+        tp = measure_throughput(deployed, int(cfg.eval.throughput_batch), img_size, iters=int(cfg.eval.throughput_iters),
+                                amp=bool(cfg.bench.amp))
         metrics["throughput"] = tp["throughput"]
         protocol["throughput"] = {k: v for k, v in tp.items() if k != "throughput"}
     return metrics, protocol

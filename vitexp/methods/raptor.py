@@ -58,6 +58,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from timm.layers import GluMlp, Mlp
 from timm.models.vision_transformer import Attention, LayerScale
 
 from vitexp.methods.base import Method, Stage
@@ -83,14 +84,10 @@ def max_cut_phases(w: torch.Tensor, f: float = 0.7, min_size: int = 2) -> list[l
     w = w.double()
 
     def split(a: int, b: int) -> list[list[int]]:
-        cuts = [(s, _cut_weight(w, a, s, b)) for s in range(a + min_size, b - min_size + 1)]
-        if not cuts:
+        cut = _best_cut(w, a, b, min_size)
+        if cut is None or cut[1] <= f:  # the best cut's weight is at most f · ΣW/2
             return [list(range(a, b))]
-        s, best = max(cuts, key=lambda c: c[1])
-        total = float(torch.triu(w[a:b, a:b], diagonal=1).sum())  # ΣW/2 over the segment's pairs
-        if best <= f * total:
-            return [list(range(a, b))]
-        return split(a, s) + split(s, b)
+        return split(a, cut[0]) + split(cut[0], b)
 
     return split(0, w.shape[0])
 
@@ -107,7 +104,7 @@ def _best_cut(w: torch.Tensor, a: int, b: int, min_size: int, spare: int | None 
     if not cuts:
         return None
     s, best = max(cuts, key=lambda c: c[1])
-    total = float(torch.triu(w[a:b, a:b], diagonal=1).sum())
+    total = float(torch.triu(w[a:b, a:b], diagonal=1).sum())  # ΣW/2: each pair of the segment once
     return s, best / total if total > 0 else 0.0
 
 
@@ -131,15 +128,10 @@ def phases_for_blocks(w: torch.Tensor, blocks: int, min_size: int = 2) -> list[l
     return [list(range(a, b)) for a, b in segments]
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 2 * hidden)
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a, b = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(a) * b)
+def swiglu(dim: int, hidden: int) -> nn.Module:
+    """RAPTOR's MLP: Linear d → 2·hidden, SiLU(first half) ⊙ second half, Linear hidden → d
+    (timm's ``GluMlp`` with the gate first)."""
+    return GluMlp(dim, 2 * hidden, act_layer=nn.SiLU, gate_last=False)
 
 
 #: ``swiglu`` is RAPTOR's block; ``gelu`` (the teacher's Linear d -> 4d, GELU, Linear 4d -> d) is
@@ -152,15 +144,13 @@ class RaptorBlock(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, mlp: str = "swiglu"):
         super().__init__()
-        from timm.layers import Mlp
-
         self.norm1 = nn.LayerNorm(dim, eps=1e-6)
         self.attn = Attention(dim, num_heads, qkv_bias=True)
         self.ls1 = LayerScale(dim, init_values=1e-5)
         self.norm2 = nn.LayerNorm(dim, eps=1e-6)
         if mlp not in MLP_KINDS:
             raise ValueError(f"method.mlp={mlp!r}: valid MLPs are {MLP_KINDS}")
-        self.mlp = SwiGLU(dim, int(mlp_ratio * dim)) if mlp == "swiglu" else Mlp(dim, int(mlp_ratio * dim))
+        self.mlp = swiglu(dim, int(mlp_ratio * dim)) if mlp == "swiglu" else Mlp(dim, int(mlp_ratio * dim))
         self.ls2 = LayerScale(dim, init_values=1e-5)
         self.gate = nn.Sequential(nn.Linear(1, 16), nn.SiLU(), nn.Linear(16, 3 * dim))
         nn.init.normal_(self.gate[2].weight, std=1e-4)
@@ -389,7 +379,8 @@ PROBE_RECIPE_KEYS = frozenset({"epochs", "batch_size", "opt", "lr", "weight_deca
 class Raptor(Method):
     """``method=raptor``: a k-block recurrent surrogate of the (frozen) backbone; ``budget=blocks``.
 
-    A run has four stages: stage 1 and stage 2 (``objective=raptor``), then the linear probe on
+    A run has four stages: stage 1 and stage 2 (``objective=raptor``; a stage of 0 epochs is
+    skipped, and with both at 0 the probe sees the surrogate at initialisation), then the linear probe on
     the frozen surrogate (the run's top-1) and on the frozen teacher (``teacher_top1``), each with
     the ``method.probe`` recipe keys. ``method.teacher_probe_run`` names a completed probe run of
     the same teacher and data to take ``teacher_top1`` from instead."""
@@ -433,9 +424,9 @@ class Raptor(Method):
             if len(self.phases) != k or flat != list(range(depth)):
                 raise ConfigError(f"method.phases: {self.phases} must be {k} runs of consecutive layers covering "
                                   f"0..{depth - 1} in order (budget.k={k})")
-        if self.stage1_epochs < 0 or self.stage2_epochs < 1:
-            raise ConfigError(f"method.stage1_epochs={self.stage1_epochs} must be >= 0 and "
-                              f"method.stage2_epochs={self.stage2_epochs} >= 1")
+        if self.stage1_epochs < 0 or self.stage2_epochs < 0:
+            raise ConfigError(f"method.stage1_epochs={self.stage1_epochs} and method.stage2_epochs="
+                              f"{self.stage2_epochs} must be >= 0 (both 0: the untrained surrogate, a control)")
         if self.stage2_targets not in ("all_layers", "final"):
             raise ConfigError(f"method.stage2_targets: {self.stage2_targets!r} is not one of ('all_layers', 'final')")
         if self.mlp not in MLP_KINDS:
@@ -488,8 +479,9 @@ class Raptor(Method):
         if self.stage1_epochs > 0:
             stages.append(Stage("stage1", "raptor", lambda: model, {"epochs": self.stage1_epochs},
                                 {"stage": 1}, metrics_prefix=None, deployed=False))
-        stages.append(Stage("stage2", "raptor", lambda: model, {"epochs": self.stage2_epochs},
-                            {"stage": 2}, metrics_prefix=None, deployed=False))
+        if self.stage2_epochs > 0:
+            stages.append(Stage("stage2", "raptor", lambda: model, {"epochs": self.stage2_epochs},
+                                {"stage": 2}, metrics_prefix=None, deployed=False))
         stages.append(Stage("probe", "classify", surrogate_probe, self.probe, metrics_prefix="", deployed=True))
         if self.teacher_probe and not self.teacher_probe_run:
             stages.append(Stage("teacher_probe", "classify", teacher_probe, self.probe, metrics_prefix="teacher_",

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The GPU checks behind the README's GPU numbers, run once on a lent H200 (tool library `device`):
+#  1. throughput of RAPTOR-B (2 blocks) against its teacher DINOv2-B-reg, and of SAPER ViT-B k = 24
+#     against DINOv2-B (bf16 autocast, batch 128, 224 px, interleaved);
+#  2. full-size RAPTOR ViT-B training: every stage (phases, stage 1, stage 2, both probes) for one
+#     short epoch on synthetic 224 px images, under Lightning on the GPU (bf16-mixed).
+# The machine's python3 holds torch/lightning; vitexp's pure-Python needs (hydra, omegaconf, fvcore,
+# timm 1.0.31, ...) travel in .gpu_site (copied from a local venv's site-packages, git-ignored).
+# Ledger entries go to $OUT/results/runs (copied into results/runs afterwards).
+set -uo pipefail
+export PYTHONPATH="$PWD/.gpu_site:$PWD" VITEXP_RESULTS="$OUT/results" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, timm, lightning; print('torch', torch.__version__, 'timm', timm.__version__, 'lightning', lightning.__version__)"
+run() { timeout 240 python3 -m vitexp.cli "$@" logger=none 2>&1 | grep -v -i warn | tail -4 | cut -c1-1500; }
+run bench experiment=raptor_vitb14_k2_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
+run bench experiment=saper_ft_vitb14_k24_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
+run train experiment=raptor_vitb14_k2_in1k data=synthetic data.num_train=2048 data.num_val=128 data.num_test=256 \
+    recipe.epochs=1 recipe.warmup_steps=8 method.probe.epochs=1 method.probe.batch_size=128 method.phase_images=128 \
+    eval.throughput_batch=128 trainer.enable_progress_bar=false
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
