@@ -442,7 +442,10 @@ class Raptor(Method):
         if self.phases is not None or datamodule is None:
             return
         datamodule.setup("fit")
-        self.distance = distance_matrix_from_data(backbone, datamodule.train_eval_dataloader(), self.phase_images)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # before Lightning places the model
+        self.distance = distance_matrix_from_data(backbone.to(device), datamodule.train_eval_dataloader(),
+                                                  self.phase_images)
+        backbone.cpu()
 
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
         k, depth = int(budget["k"]), len(backbone.blocks)
