@@ -6,12 +6,24 @@
 #     short epoch on synthetic 224 px images, under Lightning on the GPU (bf16-mixed).
 # The machine's python3 holds torch/lightning; vitexp's pure-Python needs (hydra, omegaconf, fvcore,
 # timm 1.0.31, ...) travel in .gpu_site (copied from a local venv's site-packages, git-ignored).
+# `bash scripts/gpu_check.sh 2` runs the second set instead:
+#  3. throughput of BSPF-DeiT-S against DeiT-S and of RAPTOR-S against DINOv2-S-reg (bf16, batch 128);
+#  4. a short full-size SAPER ViT-B k = 24 training run on synthetic images, whose deployed model's
+#     throughput is timed on the GPU (bench.device=auto) at the end.
 # Ledger entries go to $OUT/results/runs (copied into results/runs afterwards).
 set -uo pipefail
 export PYTHONPATH="$PWD/.gpu_site:$PWD" VITEXP_RESULTS="$OUT/results" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, timm, lightning; print('torch', torch.__version__, 'timm', timm.__version__, 'lightning', lightning.__version__)"
 run() { timeout 240 python3 -m vitexp.cli "$@" logger=none 2>&1 | grep -v -i warn | tail -4 | cut -c1-1500; }
+if [ "${1:-1}" = 2 ]; then
+  run bench experiment=bspf_deit_small bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
+  run bench experiment=raptor_vits14_k2_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
+  run train experiment=saper_ft_vitb14_k24_in1k data=synthetic data.num_train=1024 data.num_val=128 data.num_test=256 \
+      recipe.epochs=2 recipe.batch_size=128 eval.throughput_batch=128 bench.amp=true trainer.enable_progress_bar=false
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  exit 0
+fi
 run bench experiment=raptor_vitb14_k2_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
 run bench experiment=saper_ft_vitb14_k24_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
 run train experiment=raptor_vitb14_k2_in1k data=synthetic data.num_train=2048 data.num_val=128 data.num_test=256 \

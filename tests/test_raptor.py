@@ -310,3 +310,21 @@ def test_swiglu_gates_with_the_first_half():
     a, b = mlp.fc1(x).chunk(2, dim=-1)
     assert mlp.fc1.out_features == 64 and mlp.fc2.in_features == 32
     torch.testing.assert_close(mlp(x), mlp.fc2(torch.nn.functional.silu(a) * b))
+
+
+def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg, results_dir):
+    from vitexp.methods import method_from_config
+    from vitexp.results import LedgerEntry
+    from vitexp.train import teacher_probe_from_ledger
+
+    probe = LedgerEntry("probe_micro", "train", {"backbone": {"name": "dinov2_micro_reg"}, "data": {"name": "digits"}},
+                        results_dir).start()
+    probe.finish({"top1": 91.5, "top5": 99.0})
+    cfg = make_cfg(["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", f"method.teacher_probe_run={probe.run_id}"])
+    method = method_from_config(cfg.method)
+    assert teacher_probe_from_ledger(method, cfg) == {"teacher_top1": 91.5, "teacher_top5": 99.0,
+                                                      "teacher_probe_run": probe.run_id}
+    assert [s.name for s in method.stages(None)] == ["stage1", "stage2", "probe"]  # no teacher probe to train
+    other = make_cfg(["backbone=dinov2_micro", "method=raptor", "budget=blocks", "method.teacher_probe_run=probe_micro"])
+    with pytest.raises(ValueError, match="backbone is dinov2_micro_reg, this run's is dinov2_micro"):
+        teacher_probe_from_ledger(method_from_config(other.method), other)
