@@ -328,3 +328,16 @@ def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg,
     other = make_cfg(["backbone=dinov2_micro", "method=raptor", "budget=blocks", "method.teacher_probe_run=probe_micro"])
     with pytest.raises(ValueError, match="backbone is dinov2_micro_reg, this run's is dinov2_micro"):
         teacher_probe_from_ledger(method_from_config(other.method), other)
+
+
+def test_a_wrong_teacher_probe_run_fails_before_any_training(make_cfg, results_dir, tmp_path):
+    from conftest import QUIET, ledger_entries
+    from vitexp.train import train
+
+    cfg = make_cfg(QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "data=synthetic",
+                            "method.teacher_probe_run=nope"], tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="method.teacher_probe_run=nope"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "failed"

@@ -215,6 +215,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
                 datamodules[batch] = build_datamodule(scfg, data_config)
             return datamodules[batch]
 
+        teacher_metrics = teacher_probe_from_ledger(method, cfg)  # before training: a wrong id fails now
         method.prepare(backbone, datamodule_for(cfg))
         model = method.apply(backbone, cfg.budget)
         logger = build_logger(cfg.logger, cfg.name, output_dir, config) if rank_zero else False
@@ -242,7 +243,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
             metrics["world_size"] = trainer.world_size
         if "fit_time_s" not in metrics:
             metrics["fit_time_s"] = sum(v for k, v in metrics.items() if k.endswith("_fit_time_s"))
-        metrics.update(teacher_probe_from_ledger(method, cfg))
+        metrics.update(teacher_metrics)
         if metrics.get("teacher_top1") and metrics.get("top1") is not None:
             metrics["recovered"] = metrics["top1"] / metrics["teacher_top1"]
         result = {"metrics": metrics, "ledger": None, "run_id": None}
@@ -254,9 +255,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         metrics.update(deployed_metrics)
         metrics["wall_time_s"] = time.perf_counter() - started
         log_final(logger, metrics, step=metrics["steps"])
-        extra = method.record() if hasattr(method, "record") else {}
         path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger), output_dir=str(output_dir),
-                             artifacts={"weights": str(weights)}, **extra)
+                             artifacts={"weights": str(weights)}, **method.record())
         return {"metrics": metrics, "ledger": str(path), "run_id": ledger.run_id}
     except BaseException as err:
         failed = True

@@ -70,6 +70,10 @@ class Method(abc.ABC):
         """The fits of a run, in order. Default: one stage training ``model`` with ``objective``."""
         return [Stage("main", self.objective, lambda: model, module_kwargs=self.module_kwargs())]
 
+    def record(self) -> dict[str, Any]:
+        """Data-dependent choices the ledger entry keeps beside the metrics (RAPTOR's phases). Default: none."""
+        return {}
+
     def deploy(self, model: nn.Module) -> nn.Module:
         """The trained model as deployed (pruned parts physically removed). Default: as is."""
         return model
