@@ -287,8 +287,8 @@ class TeacherCache:
 
 class RaptorDistill(nn.Module):
     """The frozen teacher and the surrogate being trained. ``stage_loss(x, stage, progress)`` is
-    stage 1's or stage 2's loss (module docstring); ``forward`` gives the surrogate's probe
-    features [CLS ‖ mean patch] (what validation can watch without a probe)."""
+    stage 1's or stage 2's loss (module docstring); there is no ``forward``: what runs after
+    training is the surrogate under a probe (``Raptor.deploy``)."""
 
     def __init__(self, teacher: nn.Module, surrogate: RaptorSurrogate, cache_dir: str | None = None,
                  tau_fraction: float = 0.25, stage2_targets: str = "all_layers"):
@@ -343,10 +343,6 @@ class RaptorDistill(nn.Module):
         if stage == 1:
             return self.stage1_loss(x, anneal_tau(progress, self.tau_fraction))
         return self.stage2_loss(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = self.surrogate.forward_features(x)
-        return torch.cat([tokens[:, 0], tokens[:, self.num_prefix_tokens:].mean(dim=1)], dim=-1)
 
 
 def even_phases(depth: int, blocks: int) -> list[list[int]]:
