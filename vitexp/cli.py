@@ -134,9 +134,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     Lightning's per-step overhead against a plain PyTorch loop on the same model and batches."""
     from vitexp.bench import bench_device, compare_throughput, lightning_overhead
     from vitexp.flops import count_macs
-    from vitexp.models import build_backbone
     from vitexp.results import LedgerEntry
-    from vitexp.train import build_datamodule, build_model
+    from vitexp.train import build_configured_backbone, build_datamodule, build_model
 
     if cfg.bench.mode not in ("throughput", "overhead"):
         raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of ('throughput', 'overhead')")
@@ -151,10 +150,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         if b.mode == "throughput":
             model, method, _ = build_model(cfg)
             deployed = method.deploy(model)
-            from vitexp.results import resolve_weights
-
-            weights = resolve_weights(cfg.backbone.pretrained, cfg.results_dir)
-            baseline = build_backbone({**cfg.backbone, "pretrained": weights}, num_classes=int(cfg.data.num_classes))
+            baseline = build_configured_backbone(cfg)
             macs_m = count_macs(deployed, img).gmacs
             macs_b = count_macs(baseline, img).gmacs
             device = bench_device(str(b.device))
@@ -248,30 +244,21 @@ def audit_main(argv: list[str] | None = None) -> None:
     ledger = LedgerEntry(f"{args.paper}_audit", "audit", config, results_dir).start()
     try:
         if args.paper == "raptor":
-            from vitexp.analysis import audit_raptor
+            from vitexp.analysis import audit_raptor as auditor
 
-            findings = audit_raptor.audit(args.sizes)
-            report = audit_raptor.render(findings)
+            findings = auditor.audit(args.sizes)
         else:
-            from vitexp.analysis import audit_bspf
+            from vitexp.analysis import audit_bspf as auditor
 
-            findings = audit_bspf.audit(args.micro_checkpoint, args.deit_small, args.images, results_dir)
-            report = audit_bspf.render(findings)
+            findings = auditor.audit(args.micro_checkpoint, args.deit_small, args.images, results_dir)
+        report = auditor.render(findings)
         out = results_dir / "audit" / f"{args.paper}.md"
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
         with os.fdopen(fd, "w") as fh:
             fh.write(report)
         os.replace(tmp, out)
-        if args.paper == "raptor":
-            metrics = {f"{size}_{key}_gflops": r["gflops"] for size, f in findings.items() for key, r in f["rows"].items()}
-            metrics.update({f"{size}_{k}": v for size, f in findings.items() for k, v in f.items() if k.endswith("_gflops")
-                            or k.startswith("raptor_over")})
-            protocol = {"unit": "GFLOPs (2 x MACs)", "resolution": 224, "counter": "vitexp.flops", "head": "included"}
-        else:
-            metrics = {f"{scale}_{k}": v for scale in ("micro", "deit_small") for k, v in findings[scale].items()}
-            metrics.update({f"gmacs_{k}": v for k, v in findings["gmacs"].items()})
-            protocol = {"unit": "GMACs", "resolution": 224, "counter": "vitexp.flops"}
+        metrics, protocol = auditor.summary(findings)
         path = ledger.finish(metrics, protocol, report=str(out), findings=findings)
     except BaseException as err:
         ledger.fail(err)
@@ -292,7 +279,6 @@ def analyze_main(argv: list[str] | None = None) -> None:
     from vitexp.analysis import heads as head_analysis
     from vitexp.config import compose
     from vitexp.logging_utils import build_logger, finish, wandb_url
-    from vitexp.models import build_backbone
     from vitexp.results import LedgerEntry
     from vitexp.train import build_datamodule
 
@@ -321,11 +307,9 @@ def analyze_main(argv: list[str] | None = None) -> None:
     ledger = LedgerEntry(cfg.name, "analyze", config, cfg.results_dir).start()
     logger = None
     try:
-        from vitexp.results import resolve_weights
-        from vitexp.train import data_config_for
+        from vitexp.train import build_configured_backbone, data_config_for
 
-        backbone_cfg = {**cfg.backbone, "pretrained": resolve_weights(cfg.backbone.pretrained, cfg.results_dir)}
-        model = build_backbone(backbone_cfg, num_classes=int(cfg.data.num_classes)).eval()
+        model = build_configured_backbone(cfg).eval()
         datamodule = build_datamodule(cfg, data_config_for(cfg, model))
         datamodule.setup("test")
         test = datamodule.test_set

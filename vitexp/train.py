@@ -37,15 +37,19 @@ def is_rank_zero() -> bool:
     return True
 
 
-def build_backbone_and_method(cfg: DictConfig) -> tuple[nn.Module, Method, dict[str, Any]]:
-    """The backbone (weights resolved by :func:`vitexp.results.resolve_weights`), the method, and
-    the model's data config (timm's ``resolve_data_config``: input size, interpolation, mean, std)."""
+def build_configured_backbone(cfg: DictConfig) -> nn.Module:
+    """The ``backbone`` group's model with the data's class count, its weights resolved by
+    :func:`vitexp.results.resolve_weights` (a path, or ``run:<experiment>``)."""
     from vitexp.results import resolve_weights
 
+    backbone_cfg = {**cfg.backbone, "pretrained": resolve_weights(cfg.backbone.get("pretrained"), cfg.results_dir)}
+    return build_backbone(backbone_cfg, num_classes=int(cfg.data.num_classes))
+
+
+def build_backbone_and_method(cfg: DictConfig) -> tuple[nn.Module, Method, dict[str, Any]]:
+    """The backbone, the method, and the model's data config (:func:`data_config_for`)."""
     method = method_from_config(cfg.method)
-    backbone_cfg = dict(cfg.backbone)
-    backbone_cfg["pretrained"] = resolve_weights(backbone_cfg.get("pretrained"), cfg.results_dir)
-    backbone = build_backbone(backbone_cfg, num_classes=int(cfg.data.num_classes))
+    backbone = build_configured_backbone(cfg)
     return backbone, method, data_config_for(cfg, backbone)
 
 

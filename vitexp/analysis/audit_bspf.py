@@ -243,3 +243,10 @@ def render(f: dict[str, Any]) -> str:
     lines += ["- Verdict: objection 4 is **upheld**: most of the +2.0 is the chunk-attention model's (+1.6 by the "
               "paper's numbers); the paper's chunk-only GMACs cannot be a chunk-only cost.", ""]
     return "\n".join(lines)
+
+
+def summary(findings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ledger entry's metrics and protocol for these findings."""
+    metrics = {f"{scale}_{k}": v for scale in ("micro", "deit_small") for k, v in findings[scale].items()}
+    metrics.update({f"gmacs_{k}": v for k, v in findings["gmacs"].items()})
+    return metrics, {"unit": "GMACs", "resolution": 224, "counter": "vitexp.flops"}

@@ -114,3 +114,11 @@ def render(findings: dict[str, Any]) -> str:
               "- RAPTOR's \"equal compute\" means equal block applications (12), not equal FLOPs: its surrogate costs "
               "more than the teacher it replaces.", ""]
     return "\n".join(lines)
+
+
+def summary(findings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ledger entry's metrics (each row's GFLOPs, the decomposition, the ratios) and protocol."""
+    metrics = {f"{size}_{key}_gflops": r["gflops"] for size, f in findings.items() for key, r in f["rows"].items()}
+    metrics.update({f"{size}_{k}": v for size, f in findings.items() for k, v in f.items()
+                    if k.endswith("_gflops") or k.startswith("raptor_over")})
+    return metrics, {"unit": "GFLOPs (2 x MACs)", "resolution": 224, "counter": "vitexp.flops", "head": "included"}

@@ -193,14 +193,11 @@ class RaptorSurrogate(nn.Module):
         self.num_classes = num_classes
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        t = self.teacher_embed
-        x = t.patch_embed(x)
-        x = t._pos_embed(x)
-        x = t.norm_pre(x)
+        x = embed_tokens(self.teacher_embed, x)
         for block, phase in zip(self.blocks, self.phases):
             for layer in phase:
                 x = block(x, layer)
-        return t.norm(x)
+        return self.teacher_embed.norm(x)
 
 
 # -- the teacher's states and the losses ---------------------------------------------------------
