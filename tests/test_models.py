@@ -86,13 +86,26 @@ def test_lvvit_official_checkpoint_layout_loads_exactly(tmp_path, wrapper):
     assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)
 
 
-def test_t2t_performer_matrix_is_frozen_and_saved_and_position_table_is_fixed():
+def test_t2t_fixed_tables_are_saved_buffers_counted_as_parameters():
+    """The position table and the Performer matrices are persistent buffers under the official
+    state-dict keys, and the parameter count includes them as the official count does."""
+    from vitexp.flops import count_params
+
     model = timm.create_model("t2t_vit_micro")
-    state = model.state_dict()
-    assert "tokens_to_token.attention1.w" in state and not model.tokens_to_token.attention1.w.requires_grad
-    assert "pos_embed" in state and not model.pos_embed.requires_grad
+    state, buffers = model.state_dict(), dict(model.named_buffers())
+    tables = ["pos_embed", "tokens_to_token.attention1.w", "tokens_to_token.attention2.w"]
+    for key in tables:
+        assert key in state and key in buffers, key
+    assert not set(tables) & {n for n, _ in model.named_parameters()}
+    assert count_params(model) == sum(p.numel() for p in model.parameters()) + sum(buffers[k].numel() for k in tables)
     w = model.tokens_to_token.attention1.w  # orthogonal rows scaled by sqrt(m)
     torch.testing.assert_close(w @ w.T / w.shape[0], torch.eye(w.shape[0]), atol=1e-5, rtol=1e-5)
+
+
+def test_lvvit_layer_norms_use_the_official_eps():
+    model = timm.create_model("lvvit_micro")
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    assert len(norms) == 2 * 4 + 1 and all(m.eps == 1e-5 for m in norms)
 
 
 def test_t2t_qk_scale_is_a_key():

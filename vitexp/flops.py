@@ -87,7 +87,11 @@ def count_heads(model: nn.Module) -> int:
 
 
 def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """Parameters, plus the buffers a module lists in ``frozen_weights``: the fixed tables a
+    published model counts as parameters (T2T-ViT's position table and Performer matrices,
+    ``nn.Parameter(requires_grad=False)`` in the official code, buffers in vitexp)."""
+    frozen = sum(getattr(m, name).numel() for m in model.modules() for name in getattr(m, "frozen_weights", ()))
+    return sum(p.numel() for p in model.parameters()) + frozen
 
 
 def count_macs(

@@ -18,7 +18,7 @@ from timm.models.metaformer import (
 from timm.models._registry import generate_default_cfgs
 
 default_cfgs = generate_default_cfgs({
-    "caformer_micro": _cfg(num_classes=10, input_size=(3, 64, 64), pool_size=(2, 2)),
+    "caformer_micro": _cfg(num_classes=10, input_size=(3, 64, 64), pool_size=(2, 2), classifier="head.fc.fc2"),
 })
 
 

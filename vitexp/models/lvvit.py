@@ -6,7 +6,8 @@ Architecture, as in the official code:
   bias) + BN + ReLU, then conv 8×8/8 (64→dim): 16-pixel patches.
 - CLS token and a learned position embedding; pre-norm blocks whose residual branches are divided
   by ``skip_lam`` = 2. The blocks are timm's ``Block`` with timm's ``Attention`` (qkv without bias),
-  so token-reduction methods patch them like any timm ViT.
+  so token-reduction methods patch them like any timm ViT. LayerNorms use eps 1e-5 (PyTorch's
+  default, as the official model).
 - An auxiliary head on the patch tokens. In eval the logits are the class head plus 0.5 × the
   maximum over tokens of the auxiliary head; in training :meth:`LVViT.forward` returns the same
   combination (token labeling's dense targets are out of scope).
@@ -15,18 +16,15 @@ Checkpoints: the official ``.pth.tar`` files hold ``state_dict`` or ``state_dict
 with a ``module.`` prefix. :func:`checkpoint_filter_fn` unwraps them and resizes the position
 embedding when the resolution differs.
 """
-from __future__ import annotations
-
-from functools import partial
-from typing import Any
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
-from timm.layers import resample_abs_pos_embed, trunc_normal_
+from timm.layers import resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Block
 
-from vitexp.models._common import ClsTokenViT, init_weights, official_cfg, official_checkpoint_filter
+from vitexp.models._common import ClsTokenViT, init_weights, official_cfg, official_checkpoint_filter, vit_feature_cfg
 
 
 class LVBlock(Block):
@@ -34,7 +32,8 @@ class LVBlock(Block):
 
     skip_lam: float = 2.0
 
-    def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                is_causal: bool = False) -> torch.Tensor:
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x)))) / self.skip_lam
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))) / self.skip_lam
         return x
@@ -43,11 +42,12 @@ class LVBlock(Block):
 class Stem42(nn.Module):
     """LV-ViT's "4_2" patch embedding: a 4-layer convolutional stem, 16-pixel patches."""
 
-    def __init__(self, img_size: int = 224, in_chans: int = 3, hidden: int = 64, embed_dim: int = 384):
+    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, in_chans: int = 3, hidden: int = 64,
+                 embed_dim: int = 384):
         super().__init__()
-        self.img_size = (img_size, img_size)
+        self.img_size = to_2tuple(img_size)
         self.patch_size = (16, 16)
-        self.grid_size = (img_size // 16, img_size // 16)
+        self.grid_size = (self.img_size[0] // 16, self.img_size[1] // 16)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.conv1 = nn.Conv2d(in_chans, hidden, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(hidden)
@@ -66,20 +66,19 @@ class Stem42(nn.Module):
 
 
 class LVViT(ClsTokenViT):
-    def __init__(self, img_size: int = 224, in_chans: int = 3, num_classes: int = 1000, embed_dim: int = 384,
-                 depth: int = 16, num_heads: int = 6, mlp_ratio: float = 3.0, qkv_bias: bool = False,
-                 skip_lam: float = 2.0, stem_dim: int = 64, drop_rate: float = 0.0, drop_path_rate: float = 0.0,
-                 aux_weight: float = 0.5):
+    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, in_chans: int = 3, num_classes: int = 1000,
+                 embed_dim: int = 384, depth: int = 16, num_heads: int = 6, mlp_ratio: float = 3.0,
+                 qkv_bias: bool = False, skip_lam: float = 2.0, stem_dim: int = 64, drop_rate: float = 0.0,
+                 drop_path_rate: float = 0.0, aux_weight: float = 0.5):
         super().__init__()
-        self.num_classes = num_classes
-        self.num_features = self.embed_dim = embed_dim
+        self.init_vit_attributes(embed_dim, depth, num_classes)
         self.aux_weight = aux_weight
         self.patch_embed = Stem42(img_size, in_chans, stem_dim, embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
-        norm = partial(nn.LayerNorm, eps=1e-6)
+        norm = nn.LayerNorm  # eps 1e-5, as the official model
         self.blocks = nn.ModuleList()
         for i in range(depth):
             block = LVBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path=dpr[i],
@@ -107,14 +106,15 @@ class LVViT(ClsTokenViT):
             return x[:, 0]
         return self.head(x[:, 0]) + self.aux_weight * self.aux_head(x[:, 1:]).max(dim=1).values
 
-def checkpoint_filter_fn(state_dict: dict[str, Any], model: LVViT) -> dict[str, torch.Tensor]:
+def checkpoint_filter_fn(state_dict: Dict[str, Any], model: LVViT) -> Dict[str, torch.Tensor]:
     """Official checkpoint layouts; the position embedding is resampled to the model's grid."""
     return official_checkpoint_filter(state_dict, model.pos_embed, lambda v: resample_abs_pos_embed(
         v, new_size=model.patch_embed.grid_size, num_prefix_tokens=1))
 
 
 def _cfg(**kwargs):
-    return official_cfg("patch_embed.conv1", **kwargs)
+    """Both heads are classifiers: loading a checkpoint into another class count re-initialises both."""
+    return official_cfg("patch_embed.conv1", classifier=("head", "aux_head"), **kwargs)
 
 
 default_cfgs = generate_default_cfgs({
@@ -124,7 +124,8 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create(variant: str, pretrained: bool, **kwargs) -> LVViT:
-    return build_model_with_cfg(LVViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
+    return build_model_with_cfg(LVViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                feature_cfg=vit_feature_cfg(kwargs), **kwargs)
 
 
 @register_model

@@ -9,6 +9,8 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
+from vitexp.models._common import vit_feature_cfg
+
 
 def _cfg(**kwargs):
     return {
@@ -18,6 +20,7 @@ def _cfg(**kwargs):
         "pool_size": None,
         "crop_pct": 1.0,
         "interpolation": "bilinear",
+        "fixed_input_size": True,  # absolute position embedding built for img_size, as timm's ViT cfgs
         "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD,
         "first_conv": "patch_embed.proj",
@@ -42,6 +45,7 @@ def vit_micro_patch4_32(pretrained: bool = False, **kwargs) -> VisionTransformer
         "vit_micro_patch4_32",
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=vit_feature_cfg(model_args),
         **model_args,
     )
 
@@ -57,5 +61,6 @@ def vit_micro_patch14_dinov2(pretrained: bool = False, **kwargs) -> VisionTransf
         "vit_micro_patch14_dinov2",
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=vit_feature_cfg(model_args),
         **model_args,
     )

@@ -17,20 +17,26 @@
   (``backbone.kwargs.qk_scale=0.05103``). Which of the two reproduces 81.5 % can only be checked
   with the released weights on ImageNet.
 """
-from __future__ import annotations
-
 import math
-from typing import Any
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from timm.layers import Mlp, trunc_normal_
+from timm.layers import Mlp, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Block
 
-from vitexp.models._common import ClsTokenViT, ScaledAttention, init_weights, official_cfg, official_checkpoint_filter
+from vitexp.models._common import (
+    ClsTokenViT,
+    ScaledAttention,
+    init_weights,
+    official_cfg,
+    official_checkpoint_filter,
+    register_frozen_weight,
+    vit_feature_cfg,
+)
 
 
 class TokenPerformer(nn.Module):
@@ -49,7 +55,7 @@ class TokenPerformer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.emb, self.emb), nn.GELU(), nn.Linear(self.emb, self.emb), nn.Dropout(drop))
         self.m = int(self.emb * kernel_ratio)
         w = nn.init.orthogonal_(torch.randn(self.m, self.emb)) * math.sqrt(self.m)
-        self.w = nn.Parameter(w, requires_grad=False)
+        register_frozen_weight(self, "w", w)
 
     def prm_exp(self, x: torch.Tensor) -> torch.Tensor:
         xd = (x * x).sum(dim=-1, keepdim=True) / 2
@@ -106,8 +112,8 @@ class TokenTransformer(nn.Module):
 class T2TModule(nn.Module):
     """Tokens-to-token: three soft splits (Unfold) with two token blocks between them."""
 
-    def __init__(self, img_size: int = 224, tokens_type: str = "performer", in_chans: int = 3,
-                 embed_dim: int = 384, token_dim: int = 64):
+    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, tokens_type: str = "performer",
+                 in_chans: int = 3, embed_dim: int = 384, token_dim: int = 64):
         super().__init__()
         if tokens_type not in ("performer", "transformer"):
             raise ValueError(f"tokens_type={tokens_type!r}: valid types are ('performer', 'transformer')")
@@ -118,17 +124,17 @@ class T2TModule(nn.Module):
         self.attention1 = block(in_chans * 7 * 7, token_dim)
         self.attention2 = block(token_dim * 3 * 3, token_dim)
         self.project = nn.Linear(token_dim * 3 * 3, embed_dim)
-        self.img_size = (img_size, img_size)
+        self.img_size = to_2tuple(img_size)
         self.patch_size = (16, 16)
-        self.grid_size = (img_size // 16, img_size // 16)
+        self.grid_size = (self.img_size[0] // 16, self.img_size[1] // 16)
         self.num_patches = self.grid_size[0] * self.grid_size[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        side = x.shape[-1] // 4
+        h, w = x.shape[-2] // 4, x.shape[-1] // 4
         x = self.attention1(self.soft_split0(x).transpose(1, 2))
-        x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], side, side)
+        x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], h, w)
         x = self.attention2(self.soft_split1(x).transpose(1, 2))
-        x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], side // 2, side // 2)
+        x = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], h // 2, w // 2)
         return self.project(self.soft_split2(x).transpose(1, 2))
 
 
@@ -143,17 +149,21 @@ def sinusoid_encoding(n_position: int, d_hid: int) -> torch.Tensor:
 
 
 class T2TViT(ClsTokenViT):
-    def __init__(self, img_size: int = 224, tokens_type: str = "performer", in_chans: int = 3, num_classes: int = 1000,
+    """T2T-ViT: the tokens-to-token module, then a ViT with a fixed sinusoidal position table."""
+
+    __jit_unused_properties__ = ["patch_embed"]
+
+    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, tokens_type: str = "performer",
+                 in_chans: int = 3, num_classes: int = 1000,
                  embed_dim: int = 384, depth: int = 14, num_heads: int = 6, mlp_ratio: float = 3.0,
-                 qkv_bias: bool = False, qk_scale: float | None = None, drop_rate: float = 0.0,
+                 qkv_bias: bool = False, qk_scale: Optional[float] = None, drop_rate: float = 0.0,
                  drop_path_rate: float = 0.0, token_dim: int = 64):
         super().__init__()
-        self.num_classes = num_classes
-        self.num_features = self.embed_dim = embed_dim
+        self.init_vit_attributes(embed_dim, depth, num_classes)
         self.tokens_to_token = T2TModule(img_size, tokens_type, in_chans, embed_dim, token_dim)
         n = self.tokens_to_token.num_patches
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(sinusoid_encoding(n + 1, embed_dim), requires_grad=False)
+        register_frozen_weight(self, "pos_embed", sinusoid_encoding(n + 1, embed_dim))
         self.pos_drop = nn.Dropout(drop_rate)
         dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
         self.blocks = nn.ModuleList()
@@ -161,6 +171,7 @@ class T2TViT(ClsTokenViT):
             block = Block(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=drop_rate,
                           drop_path=dpr[i])
             block.attn.__class__ = ScaledAttention
+            block.attn.gate_values = None
             if qk_scale is not None:
                 block.attn.scale = float(qk_scale)
             self.blocks.append(block)
@@ -174,30 +185,34 @@ class T2TViT(ClsTokenViT):
         """The tokens-to-token module plays the patch embedding's role (token grid, patch size)."""
         return self.tokens_to_token
 
+    def embed_patches(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tokens_to_token(x)
+
     @torch.jit.ignore
     def no_weight_decay(self) -> set[str]:
         return {"cls_token"}
 
 
-def checkpoint_filter_fn(state_dict: dict[str, Any], model: T2TViT) -> dict[str, torch.Tensor]:
+def checkpoint_filter_fn(state_dict: Dict[str, Any], model: T2TViT) -> Dict[str, torch.Tensor]:
     """Official checkpoint layouts; a position table of another length is rebuilt (it is fixed)."""
     shape = model.pos_embed.shape
     return official_checkpoint_filter(state_dict, model.pos_embed, lambda v: sinusoid_encoding(shape[1], shape[2]))
 
 
-def _cfg(**kwargs):
-    return official_cfg("tokens_to_token.soft_split0", **kwargs)
-
+#: ``first_conv`` of each tokens-to-token type: Unfold(7, s4) followed by this linear layer is a
+#: 7×7/4 convolution over the pixels, so it is the layer that plays the first conv's role.
+_FIRST_CONV = {"performer": "tokens_to_token.attention1.kqv", "transformer": "tokens_to_token.attention1.attn.qkv"}
 
 default_cfgs = generate_default_cfgs({
-    "t2t_vit_14": _cfg(),
-    "t2t_vit_t_14": _cfg(),
-    "t2t_vit_micro": _cfg(num_classes=10, input_size=(3, 64, 64), crop_pct=1.0),
+    "t2t_vit_14": official_cfg(_FIRST_CONV["performer"]),
+    "t2t_vit_t_14": official_cfg(_FIRST_CONV["transformer"]),
+    "t2t_vit_micro": official_cfg(_FIRST_CONV["performer"], num_classes=10, input_size=(3, 64, 64), crop_pct=1.0),
 })
 
 
 def _create(variant: str, pretrained: bool, **kwargs) -> T2TViT:
-    return build_model_with_cfg(T2TViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn, **kwargs)
+    return build_model_with_cfg(T2TViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                feature_cfg=vit_feature_cfg(kwargs), **kwargs)
 
 
 @register_model
