@@ -127,6 +127,13 @@ def test_t2t_official_checkpoint_layout_loads_exactly(tmp_path):
     loaded = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=10)
     for k, v in source.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
+    # another resolution at creation: the fixed table is rebuilt for the 6x6 grid, the rest loads
+    from vitexp.models.t2t import sinusoid_encoding
+
+    bigger = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 96, "pretrained": str(path)}, num_classes=10)
+    torch.testing.assert_close(bigger.pos_embed, sinusoid_encoding(37, 64))
+    assert torch.equal(bigger.tokens_to_token.attention1.w, source.tokens_to_token.attention1.w)
+    assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)
 
 
 def test_caformer_micro_behaves_like_a_timm_model():

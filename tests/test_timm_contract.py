@@ -223,3 +223,16 @@ def test_a_1000_class_checkpoint_fine_tunes_into_another_class_count(tmp_path, n
         else:
             assert torch.equal(value, source.state_dict()[key]), key
     assert model.eval()(x).shape == (2, 5)
+
+
+def test_nchw_intermediates_of_a_token_pruned_model_are_refused():
+    """After BSPF drops tokens the grid is gone: NCHW would silently fold tokens into channels."""
+    from vitexp.methods.bspf import BSPF
+
+    model, x = create("lvvit_micro")
+    BSPF(chunk_size=8, prune_layers=[1]).apply(model.eval(), {"kind": "keep_ratio", "keep_ratio": 0.5})
+    with torch.no_grad():
+        nlc = model.forward_intermediates(x, output_fmt="NLC", intermediates_only=True)
+        assert [y.shape[1] for y in nlc] == [16, 8, 8, 8]
+        with pytest.raises(ValueError, match="NLC"):
+            model.forward_intermediates(x)

@@ -146,8 +146,12 @@ class ClsTokenViT(nn.Module):
         intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
         if output_fmt == "NCHW":
             ph, pw = self.patch_embed.patch_size
-            intermediates = [y.reshape(B, height // ph, width // pw, -1).permute(0, 3, 1, 2).contiguous()
-                             for y in intermediates]
+            H, W = height // ph, width // pw
+            if any(y.shape[1] != H * W for y in intermediates):
+                raise ValueError(f"output_fmt='NCHW' needs the full {H}x{W} token grid, but a block returned "
+                                 f"{[y.shape[1] for y in intermediates]} patch tokens (a token-pruned model): "
+                                 "use output_fmt='NLC'")
+            intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if return_prefix_tokens:
             intermediates = list(zip(intermediates, prefix))
         if intermediates_only:

@@ -5,11 +5,14 @@
 - Tokens-to-token module: Unfold(7, s4, p2) → token block (147 → 64) → Unfold(3, s2, p1) → token
   block (576 → 64) → Unfold(3, s2, p1) → Linear(576 → dim).
   - A Performer token block has a single head with 32 random features from a frozen orthogonal
-    matrix ``w``, kept in the state dict.
+    matrix ``w``.
   - A Transformer token block has a single head, MLP ratio 1, and a skip connection from v.
-- Backbone: a fixed sinusoidal position embedding (in the state dict), pre-norm blocks with qkv
+- Backbone: a fixed sinusoidal position embedding, pre-norm blocks with qkv
   without bias and MLP ratio 3, and a CLS head after the final norm. The blocks are timm's
   ``Block``, with an attention that honours ``qk_scale``.
+- The fixed tables (``w``, ``pos_embed``) are persistent buffers under the official keys (official
+  ``nn.Parameter(requires_grad=False)``): checkpoints load, every parameter gets a gradient, and
+  ``vitexp.flops.count_params`` still counts them, as the official parameter count does.
 - **qk_scale.** The official ``t2t_vit_14(pretrained=True)`` builds the backbone's attention with
   scale 384^-0.5. Its evaluation script builds the model with ``pretrained=False``, which gives
   head_dim^-0.5, and then loads the released checkpoint into it. vitexp defaults to that
