@@ -136,6 +136,13 @@ def test_t2t_official_checkpoint_layout_loads_exactly(tmp_path):
     assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)
 
 
+def test_t2t_checkpoint_for_other_input_channels_is_refused_by_name(tmp_path):
+    path = tmp_path / "t2t_micro.pth"
+    torch.save(timm.create_model("t2t_vit_micro").state_dict(), path)
+    with pytest.raises(ValueError, match="3 input channels cannot load into a model with in_chans=1"):
+        timm.create_model("t2t_vit_micro", pretrained=True, in_chans=1, pretrained_cfg_overlay=dict(file=str(path)))
+
+
 def test_caformer_micro_behaves_like_a_timm_model():
     model = timm.create_model("caformer_micro", num_classes=7)
     x = torch.randn(2, 3, 64, 64)

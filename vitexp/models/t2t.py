@@ -197,9 +197,17 @@ class T2TViT(ClsTokenViT):
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: T2TViT) -> Dict[str, torch.Tensor]:
-    """Official checkpoint layouts; a position table of another length is rebuilt (it is fixed)."""
+    """Official checkpoint layouts; a position table of another length is rebuilt (it is fixed).
+    A checkpoint for another number of input channels is refused: the first token block normalises
+    and projects the whole C×7×7 unfolded patch, which has no per-channel adaptation."""
     shape = model.pos_embed.shape
-    return official_checkpoint_filter(state_dict, model.pos_embed, lambda v: sinusoid_encoding(shape[1], shape[2]))
+    out = official_checkpoint_filter(state_dict, model.pos_embed, lambda v: sinusoid_encoding(shape[1], shape[2]))
+    key = "tokens_to_token.attention1.norm1.weight"
+    theirs, ours = out.get(key), model.tokens_to_token.attention1.norm1.weight
+    if theirs is not None and theirs.shape != ours.shape:
+        raise ValueError(f"a T2T-ViT checkpoint for {theirs.shape[0] // 49} input channels cannot load into a model "
+                         f"with in_chans={ours.shape[0] // 49}: its first token block acts on the whole C×7×7 patch")
+    return out
 
 
 #: ``first_conv`` of each tokens-to-token type: Unfold(7, s4) followed by this linear layer is a
