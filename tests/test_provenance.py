@@ -9,7 +9,7 @@ import io
 import pytest
 import yaml
 
-from vitexp import SWEEPS_DIR, tables
+from vitexp import CONF_DIR, SWEEPS_DIR, tables
 
 SPECS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
 
@@ -90,3 +90,25 @@ def test_derived_values_and_notes_are_marked_in_every_rendering(tmp_path):
     assert line["gmacs_paper_formula"] == ""
     written = tables.write_table(spec, [], tmp_path)
     assert set(written) == {"md", "tex", "csv", "png"}
+
+
+RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
+
+
+def _header(recipe: str) -> list[str]:
+    lines = (CONF_DIR / "recipe" / f"{recipe}.yaml").read_text().splitlines()
+    return [line[1:].strip() for line in lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))]]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_names_its_source_or_says_it_is_vitexps_choice(recipe):
+    source = " ".join(_header(recipe)).partition("Source:")[2]
+    assert source.strip(), f"conf/recipe/{recipe}.yaml: no 'Source:' in its header comment"
+    assert any(word in source for word in ("paper", "README", "repository", "reference code", "vitexp's choice"))
+
+
+def test_deit_finetune_claims_no_schedule_the_papers_share():
+    header = " ".join(_header("deit_finetune"))
+    assert "DynamicViT, EViT and" not in header and "vitexp's choice" in header
+    for fact in ("300 epochs", "lr 2e-5", "wd 1e-6", "no warm-up", "not published"):
+        assert fact in header, fact
