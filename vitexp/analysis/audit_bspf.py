@@ -56,7 +56,10 @@ def pinned_model(spec: str, results_dir: Path | None = None) -> tuple[torch.nn.M
     from vitexp.models import build_backbone
     from vitexp.results import weights_run
 
-    run = weights_run(spec, results_dir)
+    try:
+        run = weights_run(spec, results_dir)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--micro-run: {err}") from err
     cfg = run["config"]
     if (cfg.get("method") or {}).get("name", "baseline") != "baseline":
         raise ValueError(f"--micro-run {spec}: run {run['run_id']} trained method {cfg['method']['name']!r}; the "
