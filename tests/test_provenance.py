@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from vitexp import CONF_DIR, SWEEPS_DIR, tables
+from vitexp.provenance import evaluate_formula, provenance_errors
 
 SPECS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
 
@@ -33,8 +34,8 @@ def test_every_paper_value_names_its_source_and_derived_ones_their_formula(name)
         for key, cell in (row.get("paper") or {}).items():
             assert str(cell.get("source") or "").strip(), (row["label"], key)
             if cell.get("derived"):
-                assert tables.evaluate_formula(cell["formula"]) == pytest.approx(cell["value"], abs=1e-9), row["label"]
-    assert tables.provenance_errors(spec) == []
+                assert evaluate_formula(cell["formula"]) == pytest.approx(cell["value"], abs=1e-9), row["label"]
+    assert provenance_errors(spec) == []
     tables.load_spec(name)  # the loader enforces the same rules
 
 

@@ -15,7 +15,7 @@ Provenance (design.md, "Table spec"): every paper value names the document and p
 from (``source``). A value the paper does not print but that follows by arithmetic from what it
 prints (72.2 + 1.3 = 73.5) carries ``derived: true`` and its ``formula``; the formula must evaluate
 to the value, and such a cell is rendered with :data:`DERIVED_MARK` and a footnote giving the
-formula. :func:`load_spec` refuses a spec that breaks these rules.
+formula. :func:`load_spec` refuses a spec that breaks these rules (:mod:`vitexp.provenance`).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import yaml
 
 from vitexp import SWEEPS_DIR
+from vitexp.provenance import provenance_errors
 from vitexp.results import default_results_dir, iter_runs
 
 NOT_RUN = "not run"
@@ -58,52 +59,6 @@ def load_spec(table: str | Path) -> dict[str, Any]:
     if problems:
         raise ValueError(f"{path}: paper values without provenance: " + "; ".join(problems))
     return spec
-
-
-def evaluate_formula(formula: str) -> float:
-    """The value of an arithmetic formula of numbers, + − × / and parentheses ("72.2 + 1.3")."""
-    import ast
-    import operator
-
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-    def ev(node):
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in ops:
-            return ops[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -ev(node.operand)
-        raise ValueError(f"formula {formula!r}: only numbers, + - * / and parentheses are allowed")
-
-    return float(ev(ast.parse(formula.replace("−", "-").replace("×", "*"), mode="eval").body))
-
-
-def provenance_errors(spec: dict[str, Any]) -> list[str]:
-    """What breaks the provenance rules in a spec's paper values (empty: none): a value without a
-    source, a derived value without a formula or whose formula does not give the value, and a
-    source that shows arithmetic ("81.5 + 0.9") on a value not marked derived."""
-    import re
-
-    arithmetic = re.compile(r"\d\s*[+−-]\s*\d")
-    problems = []
-    for row in spec["rows"]:
-        for key, cell in (row.get("paper") or {}).items():
-            where = f"{row.get('label')!r} {key}"
-            if not isinstance(cell, dict) or "value" not in cell:
-                problems.append(f"{where}: a paper cell is {{value, source}}")
-                continue
-            if not str(cell.get("source") or "").strip():
-                problems.append(f"{where}: no source")
-            if cell.get("derived"):
-                formula = str(cell.get("formula") or "").strip()
-                if not formula:
-                    problems.append(f"{where}: derived without a formula")
-                elif abs(evaluate_formula(formula) - float(cell["value"])) > 1e-9 * max(1.0, abs(cell["value"])):
-                    problems.append(f"{where}: formula {formula} = {evaluate_formula(formula):g}, not {cell['value']}")
-            elif arithmetic.search(str(cell.get("source") or "")):
-                problems.append(f"{where}: the source shows arithmetic; mark it derived: true with its formula")
-    return problems
 
 
 def all_specs() -> list[str]:
