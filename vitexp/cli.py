@@ -232,8 +232,9 @@ def audit_main(argv: list[str] | None = None) -> None:
     audits = ("bspf", "raptor")
     parser = argparse.ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
     parser.add_argument("paper", choices=audits, help="which paper's claims to audit")
-    parser.add_argument("--micro-checkpoint", help="Lightning checkpoint of a trained micro ViT (default: train one, ~30 s)")
-    parser.add_argument("--deit-small", help="local DeiT-S weights file (default: random initialisation, said so)")
+    parser.add_argument("--micro-run", default="run:demo",
+                        help="bspf: the trained micro ViT, a ledger train run: run:<experiment> (its newest) or run:<run_id>")
+    parser.add_argument("--deit-small", help="bspf: DeiT-S weights, a local file or run:<...> (default: random init, seed 0, said so)")
     parser.add_argument("--images", type=int, default=16, help="digits fed through the micro model (DeiT-S gets a quarter)")
     parser.add_argument("--sizes", nargs="+", choices=("b", "s"), default=["b", "s"],
                         help="raptor: DINOv2 sizes to count (ViT-B, ViT-S)")
@@ -250,7 +251,7 @@ def audit_main(argv: list[str] | None = None) -> None:
         else:
             from vitexp.analysis import audit_bspf as auditor
 
-            findings = auditor.audit(args.micro_checkpoint, args.deit_small, args.images, results_dir)
+            findings = auditor.audit(args.micro_run, args.deit_small, args.images, results_dir)
         report = auditor.render(findings)
         out = results_dir / "audit" / f"{args.paper}.md"
         out.parent.mkdir(parents=True, exist_ok=True)

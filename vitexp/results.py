@@ -188,7 +188,13 @@ def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> 
     that experiment (``run:<run_id>`` also works). Raises ``FileNotFoundError`` naming what to run."""
     if not spec or not str(spec).startswith(RUN_WEIGHTS_PREFIX):
         return spec
-    target = str(spec)[len(RUN_WEIGHTS_PREFIX):]
+    return str(weights_run(spec, results_dir)["artifacts"]["weights"])
+
+
+def weights_run(spec: str, results_dir: Path | str | None = None) -> dict[str, Any]:
+    """The ledger record behind ``run:<experiment>`` (its newest completed train run) or
+    ``run:<run_id>``, checked to have its recorded ``weights`` file on this machine."""
+    target = str(spec).removeprefix(RUN_WEIGHTS_PREFIX)
     runs = [r for r in completed_runs(kind="train", results_dir=results_dir)
             if target in (r.get("experiment"), r.get("run_id"))]
     where = (Path(results_dir) if results_dir else default_results_dir()) / "runs"
@@ -200,4 +206,4 @@ def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> 
     if not weights or not Path(weights).is_file():
         raise FileNotFoundError(f"backbone.pretrained={spec}: run {run['run_id']} recorded weights at {weights}, "
                                 f"which is not on this machine; rerun `vitexp-train experiment={target}`")
-    return str(weights)
+    return run

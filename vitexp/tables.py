@@ -8,7 +8,14 @@ number ever comes from anywhere but a run or the spec's paper value.
 
 Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``); ``plot`` (``x``,
 ``y`` metric keys, optional); ``rows`` (``label``, ``experiment``, ``run``: train | flops | bench,
-``cited``, ``paper``: {metric: {value, source}}).
+``cited``, ``paper``: {metric: {value, source, derived, formula}}); ``notes`` (optional list of
+footnotes printed under the table, e.g. where a row's settings were fitted rather than read).
+
+Provenance (design.md, "Table spec"): every paper value names the document and place it was read
+from (``source``). A value the paper does not print but that follows by arithmetic from what it
+prints (72.2 + 1.3 = 73.5) carries ``derived: true`` and its ``formula``; the formula must evaluate
+to the value, and such a cell is rendered with :data:`DERIVED_MARK` and a footnote giving the
+formula. :func:`load_spec` refuses a spec that breaks these rules (:mod:`vitexp.provenance`).
 """
 from __future__ import annotations
 
@@ -23,11 +30,13 @@ from typing import Any, Iterable
 import yaml
 
 from vitexp import SWEEPS_DIR
+from vitexp.provenance import provenance_errors
 from vitexp.results import default_results_dir, iter_runs
 
 NOT_RUN = "not run"
 CITED = "cited, not run"
 NO_PAPER = "—"
+DERIVED_MARK = "†"
 
 
 def load_spec(table: str | Path) -> dict[str, Any]:
@@ -46,6 +55,9 @@ def load_spec(table: str | Path) -> dict[str, Any]:
     for row in spec["rows"]:
         if not row.get("cited") and not row.get("experiment"):
             raise ValueError(f"{path}: row {row.get('label')!r} has neither an experiment nor cited: true")
+    problems = provenance_errors(spec)
+    if problems:
+        raise ValueError(f"{path}: paper values without provenance: " + "; ".join(problems))
     return spec
 
 
@@ -90,7 +102,7 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
                     value, run_id = v, r["run_id"]
             paper = (row.get("paper") or {}).get(key) or {}
             cells[key] = {"value": value, "run_id": run_id, "paper": paper.get("value"),
-                          "source": paper.get("source")}
+                          "source": paper.get("source"), "formula": paper.get("formula") if paper.get("derived") else None}
         filled.append({"label": row["label"], "experiment": row.get("experiment"),
                        "cited": bool(row.get("cited")), "cells": cells})
     return filled
@@ -109,8 +121,21 @@ def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
         ours = _fmt(cell["value"], digits)
     else:
         ours = CITED if row["cited"] else NOT_RUN
+    return ours, _paper_text(cell)
+
+
+def _paper_text(cell: dict[str, Any]) -> str:
+    """The paper's value as printed in a table, with :data:`DERIVED_MARK` when it is derived."""
     paper = f"{cell['paper']:g}" if isinstance(cell["paper"], (int, float)) else (cell["paper"] or NO_PAPER)
-    return ours, paper
+    return paper + DERIVED_MARK if cell.get("formula") else paper
+
+
+def footnotes(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """The table's footnotes: one per derived paper value (its formula and source), then the spec's notes."""
+    notes = [f"{DERIVED_MARK} {row['label']}, {col['label']}: {_paper_text(c)[:-1]} = {c['formula']}, obtained by "
+             f"arithmetic from {c['source']}."
+             for row in rows for col in spec["columns"] for c in [row["cells"][col["key"]]] if c.get("formula")]
+    return notes + [str(n) for n in spec.get("notes") or []]
 
 
 def _header(spec) -> list[str]:
@@ -133,6 +158,9 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     sources = sorted({(c["source"]) for r in rows for c in r["cells"].values() if c["source"]})
     if sources:
         lines += ["", "Paper values: " + "; ".join(sources) + "."]
+    notes = footnotes(spec, rows)
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     run_ids = sorted({c["run_id"] for r in rows for c in r["cells"].values() if c["run_id"]})
     if run_ids:
         lines += ["", "vitexp runs (results/runs/): " + ", ".join(f"`{i}`" for i in run_ids) + "."]
@@ -141,7 +169,7 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def _tex_escape(text: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
-                 ("—", "---"), ("×", r"$\times$")):
+                 ("—", "---"), ("×", r"$\times$"), (DERIVED_MARK, r"\textsuperscript{\dag}")):
         text = text.replace(a, b)
     return text
 
@@ -159,7 +187,9 @@ def render_latex(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         for col in spec["columns"]:
             cells += [_tex_escape(t) for t in _cell_texts(row, col)]
         out.append(" & ".join(cells) + r" \\")
-    out += [r"\bottomrule", r"\end{tabular}", rf"% {ncol} columns; units: "
+    out += [r"\bottomrule", r"\end{tabular}"]
+    out += [r"\par\footnotesize " + _tex_escape(n) for n in footnotes(spec, rows)]
+    out += [rf"% {ncol} columns; units: "
             + _tex_escape("; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"])),
             r"\end{table}"]
     return "\n".join(out) + "\n"
@@ -171,14 +201,15 @@ def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     head = ["row", "experiment"]
     for col in spec["columns"]:
         k = col["key"]
-        head += [k, f"{k}_paper", f"{k}_paper_source", f"{k}_run_id"]
+        head += [k, f"{k}_paper", f"{k}_paper_source", f"{k}_paper_formula", f"{k}_run_id"]
     writer.writerow(head)
     for row in rows:
         line = [row["label"], row["experiment"] or ""]
         for col in spec["columns"]:
             c = row["cells"][col["key"]]
             ours = c["value"] if c["value"] is not None else (CITED if row["cited"] else NOT_RUN)
-            line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c["run_id"] or ""]
+            line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c["formula"] or "",
+                     c["run_id"] or ""]
         writer.writerow(line)
     return buf.getvalue()
 
@@ -207,8 +238,9 @@ def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) ->
                        label=f"{row['label']} (vitexp)")
             plotted += 1
         if x["paper"] is not None and y["paper"] is not None:
+            mark = DERIVED_MARK if x.get("formula") or y.get("formula") else ""
             ax.scatter(x["paper"], y["paper"], facecolors="none", edgecolors=color, marker="s", s=60, zorder=3,
-                       label=f"{row['label']} (paper)")
+                       label=f"{row['label']} (paper{mark})")
             plotted += 1
     def axis_label(col):  # long units are spelled out in the table files, not on the axis
         unit = col.get("unit", "")
@@ -222,7 +254,18 @@ def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) ->
         ax.legend(fontsize=6, loc="best")
     else:
         ax.text(0.5, 0.5, "no row has both values yet (not run)", ha="center", va="center", transform=ax.transAxes)
-    fig.tight_layout()
+    notes = footnotes(spec, rows)
+    if notes:  # below the axes, wrapped to the figure's width
+        import textwrap
+
+        text = "\n".join(textwrap.fill(n, 120) for n in notes)
+        extra = 0.09 * (text.count("\n") + 1) + 0.1  # inches: 5 pt lines
+        width, height = fig.get_size_inches()
+        fig.set_size_inches(width, height + extra)
+        fig.text(0.01, 0.01, text, fontsize=5, ha="left", va="bottom")
+        fig.tight_layout(rect=(0, extra / (height + extra), 1, 1))
+    else:
+        fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return True
