@@ -238,3 +238,27 @@ def test_budget_errors_name_the_key():
         vconfig.validate(vconfig.compose(["method=evit", "budget=keep_ratio", "method.prune_layers=[6]"]))
     with pytest.raises(vconfig.ConfigError, match="does not apply"):
         vconfig.validate(vconfig.compose(["backbone=caformer_micro", "method=evit", "budget=keep_ratio"]))
+
+
+# -- several methods timed in one interleaved run -----------------------------------------------------------
+def test_bench_compare_times_several_experiments_together_one_entry_each(make_cfg, results_dir):
+    from conftest import QUIET, ledger_entries
+
+    from vitexp.cli import run_bench
+
+    names = ["demo", "tome_demo", "evit_demo"]
+    cfg = make_cfg(QUIET + [f"bench.compare=[{','.join(names)}]", "bench.rounds=1", "bench.iters=1",
+                            "bench.warmup=0", "bench.batch_size=2", "bench.device=cpu"])
+    run_bench(cfg)
+    entries = {e["experiment"]: e for e in ledger_entries(results_dir)}
+    assert sorted(entries) == sorted(names) and all(e["kind"] == "bench" for e in entries.values())
+    ref = entries["demo"]["metrics"]
+    assert ref["throughput_ratio"] == 1.0 and ref["gmacs_ratio"] == 1.0
+    for name in ("tome_demo", "evit_demo"):
+        m, p = entries[name]["metrics"], entries[name]["protocol"]
+        assert p["interleaved_with"] == names and p["reference"] == "demo" and p["batch_size"] == 2
+        assert m["baseline_throughput"] == ref["throughput"]
+        assert m["throughput_ratio"] == pytest.approx(m["throughput"] / ref["throughput"])
+        assert m["gmacs"] < ref["gmacs"] and m["gmacs_ratio"] == pytest.approx(ref["gmacs"] / m["gmacs"])
+    with pytest.raises(vconfig.ConfigError, match="at least two different experiments"):
+        run_bench(make_cfg(QUIET + ["bench.compare=[demo,demo]"]))
