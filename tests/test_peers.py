@@ -73,7 +73,6 @@ def test_tome_merges_r_tokens_in_every_layer_and_never_a_prefix_token():
     tome(model, 2)
     assert tokens_after_each_block(model, x) == [21 - 2 * (i + 1) for i in range(6)]
     state = model.blocks[0].tome
-    assert state.tokens == [19, 17, 15, 13, 11, 9]
     # the 5 prefix tokens keep size 1; the patch tokens' sizes add up to the 16 patches
     assert torch.equal(state.size[:, :5, 0], torch.ones(3, 5))
     assert torch.equal(state.size[:, 5:, 0].sum(1), torch.full((3,), 16.0))

@@ -13,7 +13,7 @@ stay the model's own.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -28,8 +28,7 @@ class MergeState:
     r: list[int]
     num_prefix: int
     prop_attn: bool = True
-    size: torch.Tensor | None = None
-    tokens: list[int] = field(default_factory=list)  # tokens leaving each block in the last pass
+    size: torch.Tensor | None = None  # B×N×1 sizes of the current tokens (None: all 1)
 
 
 class ToMeAttention(Attention):
@@ -47,13 +46,12 @@ class ToMeBlock(Block):
     def forward(self, x: torch.Tensor, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
         state = self.tome
         if self.layer == 0:
-            state.size, state.tokens = None, []
+            state.size = None
         out, metric = self.attn(self.norm1(x), state.size if state.prop_attn else None)
         x = x + self.drop_path1(self.ls1(out)) / self.skip_lam
         if state.r[self.layer] > 0:
             merge, _ = bipartite_soft_matching(metric, state.r[self.layer], state.num_prefix)
             x, state.size = merge_wavg(merge, x, state.size)
-        state.tokens.append(x.shape[1])
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))) / self.skip_lam
 
 
