@@ -261,3 +261,16 @@ def test_bench_compare_times_several_experiments_together_one_entry_each(make_cf
         assert m["gmacs"] < ref["gmacs"] and m["gmacs_ratio"] == pytest.approx(ref["gmacs"] / m["gmacs"])
     with pytest.raises(vconfig.ConfigError, match="at least two different experiments"):
         run_bench(make_cfg(QUIET + ["bench.compare=[demo,demo]"]))
+
+
+def test_rows_of_a_series_become_one_curve_each_in_the_plot():
+    from vitexp.tables import fill, load_spec, series_curves
+
+    spec = load_spec("peers_deit_small")
+    runs = [{"run_id": f"r{i}", "experiment": e, "status": "completed", "metrics": {"gmacs": g, "top1": t}}
+            for i, (e, g, t) in enumerate([("evit_deit_small_keep07", 3.0, 79.0), ("evit_deit_small_keep05", 2.3, 78.0),
+                                           ("tome_deit_small_r13", 2.7, 79.1)])]
+    curves = series_curves(fill(spec, runs), "gmacs", "top1")
+    assert curves["EViT"]["vitexp"] == [(2.3, 78.0), (3.0, 79.0)]  # sorted by GMACs
+    assert curves["EViT"]["paper"] == [(2.3, 78.5), (2.6, 78.9), (3.0, 79.5)]
+    assert "vitexp" not in curves["ToMe"] and "BSPF-ViT" in curves  # one ToMe point is no curve
