@@ -139,6 +139,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
 
     if cfg.bench.mode not in ("throughput", "overhead"):
         raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of ('throughput', 'overhead')")
+    if cfg.bench.mode == "throughput" and cfg.bench.get("compare"):
+        return run_compare(cfg)
     validate(cfg, need_data=cfg.bench.mode == "overhead")
     config = to_container(cfg)
     ledger = LedgerEntry(cfg.name, "bench", config, cfg.results_dir).start()
@@ -198,6 +200,85 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     except BaseException as err:
         if ledger.record["status"] == "running":
             ledger.fail(err)
+        raise
+
+
+def _compose_experiment(name: str) -> DictConfig:
+    """An experiment's config, composed beside the running Hydra app (or standalone)."""
+    from hydra import compose as hydra_compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = [f"experiment={name}"]
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name="train", overrides=overrides)
+    from vitexp.config import compose
+
+    return compose(overrides)
+
+
+def run_compare(cfg: DictConfig) -> dict[str, Any]:
+    """``bench.compare=[A, B, ...]``: the deployed models of several experiments timed in one
+    interleaved run (:func:`vitexp.bench.compare_throughput`) on ``bench.*``'s device, batch and
+    precision. A is the reference: each experiment gets a bench ledger entry with its images/s,
+    its speedup over A (``throughput_ratio``) and A's GMACs over its own (``gmacs_ratio``). The
+    machine's load average before and after goes into the protocol (a shared CPU shows there)."""
+    import os
+
+    from vitexp.bench import bench_device, compare_throughput
+    from vitexp.flops import count_macs
+    from vitexp.results import LedgerEntry
+    from vitexp.train import build_model
+
+    names = [str(n) for n in cfg.bench.compare]
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise ConfigError(f"bench.compare: {names} must name at least two different experiments (the first is the reference)")
+    subs = {}
+    for name in names:
+        sub = _compose_experiment(name)
+        with open_dict(sub):
+            sub.output_dir, sub.results_dir, sub.bench, sub.logger = cfg.output_dir, cfg.results_dir, cfg.bench, cfg.logger
+        validate(sub, need_data=False)
+        subs[name] = sub
+    sizes = {int(sub.backbone.img_size) for sub in subs.values()}
+    if len(sizes) != 1:
+        raise ConfigError(f"bench.compare: the experiments run at different resolutions {sorted(sizes)}")
+    img = sizes.pop()
+    ledgers = {n: LedgerEntry(n, "bench", to_container(sub), cfg.results_dir).start() for n, sub in subs.items()}
+    try:
+        b = cfg.bench
+        device = bench_device(str(b.device))
+        models, gmacs = {}, {}
+        for name, sub in subs.items():
+            model, method, _ = build_model(sub)
+            deployed = method.deploy(model)
+            gmacs[name] = count_macs(deployed, img).gmacs
+            models[name] = deployed.to(device)
+        load_before = os.getloadavg()
+        res = compare_throughput(models, int(b.batch_size), img, warmup=int(b.warmup), rounds=int(b.rounds),
+                                 iters=int(b.iters), amp=bool(b.amp))
+        load_after = os.getloadavg()
+        ref = names[0]
+        out = {}
+        for name in names:
+            metrics = {"throughput": res[name]["throughput"], "baseline_throughput": res[ref]["throughput"],
+                       "throughput_ratio": res[name]["throughput"] / res[ref]["throughput"],
+                       "gmacs": gmacs[name], "baseline_gmacs": gmacs[ref], "gmacs_ratio": gmacs[ref] / gmacs[name]}
+            protocol = {"mode": "compare", "interleaved": True, "interleaved_with": names, "reference": ref,
+                        **{k: v for k, v in res[name].items() if k != "throughput"}, "statistic": "median over rounds",
+                        "load_average_1m_before_after": [load_before[0], load_after[0]], "cpu_count": os.cpu_count()}
+            print(f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f} over {ref} "
+                  f"(GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)")
+            path = _close_run(subs[name], ledgers[name], ledgers[name].record["config"], "bench", metrics, protocol)
+            out[name] = {"metrics": metrics, "ledger": str(path), "run_id": ledgers[name].run_id}
+        print(f"batch {b.batch_size}, {img} px, {res[ref]['device_name']}, {res[ref]['precision']}, "
+              f"{res[ref]['threads']} threads, load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
+              f"on {os.cpu_count()} CPUs")
+        return {"metrics": {n: o["metrics"] for n, o in out.items()}, "ledger": [o["ledger"] for o in out.values()],
+                "run_id": [o["run_id"] for o in out.values()]}
+    except BaseException as err:
+        for ledger in ledgers.values():
+            if ledger.record["status"] == "running":
+                ledger.fail(err)
         raise
 
 

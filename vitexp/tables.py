@@ -8,7 +8,8 @@ number ever comes from anywhere but a run or the spec's paper value.
 
 Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``); ``plot`` (``x``,
 ``y`` metric keys, optional); ``rows`` (``label``, ``experiment``, ``run``: train | flops | bench,
-``cited``, ``paper``: {metric: {value, source, derived, formula}}); ``notes`` (optional list of
+``cited``, ``paper``: {metric: {value, source, derived, formula}}, ``series``: rows of one sweep,
+drawn as a curve); ``notes`` (optional list of
 footnotes printed under the table, e.g. where a row's settings were fitted rather than read).
 
 Provenance (design.md, "Table spec"): every paper value names the document and place it was read
@@ -104,7 +105,7 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
             cells[key] = {"value": value, "run_id": run_id, "paper": paper.get("value"),
                           "source": paper.get("source"), "formula": paper.get("formula") if paper.get("derived") else None}
         filled.append({"label": row["label"], "experiment": row.get("experiment"),
-                       "cited": bool(row.get("cited")), "cells": cells})
+                       "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells})
     return filled
 
 
@@ -214,6 +215,20 @@ def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
+def series_curves(rows: list[dict[str, Any]], xk: str, yk: str) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """Rows that share a ``series`` (a method's sweep): their vitexp and paper points, by x, one
+    curve each where there are at least two points."""
+    curves: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for row in rows:
+        if not row.get("series"):
+            continue
+        x, y = row["cells"][xk], row["cells"][yk]
+        for source, key in (("vitexp", "value"), ("paper", "paper")):
+            if x[key] is not None and y[key] is not None:
+                curves.setdefault(row["series"], {}).setdefault(source, []).append((x[key], y[key]))
+    return {name: {src: sorted(pts) for src, pts in by.items() if len(pts) >= 2} for name, by in curves.items()}
+
+
 def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> bool:
     """Accuracy vs GMACs: vitexp's runs (filled) and the paper's values (hollow), one colour per
     row. Returns False (and writes nothing) when the spec has no plot."""
@@ -242,6 +257,10 @@ def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) ->
             ax.scatter(x["paper"], y["paper"], facecolors="none", edgecolors=color, marker="s", s=60, zorder=3,
                        label=f"{row['label']} (paper{mark})")
             plotted += 1
+    for name, by_source in series_curves(rows, xk, yk).items():
+        for source, points in by_source.items():
+            ax.plot(*zip(*points), color="0.4", lw=1, ls="-" if source == "vitexp" else "--", zorder=2,
+                    label=f"{name} ({source})")
     def axis_label(col):  # long units are spelled out in the table files, not on the axis
         unit = col.get("unit", "")
         return col["label"] if not unit or len(unit) > 12 or unit == col["label"] else f"{col['label']} ({unit})"

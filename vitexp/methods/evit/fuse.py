@@ -1,0 +1,55 @@
+"""EViT's algorithm (Liang et al., ICLR 2022, "Not All Patches are What You Need"), as its
+public code (``evit.py``, ``helpers.py``) computes it. Pure tensor code; :mod:`.patch` calls it
+between the attention and the MLP of the pruning blocks.
+
+- Candidates: the M = N − P non-prefix tokens entering the block (P prefix tokens: CLS and, on
+  DINOv2, registers; EViT has only CLS). The fused token of an earlier pruning block is one of
+  them, as in EViT's code.
+- Kept: the k = ⌈ρ·M⌉ candidates with the largest CLS attention, averaged over heads (the CLS
+  query's softmax row of this block's attention), in descending order of that attention.
+- Fused (``fuse=True``, EViT's ``--fuse_token``): the other M − k candidates become one token,
+  appended last: x_f = Σ_i a_i x_i with a_i their CLS attention. EViT's code sums without
+  dividing by Σ a_i (the weights are the softmax probabilities, summing to less than 1);
+  vitexp does the same. The sum is written as a (1×(M−k)) · ((M−k)×C) matmul, so the protocol
+  counts its (M−k)·C MACs.
+- Tokens after the block: P + k + 1 (P + k without fusion).
+
+``keep_rate_at``: EViT's keep-rate warm-up (``helpers.adjust_keep_rate``). ρ_t = 1 before
+``start`` epochs; then cosine from 1 down to the target over ``ramp`` epochs,
+ρ_t = ρ + (1 − ρ)·(1 + cos(π·(e − start)/ramp))/2; ρ after. EViT evaluates iterations, so e is
+fractional (e = training progress × epochs). Evaluation always uses the target ρ.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def keep_count(keep_rate: float, candidates: int) -> int:
+    """⌈ρ·M⌉ (at least 1); the product is rounded to 1e-9 first so that 0.7·100 keeps 70."""
+    return max(1, math.ceil(round(keep_rate * candidates, 9)))
+
+
+def keep_rate_at(epoch: float, target: float, start: float, ramp: float) -> float:
+    if epoch < start:
+        return 1.0
+    if ramp <= 0 or epoch >= start + ramp:
+        return target
+    return target + (1.0 - target) * 0.5 * (1.0 + math.cos(math.pi * (epoch - start) / ramp))
+
+
+def prune_and_fuse(x: torch.Tensor, cls_attn: torch.Tensor, keep: int, num_prefix: int, fuse: bool = True) -> torch.Tensor:
+    """x: B×N×C, cls_attn: B×(N−P) (head-averaged CLS attention to the candidates) ->
+    B×(P + keep + fuse)×C: prefix, kept candidates (most attended first), fused token."""
+    B, _, C = x.shape
+    P = num_prefix
+    candidates = x[:, P:]
+    order = cls_attn.argsort(dim=1, descending=True)
+    kept = candidates.gather(1, order[:, :keep].unsqueeze(-1).expand(B, keep, C))
+    parts = [x[:, :P], kept]
+    if fuse and keep < candidates.shape[1]:
+        rest = order[:, keep:]
+        weights = cls_attn.gather(1, rest).unsqueeze(1)  # B×1×(M−k)
+        parts.append(weights.to(x.dtype) @ candidates.gather(1, rest.unsqueeze(-1).expand(B, rest.shape[1], C)))
+    return torch.cat(parts, dim=1)

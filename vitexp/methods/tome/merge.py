@@ -1,0 +1,78 @@
+"""ToMe's algorithm (Bolya et al., ICLR 2023, Sec. 3): bipartite soft matching and the
+size-weighted merge. Pure tensor code; :mod:`vitexp.methods.tome.patch` calls it between the
+attention and the MLP of every block.
+
+Bipartite soft matching of the N − P non-prefix tokens (P prefix tokens: CLS, registers):
+
+1. Alternate them into sets A and B. With the sequence counted from CLS at position 0, A holds
+   the even positions and B the odd ones, as ToMe's code does with its class token in A:
+   A = patches[1::2], B = patches[0::2]. Prefix tokens are in neither set, so they are never
+   merged and never merged into (ToMe protects only CLS; registers are treated alike).
+2. Score every a ∈ A against every b ∈ B by the cosine similarity of the metric (the attention
+   keys averaged over heads): one matmul, |A|·|B|·d MACs, which the FLOPs protocol counts.
+3. Each a keeps its best b; the r a's with the highest best score are merged into their b
+   (r ≤ |A| = ⌊(N − P)/2⌋; several a's may go to one b).
+4. Output order: prefix, the unmerged A tokens in their input order, then B.
+
+Merge (``merge_wavg``): tokens are averaged weighted by their size s (the number of input
+patches each stands for): x_b ← (s_b x_b + Σ s_a x_a) / (s_b + Σ s_a), s_b ← s_b + Σ s_a.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+Merge = Callable[[torch.Tensor], torch.Tensor]
+
+
+def parse_r(r: int | Sequence[int], depth: int) -> list[int]:
+    """``budget.r`` -> tokens merged in each of ``depth`` layers: an int is the same r in every
+    layer; a list gives layer by layer and is padded with zeros (ToMe's ``parse_r``)."""
+    if isinstance(r, int):
+        per_layer = [r] * depth
+    else:
+        per_layer = [int(v) for v in r]
+        if len(per_layer) > depth:
+            raise ValueError(f"budget.r: {len(per_layer)} values for a backbone of {depth} layers")
+        per_layer += [0] * (depth - len(per_layer))
+    if any(v < 0 for v in per_layer):
+        raise ValueError(f"budget.r: {r} must be >= 0 (tokens merged per layer)")
+    return per_layer
+
+
+def bipartite_soft_matching(metric: torch.Tensor, r: int, num_prefix: int) -> tuple[Merge, int]:
+    """metric: B×N×d. Returns (merge, r actually merged); ``merge(t)`` maps any B×N×C tensor to
+    B×(N − r)×C by summing each merged A token into its B token (the weighting is the caller's)."""
+    P = num_prefix
+    r = min(r, (metric.shape[1] - P) // 2)
+    if r <= 0:
+        return (lambda t: t), 0
+    with torch.no_grad():
+        m = metric[:, P:]
+        m = m / m.norm(dim=-1, keepdim=True)
+        scores = m[:, 1::2] @ m[:, 0::2].transpose(-1, -2)  # B×|A|×|B|
+        best, target = scores.max(dim=-1)
+        order = best.argsort(dim=-1, descending=True)
+        src = order[:, :r]
+        unmerged = order[:, r:].sort(dim=-1).values
+        dst = target.gather(1, src)
+
+    def merge(t: torch.Tensor) -> torch.Tensor:
+        B, _, C = t.shape
+        prefix, a, b = t[:, :P], t[:, P + 1::2], t[:, P::2]
+        kept = a.gather(1, unmerged.unsqueeze(-1).expand(B, unmerged.shape[1], C))
+        moved = a.gather(1, src.unsqueeze(-1).expand(B, r, C))
+        b = b.scatter_reduce(1, dst.unsqueeze(-1).expand(B, r, C), moved, reduce="sum")
+        return torch.cat([prefix, kept, b], dim=1)
+
+    return merge, r
+
+
+def merge_wavg(merge: Merge, x: torch.Tensor, size: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Size-weighted average merge: (merged x, merged sizes B×N'×1). ``size`` None means all 1."""
+    if size is None:
+        size = torch.ones_like(x[..., :1])
+    x = merge(x * size)
+    size = merge(size)
+    return x / size, size
