@@ -112,3 +112,21 @@ def test_sweep_plan_launches_only_missing_row_seed_pairs(results_dir):
     assert todo["seeds"] == {"chunk_demo": [0, 2], "bspf_demo": [0]}
     forced = plan(spec, None, True, results_dir)["train"]
     assert forced["seeds"]["chunk_demo"] == [0, 1, 2] and forced["skip"] == []
+
+
+def test_paired_cell_before_and_without_common_seeds(results_dir):
+    _run(results_dir, "base+seed=0", 0, {"top1": 90.0})
+    rows = {r["label"]: r for r in tables.fill(SPEC, list(iter_runs(results_dir)))}
+    assert aggregate.paired_text(rows["Method"], SPEC["columns"][0]) == "not run"
+    _run(results_dir, "meth+seed=1", 1, {"top1": 91.0})
+    rows = {r["label"]: r for r in tables.fill(SPEC, list(iter_runs(results_dir)))}
+    assert aggregate.paired_text(rows["Method"], SPEC["columns"][0]) == "no common seed"
+    assert aggregate.paired_text(rows["Baseline"], SPEC["columns"][0]) == "—"
+
+
+def test_the_sweeps_seed_override_names_runs_as_the_tables_expect():
+    from vitexp.config import compose, run_name
+
+    cfg = compose(["experiment=chunk_demo", "seed=1"])
+    choices = {"experiment": "chunk_demo", "backbone": "vit_micro", "method": "chunk", "data": "digits"}
+    assert run_name(cfg, choices, ["experiment=chunk_demo", "seed=1"]) == aggregate.seeded_name("chunk_demo", 1)

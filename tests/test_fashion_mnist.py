@@ -118,3 +118,20 @@ def test_missing_root_names_the_package_and_command(tmp_path, make_cfg):
     cfg = make_cfg(["data=fashion_mnist", f"data.root={tmp_path / 'nope'}"])
     with pytest.raises(ConfigError, match="apt-get install -y dataset-fashion-mnist"):
         validate(cfg)
+
+
+@pytest.mark.slow  # ~100 s under this machine's contention (two model builds, FLOPs counts, 70k images loaded twice)
+@requires_fashion_mnist
+def test_pretrain_then_a_seeded_method_row_from_its_weights(make_cfg, results_dir, tmp_path):
+    """The tier's chain on real data, one batch each: the vit_micro baseline, then BSPF from its weights."""
+    from conftest import QUIET, ledger_entries
+    from vitexp.train import train
+
+    quick = QUIET + ["trainer.fast_dev_run=true", "eval.throughput=false"]
+    train(make_cfg(quick + ["experiment=fmnist_vit_micro_baseline"], output_dir=tmp_path / "pre"))
+    cfg = make_cfg(quick + ["experiment=fmnist_bspf_vit_micro", "seed=1"], output_dir=tmp_path / "bspf")
+    assert cfg.backbone.pretrained == "run:fmnist_vit_micro_baseline" and cfg.data.name == "fashion_mnist"
+    train(cfg)
+    pre, bspf = sorted(ledger_entries(results_dir), key=lambda e: e["started"])
+    assert pre["status"] == bspf["status"] == "completed" and bspf["config"]["seed"] == 1
+    assert bspf["protocol"]["resolution"] == 32 and bspf["metrics"]["gmacs"] < pre["metrics"]["gmacs"]

@@ -89,7 +89,8 @@ def seeded_cell(runs_by_seed: dict[int, list[dict[str, Any]]], key: str) -> dict
 def paired_difference(method: dict[int, float], baseline: dict[int, float]) -> dict[str, Any]:
     """mean ± sample std of ``method_s - baseline_s`` over the seeds both have; n = pairs."""
     common = sorted(set(method) & set(baseline))
-    return {**summarize([method[s] - baseline[s] for s in common]), "seeds": common}
+    return {**summarize([method[s] - baseline[s] for s in common]), "seeds": common,
+            "both_run": bool(method) and bool(baseline)}
 
 
 def format_stat(mean: float | None, std: float | None, n: int, digits: int, expected: int | None = None,
@@ -128,12 +129,13 @@ def paired_cells(spec: dict[str, Any], filled: list[dict[str, Any]]) -> None:
 
 
 def paired_text(row: dict[str, Any], col: dict[str, Any]) -> str:
-    """The Δ cell: ``"+0.40 ± 0.30 (3)"``, ``"—"`` without a baseline, ``"no common seed"``."""
+    """The Δ cell: ``"+0.40 ± 0.30 (3)"``; ``"—"`` without a baseline; ``"not run"`` until both rows
+    have a seed; ``"no common seed"`` when they have only different ones."""
     diff = (row.get("paired") or {}).get(col["key"])
     if diff is None:
         return "—"
     text = format_stat(diff["mean"], diff["std"], diff["n"], int(col.get("digits", 2)), signed=True)
-    return text if text is not None else "no common seed"
+    return text if text is not None else ("no common seed" if diff["both_run"] else "not run")
 
 
 def csv_header(spec: dict[str, Any]) -> list[str]:
