@@ -72,6 +72,7 @@ def wandb_runs(path: str) -> list[dict[str, Any]]:
             "experiment": config.get("name", run.name),
             "status": {"finished": "completed", "crashed": "failed", "failed": "failed"}.get(run.state, run.state),
             "kind": getattr(run, "job_type", None) or "train",
+            "config": config,  # its seed places the run in a seeded row
             "metrics": summary,
             "started": str(getattr(run, "created_at", "")),
             "wandb_url": getattr(run, "url", None),
