@@ -261,12 +261,12 @@ class FashionMNISTDataModule(VitexpDataModule):
     (nearest neighbour: 32 px -> ×1, 56 and 64 px -> ×2), zero-padded centred to that resolution
     (Fashion-MNIST's background is 0), grey repeated to 3 channels (the backbones keep 3-channel
     patch embeddings, as the paper-scale ones), normalised with the backbone's mean and std.
-    Training augmentation (``augment``): random translation by up to ``translate`` px and
-    horizontal flips."""
+    Training augmentation (``augment``, off by default: it slowed the tier's short schedules):
+    random translation by up to ``translate`` px and horizontal flips."""
 
     def __init__(self, root: str = FASHION_MNIST_ROOT, name: str = "fashion_mnist", num_classes: int = 10,
                  batch_size: int = 128, num_workers: int = 0, val_size: int = 5000, split_seed: int = 0,
-                 augment: bool = True, translate: int = 2, package: str = FASHION_MNIST_PACKAGE,
+                 augment: bool = False, translate: int = 2, package: str = FASHION_MNIST_PACKAGE,
                  data_config: dict[str, Any] | None = None, loader_seed: int = 0):
         super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
         self.root = Path(str(root)).expanduser()
