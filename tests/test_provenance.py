@@ -47,12 +47,13 @@ def test_gains_turned_into_values_are_marked_derived(name, experiment, key, form
         assert cell.get("derived") is True and cell.get("formula") == formula
 
 
-def test_evit_values_are_read_from_the_evit_readme_not_bspf_table_1():
+def test_evit_values_name_where_each_was_read():
+    """EViT's README gives top-1 per keep rate but no GMACs: those are read from BSPF-ViT Table 1."""
     rows = [r for r in _raw("bspf_table1")["rows"] if r["label"].startswith("EViT")]
-    assert len(rows) == 3
+    assert len(rows) == 3 and all(r.get("experiment") for r in rows)  # runnable rows, not cited ones
     for row in rows:
-        for cell in row["paper"].values():
-            assert cell["source"].startswith("EViT README") and "BSPF" not in cell["source"]
+        assert row["paper"]["top1"]["source"].startswith("EViT README") and "BSPF" not in row["paper"]["top1"]["source"]
+        assert row["paper"]["gmacs"]["source"].startswith("BSPF-ViT Table 1")
 
 
 @pytest.mark.parametrize("cell,complaint", [

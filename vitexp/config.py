@@ -76,8 +76,10 @@ def validate(cfg: DictConfig, need_data: bool = True) -> None:
     if "root" in data.keys() and need_data:
         _check(not OmegaConf.is_missing(data, "root"), "data.root", f"required for data={data.name} (data.root=/path/to/dataset)")
         root = data.root
+        package = f" (installed by the Debian package {data.package}: apt-get install -y {data.package})" \
+            if data.get("package") else ""
         _check(root is not None and Path(str(root)).expanduser().is_dir(), "data.root",
-               f"dataset root not found: {root}")
+               f"dataset root not found: {root}{package}")
     if "split" in data:
         split = list(data.split)
         _check(len(split) == 3 and all(0 < s < 1 for s in split) and math.isclose(sum(split), 1.0),

@@ -3,7 +3,10 @@
 Rows are experiment configs (``conf/experiment/<row.experiment>.yaml``); a row's ``run`` says
 which app produces it (``train`` -> vitexp-train, ``flops`` -> vitexp-flops, ``bench`` ->
 vitexp-bench). Rows that already have a completed run of that kind in the ledger are skipped
-unless ``--force``, so an interrupted sweep resumes by running the same command again.
+unless ``--force``, so an interrupted sweep resumes by running the same command again. A row with
+seeds (the spec's ``seeds``, :mod:`vitexp.aggregate`) is one job per seed (``experiment=E
+seed=s``, recorded as ``E+seed=s``), and only its seeds without a completed run are launched;
+unseeded rows go first (the pretrained baselines that seeded rows load with ``run:``).
 Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=submitit_slurm
 trainer=ddp data.root=/datasets/imagenet``.
 """
@@ -17,6 +20,7 @@ import sys
 from pathlib import Path
 
 from vitexp import CONF_DIR
+from vitexp.aggregate import row_seeds, seed_runs, seeded_name
 from vitexp.results import completed_runs, default_results_dir
 from vitexp.tables import all_specs, load_spec
 
@@ -34,9 +38,11 @@ def _script(app: str) -> str:
     return found
 
 
-def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[str, dict[str, list[str]]]:
-    """{kind: {"launch": [experiments], "skip": [experiments]}} for the spec's runnable rows."""
-    out: dict[str, dict[str, list[str]]] = {}
+def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[str, dict]:
+    """{kind: {"launch": [names], "skip": [names], "seeds": {experiment: [seeds to launch]},
+    "seeded": [names of seeded jobs]}} for the spec's runnable rows; a name is the experiment, or
+    ``<experiment>+seed=<s>`` for one seed of a seeded row."""
+    out: dict[str, dict] = {}
     for row in spec["rows"]:
         if row.get("cited") or not row.get("experiment"):
             continue
@@ -46,7 +52,18 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
         k = kind or row.get("run", "train")
         if k not in APPS:
             raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
-        bucket = out.setdefault(k, {"launch": [], "skip": []})
+        bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": []})
+        seeds = row_seeds(spec, row)
+        if seeds is not None:
+            by_seed = seed_runs(completed_runs(kind=k, results_dir=results_dir), exp, seeds)
+            for seed in seeds:
+                target = "skip" if by_seed[seed] and not force else "launch"
+                if seeded_name(exp, seed) not in bucket[target]:
+                    bucket[target].append(seeded_name(exp, seed))
+                    bucket["seeded"].append(seeded_name(exp, seed))
+                    if target == "launch":
+                        bucket["seeds"].setdefault(exp, []).append(seed)
+            continue
         done = completed_runs(experiment=exp, kind=k, results_dir=results_dir)
         target = "skip" if done and not force else "launch"
         if exp not in bucket[target]:
@@ -81,14 +98,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vitexp-sweep: {exp} ({kind}) already has a completed run; skipped (--force reruns it)", file=sys.stderr)
         if not rows["launch"]:
             continue
-        cmd = [_script(APPS[kind]), "-m", f"experiment={','.join(rows['launch'])}", *args.overrides]
-        print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
+        unseeded = [e for e in rows["launch"] if e not in rows["seeded"]]
+        jobs = [[f"experiment={','.join(unseeded)}"]] if unseeded else []
+        jobs += [[f"experiment={exp}", f"seed={','.join(map(str, seeds))}"] for exp, seeds in rows["seeds"].items()]
         summary["launched"][kind] = rows["launch"]
-        if args.dry_run:
-            continue
-        rc = subprocess.run(cmd).returncode
-        summary["returncodes"][kind] = rc
-        status = status or rc
+        for job in jobs:
+            cmd = [_script(APPS[kind]), "-m", *job, *args.overrides]
+            print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
+            if args.dry_run:
+                continue
+            rc = subprocess.run(cmd).returncode
+            summary["returncodes"][kind] = summary["returncodes"].get(kind) or rc
+            status = status or rc
     summary["status"] = "completed" if status == 0 else "failed"
     print(json.dumps(summary))
     return status

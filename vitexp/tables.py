@@ -6,17 +6,22 @@ metric, beside the paper's value. With no such run the cell says "not run"; a ro
 ``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
 number ever comes from anywhere but a run or the spec's paper value.
 
-Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``); ``plot`` (``x``,
-``y`` metric keys, optional); ``rows`` (``label``, ``experiment``, ``run``: train | flops | bench,
-``cited``, ``paper``: {metric: {value, source, derived, formula}}, ``series``: rows of one sweep,
-drawn as a curve); ``notes`` (optional list of
-footnotes printed under the table, e.g. where a row's settings were fitted rather than read).
+Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``); ``plot``
+(``x``, ``y`` metric keys, optional); ``seeds`` (optional); ``rows`` (``label``, ``experiment``,
+``run``: train | flops | bench, ``cited``, ``seeds``, ``baseline``, ``series`` (rows of one sweep,
+drawn as a curve), ``paper``: {metric: {value, source, derived, formula}}); ``notes`` (optional list
+of footnotes printed under the table, e.g. where a row's settings were fitted rather than read).
 
 Provenance (design.md, "Table spec"): every paper value names the document and place it was read
 from (``source``). A value the paper does not print but that follows by arithmetic from what it
 prints (72.2 + 1.3 = 73.5) carries ``derived: true`` and its ``formula``; the formula must evaluate
 to the value, and such a cell is rendered with :data:`DERIVED_MARK` and a footnote giving the
 formula. :func:`load_spec` refuses a spec that breaks these rules (:mod:`vitexp.provenance`).
+
+Seeds (:mod:`vitexp.aggregate`): a row with seeds shows mean ± sample std (n) over its seeds' newest
+runs, says when fewer seeds completed than it asks for, and, with a ``baseline`` row, the paired
+difference to it (a "Δ ... vs baseline" column for each ``paired: true`` column); plots draw the std
+as error bars.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from vitexp import SWEEPS_DIR
+from vitexp import SWEEPS_DIR, aggregate
 from vitexp.provenance import provenance_errors
 from vitexp.results import default_results_dir, iter_runs
 
@@ -56,6 +61,7 @@ def load_spec(table: str | Path) -> dict[str, Any]:
     for row in spec["rows"]:
         if not row.get("cited") and not row.get("experiment"):
             raise ValueError(f"{path}: row {row.get('label')!r} has neither an experiment nor cited: true")
+        aggregate.row_seeds(spec, row)  # a malformed seeds list fails here
     problems = provenance_errors(spec)
     if problems:
         raise ValueError(f"{path}: paper values without provenance: " + "; ".join(problems))
@@ -79,6 +85,7 @@ def wandb_runs(path: str) -> list[dict[str, Any]]:
             "experiment": config.get("name", run.name),
             "status": {"finished": "completed", "crashed": "failed", "failed": "failed"}.get(run.state, run.state),
             "kind": getattr(run, "job_type", None) or "train",
+            "config": config,  # its seed places the run in a seeded row
             "metrics": summary,
             "started": str(getattr(run, "created_at", "")),
             "wandb_url": getattr(run, "url", None),
@@ -93,19 +100,28 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
     filled = []
     for row in spec["rows"]:
         mine = [r for r in completed if row.get("experiment") and r.get("experiment") == row["experiment"]]
+        seeds = aggregate.row_seeds(spec, row) if row.get("experiment") else None
+        by_seed = aggregate.seed_runs(completed, row["experiment"], seeds) if seeds is not None else None
         cells = {}
         for col in spec["columns"]:
             key = col["key"]
+            paper = (row.get("paper") or {}).get(key) or {}
+            if by_seed is not None:
+                cells[key] = {**aggregate.seeded_cell(by_seed, key), "paper": paper.get("value"),
+                              "source": paper.get("source"),
+                              "formula": paper.get("formula") if paper.get("derived") else None}
+                continue
             value, run_id = None, None
             for r in mine:  # oldest first: the newest run wins
                 v = (r.get("metrics") or {}).get(key)
                 if v is not None:
                     value, run_id = v, r["run_id"]
-            paper = (row.get("paper") or {}).get(key) or {}
             cells[key] = {"value": value, "run_id": run_id, "paper": paper.get("value"),
                           "source": paper.get("source"), "formula": paper.get("formula") if paper.get("derived") else None}
         filled.append({"label": row["label"], "experiment": row.get("experiment"),
-                       "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells})
+                       "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
+                       "seeds": seeds, "baseline": row.get("baseline")})
+    aggregate.paired_cells(spec, filled)
     return filled
 
 
@@ -118,7 +134,9 @@ def _fmt(value: Any, digits: int) -> str:
 def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
     cell = row["cells"][col["key"]]
     digits = int(col.get("digits", 2))
-    if cell["value"] is not None:
+    if "n" in cell:  # a seeded row: mean ± std (n)
+        ours = aggregate.format_stat(cell["value"], cell["std"], cell["n"], digits, cell["expected"]) or NOT_RUN
+    elif cell["value"] is not None:
         ours = _fmt(cell["value"], digits)
     else:
         ours = CITED if row["cited"] else NOT_RUN
@@ -144,6 +162,7 @@ def _header(spec) -> list[str]:
     for col in spec["columns"]:
         unit = f" ({col['unit']})" if col.get("unit") and len(col["unit"]) <= 12 else ""
         head += [f"{col['label']}{unit} vitexp", f"{col['label']}{unit} paper"]
+    head += [f"Δ {col['label']} vs baseline" for col in aggregate.paired_columns(spec)]
     return head
 
 
@@ -154,6 +173,7 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         cells = [row["label"]]
         for col in spec["columns"]:
             cells += list(_cell_texts(row, col))
+        cells += [aggregate.paired_text(row, col) for col in aggregate.paired_columns(spec)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Units: " + "; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"]) + "."]
     sources = sorted({(c["source"]) for r in rows for c in r["cells"].values() if c["source"]})
@@ -162,7 +182,10 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     notes = footnotes(spec, rows)
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
-    run_ids = sorted({c["run_id"] for r in rows for c in r["cells"].values() if c["run_id"]})
+    if any(r["seeds"] is not None for r in rows):
+        lines += ["", "Seeded rows: mean ± sample std (n seeds) over the seeds of the method's fine-tuning; "
+                  "Δ: the paired difference to the row's baseline over the seeds both completed, mean ± std (n pairs)."]
+    run_ids = sorted({i for r in rows for c in r["cells"].values() for i in (c.get("run_ids") or [c["run_id"]]) if i})
     if run_ids:
         lines += ["", "vitexp runs (results/runs/): " + ", ".join(f"`{i}`" for i in run_ids) + "."]
     return "\n".join(lines) + "\n"
@@ -170,23 +193,27 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def _tex_escape(text: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
-                 ("—", "---"), ("×", r"$\times$"), (DERIVED_MARK, r"\textsuperscript{\dag}")):
+                 ("—", "---"), ("×", r"$\times$"), ("±", r"$\pm$"), ("Δ", r"$\Delta$"),
+                 (DERIVED_MARK, r"\textsuperscript{\dag}")):
         text = text.replace(a, b)
     return text
 
 
 def render_latex(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    ncol = 1 + 2 * len(spec["columns"])
+    paired = aggregate.paired_columns(spec)
+    ncol = 1 + 2 * len(spec["columns"]) + len(paired)
     out = [r"\begin{table}[t]", r"\centering", rf"\caption{{{_tex_escape(spec['title'])}}}",
-           r"\begin{tabular}{l" + "rr" * len(spec["columns"]) + "}", r"\toprule"]
+           r"\begin{tabular}{l" + "rr" * len(spec["columns"]) + "r" * len(paired) + "}", r"\toprule"]
     top = ["Row"] + [rf"\multicolumn{{2}}{{c}}{{{_tex_escape(c['label'])}}}" for c in spec["columns"]]
+    top += [_tex_escape(f"Δ {c['label']}") for c in paired]
     out.append(" & ".join(top) + r" \\")
-    out.append(" & " + " & ".join(["vitexp & paper"] * len(spec["columns"])) + r" \\")
+    out.append(" & " + " & ".join(["vitexp & paper"] * len(spec["columns"]) + ["vs baseline"] * len(paired)) + r" \\")
     out.append(r"\midrule")
     for row in rows:
         cells = [_tex_escape(row["label"])]
         for col in spec["columns"]:
             cells += [_tex_escape(t) for t in _cell_texts(row, col)]
+        cells += [_tex_escape(aggregate.paired_text(row, col)) for col in paired]
         out.append(" & ".join(cells) + r" \\")
     out += [r"\bottomrule", r"\end{tabular}"]
     out += [r"\par\footnotesize " + _tex_escape(n) for n in footnotes(spec, rows)]
@@ -203,14 +230,16 @@ def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     for col in spec["columns"]:
         k = col["key"]
         head += [k, f"{k}_paper", f"{k}_paper_source", f"{k}_paper_formula", f"{k}_run_id"]
+    head += aggregate.csv_header(spec)
     writer.writerow(head)
     for row in rows:
         line = [row["label"], row["experiment"] or ""]
         for col in spec["columns"]:
             c = row["cells"][col["key"]]
             ours = c["value"] if c["value"] is not None else (CITED if row["cited"] else NOT_RUN)
-            line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c["formula"] or "",
+            line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c.get("formula") or "",
                      c["run_id"] or ""]
+        line += aggregate.csv_cells(spec, row)
         writer.writerow(line)
     return buf.getvalue()
 
@@ -249,8 +278,9 @@ def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) ->
         color = colors[i % len(colors)]
         x, y = row["cells"][xk], row["cells"][yk]
         if x["value"] is not None and y["value"] is not None:
-            ax.scatter(x["value"], y["value"], color=color, marker="o", s=50, zorder=3,
-                       label=f"{row['label']} (vitexp)")
+            ax.errorbar(x["value"], y["value"], xerr=x.get("std"), yerr=y.get("std"), color=color, marker="o",
+                        markersize=7, capsize=3, linestyle="none", zorder=3,
+                        label=f"{row['label']} (vitexp{', ±1 std' if y.get('std') else ''})")
             plotted += 1
         if x["paper"] is not None and y["paper"] is not None:
             mark = DERIVED_MARK if x.get("formula") or y.get("formula") else ""

@@ -1,0 +1,132 @@
+"""Seeds in tables: mean ± sample std (n), the paired difference to a baseline row, rows with fewer
+seeds than asked, and vitexp-sweep's plan that launches only the missing (row, seed) pairs."""
+from __future__ import annotations
+
+import csv
+import io
+import math
+
+import pytest
+
+from vitexp import aggregate, tables
+from vitexp.results import LedgerEntry, iter_runs
+
+SPEC = {
+    "name": "seeded",
+    "title": "Seeded fixture",
+    "seeds": [0, 1, 2],
+    "columns": [
+        {"key": "top1", "label": "Top-1", "unit": "%", "digits": 2, "paired": True},
+        {"key": "gmacs", "label": "GMACs", "unit": "GMACs", "digits": 3},
+    ],
+    "plot": {"x": "gmacs", "y": "top1"},
+    "rows": [
+        {"label": "Pretrained", "experiment": "pre", "seeds": None},
+        {"label": "Baseline", "experiment": "base"},
+        {"label": "Method", "experiment": "meth", "baseline": "base"},
+    ],
+}
+
+# Constructed by hand: baseline 90.0, 91.0, 89.5 (seeds 0, 1, 2); method 90.5, 91.2 (seed 2 failed).
+BASE = {0: 90.0, 1: 91.0, 2: 89.5}
+METH = {0: 90.5, 1: 91.2}
+
+
+def _run(results_dir, name, seed, metrics, started=None, fail=False):
+    entry = LedgerEntry(name, "train", {"seed": seed}, results_dir).start()
+    if started:
+        entry.record["started"] = started
+    if fail:
+        entry.fail(RuntimeError("killed"))
+    else:
+        entry.finish(metrics)
+
+
+@pytest.fixture
+def seeded_ledger(results_dir):
+    _run(results_dir, "pre", 0, {"top1": 88.8, "gmacs": 0.02})
+    for seed, v in BASE.items():
+        _run(results_dir, aggregate.seeded_name("base", seed), seed, {"top1": v, "gmacs": 0.0201})
+    _run(results_dir, "meth+seed=0", 0, {"top1": 10.0, "gmacs": 0.01}, started="2000-01-01T00:00:00+00:00")  # older
+    _run(results_dir, "meth+seed=0", 0, {"top1": METH[0], "gmacs": 0.0101}, started="9999-01-01T00:00:00+00:00")
+    _run(results_dir, "meth", 1, {"top1": METH[1], "gmacs": 0.0101})  # by hand: `experiment=meth seed=1` named meth
+    _run(results_dir, "meth+seed=2", 2, {}, fail=True)
+    _run(results_dir, "meth+seed=7", 7, {"top1": 0.0, "gmacs": 0.0101})  # a seed the spec does not ask for
+    return results_dir
+
+
+def test_mean_sample_std_and_paired_difference(seeded_ledger):
+    rows = {r["label"]: r for r in tables.fill(SPEC, list(iter_runs(seeded_ledger)))}
+    base, meth = rows["Baseline"]["cells"]["top1"], rows["Method"]["cells"]["top1"]
+    assert base["value"] == pytest.approx(sum(BASE.values()) / 3)
+    # sample std (ddof=1): sqrt(((-1/6)^2 + (5/6)^2 + (-2/3)^2) / 2) = sqrt(7/12)
+    assert base["std"] == pytest.approx(math.sqrt(7 / 12)) and base["n"] == 3 and base["expected"] == 3
+    assert meth["value"] == pytest.approx(90.85) and meth["std"] == pytest.approx(0.35 * math.sqrt(2))
+    assert meth["n"] == 2 and meth["seeds"] == {0: 90.5, 1: 91.2}
+    diff = rows["Method"]["paired"]["top1"]  # d = (0.5, 0.2): mean 0.35, std 0.15 * sqrt(2)
+    assert diff["mean"] == pytest.approx(0.35) and diff["std"] == pytest.approx(0.15 * math.sqrt(2))
+    assert diff["n"] == 2 and diff["seeds"] == [0, 1]
+    assert rows["Pretrained"]["cells"]["top1"]["value"] == 88.8 and "n" not in rows["Pretrained"]["cells"]["top1"]
+
+
+def test_rendered_cells_say_n_and_missing_seeds(seeded_ledger, tmp_path):
+    runs = list(iter_runs(seeded_ledger))
+    md = tables.render_markdown(SPEC, tables.fill(SPEC, runs))
+    assert "| Baseline | 90.17 ± 0.76 (3) | — | 0.020 ± 0.000 (3) | — | — |" in md
+    assert "| Method | 90.85 ± 0.49 (2 of 3 seeds) | — | 0.010 ± 0.000 (2 of 3 seeds) | — | +0.35 ± 0.21 (2) |" in md
+    assert "| Pretrained | 88.80 | — | 0.020 | — | — |" in md
+    assert "Δ Top-1 vs baseline" in md.splitlines()[2]
+    written = tables.write_table(SPEC, runs, tmp_path / "tables")
+    rows = {r["row"]: r for r in csv.DictReader(io.StringIO((tmp_path / "tables" / "seeded.csv").read_text()))}
+    assert rows["Method"]["top1_n"] == "2" and rows["Method"]["top1_seeds_asked"] == "3"
+    assert float(rows["Method"]["top1_delta_mean"]) == pytest.approx(0.35)
+    assert r"$\pm$" in (tmp_path / "tables" / "seeded.tex").read_text() and "png" in written
+
+
+def test_baseline_must_be_a_seeded_row():
+    spec = {**SPEC, "rows": [*SPEC["rows"][:2], {"label": "M", "experiment": "m", "baseline": "pre"}]}
+    with pytest.raises(ValueError, match="baseline 'pre'.*seeded rows: \\['base', 'm'\\]"):
+        tables.fill(spec, [])
+
+
+def test_malformed_seeds_fail_when_the_spec_loads(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("title: t\ncolumns: [{key: top1, label: T}]\nrows: [{label: a, experiment: demo, seeds: 3}]\n")
+    with pytest.raises(ValueError, match="seeds must be a non-empty list of integers"):
+        tables.load_spec(path)
+
+
+def test_sweep_plan_launches_only_missing_row_seed_pairs(results_dir):
+    from vitexp.sweep import plan
+
+    spec = {"name": "s", "seeds": [0, 1, 2], "rows": [
+        {"label": "pre", "experiment": "demo", "seeds": None},
+        {"label": "chunk", "experiment": "chunk_demo"},
+        {"label": "bspf", "experiment": "bspf_demo", "seeds": [0]},
+    ]}
+    _run(results_dir, "chunk_demo+seed=1", 1, {"top1": 1.0})
+    _run(results_dir, "chunk_demo+seed=2", 2, {}, fail=True)  # failed: relaunched
+    todo = plan(spec, None, False, results_dir)["train"]
+    assert todo["launch"] == ["demo", "chunk_demo+seed=0", "chunk_demo+seed=2", "bspf_demo+seed=0"]
+    assert todo["skip"] == ["chunk_demo+seed=1"]
+    assert todo["seeds"] == {"chunk_demo": [0, 2], "bspf_demo": [0]}
+    forced = plan(spec, None, True, results_dir)["train"]
+    assert forced["seeds"]["chunk_demo"] == [0, 1, 2] and forced["skip"] == []
+
+
+def test_paired_cell_before_and_without_common_seeds(results_dir):
+    _run(results_dir, "base+seed=0", 0, {"top1": 90.0})
+    rows = {r["label"]: r for r in tables.fill(SPEC, list(iter_runs(results_dir)))}
+    assert aggregate.paired_text(rows["Method"], SPEC["columns"][0]) == "not run"
+    _run(results_dir, "meth+seed=1", 1, {"top1": 91.0})
+    rows = {r["label"]: r for r in tables.fill(SPEC, list(iter_runs(results_dir)))}
+    assert aggregate.paired_text(rows["Method"], SPEC["columns"][0]) == "no common seed"
+    assert aggregate.paired_text(rows["Baseline"], SPEC["columns"][0]) == "—"
+
+
+def test_the_sweeps_seed_override_names_runs_as_the_tables_expect():
+    from vitexp.config import compose, run_name
+
+    cfg = compose(["experiment=chunk_demo", "seed=1"])
+    choices = {"experiment": "chunk_demo", "backbone": "vit_micro", "method": "chunk", "data": "digits"}
+    assert run_name(cfg, choices, ["experiment=chunk_demo", "seed=1"]) == aggregate.seeded_name("chunk_demo", 1)

@@ -1,0 +1,159 @@
+"""Seeds of a table row -> mean ± sample std (n), and the paired difference to its baseline row.
+
+A spec (``sweeps/<table>.yaml``) asks for seeds with ``seeds: [0, 1, 2]`` at the table level or
+per row (a row's ``seeds: null`` means one unseeded run of the experiment as configured, e.g. the
+shared pretrained baseline that the other rows load). A seeded row's runs are the completed runs
+of its experiment whose ``config.seed`` is one of its seeds, recorded under the experiment's name
+or under the name ``vitexp-sweep`` gives them (``<experiment>+seed=<s>``); for each seed the newest
+such run with the metric counts.
+
+Decisions:
+- The spread is the sample standard deviation (``ddof=1``); with one seed there is none.
+- A method row's ``baseline:`` names the experiment of its baseline row. The paired difference is
+  taken per seed over the seeds both rows completed, ``d_s = method_s - baseline_s``, and reported
+  as mean ± sample std of the ``d_s`` (n pairs): the seeds of a fine-tuning share the pretrained
+  weights, data order and initialisation of the head, so pairing removes that shared noise.
+- A row with fewer completed seeds than it asks for says so in its cell ("2 of 3 seeds").
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Iterable, Sequence
+
+SEED_NAME = "{experiment}+seed={seed}"
+
+
+def row_seeds(spec: dict[str, Any], row: dict[str, Any]) -> list[int] | None:
+    """The seeds a row asks for (its own ``seeds``, else the table's); ``None``: not seeded."""
+    seeds = row["seeds"] if "seeds" in row else spec.get("seeds")
+    if seeds is None:
+        return None
+    if not isinstance(seeds, (list, tuple)) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ValueError(f"row {row.get('label')!r}: seeds must be a non-empty list of integers, got {seeds!r}")
+    return [int(s) for s in seeds]
+
+
+def seeded_name(experiment: str, seed: int) -> str:
+    """The ledger name of one seed of a row as vitexp-sweep launches it (``experiment=E seed=s``)."""
+    return SEED_NAME.format(experiment=experiment, seed=seed)
+
+
+def run_seed(run: dict[str, Any]) -> int | None:
+    seed = (run.get("config") or {}).get("seed")
+    return int(seed) if isinstance(seed, (int, float)) else None
+
+
+def seed_runs(runs: Iterable[dict[str, Any]], experiment: str, seeds: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
+    """{seed: completed runs of that seed of ``experiment``, oldest first}."""
+    out: dict[int, list[dict[str, Any]]] = {s: [] for s in seeds}
+    for r in runs:
+        seed = run_seed(r)
+        if r.get("status") != "completed" or seed not in out:
+            continue
+        if r.get("experiment") in (experiment, seeded_name(experiment, seed)):
+            out[seed].append(r)
+    return out
+
+
+def per_seed_values(runs_by_seed: dict[int, list[dict[str, Any]]], key: str) -> dict[int, tuple[float, str]]:
+    """{seed: (value, run_id)} from the newest run of each seed that has ``key``."""
+    out = {}
+    for seed, runs in runs_by_seed.items():
+        for r in runs:  # oldest first: the newest wins
+            v = (r.get("metrics") or {}).get(key)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[seed] = (float(v), r["run_id"])
+    return out
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """mean, sample std (ddof=1; ``None`` below two values) and n."""
+    n = len(values)
+    if n == 0:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if n > 1 else None, "n": n}
+
+
+def seeded_cell(runs_by_seed: dict[int, list[dict[str, Any]]], key: str) -> dict[str, Any]:
+    """A cell over seeds: ``value`` (the mean), ``std``, ``n``, ``expected`` (seeds asked for),
+    ``seeds`` ({seed: value}) and ``run_ids``."""
+    vals = per_seed_values(runs_by_seed, key)
+    stats = summarize([v for v, _ in vals.values()])
+    return {"value": stats["mean"], "std": stats["std"], "n": stats["n"], "expected": len(runs_by_seed),
+            "seeds": {s: v for s, (v, _) in sorted(vals.items())},
+            "run_ids": [rid for _, (_, rid) in sorted(vals.items())],
+            "run_id": ", ".join(rid for _, (_, rid) in sorted(vals.items())) or None}
+
+
+def paired_difference(method: dict[int, float], baseline: dict[int, float]) -> dict[str, Any]:
+    """mean ± sample std of ``method_s - baseline_s`` over the seeds both have; n = pairs."""
+    common = sorted(set(method) & set(baseline))
+    return {**summarize([method[s] - baseline[s] for s in common]), "seeds": common,
+            "both_run": bool(method) and bool(baseline)}
+
+
+def format_stat(mean: float | None, std: float | None, n: int, digits: int, expected: int | None = None,
+                signed: bool = False) -> str | None:
+    """``"90.12 ± 0.31 (3)"``; ``"(2 of 3 seeds)"`` when fewer than asked; ``None`` when n = 0."""
+    if not n or mean is None:
+        return None
+    sign = "+" if signed else ""
+    text = f"{mean:{sign}.{digits}f}"
+    if std is not None and not math.isnan(std):
+        text += f" ± {std:.{digits}f}"
+    return text + (f" ({n} of {expected} seeds)" if expected and n < expected else f" ({n})")
+
+
+def paired_columns(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The columns whose paired difference to the baseline row is shown (``paired: true``)."""
+    return [c for c in spec["columns"] if c.get("paired")]
+
+
+def paired_cells(spec: dict[str, Any], filled: list[dict[str, Any]]) -> None:
+    """Add ``row["paired"][key]`` (the paired difference to the row's baseline) to every filled
+    row that names a ``baseline``; a baseline that is not a seeded row of the table is an error."""
+    by_experiment = {r["experiment"]: r for r in filled if r.get("experiment")}
+    for row in filled:
+        row["paired"] = {}
+        base = row.get("baseline")
+        if not base:
+            continue
+        if base not in by_experiment or by_experiment[base].get("seeds") is None:
+            raise ValueError(f"{spec.get('name', 'table')}: row {row['label']!r} has baseline {base!r}, "
+                             f"which is not the experiment of a seeded row; seeded rows: "
+                             f"{sorted(e for e, r in by_experiment.items() if r.get('seeds') is not None)}")
+        for col in paired_columns(spec):
+            mine, theirs = row["cells"][col["key"]], by_experiment[base]["cells"][col["key"]]
+            row["paired"][col["key"]] = paired_difference(mine.get("seeds") or {}, theirs.get("seeds") or {})
+
+
+def paired_text(row: dict[str, Any], col: dict[str, Any]) -> str:
+    """The Δ cell: ``"+0.40 ± 0.30 (3)"``; ``"—"`` without a baseline; ``"not run"`` until both rows
+    have a seed; ``"no common seed"`` when they have only different ones."""
+    diff = (row.get("paired") or {}).get(col["key"])
+    if diff is None:
+        return "—"
+    text = format_stat(diff["mean"], diff["std"], diff["n"], int(col.get("digits", 2)), signed=True)
+    return text if text is not None else ("no common seed" if diff["both_run"] else "not run")
+
+
+def csv_header(spec: dict[str, Any]) -> list[str]:
+    """The CSV's columns for seeds: std and n of every column, and the paired differences."""
+    head = [f"{c['key']}_{part}" for c in spec["columns"] for part in ("std", "n", "seeds_asked")]
+    return head + [f"{c['key']}_delta_{part}" for c in paired_columns(spec) for part in ("mean", "std", "n")]
+
+
+def csv_cells(spec: dict[str, Any], row: dict[str, Any]) -> list[Any]:
+    line: list[Any] = []
+    for c in spec["columns"]:
+        cell = row["cells"][c["key"]]
+        line += [_blank(cell.get("std")), _blank(cell.get("n")), _blank(cell.get("expected"))]
+    for c in paired_columns(spec):
+        diff = (row.get("paired") or {}).get(c["key"]) or {}
+        line += [_blank(diff.get("mean")), _blank(diff.get("std")), _blank(diff.get("n"))]
+    return line
+
+
+def _blank(value: Any) -> Any:
+    return "" if value is None else value
