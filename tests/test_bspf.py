@@ -332,8 +332,10 @@ def test_learned_scorer_is_a_softmax_kernel_outside_weight_decay():
 
 def test_training_changes_the_kernels_shape_and_decisions():
     """Ten AdamW steps of BSPF on the micro ViT (digits, lr 1e-2 to keep it short): the normalised
-    3x3 kernel moves away from the uniform average (a free 4-D kernel: < 2 % of a tap, mostly
-    scale), and on fixed attention blocks the keep decisions change (free kernel: 0.2 %)."""
+    3x3 kernel moves away from the uniform average in both pruning layers (2.6 % and 6.3 % of a
+    tap here), and on fixed attention blocks some keep decisions change (6.4 % here). Adam's
+    per-tap steps also reshape a free kernel somewhat; what fails for it is the gradient's
+    direction (the next test)."""
     from timm.optim import create_optimizer_v2
 
     from vitexp.data import DigitsDataModule
@@ -360,11 +362,29 @@ def test_training_changes_the_kernels_shape_and_decisions():
     for i in (1, 3):
         kernel = model.blocks[i].pruner.scorer.kernel().detach().flatten()
         shape_change = float((kernel / kernel.sum() - 1 / 9).abs().max() * 9)  # relative to a uniform tap
-        assert shape_change > 0.025, f"layer {i}: kernel shape moved by {shape_change:.4f}"
+        assert shape_change > 0.01, f"layer {i}: kernel shape moved by {shape_change:.4f}"
     with torch.no_grad():
         keep_after = pruner.select(blocks)[0]
     changed = float((keep_before != keep_after).float().mean())
     assert changed > 0.02, f"{changed:.4f} of the keep decisions changed"
+
+
+def test_a_gradient_step_changes_the_kernels_shape_not_its_scale():
+    """The issue's diagnostic: at the uniform init, the kernel change of one SGD step on the
+    scorer has (almost) no component along the kernel itself (its scale, to which the top-k is
+    blind). Softmax taps: exactly none; a free 4-D kernel: squared cosine ≈ 1."""
+    torch.manual_seed(0)
+    model = BSPF(chunk_size=16, prune_layers=[1, 3]).apply(micro(), KEEP).train()
+    F.cross_entropy(model(torch.randn(8, 3, 32, 32)), torch.arange(8)).backward()
+    for i in (1, 3):
+        scorer = model.blocks[i].pruner.scorer
+        before = scorer.kernel().detach().flatten().clone()
+        with torch.no_grad():
+            for p in scorer.parameters():
+                p -= 1e-3 * p.grad / p.grad.norm()
+        step = scorer.kernel().detach().flatten() - before
+        cos2 = float(torch.dot(step, before) ** 2 / (step.pow(2).sum() * before.pow(2).sum()))
+        assert cos2 < 0.01, f"layer {i}: squared cosine of the step with the kernel {cos2:.3f}"
 
 
 # -- realised keep fraction (point 6) ------------------------------------------------------------
