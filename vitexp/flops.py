@@ -9,7 +9,9 @@ The counter is fvcore's ``FlopCountAnalysis`` (its "flops" are MACs). fvcore and
 ``torch.utils.flop_counter`` do not count ``aten::scaled_dot_product_attention`` on CPU, which
 timm's fused attention calls, so vitexp registers a handle for it; fvcore's default handles for
 normalisations and resampling are switched off to follow the convention. Methods that add ops
-register their handles with :func:`register_op_handle`.
+register their handles with :func:`register_op_handle`; methods whose counted forward decides
+something the figure depends on (BSPF's chunk layout, its realised keep fractions) register a
+:func:`register_model_record`, read after the counted forward into the protocol and the metrics.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ _UNCOUNTED_OPS = (
 )
 
 _EXTRA_HANDLES: dict[str, Callable] = {}
+_MODEL_RECORDS: list[Callable[[nn.Module], dict[str, dict[str, Any]]]] = []
 
 
 def _shape(value) -> list[int]:
@@ -64,6 +67,13 @@ def register_op_handle(op_name: str, handle: Callable[[list, list], int]) -> Non
 register_op_handle("aten::scaled_dot_product_attention", sdpa_mac_handle)
 
 
+def register_model_record(record: Callable[[nn.Module], dict[str, dict[str, Any]]]) -> None:
+    """After each count, ``record(model)`` may return ``{"protocol": {...}, "metrics": {...}}``
+    about the forward just counted (an empty dict when the model is not its method's)."""
+    if record not in _MODEL_RECORDS:
+        _MODEL_RECORDS.append(record)
+
+
 @dataclass
 class FlopsReport:
     gmacs: float
@@ -71,9 +81,10 @@ class FlopsReport:
     params_m: float
     protocol: dict[str, Any] = field(default_factory=dict)
     by_module: dict[str, float] = field(default_factory=dict)
+    recorded: dict[str, Any] = field(default_factory=dict)  # metrics from :func:`register_model_record`
 
-    def metrics(self) -> dict[str, float]:
-        return {"gmacs": self.gmacs, "gflops": self.gflops, "params_m": self.params_m}
+    def metrics(self) -> dict[str, Any]:
+        return {"gmacs": self.gmacs, "gflops": self.gflops, "params_m": self.params_m, **self.recorded}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,6 +141,12 @@ def count_macs(
             for name, macs in analysis.by_module().items()
             if name and name.count(".") < by_module_depth
         }
+    recorded: dict[str, Any] = {}
+    method_protocol: dict[str, Any] = {}
+    for record in _MODEL_RECORDS:
+        found = record(model)
+        method_protocol.update(found.get("protocol", {}))
+        recorded.update(found.get("metrics", {}))
     model.train(was_training)
     protocol = {
         "counter": f"fvcore {fvcore.__version__} + vitexp op handles ({', '.join(sorted(_EXTRA_HANDLES))})",
@@ -140,6 +157,7 @@ def count_macs(
         "attention_counted": True,
         "normalisation_counted": False,
         "elementwise_counted": False,
+        **method_protocol,
     }
     return FlopsReport(
         gmacs=total / 1e9,
@@ -147,6 +165,7 @@ def count_macs(
         params_m=(count_params(model) + extra_params) / 1e6,
         protocol=protocol,
         by_module=by_module,
+        recorded=recorded,
     )
 
 

@@ -1,0 +1,189 @@
+"""BSPF-ViT's algorithm on one layer: the block scorer, block-based 2D pruning and fusion.
+
+- **Scoring** (``method.score``): each chunk's head-averaged patch-to-patch attention block
+  A_{m,m} (Ω×Ω) is scored by a 3×3 convolution, S = conv(A, w).
+  - ``local3x3`` (default): the learned 3×3 local average. Its taps are w = softmax(θ) over nine
+    logits θ (positive, summing to 1), initialised at θ = 0, the uniform 3×3 average. The
+    parametrisation removes the kernel's scale, to which the top-k below is blind, so every
+    gradient step changes the kernel's shape, which is what decides. θ is a 1-D parameter, which
+    timm's optimizer keeps out of weight decay (decay cannot flip its sign or shrink it to zero).
+  - ``avg3x3``: the fixed 3×3 average (Table 6's middle row: local averaging without learning).
+  - ``single``: the fixed identity kernel, S = A (Table 6's single-token score).
+  - ``mirror: upper`` symmetrises the kernel to (w + wᵀ)/2 and mirrors the upper triangle,
+    S ← triu(S) + triu(S, 1)ᵀ.
+- **Selection**: the top ⌈ρΩ²⌉ entries of each block are kept (mask M). A token's importance
+  counts its kept entries as a query (its row of M) and as a key (its column of M): the joint Q/K
+  decision. The ⌈ρΩ⌉ most important tokens of each chunk survive, in their order, so chunks stay
+  balanced. Ties are broken by the token's summed score.
+- **Gradient** (straight-through): each surviving token is multiplied by g = 1 + s − sg(s), with
+  s its soft importance (row plus column sum of M⊙S, divided by Ω) and sg stop-gradient. The
+  forward value is unchanged (g = 1); the scorer receives ∂L/∂s = ⟨∂L/∂x, x⟩ through every kept
+  token.
+- **Fusion** (``method.fusion``): ``similarity`` merges each pruned token i into the kept token j
+  of its chunk maximising cos(x_i, x_j)·(1 − Hamming(m_i, m_j)/Ω) (m: a token's row of M), by the
+  weighted average x_j ← (x_j + Σ w_i x_i) / (1 + Σ w_i), w_i the positive part of that
+  similarity; ``none`` drops pruned tokens; ``paper_literal`` is Eq. 8 as the public review reads
+  it, x⊙k + (x⊙(1−k))⊙k, which adds exactly zero.
+
+Selection and matching run in float32 even under autocast (they are O(C·Ω²) and a bf16 ranking of
+attention probabilities would be mostly ties); the tokens keep the dtype they arrive in.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SCORES = ("local3x3", "avg3x3", "single")
+FUSIONS = ("similarity", "none", "paper_literal")
+MIRRORS = ("none", "upper")
+
+
+class BlockScorer(nn.Module):
+    """Scores a batch of Ω×Ω attention blocks with one 3×3 kernel (padding 1)."""
+
+    def __init__(self, score: str = "local3x3", mirror: str = "none"):
+        super().__init__()
+        if score not in SCORES:
+            raise ValueError(f"method.score={score!r}: valid scores are {SCORES}")
+        if mirror not in MIRRORS:
+            raise ValueError(f"method.mirror={mirror!r}: valid mirrors are {MIRRORS}")
+        self.score, self.mirror = score, mirror
+        if score == "local3x3":
+            self.logits = nn.Parameter(torch.zeros(9))  # softmax(0) = the uniform 3x3 average
+        else:
+            fixed = torch.full((1, 1, 3, 3), 1.0 / 9.0) if score == "avg3x3" else F.pad(torch.ones(1, 1, 1, 1), (1, 1, 1, 1))
+            self.register_buffer("fixed", fixed, persistent=False)
+
+    def kernel(self) -> torch.Tensor:
+        """The (1, 1, 3, 3) kernel: softmax of the logits (``local3x3``) or the fixed one."""
+        w = self.logits.softmax(0).reshape(1, 1, 3, 3) if self.score == "local3x3" else self.fixed
+        if self.mirror == "upper":
+            w = 0.5 * (w + w.transpose(-1, -2))
+        return w
+
+    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks: (..., Ω, Ω) -> scores of the same shape."""
+        lead, (n, m) = blocks.shape[:-2], blocks.shape[-2:]
+        s = F.conv2d(blocks.reshape(-1, 1, n, m), self.kernel().to(blocks.dtype), padding=1).reshape(*lead, n, m)
+        if self.mirror == "upper":
+            s = torch.triu(s) + torch.triu(s, 1).transpose(-1, -2)
+        return s
+
+
+class TokenPruner(nn.Module):
+    """Block-based 2D pruning and fusion of one layer (module docstring).
+
+    ``keep_ratio`` is ρ. While training, ``train_keep_ratio`` (set by a keep-rate warm-up) replaces
+    it when not None. ``realised`` holds (kept, input) patch tokens of the last call, the layer's
+    realised keep fraction kept / input = ⌈ρΩ⌉ / Ω."""
+
+    def __init__(self, keep_ratio: float, num_prefix: int, num_chunks: int, score: str, mirror: str, fusion: str):
+        super().__init__()
+        if fusion not in FUSIONS:
+            raise ValueError(f"method.fusion={fusion!r}: valid fusions are {FUSIONS}")
+        self.keep_ratio, self.num_prefix, self.num_chunks, self.fusion = keep_ratio, num_prefix, num_chunks, fusion
+        self.train_keep_ratio: float | None = None
+        self.scorer = BlockScorer(score, mirror)
+        self.track = False  # record where every token went (for restoring a full grid)
+        self.last: dict[str, torch.Tensor] = {}
+        self.realised: tuple[int, int] | None = None
+
+    def ratio(self) -> float:
+        """ρ of this call: the warm-up's value while training, else ``keep_ratio``."""
+        return self.train_keep_ratio if self.training and self.train_keep_ratio is not None else self.keep_ratio
+
+    def select(self, blocks: torch.Tensor):
+        """blocks (B, C, Ω, Ω) -> (kept token indices per chunk (B, C, Ω'), entry mask M, scores S, soft importance)."""
+        B, C, L, _ = blocks.shape
+        rho = self.ratio()
+        scores = self.scorer(blocks)
+        flat = scores.reshape(B, C, L * L)
+        n_entries = max(1, math.ceil(rho * L * L))
+        top = flat.topk(n_entries, dim=-1).indices
+        mask = torch.zeros_like(flat).scatter_(-1, top, 1.0).reshape(B, C, L, L)
+        count = mask.sum(-1) + mask.sum(-2)  # as query (row) + as key (column)
+        kept_scores = mask * scores
+        soft = (kept_scores.sum(-1) + kept_scores.sum(-2)) / L
+        tie = soft.detach() / (soft.detach().abs().amax(-1, keepdim=True) + 1e-12)  # in [-1, 1]
+        n_keep = max(1, math.ceil(rho * L))
+        keep = (count + 0.25 * tie).topk(n_keep, dim=-1).indices.sort(dim=-1).values
+        return keep, mask, scores, soft
+
+    def forward(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        B, N, D = x.shape
+        P, C = self.num_prefix, self.num_chunks
+        L = (N - P) // C
+        with torch.autocast(x.device.type, enabled=False):
+            keep, mask, scores, soft = self.select(blocks.float())
+        n_keep = keep.shape[-1]
+        patches = x[:, P:].reshape(B, C, L, D)
+        source = self._fuse_paper_literal(patches, keep) if self.fusion == "paper_literal" else patches
+        kept = source.gather(2, keep.unsqueeze(-1).expand(B, C, n_keep, D))
+        # straight-through: forward value 1, gradient to the scorer through every kept token
+        g = 1.0 + soft - soft.detach()
+        kept = kept * g.gather(2, keep).unsqueeze(-1).to(kept.dtype)
+        match = None
+        if n_keep < L and (self.fusion == "similarity" or self.track):
+            with torch.autocast(x.device.type, enabled=False):
+                match = self._match(patches, kept, keep, mask)
+        if self.fusion == "similarity" and match is not None:
+            kept = self._merge(kept, *match)
+        self.last = {"keep": keep.detach(), "mask": mask.detach()}
+        self.realised = (int(C * n_keep), int(C * L))  # ints, also when traced by the FLOPs counter
+        if self.track:  # where each input token went: its own slot, or its fusion target's
+            self.last["assign"] = self._assignment(keep, match, L)
+        return torch.cat([x[:, :P], kept.reshape(B, C * n_keep, D)], dim=1)
+
+    @staticmethod
+    def _fuse_paper_literal(patches: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """x⊙k + (x⊙(1−k))⊙k over a chunk's tokens (k: kept-token mask): the second term is 0."""
+        B, C, L, _ = patches.shape
+        k = torch.zeros(B, C, L, device=patches.device, dtype=patches.dtype).scatter_(2, keep, 1.0).unsqueeze(-1)
+        return patches * k + (patches * (1 - k)) * k
+
+    @staticmethod
+    def _match(patches, kept, keep, mask):
+        """Each pruned token's best kept token of its chunk by cos(x_i, x_j)·(1 − Hamming(m_i, m_j)/Ω):
+        (pruned indices, pruned tokens, target slot, similarity). The similarity is float32."""
+        B, C, L, D = patches.shape
+        n_keep = keep.shape[-1]
+        is_kept = torch.zeros(B, C, L, device=patches.device).scatter_(2, keep, 1.0)
+        pruned_idx = is_kept.argsort(dim=-1, stable=True)[..., : L - n_keep]  # ascending: pruned first, in order
+        pruned = patches.gather(2, pruned_idx.unsqueeze(-1).expand(B, C, L - n_keep, D))
+        cos = F.normalize(pruned.float(), dim=-1) @ F.normalize(kept.float(), dim=-1).transpose(-1, -2)  # B,C,R,K
+        mask = mask.float()
+        m_pruned = mask.gather(2, pruned_idx.unsqueeze(-1).expand(B, C, L - n_keep, L))
+        m_kept = mask.gather(2, keep.unsqueeze(-1).expand(B, C, n_keep, L))
+        inter = m_pruned @ m_kept.transpose(-1, -2)
+        hamming = m_pruned.sum(-1, keepdim=True) + m_kept.sum(-1).unsqueeze(-2) - 2 * inter
+        best, target = (cos * (1.0 - hamming / L)).max(dim=-1)  # B,C,R
+        return pruned_idx, pruned, target, best
+
+    @staticmethod
+    def _merge(kept, pruned_idx, pruned, target, best) -> torch.Tensor:
+        """x_j ← (x_j + Σ w_i x_i) / (1 + Σ w_i) over the pruned tokens i matched to j, w = max(sim, 0),
+        in the tokens' dtype."""
+        B, C, n_keep, _ = kept.shape
+        w = best.clamp(min=0).unsqueeze(-1).to(kept.dtype)
+        num = kept.scatter_add(2, target.unsqueeze(-1).expand_as(pruned), (w * pruned).to(kept.dtype))
+        den = torch.ones(B, C, n_keep, 1, dtype=kept.dtype, device=kept.device).scatter_add(2, target.unsqueeze(-1), w)
+        return num / den
+
+    @classmethod
+    def _fuse_similarity(cls, patches, kept, keep, mask) -> torch.Tensor:
+        return cls._merge(kept, *cls._match(patches, kept, keep, mask))
+
+    @staticmethod
+    def _assignment(keep: torch.Tensor, match, L: int) -> torch.Tensor:
+        """(B, C·L) index of the output patch token that stands for each input patch token."""
+        B, C, n_keep = keep.shape
+        base = (torch.arange(C, device=keep.device) * n_keep).view(1, C, 1)
+        assign = torch.zeros(B, C, L, dtype=torch.long, device=keep.device)
+        assign.scatter_(2, keep, (base + torch.arange(n_keep, device=keep.device).view(1, 1, n_keep)).expand(B, C, n_keep))
+        if match is not None:
+            pruned_idx, _, target, _ = match
+            assign.scatter_(2, pruned_idx, base.expand_as(target) + target)
+        return assign.reshape(B, C * L)
