@@ -192,8 +192,9 @@ def fit_stage(cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir:
                                          **dict(stage.module_kwargs))
     trainer = build_trainer(scfg, logger, output_dir, callbacks, stage=stage.name)
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule_for(scfg),
-                ckpt_path=resume_checkpoint(cfg, output_dir, stage.name, first=first))
+    if int(scfg.recipe.epochs) > 0:  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
+        trainer.fit(module, datamodule=datamodule_for(scfg),
+                    ckpt_path=resume_checkpoint(cfg, output_dir, stage.name, first=first))
     return module, trainer, time.perf_counter() - start
 
 
@@ -263,6 +264,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         result = {"metrics": metrics, "ledger": None, "run_id": None}
         if not rank_zero:
             return result
+        output_dir.mkdir(parents=True, exist_ok=True)  # a run without a fit has written nothing there yet
         weights = output_dir / "weights.pth"
         torch.save(deployed_model.state_dict(), weights)
         deployed_metrics, protocol = evaluate_deployed(cfg, method, deployed_model)
