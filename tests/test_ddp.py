@@ -44,3 +44,25 @@ def test_raptor_stages_run_under_ddp_cpu(results_dir, tmp_path):
     assert {"stage1_val_loss", "stage2_val_loss", "top1", "teacher_top1", "recovered"} <= set(m)
     # 512 images, batch 64, 2 ranks: 4 steps per rank in each of the four one-epoch stages
     assert m["steps"] == 16
+
+
+def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp_path, make_cfg):
+    """The k-NN memory bank under DDP holds each training image once (301 images: a padding
+    sampler would repeat one, and a bank encoded whole on every rank would hold each twice), so a
+    fixed model (method=knn: the frozen backbone) scores the same top-1 on 2 processes as on one."""
+    from vitexp.train import train
+
+    overrides = ["backbone=dinov2_micro", "method=knn", "budget=none", "method.knn_k=50", "method.knn_features=cls_mean",
+                 "data=synthetic", "data.num_train=301", "data.num_val=16", "data.num_test=64", "data.noise=1.5",
+                 "recipe.batch_size=32", "logger=none", "trainer.enable_progress_bar=false", "eval.flops=false",
+                 "eval.throughput=false"]
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "vitexp-train"), "trainer=ddp_cpu", *overrides, f"hydra.run.dir={tmp_path / 'ddp'}"],
+        capture_output=True, text=True, cwd=tmp_path, env=cli_env(results_dir), timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = train(make_cfg(overrides, tmp_path / "single"))["metrics"]
+    ddp, one = sorted(ledger_entries(results_dir), key=lambda e: -e["metrics"]["world_size"])
+    assert ddp["metrics"]["world_size"] == 2 and one["metrics"]["world_size"] == 1
+    assert 20 < single["top1"] < 100  # the features carry the classes (chance: 10 %), so duplicates change votes
+    assert ddp["metrics"]["top1"] == single["top1"] and ddp["metrics"]["top5"] == single["top5"]

@@ -18,7 +18,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, TensorDataset
 
 DEFAULT_DATA_CONFIG = {
     "input_size": (3, 224, 224),
@@ -99,9 +99,18 @@ class VitexpDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)
 
-    def train_eval_dataloader(self) -> DataLoader:
-        """The training split in order, with evaluation transforms (a k-NN classifier's memory bank)."""
-        return self._loader(self.train_eval_set if self.train_eval_set is not None else self.train_set, train=False)
+    def train_eval_dataloader(self, rank: int = 0, world_size: int = 1) -> DataLoader:
+        """The training split in order, with evaluation transforms (a k-NN classifier's memory bank).
+        Under DDP, rank r of W gets the contiguous shard [⌊rN/W⌋, ⌊(r+1)N/W⌋): every image belongs to
+        exactly one rank and nothing is padded (a ``DistributedSampler`` would repeat images), and
+        the shards in rank order are the split in order."""
+        dataset = self.train_eval_set if self.train_eval_set is not None else self.train_set
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if world_size > 1:
+            n = len(dataset)
+            dataset = Subset(dataset, range(rank * n // world_size, (rank + 1) * n // world_size))
+        return self._loader(dataset, train=False)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)

@@ -176,11 +176,21 @@ def weighted_knn_votes(features: torch.Tensor, bank: torch.Tensor, bank_labels: 
 
 
 class DistillModule(ClassifyModule):
-    """Feature distillation: the model returns (student tokens, teacher tokens) from
-    ``distill_targets(x)`` and its k-NN features from ``forward(x)``. The loss is per-token MSE
-    (or 1 − cosine) over CLS and patch tokens. Evaluation is a weighted k-NN classifier over the
-    training split's features (evaluation transforms), recomputed at every validation and test.
-    Accuracy logs as ``val/top1`` and ``test/top1`` like the classify objective."""
+    """Feature distillation with k-NN evaluation (SAPER).
+
+    - Training: the model returns (student tokens, teacher tokens) from ``distill_targets(x)``;
+      the loss is per-token MSE (or 1 − cosine) over CLS and patch tokens.
+    - Evaluation: ``forward(x)`` gives the k-NN features, so a deployed model (no teacher, no
+      ``distill_targets``) is evaluated the same way; the loss is logged only where the model has
+      a teacher. A weighted k-NN classifier (:func:`weighted_knn_votes`) over the training split's
+      features (evaluation transforms), recomputed at every validation and test (not in the
+      sanity check). Accuracy logs as ``val/top1`` and ``test/top1`` like the classify objective.
+    - Under DDP the memory bank is sharded: rank r encodes the contiguous shard r of the training
+      split (``datamodule.train_eval_dataloader(rank, world_size)``, no padding), and the shards,
+      of unequal sizes, are gathered in rank order, so the bank holds each image once, in the
+      single-process order.
+    - A model with nothing to train (``method=knn``) gets no optimizer.
+    """
 
     def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any], loss: str = "mse",
                  knn_k: int = 20, knn_temperature: float = 0.07):
@@ -204,27 +214,47 @@ class DistillModule(ClassifyModule):
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
         return loss
 
+    def configure_optimizers(self):
+        if not any(p.requires_grad for p in self.model.parameters()):
+            return None
+        return super().configure_optimizers()
+
     def _eval_step(self, batch, split: str) -> None:
         x, y = batch
-        self._eval_feats.append(self.model(x).detach())
+        self._eval_feats.append(self(x).detach())
         self._eval_labels.append(y)
-        self.log(f"{split}/loss", self.distill_loss(x), on_epoch=True, sync_dist=True)
+        if hasattr(self.model, "distill_targets"):
+            self.log(f"{split}/loss", self.distill_loss(x), on_epoch=True, sync_dist=True)
+
+    def gather_shards(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (n_r, ...), concatenated in rank order; the n_r may differ
+        (``all_gather`` needs equal shapes: each shard is padded to the largest, then trimmed)."""
+        if self.trainer.world_size == 1:
+            return t
+        sizes = self.all_gather(torch.tensor([t.shape[0]], device=t.device)).flatten().tolist()
+        padded = t.new_zeros((max(sizes), *t.shape[1:]))
+        padded[: t.shape[0]] = t
+        gathered = self.all_gather(padded)
+        return torch.cat([gathered[r, :n] for r, n in enumerate(sizes)])
+
+    @torch.no_grad()
+    def memory_bank(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training split's k-NN features and labels, each image encoded once across ranks."""
+        loader = self.trainer.datamodule.train_eval_dataloader(self.global_rank, self.trainer.world_size)
+        feats, labels = [], []
+        for xb, yb in loader:
+            feats.append(self(xb.to(self.device)))
+            labels.append(yb.to(self.device))
+        return self.gather_shards(torch.cat(feats)), self.gather_shards(torch.cat(labels))
 
     @torch.no_grad()
     def _knn_epoch_end(self, split: str) -> None:
-        if not self._eval_feats:
-            return
-        feats, labels = torch.cat(self._eval_feats), torch.cat(self._eval_labels)
+        feats, labels = self._eval_feats, self._eval_labels
         self._eval_feats, self._eval_labels = [], []
-        loader = self.trainer.datamodule.train_eval_dataloader()
-        bank, bank_labels = [], []
-        for xb, yb in loader:
-            bank.append(self.model(xb.to(self.device)))
-            bank_labels.append(yb.to(self.device))
-        bank, bank_labels = torch.cat(bank), torch.cat(bank_labels)
-        if self.trainer.world_size > 1:  # every rank classifies its own samples against the whole bank
-            bank = self.all_gather(bank).flatten(0, 1)
-            bank_labels = self.all_gather(bank_labels).flatten(0, 1)
+        if not feats or self.trainer.sanity_checking:
+            return
+        feats, labels = torch.cat(feats), torch.cat(labels)
+        bank, bank_labels = self.memory_bank()
         votes = weighted_knn_votes(feats, bank, bank_labels, self.num_classes, self.knn_k, self.knn_temperature)
         top1, top5 = getattr(self, f"{split}_top1"), getattr(self, f"{split}_top5")
         top1.update(votes, labels)

@@ -4,8 +4,11 @@ Trainer -> test -> FLOPs and throughput of the deployed model -> ledger and logg
 ``train(cfg)`` returns ``{"metrics": ..., "ledger": path, "run_id": ...}``. Accuracies in the
 ledger are percentages. A run is one or more stages (``Method.stages``: one fit for most methods;
 RAPTOR's surrogate stages 1 and 2, then its probes), each with its own Trainer, checkpoints and
-recipe keys; the trained model's weights are saved as ``<output_dir>/weights.pth`` (the ledger's
-``artifacts.weights``, what ``backbone.pretrained=run:<experiment>`` loads). The test split is evaluated with the final weights (no checkpoint
+recipe keys. A tested stage whose method deploys a different model (``Method.deploy``: SAPER's
+physically pruned heads) is tested on the deployed model (``top1``), the trained one giving
+``soft_top1``; the deployed model's weights are saved as ``<output_dir>/weights.pth`` (the ledger's
+``artifacts.weights``, what ``backbone.pretrained=run:<experiment>`` loads, or
+``Method.rebuild_deployed`` rebuilds). The test split is evaluated with the final weights (no checkpoint
 selection on the test set). Under DDP every rank trains; torchmetrics syncs the accuracies across
 ranks (Lightning's DistributedSampler pads an uneven split by at most world_size - 1 repeated
 samples); only rank 0 writes the ledger, logs, counts FLOPs and times throughput.
@@ -189,8 +192,9 @@ def fit_stage(cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir:
                                          **dict(stage.module_kwargs))
     trainer = build_trainer(scfg, logger, output_dir, callbacks, stage=stage.name)
     start = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule_for(scfg),
-                ckpt_path=resume_checkpoint(cfg, output_dir, stage.name, first=first))
+    if int(scfg.recipe.epochs) > 0:  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
+        trainer.fit(module, datamodule=datamodule_for(scfg),
+                    ckpt_path=resume_checkpoint(cfg, output_dir, stage.name, first=first))
     return module, trainer, time.perf_counter() - start
 
 
@@ -233,11 +237,18 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
             if stage.metrics_prefix is not None:
                 p = stage.metrics_prefix
                 val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-                test = trainer.test(module, datamodule=datamodule_for(stage_config(cfg, stage)), verbose=False)[0]
+                test_data = datamodule_for(stage_config(cfg, stage))
+                deployed = method.deploy(module.model) if stage.deployed else module.model
+                soft: dict[str, float] = {}
+                if deployed is not module.model:  # top1 is the deployed model's; soft_top1 the trained (gated) one's
+                    soft = trainer.test(module, datamodule=test_data, verbose=False)[0]
+                    metrics.update({f"{p}soft_top1": 100.0 * soft["test/top1"], f"{p}soft_top5": 100.0 * soft["test/top5"]})
+                    module.model = deployed
+                test = trainer.test(module, datamodule=test_data, verbose=False)[0]
                 metrics.update({
                     f"{p}top1": 100.0 * test["test/top1"],
                     f"{p}top5": 100.0 * test["test/top5"],
-                    f"{p}test_loss": test["test/loss"],
+                    f"{p}test_loss": test.get("test/loss", soft.get("test/loss")),
                     f"{p}val_top1": 100.0 * val["val/top1"] if "val/top1" in val else None,
                 })
             elif "val/loss" in trainer.callback_metrics:
@@ -253,6 +264,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         result = {"metrics": metrics, "ledger": None, "run_id": None}
         if not rank_zero:
             return result
+        output_dir.mkdir(parents=True, exist_ok=True)  # a run without a fit has written nothing there yet
         weights = output_dir / "weights.pth"
         torch.save(deployed_model.state_dict(), weights)
         deployed_metrics, protocol = evaluate_deployed(cfg, method, deployed_model)

@@ -7,13 +7,20 @@
   - L = I − D^{−1/2} W D^{−1/2}, with D = diag(W·1).
   - Eigenvectors 2–4 of L (the Fiedler vector and the next two) are each min–max scaled to [0, 1]
     and drawn as the R, G and B channels over the patch grid.
+  - An eigenvector's sign is arbitrary (v and −v are both eigenvectors; min–max scaling maps −v
+    to the complement colour), so each is signed with its largest-magnitude entry positive, making
+    heads and layers comparable.
   - The output is a PNG grid of layers × heads.
 - **Head clustering** (``vitexp-analyze clusters``).
   - Per image and head: the maximal attention the CLS query pays to a patch token.
   - The Pearson correlation of these values between heads over the dataset, then spectral
     clustering of the heads with affinity (1 + ρ)/2.
-  - Davies–Bouldin and silhouette scores (scikit-learn) of the clustering, with each head
-    represented by its vector over the images.
+  - Silhouette and Davies–Bouldin scores with the distance the clustering used,
+    D = 1 − (1 + ρ)/2 = (1 − ρ)/2: silhouette is scikit-learn's on the precomputed D; Davies–Bouldin
+    needs centroids, which a dissimilarity matrix does not define, so each cluster's centroid is
+    replaced by its medoid (the member with the least summed distance to the others, as in
+    k-medoids): s_c = mean distance of the members to the medoid, M_cd = distance between medoids,
+    DB = mean_c max_{d≠c} (s_c + s_d) / M_cd (:func:`davies_bouldin_precomputed`).
   - A heatmap of the correlation, ordered by cluster.
 
 Attention probabilities are recomputed from each block's own q/k projection on the block's input,
@@ -59,11 +66,18 @@ def normalized_laplacian(adjacency: torch.Tensor) -> torch.Tensor:
     return eye - d.unsqueeze(-1) * w * d.unsqueeze(-2)
 
 
+def fix_eigenvector_signs(vecs: torch.Tensor) -> torch.Tensor:
+    """Each column signed so that its largest-magnitude entry is positive."""
+    idx = vecs.abs().argmax(dim=0, keepdim=True)
+    return vecs * torch.sign(vecs.gather(0, idx))
+
+
 def laplace_rgb(patch_attention: torch.Tensor, side: int) -> np.ndarray:
-    """Eigenvectors 2–4 of the normalised Laplacian, min–max scaled, as an (side, side, 3) image."""
+    """Eigenvectors 2–4 of the normalised Laplacian, signed (:func:`fix_eigenvector_signs`) and
+    min–max scaled, as an (side, side, 3) image."""
     lap = normalized_laplacian(patch_attention.double())
     _, vecs = torch.linalg.eigh(lap)
-    rgb = vecs[:, 1:4]
+    rgb = fix_eigenvector_signs(vecs[:, 1:4])
     lo, hi = rgb.min(0).values, rgb.max(0).values
     rgb = (rgb - lo) / (hi - lo).clamp(min=1e-12)
     return rgb.reshape(side, side, 3).float().numpy()
@@ -101,6 +115,43 @@ def laplace_grid(model: nn.Module, image: torch.Tensor, num_prefix: int, out: Pa
     return {"layers": L, "heads": H, "grid_side": side, "min_laplacian_eigenvalue": min_eig}
 
 
+def davies_bouldin_precomputed(distance: np.ndarray, labels: np.ndarray) -> float:
+    """Davies–Bouldin index from a dissimilarity matrix, each cluster's centroid replaced by its
+    medoid: DB = mean_c max_{d≠c} (s_c + s_d) / M_cd (module docstring). Lower is better; 0 when
+    every cluster is a point. Coinciding medoids (M_cd = 0) are skipped, as scikit-learn skips
+    coinciding centroids."""
+    clusters = np.unique(labels)
+    medoids, spread = [], []
+    for c in clusters:
+        members = np.flatnonzero(labels == c)
+        within = distance[np.ix_(members, members)]
+        medoid = members[within.sum(1).argmin()]
+        medoids.append(medoid)
+        spread.append(distance[members, medoid].mean())
+    spread = np.asarray(spread)
+    between = distance[np.ix_(medoids, medoids)].astype(float)
+    between[between == 0] = np.inf
+    ratios = (spread[:, None] + spread[None, :]) / between
+    np.fill_diagonal(ratios, -np.inf)
+    return float(ratios.max(1).mean())
+
+
+def cluster_heads(values: np.ndarray, n_clusters: int) -> dict[str, Any]:
+    """Spectral clustering of heads (columns of ``values``, images × heads) on the affinity
+    (1 + ρ)/2 of their Pearson correlation ρ, scored with the distance 1 − affinity."""
+    from sklearn.cluster import SpectralClustering
+    from sklearn.metrics import silhouette_score
+
+    corr = np.nan_to_num(np.corrcoef(values.T), nan=0.0)
+    np.fill_diagonal(corr, 1.0)
+    affinity = (1.0 + corr) / 2.0
+    labels = SpectralClustering(n_clusters=n_clusters, affinity="precomputed", random_state=0).fit_predict(affinity)
+    distance = 1.0 - affinity
+    return {"labels": labels, "correlation": corr,
+            "silhouette": float(silhouette_score(distance, labels, metric="precomputed")),
+            "davies_bouldin": davies_bouldin_precomputed(distance, labels)}
+
+
 def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clusters: int, out: Path,
                   batch_size: int = 64) -> dict[str, Any]:
     """Cluster heads by the correlation of their maximal CLS attention over images; heatmap PNG."""
@@ -108,8 +159,6 @@ def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clu
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from sklearn.cluster import SpectralClustering
-    from sklearn.metrics import davies_bouldin_score, silhouette_score
 
     values = []
     for chunk in images.split(batch_size):
@@ -117,13 +166,8 @@ def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clu
         cls_max = maps[:, :, :, 0, num_prefix:].amax(-1)  # layers, B, heads
         values.append(cls_max.permute(1, 0, 2).reshape(chunk.shape[0], -1))
     x = torch.cat(values).double().numpy()  # images, heads
-    corr = np.nan_to_num(np.corrcoef(x.T), nan=0.0)
-    np.fill_diagonal(corr, 1.0)
-    affinity = (1.0 + corr) / 2.0
-    labels = SpectralClustering(n_clusters=n_clusters, affinity="precomputed", random_state=0).fit_predict(affinity)
-    heads_x = x.T  # each head as its vector over the images
-    scores = {"davies_bouldin": float(davies_bouldin_score(heads_x, labels)),
-              "silhouette": float(silhouette_score(heads_x, labels))}
+    clustering = cluster_heads(x, n_clusters)
+    labels, corr = clustering["labels"], clustering["correlation"]
     order = np.argsort(labels, kind="stable")
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(corr[np.ix_(order, order)], cmap="RdBu_r", vmin=-1, vmax=1)
@@ -136,5 +180,5 @@ def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clu
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    return {**scores, "n_clusters": n_clusters, "images": int(x.shape[0]), "heads": int(x.shape[1]),
-            "labels": labels.tolist()}
+    return {"davies_bouldin": clustering["davies_bouldin"], "silhouette": clustering["silhouette"],
+            "n_clusters": n_clusters, "images": int(x.shape[0]), "heads": int(x.shape[1]), "labels": labels.tolist()}

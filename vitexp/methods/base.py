@@ -78,5 +78,14 @@ class Method(abc.ABC):
         """The trained model as deployed (pruned parts physically removed). Default: as is."""
         return model
 
+    def rebuild_deployed(self, backbone: nn.Module, record: Mapping[str, Any]) -> nn.Module:
+        """The architecture of a completed run's deployed model, for its saved weights
+        (``record["artifacts"]["weights"]``, loaded with ``load_state_dict``). ``backbone`` is built
+        from the run's config (``record["config"]``); ``record`` is its ledger entry, whose
+        :meth:`record` keys say what data-dependent choices to repeat (SAPER's ``kept_heads``).
+        Default: ``deploy(apply(backbone, budget))``, right for methods whose architecture does not
+        depend on training."""
+        return self.deploy(self.apply(backbone, record["config"]["budget"]))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

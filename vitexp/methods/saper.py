@@ -1,9 +1,5 @@
 """SAPER: attention-head pruning with the LapSum soft top-k (arXiv 2608.00264), as vitexp reads it.
 
-This module holds the parts that exist so far: head selection, gating, physical removal, and the
-probe model whose FLOPs follow SAPER's protocol. The training objectives (fine-tune and
-distillation) come with the rest of the SAPER issue.
-
 - **Selection.** One learnable score per head over all heads of the model (L×H: 72 for ViT-S/14,
   144 for ViT-B/14). The gates are g = soft_topk(scores, k_t, α_t) (vitexp/methods/lapsum.py),
   and each head's output is scaled by its gate before the output projection.
@@ -11,13 +7,22 @@ distillation) come with the rest of the SAPER issue.
   k < n) to the budget k by a cosine
   over the first ``anneal_fraction`` of training; α_t falls geometrically from ``alpha_start`` to
   ``alpha_end`` over the same span.
+- **What trains** (``trainable``): ``scores`` (the head scores, plus the linear probe in fine-tune
+  mode; every backbone weight frozen), ``mlp`` (also the blocks' MLPs; attention weights frozen) or
+  ``all``.
 - **Deployment** keeps the top-k heads by score and **physically removes** the rest: their
-  q, k, v output rows and output-projection input columns are deleted. A layer with no head left
-  keeps only the output projection's bias, a constant with no MACs, so the deployed model equals
-  the hard-gated one.
+  q, k, v output rows and output-projection input columns are deleted, and the attention goes back
+  to its own (ungated) class. A layer with no head left keeps only the output projection's bias, a
+  constant with no MACs, so the deployed model equals the hard-gated one. The kept heads per layer
+  (:meth:`HeadPrunedModel.kept_heads`) go into the ledger (``kept_heads``), from which
+  :meth:`SaperHeads.rebuild_deployed` rebuilds the deployed architecture for the saved weights.
+  Accuracy is reported for the deployed model (vitexp/train.py tests ``Method.deploy(model)``).
 - **Probe model** (SAPER's head). A linear classifier on [CLS ‖ mean of patch tokens] after the
   backbone's final norm; register tokens are excluded from the mean. Its MACs are counted with
   the model's.
+- **k-NN features** (distillation mode and ``method=knn``): ``knn_features: cls`` (DINO's k-NN
+  evaluation uses the CLS token only) or ``cls_mean`` ([CLS ‖ mean patch]); the deployed model's
+  output is that feature vector (no linear head).
 """
 from __future__ import annotations
 
@@ -28,27 +33,46 @@ import torch
 import torch.nn as nn
 from timm.models.vision_transformer import Attention
 
-from vitexp.methods.base import Method
+from vitexp.methods.base import Method, Stage
 from vitexp.models._common import ScaledAttention
 from vitexp.methods.lapsum import soft_topk
 
 
-class ProbeModel(nn.Module):
-    """Backbone features -> Linear(2d -> classes) on [CLS ‖ mean of patch tokens]."""
+#: Token pooling of a probe or k-NN feature: [CLS ‖ mean of patch tokens], or CLS alone.
+POOLS = ("cls_mean", "cls")
+#: What trains in a SAPER run besides the head scores (method.trainable).
+TRAINABLE = ("scores", "mlp", "all")
 
-    def __init__(self, backbone: nn.Module, num_classes: int, head: nn.Linear | None = None):
+
+class ProbeModel(nn.Module):
+    """Backbone features -> ``head``. ``pool="cls_mean"``: [CLS ‖ mean of patch tokens] (SAPER's
+    linear head, Linear(2d -> classes)); ``pool="cls"``: the CLS token. With ``head=nn.Identity()``
+    the output is the feature vector itself (a k-NN classifier's input)."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int, head: nn.Module | None = None, pool: str = "cls_mean"):
         super().__init__()
+        if pool not in POOLS:
+            raise ValueError(f"pool={pool!r}: valid choices are {POOLS}")
         backbone.reset_classifier(0)
         self.backbone = backbone
+        self.pool = pool
         self.num_prefix_tokens = int(getattr(backbone, "num_prefix_tokens", 1))
-        self.head = head if head is not None else nn.Linear(2 * backbone.embed_dim, num_classes)
+        width = backbone.embed_dim * (2 if pool == "cls_mean" else 1)
+        self.head = head if head is not None else nn.Linear(width, num_classes)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         tokens = self.backbone.forward_features(x)
+        if self.pool == "cls":
+            return tokens[:, 0]
         return torch.cat([tokens[:, 0], tokens[:, self.num_prefix_tokens:].mean(dim=1)], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
+
+
+def feature_model(backbone: nn.Module, pool: str) -> ProbeModel:
+    """The backbone's k-NN features (no linear head)."""
+    return ProbeModel(backbone, 0, head=nn.Identity(), pool=pool)
 
 
 #: The gated attention SAPER swaps in: timm's attention with per-head gates before the projection.
@@ -66,11 +90,16 @@ class ConstantBranch(nn.Module):
         return self.bias.expand_as(x)
 
 
-def prune_attention_heads(attn: Attention, keep: torch.Tensor) -> nn.Module:
-    """A timm ``Attention`` with only the heads in ``keep`` (indices), or a :class:`ConstantBranch`."""
+def prune_attention_heads(attn: Attention, keep: torch.Tensor | list[int],
+                          attention_class: type[nn.Module] | None = None) -> nn.Module:
+    """A timm ``Attention`` with only the heads in ``keep`` (indices), or a :class:`ConstantBranch`.
+    The result is an instance of ``attention_class`` (default: its own class) with no gates."""
+    keep = torch.as_tensor(keep, dtype=torch.long).flatten().cpu()
     dim = attn.qkv.in_features
     if keep.numel() == 0:
         return ConstantBranch(attn.proj.bias, attn.proj.out_features)
+    if not isinstance(attn.norm, nn.Identity):
+        raise TypeError("head pruning with a scale norm over all heads is not supported")
     H, d = attn.num_heads, attn.head_dim
     rows = torch.cat([(part * H + keep).mul(d).unsqueeze(-1) + torch.arange(d) for part in range(3)]).flatten()
     cols = (keep.mul(d).unsqueeze(-1) + torch.arange(d)).flatten()
@@ -85,10 +114,8 @@ def prune_attention_heads(attn: Attention, keep: torch.Tensor) -> nn.Module:
     attn.qkv, attn.proj = qkv, proj
     attn.num_heads = int(keep.numel())
     attn.attn_dim = attn.num_heads * d
-    if not isinstance(attn.norm, nn.Identity):
-        raise TypeError("head pruning with a scale norm over all heads is not supported")
-    attn.__class__ = GatedAttention
-    attn.gate_values = None
+    attn.__dict__.pop("gate_values", None)
+    attn.__class__ = attention_class or type(attn)
     return attn
 
 
@@ -125,12 +152,15 @@ class HeadSelector(nn.Module):
 
 
 class HeadPrunedModel(ProbeModel):
-    """The probe model with gated heads (training) that deploys to a physically pruned one."""
+    """The probe (or k-NN feature) model with gated heads (training) that deploys to a physically
+    pruned one."""
 
-    def __init__(self, backbone: nn.Module, num_classes: int, selector: HeadSelector, hard: bool = False):
-        super().__init__(backbone, num_classes)
+    def __init__(self, backbone: nn.Module, num_classes: int, selector: HeadSelector, hard: bool = False,
+                 head: nn.Module | None = None, pool: str = "cls_mean"):
+        super().__init__(backbone, num_classes, head=head, pool=pool)
         self.selector = selector
         self.hard = hard
+        self.attention_classes = [type(block.attn) for block in backbone.blocks]
         for block in backbone.blocks:
             block.attn.__class__ = GatedAttention
 
@@ -147,15 +177,30 @@ class HeadPrunedModel(ProbeModel):
         self.forward_gates()
         return super().forward(x)
 
+    def kept_heads(self) -> list[list[int]]:
+        """The heads deployment keeps, per layer: the top-k by score over the whole model."""
+        return [m.nonzero().flatten().tolist() for m in self.selector.hard_mask()]
+
     def deploy(self) -> ProbeModel:
-        """Keep the top-k heads by score; remove the others physically."""
+        """Keep the top-k heads by score; remove the others physically (no gates left)."""
         import copy
 
+        for block in self.backbone.blocks:  # the last forward's gates (part of its autograd graph)
+            block.attn.gate_values = None
         deployed = copy.deepcopy(self)
-        mask = deployed.selector.hard_mask()
-        for block, m in zip(deployed.backbone.blocks, mask):
-            block.attn = prune_attention_heads(block.attn, m.nonzero().flatten().cpu())
-        return ProbeModel(deployed.backbone, deployed.head.out_features, head=deployed.head)
+        return prune_probe_model(deployed.backbone, deployed.kept_heads(), deployed.head, deployed.pool,
+                                 deployed.attention_classes)
+
+
+def prune_probe_model(backbone: nn.Module, kept_heads: list[list[int]], head: nn.Module, pool: str,
+                      attention_classes: list[type[nn.Module]] | None = None) -> ProbeModel:
+    """``backbone`` with only ``kept_heads[l]`` in layer l, under ``head`` on ``pool`` features."""
+    if len(kept_heads) != len(backbone.blocks):
+        raise ValueError(f"kept_heads lists {len(kept_heads)} layers but the backbone has {len(backbone.blocks)}")
+    classes = attention_classes or [None] * len(kept_heads)
+    for block, heads, cls in zip(backbone.blocks, kept_heads, classes):
+        block.attn = prune_attention_heads(block.attn, heads, cls)
+    return ProbeModel(backbone, 0, head=head, pool=pool)
 
 
 def head_count(model: nn.Module) -> int:
@@ -174,6 +219,25 @@ def require_vit(method: str, arch: Mapping[str, Any]) -> None:
                           "CLS token (use a DINOv2, DeiT, T2T-ViT or LV-ViT backbone)")
 
 
+def set_trainable(backbone: nn.Module, trainable: str) -> None:
+    """``scores``: every backbone weight frozen; ``mlp``: only the blocks' MLPs train (attention,
+    norms, LayerScale, embeddings frozen); ``all``: every backbone weight trains."""
+    for p in backbone.parameters():
+        p.requires_grad_(trainable == "all")
+    if trainable == "mlp":
+        for block in backbone.blocks:
+            for p in block.mlp.parameters():
+                p.requires_grad_(True)
+
+
+def _choice(key: str, value: str, valid: tuple[str, ...]) -> str:
+    from vitexp.config import ConfigError
+
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r}: valid choices are {list(valid)}")
+    return value
+
+
 class SaperHeads(Method):
     """Head selection under a head budget (``budget=heads``, ``budget.k``)."""
 
@@ -181,10 +245,12 @@ class SaperHeads(Method):
     budget_kinds: ClassVar[tuple[str, ...]] = ("heads",)
 
     def __init__(self, name: str = "saper_ft", alpha_start: float = 1.0, alpha_end: float = 0.01,
-                 anneal_fraction: float = 0.7, freeze_backbone: bool = True):
+                 anneal_fraction: float = 0.7, trainable: str = "scores"):
         super().__init__(name)
         self.alpha_start, self.alpha_end = float(alpha_start), float(alpha_end)
-        self.anneal_fraction, self.freeze_backbone = float(anneal_fraction), bool(freeze_backbone)
+        self.anneal_fraction = float(anneal_fraction)
+        self.trainable = _choice("method.trainable", trainable, TRAINABLE)
+        self.kept_heads: list[list[int]] | None = None
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
         from vitexp.config import ConfigError
@@ -196,22 +262,43 @@ class SaperHeads(Method):
             raise ConfigError(f"budget.k: {budget['k']} heads must be in [1, {total - 1}] "
                               f"(the backbone has {total} heads)")
 
+    def _selector(self, backbone: nn.Module, budget: Mapping[str, Any]) -> HeadSelector:
+        set_trainable(backbone, self.trainable)
+        depth, heads = len(backbone.blocks), backbone.blocks[0].attn.num_heads
+        return HeadSelector(depth, heads, int(budget["k"]), self.alpha_start, self.alpha_end, self.anneal_fraction)
+
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
         num_classes = backbone.num_classes
-        depth, heads = len(backbone.blocks), backbone.blocks[0].attn.num_heads
-        if self.freeze_backbone:
-            for p in backbone.parameters():
-                p.requires_grad_(False)
-        selector = HeadSelector(depth, heads, int(budget["k"]), self.alpha_start, self.alpha_end, self.anneal_fraction)
-        return HeadPrunedModel(backbone, num_classes, selector)
+        return HeadPrunedModel(backbone, num_classes, self._selector(backbone, budget))
 
     def deploy(self, model: nn.Module) -> nn.Module:
-        return model.deploy() if isinstance(model, HeadPrunedModel) else model
+        if isinstance(model, HeadPrunedModel):
+            self.kept_heads = model.kept_heads()
+            return model.deploy()
+        return model
+
+    def record(self) -> dict[str, Any]:
+        """``kept_heads``: the deployed heads per layer (what :meth:`rebuild_deployed` reads)."""
+        return {"kept_heads": self.kept_heads} if self.kept_heads is not None else {}
+
+    def deployed_head(self, backbone: nn.Module) -> tuple[nn.Module, str]:
+        """The head and pooling of the deployed model: SAPER's linear probe on [CLS ‖ mean patch]."""
+        return nn.Linear(2 * backbone.embed_dim, backbone.num_classes), "cls_mean"
+
+    def rebuild_deployed(self, backbone: nn.Module, record: Mapping[str, Any]) -> nn.Module:
+        """The deployed architecture of a completed run, for its saved weights: ``backbone`` (built
+        from the run's config, any weights) pruned to the ledger's ``kept_heads``. Load the run's
+        ``artifacts.weights`` into the result with ``load_state_dict`` (strict)."""
+        if not record.get("kept_heads"):
+            raise KeyError(f"run {record.get('run_id')} has no kept_heads in its ledger entry: it was not a "
+                           "completed SAPER train run")
+        head, pool = self.deployed_head(backbone)
+        return prune_probe_model(backbone, record["kept_heads"], head, pool)
 
 
 class DistillPair(nn.Module):
     """A head-pruned student and its frozen unpruned teacher. ``forward`` gives the student's
-    k-NN features ([CLS ‖ mean patch] after the final norm); ``distill_targets`` the student's and
+    k-NN features (its ``pool`` after the final norm); ``distill_targets`` the student's and
     teacher's tokens (CLS and patches; registers excluded)."""
 
     def __init__(self, student: HeadPrunedModel, teacher: nn.Module):
@@ -230,8 +317,7 @@ class DistillPair(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.student.forward_gates()
-        return self.student.features(x)
+        return self.student(x)
 
     def distill_targets(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         self.student.forward_gates()
@@ -247,15 +333,17 @@ class DistillPair(nn.Module):
 
 
 class SaperDistill(SaperHeads):
-    """``method=saper_kd``: the student's tokens regress onto the frozen teacher's; k-NN evaluation."""
+    """``method=saper_kd``: the student's tokens regress onto the frozen teacher's; k-NN evaluation
+    on ``knn_features``. The deployed model outputs those features."""
 
     objective: ClassVar[str] = "distill"
 
     def __init__(self, name: str = "saper_kd", alpha_start: float = 1.0, alpha_end: float = 0.01,
-                 anneal_fraction: float = 0.7, freeze_backbone: bool = True, loss: str = "mse",
-                 knn_k: int = 20, knn_temperature: float = 0.07):
-        super().__init__(name, alpha_start, alpha_end, anneal_fraction, freeze_backbone)
+                 anneal_fraction: float = 0.7, trainable: str = "scores", loss: str = "mse",
+                 knn_k: int = 20, knn_temperature: float = 0.07, knn_features: str = "cls"):
+        super().__init__(name, alpha_start, alpha_end, anneal_fraction, trainable)
         self.loss, self.knn_k, self.knn_temperature = loss, int(knn_k), float(knn_temperature)
+        self.knn_features = _choice("method.knn_features", knn_features, POOLS)
 
     def module_kwargs(self) -> dict[str, Any]:
         return {"loss": self.loss, "knn_k": self.knn_k, "knn_temperature": self.knn_temperature}
@@ -265,10 +353,46 @@ class SaperDistill(SaperHeads):
 
         teacher = copy.deepcopy(backbone)
         teacher.reset_classifier(0)
-        return DistillPair(super().apply(backbone, budget), teacher)
+        selector = self._selector(backbone, budget)
+        student = HeadPrunedModel(backbone, 0, selector, head=nn.Identity(), pool=self.knn_features)
+        return DistillPair(student, teacher)
 
     def deploy(self, model: nn.Module) -> nn.Module:
-        return model.deploy() if isinstance(model, DistillPair) else super().deploy(model)
+        return super().deploy(model.student) if isinstance(model, DistillPair) else super().deploy(model)
+
+    def deployed_head(self, backbone: nn.Module) -> tuple[nn.Module, str]:
+        return nn.Identity(), self.knn_features
+
+
+class KnnEval(Method):
+    """``method=knn``: the unpruned, frozen backbone under the k-NN objective (the unpruned k-NN
+    rows of SAPER's tables, measured by the same code as ``saper_kd``). Nothing trains: the run
+    is zero epochs, then the k-NN test."""
+
+    objective: ClassVar[str] = "distill"
+    budget_kinds: ClassVar[tuple[str, ...]] = ("none",)
+
+    def __init__(self, name: str = "knn", knn_k: int = 20, knn_temperature: float = 0.07, knn_features: str = "cls"):
+        super().__init__(name)
+        self.knn_k, self.knn_temperature = int(knn_k), float(knn_temperature)
+        self.knn_features = _choice("method.knn_features", knn_features, POOLS)
+
+    def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
+        super().validate_budget(budget, arch)
+        require_vit(self.name, arch)
+
+    def module_kwargs(self) -> dict[str, Any]:
+        return {"knn_k": self.knn_k, "knn_temperature": self.knn_temperature}
+
+    def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
+        set_trainable(backbone, "scores")
+        return feature_model(backbone, self.knn_features)
+
+    def stages(self, model: nn.Module) -> list[Stage]:
+        return [Stage("main", self.objective, lambda: model, {"epochs": 0}, self.module_kwargs())]
+
+    def rebuild_deployed(self, backbone: nn.Module, record: Mapping[str, Any]) -> nn.Module:
+        return feature_model(backbone, self.knn_features)
 
 
 class LinearProbe(Method):
@@ -286,6 +410,8 @@ class LinearProbe(Method):
 
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
         num_classes = backbone.num_classes
-        for p in backbone.parameters():
-            p.requires_grad_(False)
+        set_trainable(backbone, "scores")
         return ProbeModel(backbone, num_classes)
+
+    def rebuild_deployed(self, backbone: nn.Module, record: Mapping[str, Any]) -> nn.Module:
+        return ProbeModel(backbone, backbone.num_classes)
