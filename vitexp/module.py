@@ -18,9 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
-
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
+from vitexp.errors import NonFiniteLossError
 
 
 class ClassifyModule(L.LightningModule):
@@ -241,7 +239,7 @@ class DistillModule(ClassifyModule):
 
 class RaptorStageModule(ClassifyModule):
     """One stage of RAPTOR's surrogate training: the model's ``stage_loss(x, stage, progress)``
-    (vitexp/methods/raptor.py) on the training images, labels unused. Validation logs the same
+    (the model's own) on the training images, labels unused. Validation logs the same
     stage's loss at the end of its schedule (stage 1: autoregressive, τ = 0) as ``val/loss``."""
 
     def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any], stage: int = 2):
@@ -259,10 +257,8 @@ class RaptorStageModule(ClassifyModule):
         if not torch.isfinite(loss):
             raise NonFiniteLossError(f"RAPTOR stage {self.stage} loss is {loss.item()} at step {self.global_step}")
         self.log(f"train/stage{self.stage}_loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
-        if self.stage == 1:
-            from vitexp.methods.raptor import anneal_tau
-
-            self.log("train/tau", anneal_tau(progress, self.model.tau_fraction), on_step=True, on_epoch=False)
+        if self.stage == 1 and hasattr(self.model, "tau"):
+            self.log("train/tau", self.model.tau(progress), on_step=True, on_epoch=False)
         return loss
 
     def _eval_step(self, batch, split: str) -> None:

@@ -2,9 +2,11 @@
 
 Rows are experiment configs (``conf/experiment/<row.experiment>.yaml``); a row's ``run`` says
 which app produces it (``train`` -> vitexp-train, ``flops`` -> vitexp-flops, ``bench`` ->
-vitexp-bench). Rows that already have a completed run of that kind in the ledger are skipped
-unless ``--force``, so an interrupted sweep resumes by running the same command again.
-Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=submitit_slurm
+vitexp-bench). Rows that already have a completed run of that kind in the ledger, or one running
+now, are skipped unless ``--force``, so an interrupted sweep resumes by running the same command
+again; a run whose process is gone (``interrupted``, :func:`vitexp.results.effective_status`) is rerun.
+Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
+Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
 trainer=ddp data.root=/datasets/imagenet``.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 
 from vitexp import CONF_DIR
-from vitexp.results import completed_runs, default_results_dir
+from vitexp.results import default_results_dir, effective_status, iter_runs
 from vitexp.tables import all_specs, load_spec
 
 APPS = {"train": "vitexp-train", "flops": "vitexp-flops", "bench": "vitexp-bench"}
@@ -47,8 +49,8 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
         if k not in APPS:
             raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
         bucket = out.setdefault(k, {"launch": [], "skip": []})
-        done = completed_runs(experiment=exp, kind=k, results_dir=results_dir)
-        target = "skip" if done and not force else "launch"
+        statuses = {effective_status(r) for r in iter_runs(results_dir) if r.get("experiment") == exp and r.get("kind") == k}
+        target = "skip" if statuses & {"completed", "running"} and not force else "launch"
         if exp not in bucket[target]:
             bucket[target].append(exp)
     return out
@@ -78,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     for kind, rows in todo.items():
         summary["skipped"][kind] = rows["skip"]
         for exp in rows["skip"]:
-            print(f"vitexp-sweep: {exp} ({kind}) already has a completed run; skipped (--force reruns it)", file=sys.stderr)
+            print(f"vitexp-sweep: {exp} ({kind}) has a completed or running run; skipped (--force reruns it)", file=sys.stderr)
         if not rows["launch"]:
             continue
-        cmd = [_script(APPS[kind]), "-m", f"experiment={','.join(rows['launch'])}", *args.overrides]
+        grouping = [f"logger.group={spec['name']}", f"logger.tags=[{spec['name']}]"]
+        cmd = [_script(APPS[kind]), "-m", f"experiment={','.join(rows['launch'])}", *grouping, *args.overrides]
         print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
         summary["launched"][kind] = rows["launch"]
         if args.dry_run:

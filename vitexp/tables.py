@@ -2,7 +2,8 @@
 accuracy-vs-GMACs plot in ``results/tables/``.
 
 A cell shows vitexp's value from the newest completed run of the row's experiment that has that
-metric, beside the paper's value. With no such run the cell says "not run"; a row marked
+metric, beside the paper's value. With no such run the cell says "not run" (or "running" /
+"interrupted" while the row's newest run is one, :func:`vitexp.results.effective_status`); a row marked
 ``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
 number ever comes from anywhere but a run or the spec's paper value.
 
@@ -23,7 +24,7 @@ from typing import Any, Iterable
 import yaml
 
 from vitexp import SWEEPS_DIR
-from vitexp.results import default_results_dir, iter_runs
+from vitexp.results import default_results_dir, effective_status, iter_runs
 
 NOT_RUN = "not run"
 CITED = "cited, not run"
@@ -76,10 +77,13 @@ def wandb_runs(path: str) -> list[dict[str, Any]]:
 def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """For every row and column: vitexp's value (newest completed run with that metric), its
     run id, the paper's value and source."""
+    runs = list(runs)
     completed = [r for r in runs if r.get("status") == "completed"]
     filled = []
     for row in spec["rows"]:
         mine = [r for r in completed if row.get("experiment") and r.get("experiment") == row["experiment"]]
+        pending = [effective_status(r) for r in runs if r.get("experiment") == row.get("experiment")
+                   and r.get("status") == "running"]
         cells = {}
         for col in spec["columns"]:
             key = col["key"]
@@ -91,8 +95,8 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
             paper = (row.get("paper") or {}).get(key) or {}
             cells[key] = {"value": value, "run_id": run_id, "paper": paper.get("value"),
                           "source": paper.get("source")}
-        filled.append({"label": row["label"], "experiment": row.get("experiment"),
-                       "cited": bool(row.get("cited")), "cells": cells})
+        filled.append({"label": row["label"], "experiment": row.get("experiment"), "cited": bool(row.get("cited")),
+                       "cells": cells, "pending": pending[-1] if pending else None})
     return filled
 
 
@@ -108,7 +112,7 @@ def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
     if cell["value"] is not None:
         ours = _fmt(cell["value"], digits)
     else:
-        ours = CITED if row["cited"] else NOT_RUN
+        ours = CITED if row["cited"] else (row.get("pending") or NOT_RUN)
     paper = f"{cell['paper']:g}" if isinstance(cell["paper"], (int, float)) else (cell["paper"] or NO_PAPER)
     return ours, paper
 
@@ -177,7 +181,7 @@ def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         line = [row["label"], row["experiment"] or ""]
         for col in spec["columns"]:
             c = row["cells"][col["key"]]
-            ours = c["value"] if c["value"] is not None else (CITED if row["cited"] else NOT_RUN)
+            ours = c["value"] if c["value"] is not None else (CITED if row["cited"] else (row.get("pending") or NOT_RUN))
             line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c["run_id"] or ""]
         writer.writerow(line)
     return buf.getvalue()
@@ -255,6 +259,25 @@ def write_table(spec: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path)
     return written
 
 
+def log_to_wandb(path: str, written: dict[str, dict[str, str]]) -> None:
+    """Each table (its CSV, as a ``wandb.Table``) and its plot into one W&B run of ``ENTITY/PROJECT``
+    (job type ``tables``)."""
+    import wandb
+
+    entity, _, project = path.rpartition("/")
+    run = wandb.init(entity=entity or None, project=project, job_type="tables", name="tables")
+    try:
+        for name, files in written.items():
+            with open(files["csv"], newline="") as fh:
+                rows = list(csv.reader(fh))
+            logged: dict[str, Any] = {f"{name}/table": wandb.Table(columns=rows[0], data=rows[1:])}
+            if "png" in files:
+                logged[f"{name}/plot"] = wandb.Image(files["png"])
+            run.log(logged)
+    finally:
+        run.finish()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vitexp-tables",
@@ -273,11 +296,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vitexp-tables: {err}", file=sys.stderr)
         print(json.dumps({"status": "failed", "error": str(err)}))
         return 2
-    runs = wandb_runs(args.wandb) if args.wandb else list(iter_runs(results_dir))
+    try:
+        runs = wandb_runs(args.wandb) if args.wandb else list(iter_runs(results_dir))
+    except Exception as err:  # no W&B login, no network, no such project
+        print(f"vitexp-tables: reading W&B runs of {args.wandb} failed: {err}", file=sys.stderr)
+        print(json.dumps({"status": "failed", "error": f"W&B {args.wandb}: {type(err).__name__}: {err}"}))
+        return 1
     written = {}
     for spec in specs:
         written[spec["name"]] = write_table(spec, runs, out_dir)
         print(render_markdown(spec, fill(spec, runs)))
+    if args.wandb:
+        log_to_wandb(args.wandb, written)
     print(json.dumps({"status": "completed", "tables": written, "runs_read": len(runs),
                       "source": args.wandb or str(results_dir / "runs")}))
     return 0

@@ -167,7 +167,7 @@ def head_count(model: nn.Module) -> int:
 
 def require_vit(method: str, arch: Mapping[str, Any]) -> None:
     """SAPER's methods read a ViT's CLS and patch tokens from ``forward_features``."""
-    from vitexp.config import ConfigError
+    from vitexp.errors import ConfigError
 
     if arch.get("family") == "metaformer":
         raise ConfigError(f"method {method} does not apply to a MetaFormer backbone: it needs a ViT's blocks and "
@@ -187,7 +187,7 @@ class SaperHeads(Method):
         self.anneal_fraction, self.freeze_backbone = float(anneal_fraction), bool(freeze_backbone)
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
-        from vitexp.config import ConfigError
+        from vitexp.errors import ConfigError
 
         super().validate_budget(budget, arch)
         require_vit(self.name, arch)
