@@ -114,7 +114,7 @@ def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
         print(report)
         metrics, protocol = auditor.summary(findings)
         report_path = portable_path(out, results_dir)
-        run.complete(metrics, protocol, out={"report": report_path}, report=report_path, findings=findings)
+        run.complete(metrics, protocol, out={"report": str(out)}, report=report_path, findings=findings)
     return run.result
 
 
@@ -153,6 +153,6 @@ def run_analyze(cfg: DictConfig, args: argparse.Namespace) -> dict[str, Any]:
         figure = portable_path(out, cfg.results_dir)
         run.complete({k: v for k, v in metrics.items() if k not in ("labels", "distance_matrix")},
                      {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
-                     out={"figure": figure, "metrics": metrics}, figure=figure, head_clusters=metrics.get("labels"),
+                     out={"figure": str(out), "metrics": metrics}, figure=figure, head_clusters=metrics.get("labels"),
                      distance_matrix=metrics.get("distance_matrix"))
     return run.result

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import yaml
 
 from vitexp import SWEEPS_DIR
-from vitexp.results import default_results_dir, effective_status, iter_runs
+from vitexp.results import atomic_write, default_results_dir, effective_status, iter_runs
 
 NOT_RUN = "not run"
 CITED = "cited, not run"
@@ -125,14 +125,17 @@ def _header(spec) -> list[str]:
     return head
 
 
+def _body(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One list of cell texts per row: the label, then vitexp's and the paper's value per column."""
+    return [[row["label"], *(t for col in spec["columns"] for t in _cell_texts(row, col))] for row in rows]
+
+
 def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    head = _header(spec)
-    lines = [f"# {spec['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [row["label"]]
-        for col in spec["columns"]:
-            cells += list(_cell_texts(row, col))
-        lines.append("| " + " | ".join(cells) + " |")
+    """The table by ``tabulate`` (GitHub Markdown), then units, the paper values' sources and the runs."""
+    from tabulate import tabulate
+
+    table = tabulate(_body(spec, rows), headers=_header(spec), tablefmt="github", disable_numparse=True)
+    lines = [f"# {spec['title']}", "", table]
     lines += ["", "Units: " + "; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"]) + "."]
     sources = sorted({(c["source"]) for r in rows for c in r["cells"].values() if c["source"]})
     if sources:
@@ -151,22 +154,15 @@ def _tex_escape(text: str) -> str:
 
 
 def render_latex(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    ncol = 1 + 2 * len(spec["columns"])
-    out = [r"\begin{table}[t]", r"\centering", rf"\caption{{{_tex_escape(spec['title'])}}}",
-           r"\begin{tabular}{l" + "rr" * len(spec["columns"]) + "}", r"\toprule"]
-    top = ["Row"] + [rf"\multicolumn{{2}}{{c}}{{{_tex_escape(c['label'])}}}" for c in spec["columns"]]
-    out.append(" & ".join(top) + r" \\")
-    out.append(" & " + " & ".join(["vitexp & paper"] * len(spec["columns"])) + r" \\")
-    out.append(r"\midrule")
-    for row in rows:
-        cells = [_tex_escape(row["label"])]
-        for col in spec["columns"]:
-            cells += [_tex_escape(t) for t in _cell_texts(row, col)]
-        out.append(" & ".join(cells) + r" \\")
-    out += [r"\bottomrule", r"\end{tabular}", rf"% {ncol} columns; units: "
-            + _tex_escape("; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"])),
-            r"\end{table}"]
-    return "\n".join(out) + "\n"
+    """A booktabs ``tabular`` by ``tabulate`` (which escapes the cells) in a captioned table."""
+    from tabulate import tabulate
+
+    head = _header(spec)
+    tabular = tabulate(_body(spec, rows), headers=head, tablefmt="latex_booktabs", disable_numparse=True,
+                       colalign=("left",) + ("right",) * (len(head) - 1))
+    units = "; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"])
+    return "\n".join([r"\begin{table}[t]", r"\centering", rf"\caption{{{_tex_escape(spec['title'])}}}", tabular,
+                      f"% {len(head)} columns; units: {_tex_escape(units)}", r"\end{table}"]) + "\n"
 
 
 def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -233,29 +229,14 @@ def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) ->
 
 
 def write_table(spec: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> dict[str, str]:
-    """Write <name>.md/.tex/.csv/.png (each through a temporary file and a rename)."""
-    import os
-    import tempfile
-
+    """Write <name>.md/.tex/.csv/.png (each through :func:`vitexp.results.atomic_write`)."""
     rows = fill(spec, runs)
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for ext, text in (("md", render_markdown(spec, rows)), ("tex", render_latex(spec, rows)),
                       ("csv", render_csv(spec, rows))):
-        path = out_dir / f"{spec['name']}.{ext}"
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-        written[ext] = str(path)
-    png = out_dir / f"{spec['name']}.png"
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{png.name}.", suffix=".png")
-    os.close(fd)
-    if render_plot(spec, rows, Path(tmp)):
-        os.replace(tmp, png)
-        written["png"] = str(png)
-    else:
-        os.unlink(tmp)
+        written[ext] = str(atomic_write(out_dir / f"{spec['name']}.{ext}", text))
+    if spec.get("plot"):
+        written["png"] = str(atomic_write(out_dir / f"{spec['name']}.png", lambda tmp: render_plot(spec, rows, Path(tmp))))
     return written
 
 

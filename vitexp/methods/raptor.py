@@ -358,13 +358,18 @@ def distance_matrix_from_data(teacher: nn.Module, loader, images: int) -> torch.
     teacher = teacher.eval()
     device = next(teacher.parameters()).device
     prefix = int(getattr(teacher, "num_prefix_tokens", 1))
+    from tqdm.auto import tqdm
+
     feats, seen = [], 0
+    bar = tqdm(total=images, desc="RAPTOR phases: teacher states", unit="img", leave=False, disable=None)
     for x, _ in loader:
         x = x[: images - seen].to(device)
+        bar.update(len(x))
         feats.append(layer_features(teacher_states(teacher, x), prefix).cpu())
         seen += len(x)
         if seen >= images:
             break
+    bar.close()
     return layer_distance_matrix(torch.cat(feats, dim=1))
 
 
