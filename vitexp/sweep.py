@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vitexp-sweep: {exp} ({kind}) has a completed or running run; skipped (--force reruns it)", file=sys.stderr)
         if not rows["launch"]:
             continue
-        grouping = [f"logger.group={spec['name']}", f"logger.tags=[{spec['name']}]"]
+        grouping = [f"++logger.group={spec['name']}", f"++logger.tags=[{spec['name']}]"]  # ++: any logger group
         cmd = [_script(APPS[kind]), "-m", f"experiment={','.join(rows['launch'])}", *grouping, *args.overrides]
         print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
         summary["launched"][kind] = rows["launch"]
