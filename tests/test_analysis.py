@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 
@@ -91,13 +92,15 @@ def test_cluster_scores_use_the_correlation_distance_the_clustering_used():
 @pytest.mark.parametrize("analysis, extra", [("laplace", []), ("clusters", ["--images", "64", "--clusters", "3"])])
 def test_analyze_cli_on_micro_dinov2_and_digits(analysis, extra, results_dir, capsys):
     from vitexp.cli import analyze_main
+    from vitexp.results import local_path
 
     analyze_main([analysis, "backbone=dinov2_micro", "logger=none", *extra])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["status"] == "completed"
     (entry,) = ledger_entries(results_dir)
     assert entry["kind"] == "analyze" and entry["status"] == "completed"
-    figure = entry["figure"]
+    figure = local_path(entry["figure"], results_dir)  # stored relative to the results folder
+    assert not Path(entry["figure"]).is_absolute() and Path(out["figure"]) == figure
     assert open(figure, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     if analysis == "clusters":
         assert -1 <= entry["metrics"]["silhouette"] <= 1 and entry["metrics"]["davies_bouldin"] >= 0

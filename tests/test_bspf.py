@@ -150,7 +150,7 @@ def test_symmetric_qk_is_shared_and_initialised_from_the_mean():
 
 @pytest.mark.parametrize("backbone, target, tol", [("deit_small", 2.4, 0.1), ("deit_tiny", 0.6, 0.05)])
 def test_default_prune_layers_hit_the_papers_gmacs(backbone, target, tol):
-    from vitexp.train import build_model
+    from vitexp.build import build_model
 
     cfg = vconfig.compose([f"backbone={backbone}", "method=bspf", "budget=keep_ratio", "data=imagenet"])
     assert cfg.budget.kind == "keep_ratio" and cfg.budget.keep_ratio == 0.5

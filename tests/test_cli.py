@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,7 @@ def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = last_json(proc.stdout)
     assert summary["launched"]["flops"] == ["demo", "deit_tiny_baseline", "deit_small_baseline"]
+    assert "++logger.group=demo ++logger.tags=[demo]" in proc.stderr  # W&B runs grouped by table
     entries = ledger_entries(results_dir)
     assert sorted(e["experiment"] for e in entries) == ["deit_small_baseline", "deit_tiny_baseline", "demo"]
     again = last_json(run("vitexp-sweep", "demo", "--kind", "flops", "logger=none", "--dry-run",
@@ -85,5 +87,5 @@ def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path):
     assert len(forced["launched"]["flops"]) == 3
     tables = run("vitexp-tables", "demo", results_dir=results_dir, cwd=tmp_path)
     assert tables.returncode == 0
-    md = (results_dir / "tables" / "demo.md").read_text()
+    md = re.sub(r" +", " ", (results_dir / "tables" / "demo.md").read_text())  # tabulate pads columns
     assert "| DeiT-S (224 px, ImageNet-1K) | not run | 79.8 | 4.599 | 4.6 |" in md

@@ -110,7 +110,7 @@ def test_run_name_marks_command_line_changes_of_an_experiment():
 
 
 def test_slurm_launcher_config_composes_with_the_trainer():
-    cfg = vconfig.compose(["hydra/launcher=submitit_slurm", "experiment=deit_small_baseline", "trainer=ddp",
+    cfg = vconfig.compose(["hydra/launcher=slurm", "experiment=deit_small_baseline", "trainer=ddp",
                            "trainer.num_nodes=2", "hydra.launcher.partition=gpu"], return_hydra_config=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")

@@ -86,7 +86,7 @@ def test_randaugment_posterize_at_full_magnitude_gives_black_not_an_error():
 def test_dinov2_images_are_prepared_at_the_built_resolution_with_dinov2s_crop(make_cfg):
     """timm's DINOv2 configs say 518 px; a model built at 224 px gets Resize 256 -> CenterCrop 224."""
     from vitexp.data import timm_transforms
-    from vitexp.train import build_backbone_and_method
+    from vitexp.build import build_backbone_and_method
 
     _, _, data_config = build_backbone_and_method(make_cfg(["backbone=dinov2_vits14", "data=synthetic"]))
     assert data_config["input_size"] == (3, 224, 224) and data_config["crop_pct"] == 0.875

@@ -91,8 +91,9 @@ def test_resume_matches_an_uninterrupted_run(make_cfg, results_dir, tmp_path):
     assert resumed["steps"] == whole["steps"]
     assert resumed["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5, abs=1e-6)
     assert resumed["top1"] == pytest.approx(whole["top1"])
-    statuses = sorted(e["status"] for e in ledger_entries(results_dir))
-    assert statuses == ["completed", "completed", "failed"]
+    entries = ledger_entries(results_dir)  # the resumed run continues its own (failed) entry
+    assert sorted(e["status"] for e in entries) == ["completed", "completed"]
+    assert [a["status"] for e in entries for a in e.get("attempts", [])] == ["failed"]
 
 
 def test_resume_without_checkpoint_names_the_path(make_cfg, tmp_path, results_dir):

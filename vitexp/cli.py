@@ -1,92 +1,121 @@
 """Console scripts. The Hydra apps (vitexp-train, vitexp-flops, vitexp-bench) compose
-``conf/train.yaml``; vitexp-sweep and vitexp-tables take plain arguments.
+``conf/train.yaml``; vitexp-eval, vitexp-analyze, vitexp-audit, vitexp-sweep and vitexp-tables
+take plain arguments.
 
 Every command ends its standard output with one line of JSON: the run's metrics and the ledger
-path (``{"status": "failed", "error": ...}`` when it fails, with a non-zero exit code).
+path, ``{"status": "invalid", ...}`` (exit code 2) for a config or command line that cannot run,
+Hydra's composition errors included, and ``{"status": "failed", ...}`` (exit code 1) when it fails.
 """
 from __future__ import annotations
 
-import json
+import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 from omegaconf import DictConfig, open_dict
 
 from vitexp import CONF_DIR
-from vitexp.config import ConfigError, group_choices, run_name, to_container, validate
+from vitexp import config as _config  # noqa: F401  (registers the resolvers conf/train.yaml uses)
+from vitexp.errors import ConfigError
+from vitexp.run import emit, remove_if_empty
+
+#: Lightning strategies that re-run the command line in worker processes.
+_SUBPROCESS_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true")
 
 
-def _print_result(payload: dict[str, Any]) -> None:
-    sys.stderr.flush()
-    print(json.dumps(payload, default=str), flush=True)
+def _invalid(err: BaseException, prog: str = "vitexp") -> None:
+    """Exit 2 with the ``invalid`` closing line (unless a run owner printed it already)."""
+    print(f"{prog}: invalid: {err}", file=sys.stderr)
+    if not getattr(err, "vitexp_reported", False):
+        emit({"status": "invalid", "error": f"{type(err).__name__}: {err}", "ledger": None})
+    raise SystemExit(2) from None
 
 
-def _name_from_command_line(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
+def _refuse_ddp_in_local_multirun(cfg: DictConfig, hydra_cfg) -> None:
+    """Lightning's subprocess DDP re-runs ``sys.argv`` in each worker; inside a local ``-m`` sweep
+    that would rerun the whole sweep there. Refused, pointing to the SLURM launcher."""
+    from hydra.types import RunMode
 
-    if not HydraConfig.initialized():
-        return
-    overrides = list(HydraConfig.get().overrides.task)
-    with open_dict(cfg):
-        cfg.name = run_name(cfg, group_choices(), overrides)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    local = "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
+    devices = str(cfg.trainer.get("devices", 1))
+    if multirun and local and str(cfg.trainer.get("strategy")) in _SUBPROCESS_STRATEGIES and devices not in ("1", "None"):
+        raise ConfigError(
+            f"trainer.strategy={cfg.trainer.strategy} with trainer.devices={devices} inside a local multirun (-m): "
+            "Lightning's DDP workers re-run the command line, i.e. the whole sweep. Run each job alone "
+            "(vitexp-train experiment=X trainer=ddp), or sweep through SLURM: hydra/launcher=slurm "
+            "hydra.launcher.tasks_per_node=<devices> (README, 'Reproducing the tables on a GPU cluster')")
 
 
 def _hydra_app(body: Callable[[DictConfig], dict[str, Any]]) -> Callable[[DictConfig], Any]:
-    """Wrap a run body: name the run, print the closing JSON line, exit non-zero on failure."""
+    """Wrap a run body: name the run, check the overrides, exit 2 on an invalid config (the body's
+    run owner prints the closing JSON line of a run it started)."""
 
     def task(cfg: DictConfig):
-        _name_from_command_line(cfg)
+        from hydra.core.hydra_config import HydraConfig
+
+        from vitexp.config import check_overrides, group_choices, run_name
+
+        hydra_cfg = HydraConfig.get()
         try:
+            overrides = list(hydra_cfg.overrides.task)
+            with open_dict(cfg):
+                cfg.name = run_name(cfg, group_choices(), overrides)
+            check_overrides(cfg, overrides)
+            _refuse_ddp_in_local_multirun(cfg, hydra_cfg)
             result = body(cfg)
         except ConfigError as err:
+            if not getattr(err, "vitexp_reported", False):
+                remove_if_empty(Path(cfg.output_dir))
+                emit({"status": "invalid", "error": f"ConfigError: {err}", "ledger": None})
             print(f"vitexp: invalid config: {err}", file=sys.stderr)
-            _print_result({"status": "invalid", "error": str(err), "ledger": None})
             raise SystemExit(2) from None
-        except Exception as err:
-            _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}",
-                           "ledger": getattr(err, "ledger_path", None)})
-            raise
-        from vitexp.train import is_rank_zero
-
-        if is_rank_zero():  # one closing line per command, from the process that owns the ledger
-            _print_result({"status": "completed", **result})
         return result.get("metrics")
 
     return task
 
 
 def _run_hydra(body: Callable[[DictConfig], dict[str, Any]]) -> None:
+    """Run a Hydra app; a composition error (``backbone=nope``, ``recipe.lrr=1``) also ends with
+    the JSON line. Hydra names the valid options on stderr."""
     import hydra
 
-    # Hydra reads sys.argv; its own errors (unknown group option or key) name the valid choices.
     main = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_hydra_app(body))
-    main()
-
-
-def _close_run(cfg: DictConfig, ledger, config: dict[str, Any], job_type: str, metrics: dict[str, Any],
-               protocol: dict[str, Any], **extra: Any) -> Path:
-    """A finished flops/bench run: its metrics to the logger (a short W&B run of ``job_type``),
-    then its ledger entry closed as completed."""
-    from vitexp.logging_utils import build_logger, finish, log_final, wandb_url
-
-    logger = build_logger(cfg.logger, cfg.name, Path(cfg.output_dir), config, job_type=job_type)
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of exiting: the error reaches the JSON line
     try:
-        log_final(logger, metrics)
-        path = ledger.finish(metrics, protocol, wandb_url=wandb_url(logger), **extra)
-    except BaseException:
-        finish(logger, failed=True)
-        raise
-    finish(logger)
-    return path
+        main()
+    except Exception as err:
+        if getattr(err, "vitexp_reported", False):
+            raise
+        cause = f" ({err.__cause__})" if err.__cause__ and str(err.__cause__) not in str(err) else ""
+        print(f"vitexp: {err}{cause}", file=sys.stderr)
+        emit({"status": "invalid", "error": f"{type(err).__name__}: {err}{cause}", "ledger": None})
+        raise SystemExit(2) from None
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
 
 
-# -- vitexp-train --------------------------------------------------------------------------------
 def _train_body(cfg: DictConfig) -> dict[str, Any]:
     from vitexp.train import train
 
     return train(cfg)
+
+
+def _flops_body(cfg: DictConfig) -> dict[str, Any]:
+    from vitexp.commands import run_flops
+
+    return run_flops(cfg)
+
+
+def _bench_body(cfg: DictConfig) -> dict[str, Any]:
+    from vitexp.commands import run_bench
+
+    return run_bench(cfg)
 
 
 def train_main() -> None:
@@ -94,200 +123,47 @@ def train_main() -> None:
     _run_hydra(_train_body)
 
 
-# -- vitexp-flops --------------------------------------------------------------------------------
-def run_flops(cfg: DictConfig) -> dict[str, Any]:
-    """Params and MACs of the configured model as deployed, without training; one ledger entry."""
-    from vitexp.flops import count_heads, count_macs
-    from vitexp.results import LedgerEntry
-    from vitexp.train import build_model, registers_of
-
-    validate(cfg, need_data=False)
-    config = to_container(cfg)
-    ledger = LedgerEntry(cfg.name, "flops", config, cfg.results_dir).start()
-    try:
-        model, method, _ = build_model(cfg)
-        deployed = method.deploy(model)
-        report = count_macs(deployed, int(cfg.backbone.img_size), registers=registers_of(cfg))
-        metrics = {**report.metrics(), "heads": count_heads(deployed)}
-        protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
-        print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
-              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {cfg.backbone.img_size} px, "
-              f"attention matmuls counted; by module (GMACs): "
-              + ", ".join(f"{k} {v:.3f}" for k, v in report.by_module.items() if v > 0))
-        path = _close_run(cfg, ledger, config, "flops", metrics, protocol, by_module=report.by_module)
-        return {"metrics": metrics, "protocol": protocol, "ledger": str(path), "run_id": ledger.run_id}
-    except BaseException as err:
-        if ledger.record["status"] == "running":
-            ledger.fail(err)
-        raise
-
-
 def flops_main() -> None:
     """Count params and FLOPs of a configured model (no training)."""
-    _run_hydra(run_flops)
-
-
-# -- vitexp-bench --------------------------------------------------------------------------------
-def run_bench(cfg: DictConfig) -> dict[str, Any]:
-    """``bench.mode=throughput``: the method's deployed model against its unmodified backbone,
-    interleaved, images/s and their ratio beside the GMACs ratio. ``bench.mode=overhead``:
-    Lightning's per-step overhead against a plain PyTorch loop on the same model and batches."""
-    from vitexp.bench import bench_device, compare_throughput, lightning_overhead
-    from vitexp.flops import count_macs
-    from vitexp.results import LedgerEntry
-    from vitexp.train import build_configured_backbone, build_datamodule, build_model
-
-    if cfg.bench.mode not in ("throughput", "overhead"):
-        raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of ('throughput', 'overhead')")
-    if cfg.bench.mode == "throughput" and cfg.bench.get("compare"):
-        return run_compare(cfg)
-    validate(cfg, need_data=cfg.bench.mode == "overhead")
-    config = to_container(cfg)
-    ledger = LedgerEntry(cfg.name, "bench", config, cfg.results_dir).start()
-    try:
-        import torch
-
-        img = int(cfg.backbone.img_size)
-        b = cfg.bench
-        if b.mode == "throughput":
-            model, method, _ = build_model(cfg)
-            deployed = method.deploy(model)
-            baseline = build_configured_backbone(cfg)
-            macs_m = count_macs(deployed, img).gmacs
-            macs_b = count_macs(baseline, img).gmacs
-            device = bench_device(str(b.device))
-            res = compare_throughput({"method": deployed.to(device), "baseline": baseline.to(device)}, int(b.batch_size),
-                                     img, warmup=int(b.warmup), rounds=int(b.rounds), iters=int(b.iters), amp=bool(b.amp))
-            metrics = {
-                "throughput": res["method"]["throughput"],
-                "baseline_throughput": res["baseline"]["throughput"],
-                "throughput_ratio": res["method"]["throughput"] / res["baseline"]["throughput"],
-                "gmacs": macs_m,
-                "baseline_gmacs": macs_b,
-                "gmacs_ratio": macs_b / macs_m,
-            }
-            protocol = {"mode": "throughput", "interleaved": True, **res["method"], "statistic": "median over rounds"}
-            protocol.pop("throughput", None)
-            print(f"{cfg.name}: {metrics['throughput']:.1f} vs baseline {metrics['baseline_throughput']:.1f} images/s "
-                  f"(ratio {metrics['throughput_ratio']:.2f}; GMACs ratio {metrics['gmacs_ratio']:.2f}), "
-                  f"batch {b.batch_size}, {img} px, {protocol['device_name']}, {protocol['precision']}, "
-                  f"{torch.get_num_threads()} threads")
-        else:
-            model, method, data_config = build_model(cfg)
-            if method.objective != "classify":
-                raise ConfigError(f"bench.mode=overhead times the classify objective; method {method.name} is {method.objective}")
-            datamodule = build_datamodule(cfg, data_config)
-            datamodule.setup("fit")
-            import copy
-
-            state = copy.deepcopy(model.state_dict())
-
-            def make_model():
-                m = copy.deepcopy(model)
-                m.load_state_dict(state)
-                return m
-
-            res = lightning_overhead(make_model, datamodule.train_dataloader, int(cfg.data.num_classes),
-                                     dict(cfg.recipe), steps=int(b.steps), warmup=int(b.warmup) + 3)
-            metrics = dict(res)
-            protocol = {"mode": "overhead", "batch_size": int(cfg.recipe.batch_size), "img_size": img,
-                        "device": "cpu", "threads": torch.get_num_threads(),
-                        "statistic": "median seconds between consecutive batch starts, best of 2 alternations"}
-            print(f"{cfg.name}: plain loop {res['plain_step_s'] * 1e3:.2f} ms/step, Lightning "
-                  f"{res['lightning_step_s'] * 1e3:.2f} ms/step: overhead {100 * res['lightning_overhead']:+.1f} %")
-        path = _close_run(cfg, ledger, config, "bench", metrics, protocol)
-        return {"metrics": metrics, "ledger": str(path), "run_id": ledger.run_id}
-    except BaseException as err:
-        if ledger.record["status"] == "running":
-            ledger.fail(err)
-        raise
-
-
-def _compose_experiment(name: str) -> DictConfig:
-    """An experiment's config, composed beside the running Hydra app (or standalone)."""
-    from hydra import compose as hydra_compose
-    from hydra.core.global_hydra import GlobalHydra
-
-    overrides = [f"experiment={name}"]
-    if GlobalHydra.instance().is_initialized():
-        return hydra_compose(config_name="train", overrides=overrides)
-    from vitexp.config import compose
-
-    return compose(overrides)
-
-
-def run_compare(cfg: DictConfig) -> dict[str, Any]:
-    """``bench.compare=[A, B, ...]``: the deployed models of several experiments timed in one
-    interleaved run (:func:`vitexp.bench.compare_throughput`) on ``bench.*``'s device, batch and
-    precision. A is the reference: each experiment gets a bench ledger entry with its images/s,
-    its speedup over A (``throughput_ratio``) and A's GMACs over its own (``gmacs_ratio``). The
-    machine's load average before and after goes into the protocol (a shared CPU shows there)."""
-    import os
-
-    from vitexp.bench import bench_device, compare_throughput
-    from vitexp.flops import count_macs
-    from vitexp.results import LedgerEntry
-    from vitexp.train import build_model
-
-    names = [str(n) for n in cfg.bench.compare]
-    if len(names) < 2 or len(set(names)) != len(names):
-        raise ConfigError(f"bench.compare: {names} must name at least two different experiments (the first is the reference)")
-    subs = {}
-    for name in names:
-        sub = _compose_experiment(name)
-        with open_dict(sub):
-            sub.output_dir, sub.results_dir, sub.bench, sub.logger = cfg.output_dir, cfg.results_dir, cfg.bench, cfg.logger
-        validate(sub, need_data=False)
-        subs[name] = sub
-    sizes = {int(sub.backbone.img_size) for sub in subs.values()}
-    if len(sizes) != 1:
-        raise ConfigError(f"bench.compare: the experiments run at different resolutions {sorted(sizes)}")
-    img = sizes.pop()
-    ledgers = {n: LedgerEntry(n, "bench", to_container(sub), cfg.results_dir).start() for n, sub in subs.items()}
-    try:
-        b = cfg.bench
-        device = bench_device(str(b.device))
-        models, gmacs = {}, {}
-        for name, sub in subs.items():
-            model, method, _ = build_model(sub)
-            deployed = method.deploy(model)
-            gmacs[name] = count_macs(deployed, img).gmacs
-            models[name] = deployed.to(device)
-        load_before = os.getloadavg()
-        res = compare_throughput(models, int(b.batch_size), img, warmup=int(b.warmup), rounds=int(b.rounds),
-                                 iters=int(b.iters), amp=bool(b.amp))
-        load_after = os.getloadavg()
-        ref = names[0]
-        out = {}
-        for name in names:
-            metrics = {"throughput": res[name]["throughput"], "baseline_throughput": res[ref]["throughput"],
-                       "throughput_ratio": res[name]["throughput"] / res[ref]["throughput"],
-                       "gmacs": gmacs[name], "baseline_gmacs": gmacs[ref], "gmacs_ratio": gmacs[ref] / gmacs[name]}
-            protocol = {"mode": "compare", "interleaved": True, "interleaved_with": names, "reference": ref,
-                        **{k: v for k, v in res[name].items() if k != "throughput"}, "statistic": "median over rounds",
-                        "load_average_1m_before_after": [load_before[0], load_after[0]], "cpu_count": os.cpu_count()}
-            print(f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f} over {ref} "
-                  f"(GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)")
-            path = _close_run(subs[name], ledgers[name], ledgers[name].record["config"], "bench", metrics, protocol)
-            out[name] = {"metrics": metrics, "ledger": str(path), "run_id": ledgers[name].run_id}
-        print(f"batch {b.batch_size}, {img} px, {res[ref]['device_name']}, {res[ref]['precision']}, "
-              f"{res[ref]['threads']} threads, load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
-              f"on {os.cpu_count()} CPUs")
-        return {"metrics": {n: o["metrics"] for n, o in out.items()}, "ledger": [o["ledger"] for o in out.values()],
-                "run_id": [o["run_id"] for o in out.values()]}
-    except BaseException as err:
-        for ledger in ledgers.values():
-            if ledger.record["status"] == "running":
-                ledger.fail(err)
-        raise
+    _run_hydra(_flops_body)
 
 
 def bench_main() -> None:
     """Throughput of a method against its backbone, or Lightning's step overhead."""
-    _run_hydra(run_bench)
+    _run_hydra(_bench_body)
 
 
-# -- vitexp-sweep, vitexp-tables ---------------------------------------------------------------------
+def _exit_failed(err: BaseException) -> None:
+    """A run owner already printed the closing line: exit 1 without a second one."""
+    if not getattr(err, "vitexp_reported", False):
+        emit({"status": "failed", "error": f"{type(err).__name__}: {err}", "ledger": None})
+    raise SystemExit(1) from err
+
+
+def eval_main(argv: list[str] | None = None) -> None:
+    """``vitexp-eval RUN_ID_OR_EXPERIMENT [overrides] [--weights PATH]``: rebuild the model a
+    completed train run saved and test it on the run's test split (a ledger entry of kind eval)."""
+    import argparse
+
+    from vitexp.evaluate import evaluate, eval_config
+
+    parser = argparse.ArgumentParser(prog="vitexp-eval", description=eval_main.__doc__)
+    parser.add_argument("run", help="a completed train run's id, or an experiment (its newest completed run)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.root=/datasets/imagenet")
+    parser.add_argument("--weights", help="weights.pth or a vitexp Lightning checkpoint (default: the run's weights)")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg, record = eval_config(args.run, args.overrides)
+    except (ConfigError, FileNotFoundError, ValueError) as err:
+        _invalid(err, "vitexp-eval")
+    try:
+        evaluate(cfg, record, args.weights)
+    except ConfigError as err:
+        _invalid(err, "vitexp-eval")
+    except Exception as err:
+        _exit_failed(err)
+
+
 def sweep_main(argv: list[str] | None = None) -> None:
     from vitexp.sweep import main
 
@@ -305,14 +181,12 @@ def audit_main(argv: list[str] | None = None) -> None:
     SAPER's FLOPs comparison with RAPTOR; writes ``results/audit/<paper>.md`` and a ledger entry
     (kind audit)."""
     import argparse
-    import os
-    import tempfile
 
-    from vitexp.results import LedgerEntry, default_results_dir
+    from vitexp.commands import run_audit
+    from vitexp.results import default_results_dir
 
-    audits = ("bspf", "raptor")
     parser = argparse.ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
-    parser.add_argument("paper", choices=audits, help="which paper's claims to audit")
+    parser.add_argument("paper", choices=("bspf", "raptor"), help="which paper's claims to audit")
     parser.add_argument("--micro-run", default="run:demo",
                         help="bspf: the trained micro ViT, a ledger train run: run:<experiment> (its newest) or run:<run_id>")
     parser.add_argument("--deit-small", help="bspf: DeiT-S weights, a local file or run:<...> (default: random init, seed 0, said so)")
@@ -321,33 +195,10 @@ def audit_main(argv: list[str] | None = None) -> None:
                         help="raptor: DINOv2 sizes to count (ViT-B, ViT-S)")
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
-    results_dir = args.results_dir or default_results_dir()
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    ledger = LedgerEntry(f"{args.paper}_audit", "audit", config, results_dir).start()
     try:
-        if args.paper == "raptor":
-            from vitexp.analysis import audit_raptor as auditor
-
-            findings = auditor.audit(args.sizes)
-        else:
-            from vitexp.analysis import audit_bspf as auditor
-
-            findings = auditor.audit(args.micro_run, args.deit_small, args.images, results_dir)
-        report = auditor.render(findings)
-        out = results_dir / "audit" / f"{args.paper}.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(report)
-        os.replace(tmp, out)
-        metrics, protocol = auditor.summary(findings)
-        path = ledger.finish(metrics, protocol, report=str(out), findings=findings)
-    except BaseException as err:
-        ledger.fail(err)
-        _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}", "ledger": str(ledger.path)})
-        raise SystemExit(1) from err
-    print(report)
-    _print_result({"status": "completed", "metrics": metrics, "report": str(out), "ledger": str(path)})
+        run_audit(args, args.results_dir or default_results_dir())
+    except Exception as err:
+        _exit_failed(err)
 
 
 def analyze_main(argv: list[str] | None = None) -> None:
@@ -358,11 +209,8 @@ def analyze_main(argv: list[str] | None = None) -> None:
     W&B images."""
     import argparse
 
-    from vitexp.analysis import heads as head_analysis
-    from vitexp.config import compose
-    from vitexp.logging_utils import build_logger, finish, wandb_url
-    from vitexp.results import LedgerEntry
-    from vitexp.train import build_datamodule
+    from vitexp.commands import run_analyze
+    from vitexp.config import check_overrides, compose, run_name
 
     parser = argparse.ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
     parser.add_argument("analysis", choices=("laplace", "clusters", "phases"))
@@ -380,60 +228,21 @@ def analyze_main(argv: list[str] | None = None) -> None:
             del cfg["hydra"]
             cfg.output_dir = str(Path(cfg.results_dir) / "analysis")
             cfg.name = run_name(cfg, choices, args.overrides)
-        validate(cfg)
-    except Exception as err:  # composition or validation: nothing written
-        print(f"vitexp-analyze: {err}", file=sys.stderr)
-        _print_result({"status": "invalid", "error": str(err), "ledger": None})
-        raise SystemExit(2) from None
-    config = {**to_container(cfg), "analysis": vars(args)}
-    ledger = LedgerEntry(cfg.name, "analyze", config, cfg.results_dir).start()
-    logger = None
+        check_overrides(cfg, args.overrides)
+    except Exception as err:  # composition: nothing written
+        _invalid(err, "vitexp-analyze")
     try:
-        from vitexp.train import build_configured_backbone, data_config_for
-
-        model = build_configured_backbone(cfg).eval()
-        datamodule = build_datamodule(cfg, data_config_for(cfg, model))
-        datamodule.setup("test")
-        test = datamodule.test_set
-        prefix = int(getattr(model, "num_prefix_tokens", 1))
-        out = Path(cfg.results_dir) / "analysis" / f"{cfg.name}_{args.analysis}.png"
-        if args.analysis == "laplace":
-            image = test[args.image_index][0]
-            metrics = head_analysis.laplace_grid(model, image, prefix, out)
-        elif args.analysis == "phases":
-            from vitexp.analysis.phases import phase_report
-
-            datamodule.setup("fit")
-            metrics = phase_report(model, datamodule.train_eval_dataloader(), args.images, args.f, args.blocks, out)
-            print("\n".join(metrics["phases_text"]))
-        else:
-            import torch
-
-            n = min(args.images, len(test))
-            images = torch.stack([test[i][0] for i in range(n)])
-            metrics = head_analysis.head_clusters(model, images, prefix, args.clusters, out)
-        logger = build_logger(cfg.logger, cfg.name, Path(cfg.results_dir) / "analysis", config, job_type="analyze")
-        if logger and hasattr(logger, "log_image"):
-            logger.log_image(key=args.analysis, images=[str(out)])
-        path = ledger.finish({k: v for k, v in metrics.items() if k not in ("labels", "distance_matrix")},
-                             {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
-                             figure=str(out), head_clusters=metrics.get("labels"),
-                             distance_matrix=metrics.get("distance_matrix"), wandb_url=wandb_url(logger))
-    except BaseException as err:
-        if ledger.record["status"] == "running":
-            ledger.fail(err)
-        finish(logger, failed=True)
-        _print_result({"status": "failed", "error": f"{type(err).__name__}: {err}", "ledger": str(ledger.path)})
-        raise SystemExit(1) from err
-    finish(logger)
-    print(f"{cfg.name}: {args.analysis} -> {out}")
-    _print_result({"status": "completed", "metrics": metrics, "figure": str(out), "ledger": str(path)})
+        run_analyze(cfg, args)
+    except ConfigError as err:
+        _invalid(err, "vitexp-analyze")
+    except Exception as err:
+        _exit_failed(err)
 
 
-_APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "sweep": sweep_main, "tables": tables_main,
-         "audit": audit_main, "analyze": analyze_main}
+_APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "eval": eval_main, "sweep": sweep_main,
+         "tables": tables_main, "audit": audit_main, "analyze": analyze_main}
 
-if __name__ == "__main__":  # python -m vitexp.cli {train,flops,bench,sweep,tables} [args]
+if __name__ == "__main__":  # python -m vitexp.cli {train,flops,bench,eval,sweep,tables,audit,analyze} [args]
     if len(sys.argv) < 2 or sys.argv[1] not in _APPS:
         print(f"usage: python -m vitexp.cli {{{','.join(_APPS)}}} [args]", file=sys.stderr)
         raise SystemExit(2)

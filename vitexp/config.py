@@ -2,7 +2,8 @@
 
 Hydra composes ``conf/train.yaml`` in struct mode, so an unknown key (``recipe.lrr=1``) and an
 unknown group option (``backbone=nope``) already fail at composition, Hydra naming the valid
-options. :func:`validate` then checks values and cross-group constraints (ranges, the budget
+options. Hydra's suggested way round, ``+recipe.lrr=1``, would add the key silently:
+:func:`check_overrides` refuses an added key in vitexp's own groups, listing the group's keys. :func:`validate` then checks values and cross-group constraints (ranges, the budget
 against the backbone's architecture facts) before any model is built or ledger entry written.
 """
 from __future__ import annotations
@@ -14,19 +15,35 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf
 
 from vitexp import CONF_DIR, PROJECT_ROOT
+from vitexp.errors import ConfigError
 
 if not OmegaConf.has_resolver("vitexp_root"):
     OmegaConf.register_new_resolver("vitexp_root", lambda: str(PROJECT_ROOT))
+
+
+def _hydra_run_name(name: Any) -> str:
+    """``${vitexp_name:${name}}``: the run's name (:func:`run_name`) inside a Hydra app, for its
+    run folder and SLURM job name (``/`` made ``_``); ``name`` as given outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return str(name)
+    hc = HydraConfig.get()
+    choices = {k: v for k, v in hc.runtime.choices.items() if v is not None}
+    return run_name(OmegaConf.create({"name": str(name)}), choices, list(hc.overrides.task)).replace("/", "_")
+
+
+if not OmegaConf.has_resolver("vitexp_name"):
+    OmegaConf.register_new_resolver("vitexp_name", _hydra_run_name)
 
 #: Groups whose choice defines what a run is (a change renames the run).
 IDENTITY_GROUPS = ("backbone", "method", "budget", "data", "recipe")
 #: Overrides that change where or how a run executes, not what it is.
 NON_IDENTITY_KEYS = ("backbone.pretrained", "data.root", "data.num_workers")
 LOGGER_KINDS = ("wandb", "csv", "none")
-
-
-class ConfigError(ValueError):
-    """A composed config that vitexp cannot run; the message names the key and valid values."""
+#: Groups whose keys are vitexp's schema: ``+group.key=...`` may not add to them. (``trainer``
+#: keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
+SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench")
 
 
 def compose(overrides: Iterable[str] = (), config_name: str = "train",
@@ -47,13 +64,31 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
-def validate(cfg: DictConfig, need_data: bool = True) -> None:
+def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
+    """Refuse ``+group.key=value`` that adds a key to one of :data:`SCHEMA_GROUPS` (a misspelt
+    key would otherwise be accepted and ignored), naming the group's valid keys."""
+    for ov in overrides:
+        if not ov.startswith("+") or ov.startswith("++"):
+            continue
+        key = ov[1:].split("=", 1)[0]
+        group, _, sub = key.partition(".")
+        if group in SCHEMA_GROUPS and sub:
+            node = cfg.get(group)
+            valid = sorted(k for k in node.keys() if k != sub.split(".")[0]) if isinstance(node, DictConfig) else []
+            raise ConfigError(f"{key}: not a key of the {group} group (added with '+'); valid keys: {valid}")
+
+
+def validate(cfg: DictConfig, need_data: bool = True, method=None):
     """Check values and cross-group constraints; raise :class:`ConfigError` naming the key.
+    Returns the method (``method`` when the caller built it, else built here once), so the run
+    does not build it a second time.
 
     ``need_data=False`` (vitexp-flops, vitexp-bench) skips the dataset's location."""
     from vitexp.methods import method_from_config
+    from vitexp.run import resume_mode
 
     _check(isinstance(cfg.name, str) and cfg.name != "", "name", "must be a non-empty string")
+    resume_mode(cfg.get("resume", False))
     _check(cfg.logger.kind in LOGGER_KINDS, "logger.kind", f"{cfg.logger.kind!r} is not one of {LOGGER_KINDS}")
 
     bb = cfg.backbone
@@ -99,8 +134,9 @@ def validate(cfg: DictConfig, need_data: bool = True) -> None:
     _check(cfg.bench.device in ("auto", "cpu", "cuda"), "bench.device",
            f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')")
 
-    method = method_from_config(cfg.method)
+    method = method or method_from_config(cfg.method)
     method.validate_budget(cfg.budget, {**arch, "img_size": int(bb.img_size)})
+    return method
 
 
 def group_choices(cfg: DictConfig | None = None) -> dict[str, str]:

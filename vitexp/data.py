@@ -2,7 +2,7 @@
 
 Every module takes ``num_classes`` and ``batch_size`` from its config group and the model's
 data config (``timm.data.resolve_data_config``: input size, interpolation, mean, std, crop) from
-:func:`vitexp.train.build_model`, so images are prepared as the backbone's pretrained weights
+:func:`vitexp.build.build_model`, so images are prepared as the backbone's pretrained weights
 expect. Nothing is downloaded: a missing dataset root is a ``FileNotFoundError`` naming it.
 
 Reproducibility: every DataLoader carries its own seeded generator and the training sampler

@@ -35,8 +35,10 @@ def wandb_mode(configured: str | None) -> str:
 
 
 def build_logger(cfg: Mapping[str, Any], name: str, save_dir: Path, config: dict[str, Any] | None = None,
-                 job_type: str = "train"):
-    """A Lightning logger for ``cfg`` (the ``logger`` group), or ``False`` for none."""
+                 job_type: str = "train", run_id: str | None = None):
+    """A Lightning logger for ``cfg`` (the ``logger`` group), or ``False`` for none. ``run_id``:
+    the W&B run id, resumed with ``resume="allow"`` (a requeued job continues its own W&B run);
+    ``logger.group`` and ``logger.tags`` group a sweep's runs by table."""
     kind = cfg["kind"]
     if kind == "none":
         return False
@@ -53,7 +55,9 @@ def build_logger(cfg: Mapping[str, Any], name: str, save_dir: Path, config: dict
     mode = wandb_mode(cfg.get("mode"))
     kwargs = dict(project=cfg.get("project", "vitexp"), entity=cfg.get("entity"), name=name,
                   save_dir=str(save_dir), tags=list(cfg.get("tags") or []), job_type=job_type,
-                  config=config)
+                  group=cfg.get("group"), config=config)
+    if run_id:
+        kwargs.update(id=run_id, resume="allow")
     settings = wandb.Settings(init_timeout=float(cfg.get("init_timeout", 30)), silent=True)
     logger = WandbLogger(mode=mode, settings=settings, **kwargs)
     if mode == "online":

@@ -18,43 +18,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAccuracy
 
-
-class NonFiniteLossError(FloatingPointError):
-    """The training loss became NaN or infinite."""
+from vitexp.errors import NonFiniteLossError
 
 
-class ClassifyModule(L.LightningModule):
-    """Supervised classification of ``model``'s logits.
-
-    ``recipe`` holds the optimisation keys of ``conf/recipe/*.yaml``. The learning rate is
-    ``recipe.lr`` × global batch / ``recipe.lr_base_batch`` when the latter is set (DeiT's rule).
-    The timm scheduler steps every optimisation step (warm-up and cosine in steps).
-    """
+class ObjectiveModule(L.LightningModule):
+    """What every objective shares: the model, the recipe's optimizer and scheduler (timm, stepped
+    per optimisation step; ``recipe.lr`` × global batch / ``recipe.lr_base_batch`` when the latter
+    is set, DeiT's rule), the global RNG states saved with each checkpoint (exact resume), the
+    training progress told to models that anneal (``set_progress``), and the finite-loss guard."""
 
     def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any]):
         super().__init__()
         self.model = model
         self.num_classes = int(num_classes)
         self.recipe = dict(recipe)
-        self.mixup_fn = None
-        if float(self.recipe.get("mixup", 0)) > 0 or float(self.recipe.get("cutmix", 0)) > 0:
-            from timm.data import Mixup
-
-            self.mixup_fn = Mixup(
-                mixup_alpha=float(self.recipe["mixup"]),
-                cutmix_alpha=float(self.recipe["cutmix"]),
-                label_smoothing=float(self.recipe.get("label_smoothing", 0.0)),
-                num_classes=self.num_classes,
-            )
-        top_k = min(5, self.num_classes)
-        for split in ("val", "test"):
-            setattr(self, f"{split}_top1", MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro"))
-            setattr(self, f"{split}_top5", MulticlassAccuracy(num_classes=self.num_classes, top_k=top_k, average="micro"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
 
-    # -- steps ---------------------------------------------------------------------------------
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         """Models with a training schedule of their own (SAPER's annealed head budget) expose
         ``set_progress(fraction)``; the module tells them how far training is, nothing more."""
@@ -62,38 +43,13 @@ class ClassifyModule(L.LightningModule):
             total = max(1, int(self.trainer.estimated_stepping_batches))
             self.model.set_progress(min(1.0, self.global_step / total))
 
-    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        if self.mixup_fn is not None and len(x) % 2 == 0:
-            x, soft = self.mixup_fn(x, y)
-            loss = torch.sum(-soft * F.log_softmax(self(x), dim=-1), dim=-1).mean()
-        else:
-            loss = F.cross_entropy(self(x), y, label_smoothing=float(self.recipe.get("label_smoothing", 0.0)))
+    def check_finite(self, loss: torch.Tensor, what: str = "training loss") -> torch.Tensor:
+        """``loss``, or :class:`NonFiniteLossError` naming where it stopped and what to change."""
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
-                f"training loss is {loss.item()} at epoch {self.current_epoch}, step {self.global_step}: "
-                "stopping (lower recipe.lr, set recipe.grad_clip, or check the data)"
-            )
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
-        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=False, on_step=True, on_epoch=False)
+                f"{what} is {loss.item()} at epoch {self.current_epoch}, step {self.global_step}: "
+                "stopping (lower recipe.lr, set recipe.grad_clip, or check the data)")
         return loss
-
-    def _eval_step(self, batch, split: str) -> None:
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y)
-        top1, top5 = getattr(self, f"{split}_top1"), getattr(self, f"{split}_top5")
-        top1.update(logits, y)
-        top5.update(logits, y)
-        self.log(f"{split}/loss", loss, prog_bar=split == "val", on_epoch=True, sync_dist=True)
-        self.log(f"{split}/top1", top1, prog_bar=True, on_epoch=True)
-        self.log(f"{split}/top5", top5, on_epoch=True)
-
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, "val")
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, "test")
 
     # -- optimisation --------------------------------------------------------------------------
     def effective_lr(self) -> float:
@@ -130,6 +86,61 @@ class ClassifyModule(L.LightningModule):
             kind, keys, pos, has_gauss, gauss = state["numpy"]
             np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
             random.setstate(state["python"])
+
+
+class ClassifyModule(ObjectiveModule):
+    """Supervised classification of ``model``'s logits.
+
+    ``recipe`` holds the optimisation keys of ``conf/recipe/*.yaml`` (:class:`ObjectiveModule`);
+    Mixup/CutMix from ``recipe.mixup``/``recipe.cutmix``; top-1/top-5 by torchmetrics.
+    """
+
+    def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any]):
+        super().__init__(model, num_classes, recipe)
+        self.mixup_fn = None
+        if float(self.recipe.get("mixup", 0)) > 0 or float(self.recipe.get("cutmix", 0)) > 0:
+            from timm.data import Mixup
+
+            self.mixup_fn = Mixup(
+                mixup_alpha=float(self.recipe["mixup"]),
+                cutmix_alpha=float(self.recipe["cutmix"]),
+                label_smoothing=float(self.recipe.get("label_smoothing", 0.0)),
+                num_classes=self.num_classes,
+            )
+        top_k = min(5, self.num_classes)
+        for split in ("val", "test"):
+            setattr(self, f"{split}_top1", MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro"))
+            setattr(self, f"{split}_top5", MulticlassAccuracy(num_classes=self.num_classes, top_k=top_k, average="micro"))
+
+    # -- steps ---------------------------------------------------------------------------------
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.mixup_fn is not None and len(x) % 2 == 0:
+            x, soft = self.mixup_fn(x, y)
+            loss = torch.sum(-soft * F.log_softmax(self(x), dim=-1), dim=-1).mean()
+        else:
+            loss = F.cross_entropy(self(x), y, label_smoothing=float(self.recipe.get("label_smoothing", 0.0)))
+        self.check_finite(loss)
+        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
+        self.log("lr", self.optimizers().param_groups[0]["lr"], prog_bar=False, on_step=True, on_epoch=False)
+        return loss
+
+    def _eval_step(self, batch, split: str) -> None:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        top1, top5 = getattr(self, f"{split}_top1"), getattr(self, f"{split}_top5")
+        top1.update(logits, y)
+        top5.update(logits, y)
+        self.log(f"{split}/loss", loss, prog_bar=split == "val", on_epoch=True, sync_dist=True)
+        self.log(f"{split}/top1", top1, prog_bar=True, on_epoch=True)
+        self.log(f"{split}/top5", top5, on_epoch=True)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
 
 
 def build_optimizer(model: nn.Module, recipe: Mapping[str, Any], lr: float, total_steps: int):
@@ -208,9 +219,7 @@ class DistillModule(ClassifyModule):
         return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
-        loss = self.distill_loss(batch[0])
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(f"distillation loss is {loss.item()} at step {self.global_step}")
+        loss = self.check_finite(self.distill_loss(batch[0]), "distillation loss")
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
         return loss
 
@@ -242,7 +251,9 @@ class DistillModule(ClassifyModule):
         """The training split's k-NN features and labels, each image encoded once across ranks."""
         loader = self.trainer.datamodule.train_eval_dataloader(self.global_rank, self.trainer.world_size)
         feats, labels = [], []
-        for xb, yb in loader:
+        from tqdm.auto import tqdm
+
+        for xb, yb in tqdm(loader, desc="k-NN bank", unit="batch", leave=False, disable=not self.trainer.is_global_zero or None):
             feats.append(self(xb.to(self.device)))
             labels.append(yb.to(self.device))
         return self.gather_shards(torch.cat(feats)), self.gather_shards(torch.cat(labels))
@@ -271,7 +282,7 @@ class DistillModule(ClassifyModule):
 
 class RaptorStageModule(ClassifyModule):
     """One stage of RAPTOR's surrogate training: the model's ``stage_loss(x, stage, progress)``
-    (vitexp/methods/raptor.py) on the training images, labels unused. Validation logs the same
+    (the model's own) on the training images, labels unused. Validation logs the same
     stage's loss at the end of its schedule (stage 1: autoregressive, τ = 0) as ``val/loss``."""
 
     def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any], stage: int = 2):
@@ -285,14 +296,10 @@ class RaptorStageModule(ClassifyModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         progress = self.progress()
-        loss = self.model.stage_loss(batch[0], self.stage, progress)
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(f"RAPTOR stage {self.stage} loss is {loss.item()} at step {self.global_step}")
+        loss = self.check_finite(self.model.stage_loss(batch[0], self.stage, progress), f"RAPTOR stage {self.stage} loss")
         self.log(f"train/stage{self.stage}_loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
-        if self.stage == 1:
-            from vitexp.methods.raptor import anneal_tau
-
-            self.log("train/tau", anneal_tau(progress, self.model.tau_fraction), on_step=True, on_epoch=False)
+        if self.stage == 1 and hasattr(self.model, "tau"):
+            self.log("train/tau", self.model.tau(progress), on_step=True, on_epoch=False)
         return loss
 
     def _eval_step(self, batch, split: str) -> None:

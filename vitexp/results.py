@@ -9,7 +9,15 @@ Decisions:
   visible), then ``completed`` or ``failed``. Every write goes to a temporary file in the same
   directory, is fsync'ed, then ``os.replace``d over the target, so a reader never sees half a
   file and concurrent runs never collide (run ids carry a random suffix).
-- A finished entry (completed or failed) is never overwritten: ``finish`` refuses.
+- A finished entry (completed or failed) is never overwritten: ``finish`` refuses. The one
+  exception is a resumed run (``resume=auto|true``), which reopens its own ``running`` or
+  ``failed`` entry (:meth:`LedgerEntry.reopen`), keeping each earlier attempt in ``attempts``.
+- A ``running`` entry records its ``host`` and ``pid``; when that process is gone the entry is
+  :data:`INTERRUPTED` (:func:`effective_status`), which ``vitexp-tables`` shows and ``vitexp-sweep``
+  reruns. An entry from another host cannot be checked and stays ``running``.
+- Paths (``output_dir``, ``wandb_url``, artifacts) are stored relative to the project root, or to
+  the results folder, when they lie inside one (:func:`portable_path`), so results move between
+  machines; :func:`local_path` turns them back into paths on this machine.
 """
 from __future__ import annotations
 
@@ -22,11 +30,13 @@ import tempfile
 import traceback
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from vitexp import PROJECT_ROOT
 
 FINAL_STATUSES = ("completed", "failed")
+#: Shown for a ``running`` entry whose process (same host, recorded pid) no longer exists.
+INTERRUPTED = "interrupted"
 
 
 def default_results_dir() -> Path:
@@ -44,21 +54,63 @@ def new_run_id(experiment: str, kind: str) -> str:
     return f"{stamp}-{kind}-{safe}-{uuid.uuid4().hex[:6]}"
 
 
-def atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
-    """Write JSON to ``path`` through a temporary file and a rename (atomic on POSIX)."""
+def atomic_write(path: Path | str, content: str | bytes | Callable[[str], Any]) -> Path:
+    """The one way vitexp writes a file: into a temporary file beside ``path``, fsync'ed, then
+    ``os.replace``d over it (atomic on POSIX), so a killed process never leaves half a file.
+    ``content`` is text, bytes, or a function that writes the temporary path it is given
+    (``torch.save``, ``savefig``, a Lightning checkpoint)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=2, sort_keys=False, default=_json_default)
-            fh.write("\n")
-            fh.flush()
+        with os.fdopen(fd, "wb") as fh:
+            if not callable(content):
+                fh.write(content.encode() if isinstance(content, str) else content)
+        if callable(content):
+            content(tmp)
+        with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return path
+
+
+def atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
+    """``payload`` as indented JSON through :func:`atomic_write`."""
+    atomic_write(path, json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def portable_path(path: Path | str | None, results_dir: Path | str | None = None) -> str | None:
+    """``path`` relative to the project root, else to ``results_dir``, when it lies inside one;
+    otherwise as given (nothing else names it on another machine). ``offline:<dir>`` keeps its prefix."""
+    if path is None:
+        return None
+    text = str(path)
+    prefix = ""
+    if text.startswith("offline:"):
+        prefix, text = "offline:", text[len("offline:"):]
+    p = Path(text)
+    if p.is_absolute():
+        for root in (PROJECT_ROOT, Path(results_dir) if results_dir else default_results_dir()):
+            try:
+                return prefix + str(p.resolve().relative_to(Path(root).resolve()))
+            except ValueError:
+                continue
+    return prefix + text
+
+
+def local_path(path: str | None, results_dir: Path | str | None = None) -> Path | None:
+    """A ledger path on this machine: absolute as given, else under the project root or the results folder."""
+    if not path:
+        return None
+    p = Path(path)
+    if p.is_absolute():
+        return p
+    candidates = [PROJECT_ROOT / p, (Path(results_dir) if results_dir else default_results_dir()) / p]
+    return next((c for c in candidates if c.exists()), candidates[0])
 
 
 def _json_default(obj: Any) -> Any:
@@ -100,6 +152,7 @@ def environment() -> dict[str, Any]:
         "device": device,
         "cpu_threads": torch.get_num_threads(),
         "hostname": platform.node(),
+        "pid": os.getpid(),
         "git_commit": commit,
         "git_dirty": dirty,
     }
@@ -127,6 +180,31 @@ class LedgerEntry:
             "finished": None,
             "error": None,
         }
+
+    @classmethod
+    def load(cls, run_id: str, results_dir: Path | str | None = None) -> "LedgerEntry | None":
+        """The existing entry ``run_id``, or None when there is no readable file."""
+        entry = cls.__new__(cls)
+        entry.dir = Path(results_dir) if results_dir else default_results_dir()
+        entry.run_id = run_id
+        entry.path = entry.dir / "runs" / f"{run_id}.json"
+        try:
+            entry.record = json.loads(entry.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return entry
+
+    def reopen(self, config: dict[str, Any]) -> "LedgerEntry":
+        """Continue this (interrupted or failed) entry in a new attempt: status running again, this
+        process's host and pid, the earlier attempt kept in ``attempts``."""
+        if self.record["status"] == "completed":
+            raise RuntimeError(f"ledger entry {self.path} is completed; finished results are never overwritten")
+        previous = {k: self.record.get(k) for k in ("started", "finished", "status", "error")}
+        previous["env"] = {k: (self.record.get("env") or {}).get(k) for k in ("hostname", "pid")}
+        self.record["attempts"] = [*self.record.get("attempts", []), previous]
+        self.record.update(status="running", config=config, env=environment(), finished=None, error=None)
+        atomic_write_json(self.path, self.record)
+        return self
 
     def start(self) -> "LedgerEntry":
         if self.path.exists():
@@ -168,6 +246,21 @@ def iter_runs(results_dir: Path | str | None = None) -> Iterator[dict[str, Any]]
     yield from sorted(records, key=lambda r: (r.get("started") or "", r.get("run_id", "")))
 
 
+def effective_status(record: dict[str, Any]) -> str:
+    """The entry's status, with a ``running`` entry whose process is gone (same host, its pid no
+    longer exists) read as :data:`INTERRUPTED`."""
+    status = record.get("status", "")
+    env = record.get("env") or {}
+    if status == "running" and env.get("hostname") == platform.node() and env.get("pid"):
+        try:
+            os.kill(int(env["pid"]), 0)
+        except ProcessLookupError:
+            return INTERRUPTED
+        except (PermissionError, OSError):
+            pass
+    return status
+
+
 def completed_runs(experiment: str | None = None, kind: str | None = None,
                    results_dir: Path | str | None = None) -> list[dict[str, Any]]:
     return [
@@ -202,8 +295,8 @@ def weights_run(spec: str, results_dir: Path | str | None = None) -> dict[str, A
         raise FileNotFoundError(f"backbone.pretrained={spec}: no completed train run of {target!r} in {where}; "
                                 f"run `vitexp-train experiment={target}` first")
     run = runs[-1]
-    weights = (run.get("artifacts") or {}).get("weights")
-    if not weights or not Path(weights).is_file():
+    weights = local_path((run.get("artifacts") or {}).get("weights"), results_dir)
+    if not weights or not weights.is_file():
         raise FileNotFoundError(f"backbone.pretrained={spec}: run {run['run_id']} recorded weights at {weights}, "
                                 f"which is not on this machine; rerun `vitexp-train experiment={target}`")
     return run

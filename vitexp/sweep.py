@@ -2,12 +2,14 @@
 
 Rows are experiment configs (``conf/experiment/<row.experiment>.yaml``); a row's ``run`` says
 which app produces it (``train`` -> vitexp-train, ``flops`` -> vitexp-flops, ``bench`` ->
-vitexp-bench). Rows that already have a completed run of that kind in the ledger are skipped
-unless ``--force``, so an interrupted sweep resumes by running the same command again. A row with
-seeds (the spec's ``seeds``, :mod:`vitexp.aggregate`) is one job per seed (``experiment=E
-seed=s``, recorded as ``E+seed=s``), and only its seeds without a completed run are launched;
-unseeded rows go first (the pretrained baselines that seeded rows load with ``run:``).
-Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=submitit_slurm
+vitexp-bench). Rows that already have a completed run of that kind in the ledger, or one running
+now, are skipped unless ``--force``, so an interrupted sweep resumes by running the same command
+again; a run whose process is gone (``interrupted``, :func:`vitexp.results.effective_status`) is rerun.
+A row with seeds (the spec's ``seeds``, :mod:`vitexp.aggregate`) is one job per seed (``experiment=E
+seed=s``, recorded as ``E+seed=s``), and only its seeds without a completed or running run are
+launched; unseeded rows go first (the pretrained baselines that seeded rows load with ``run:``).
+Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
+Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
 trainer=ddp data.root=/datasets/imagenet``.
 """
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from vitexp import CONF_DIR
 from vitexp.aggregate import row_seeds, seed_runs, seeded_name
-from vitexp.results import completed_runs, default_results_dir
+from vitexp.results import default_results_dir, effective_status, iter_runs
 from vitexp.tables import all_specs, load_spec
 
 APPS = {"train": "vitexp-train", "flops": "vitexp-flops", "bench": "vitexp-bench"}
@@ -53,9 +55,11 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
         if k not in APPS:
             raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
         bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": []})
+        active = [r for r in iter_runs(results_dir)
+                  if r.get("kind") == k and effective_status(r) in ("completed", "running")]
         seeds = row_seeds(spec, row)
         if seeds is not None:
-            by_seed = seed_runs(completed_runs(kind=k, results_dir=results_dir), exp, seeds)
+            by_seed = seed_runs([{**r, "status": "completed"} for r in active], exp, seeds)
             for seed in seeds:
                 target = "skip" if by_seed[seed] and not force else "launch"
                 if seeded_name(exp, seed) not in bucket[target]:
@@ -64,8 +68,7 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
                     if target == "launch":
                         bucket["seeds"].setdefault(exp, []).append(seed)
             continue
-        done = completed_runs(experiment=exp, kind=k, results_dir=results_dir)
-        target = "skip" if done and not force else "launch"
+        target = "skip" if any(r.get("experiment") == exp for r in active) and not force else "launch"
         if exp not in bucket[target]:
             bucket[target].append(exp)
     return out
@@ -95,15 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     for kind, rows in todo.items():
         summary["skipped"][kind] = rows["skip"]
         for exp in rows["skip"]:
-            print(f"vitexp-sweep: {exp} ({kind}) already has a completed run; skipped (--force reruns it)", file=sys.stderr)
+            print(f"vitexp-sweep: {exp} ({kind}) has a completed or running run; skipped (--force reruns it)", file=sys.stderr)
         if not rows["launch"]:
             continue
         unseeded = [e for e in rows["launch"] if e not in rows["seeded"]]
         jobs = [[f"experiment={','.join(unseeded)}"]] if unseeded else []
         jobs += [[f"experiment={exp}", f"seed={','.join(map(str, seeds))}"] for exp, seeds in rows["seeds"].items()]
+        grouping = [f"++logger.group={spec['name']}", f"++logger.tags=[{spec['name']}]"]  # ++: any logger group
         summary["launched"][kind] = rows["launch"]
         for job in jobs:
-            cmd = [_script(APPS[kind]), "-m", *job, *args.overrides]
+            cmd = [_script(APPS[kind]), "-m", *job, *grouping, *args.overrides]
             print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
             if args.dry_run:
                 continue

@@ -2,7 +2,8 @@
 accuracy-vs-GMACs plot in ``results/tables/``.
 
 A cell shows vitexp's value from the newest completed run of the row's experiment that has that
-metric, beside the paper's value. With no such run the cell says "not run"; a row marked
+metric, beside the paper's value. With no such run the cell says "not run" (or "running" /
+"interrupted" while the row's newest run is one, :func:`vitexp.results.effective_status`); a row marked
 ``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
 number ever comes from anywhere but a run or the spec's paper value.
 
@@ -37,7 +38,7 @@ import yaml
 
 from vitexp import SWEEPS_DIR, aggregate
 from vitexp.provenance import provenance_errors
-from vitexp.results import default_results_dir, iter_runs
+from vitexp.results import atomic_write, default_results_dir, effective_status, iter_runs
 
 NOT_RUN = "not run"
 CITED = "cited, not run"
@@ -96,12 +97,15 @@ def wandb_runs(path: str) -> list[dict[str, Any]]:
 def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """For every row and column: vitexp's value (newest completed run with that metric), its
     run id, the paper's value and source."""
+    runs = list(runs)
     completed = [r for r in runs if r.get("status") == "completed"]
     filled = []
     for row in spec["rows"]:
         mine = [r for r in completed if row.get("experiment") and r.get("experiment") == row["experiment"]]
         seeds = aggregate.row_seeds(spec, row) if row.get("experiment") else None
         by_seed = aggregate.seed_runs(completed, row["experiment"], seeds) if seeds is not None else None
+        pending = [effective_status(r) for r in runs if r.get("experiment") == row.get("experiment")
+                   and r.get("status") == "running"]
         cells = {}
         for col in spec["columns"]:
             key = col["key"]
@@ -120,7 +124,7 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
                           "source": paper.get("source"), "formula": paper.get("formula") if paper.get("derived") else None}
         filled.append({"label": row["label"], "experiment": row.get("experiment"),
                        "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
-                       "seeds": seeds, "baseline": row.get("baseline")})
+                       "seeds": seeds, "baseline": row.get("baseline"), "pending": pending[-1] if pending else None})
     aggregate.paired_cells(spec, filled)
     return filled
 
@@ -139,7 +143,7 @@ def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
     elif cell["value"] is not None:
         ours = _fmt(cell["value"], digits)
     else:
-        ours = CITED if row["cited"] else NOT_RUN
+        ours = CITED if row["cited"] else (row.get("pending") or NOT_RUN)
     return ours, _paper_text(cell)
 
 
@@ -166,15 +170,20 @@ def _header(spec) -> list[str]:
     return head
 
 
+def _body(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One list of cell texts per row: the label, vitexp's and the paper's value per column, then
+    the paired differences to the baseline."""
+    paired = aggregate.paired_columns(spec)
+    return [[row["label"], *(t for col in spec["columns"] for t in _cell_texts(row, col)),
+             *(aggregate.paired_text(row, col) for col in paired)] for row in rows]
+
+
 def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    head = _header(spec)
-    lines = [f"# {spec['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [row["label"]]
-        for col in spec["columns"]:
-            cells += list(_cell_texts(row, col))
-        cells += [aggregate.paired_text(row, col) for col in aggregate.paired_columns(spec)]
-        lines.append("| " + " | ".join(cells) + " |")
+    """The table by ``tabulate`` (GitHub Markdown), then units, the paper values' sources, footnotes and the runs."""
+    from tabulate import tabulate
+
+    table = tabulate(_body(spec, rows), headers=_header(spec), tablefmt="github", disable_numparse=True)
+    lines = [f"# {spec['title']}", "", table]
     lines += ["", "Units: " + "; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"]) + "."]
     sources = sorted({(c["source"]) for r in rows for c in r["cells"].values() if c["source"]})
     if sources:
@@ -200,27 +209,16 @@ def _tex_escape(text: str) -> str:
 
 
 def render_latex(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    paired = aggregate.paired_columns(spec)
-    ncol = 1 + 2 * len(spec["columns"]) + len(paired)
-    out = [r"\begin{table}[t]", r"\centering", rf"\caption{{{_tex_escape(spec['title'])}}}",
-           r"\begin{tabular}{l" + "rr" * len(spec["columns"]) + "r" * len(paired) + "}", r"\toprule"]
-    top = ["Row"] + [rf"\multicolumn{{2}}{{c}}{{{_tex_escape(c['label'])}}}" for c in spec["columns"]]
-    top += [_tex_escape(f"Δ {c['label']}") for c in paired]
-    out.append(" & ".join(top) + r" \\")
-    out.append(" & " + " & ".join(["vitexp & paper"] * len(spec["columns"]) + ["vs baseline"] * len(paired)) + r" \\")
-    out.append(r"\midrule")
-    for row in rows:
-        cells = [_tex_escape(row["label"])]
-        for col in spec["columns"]:
-            cells += [_tex_escape(t) for t in _cell_texts(row, col)]
-        cells += [_tex_escape(aggregate.paired_text(row, col)) for col in paired]
-        out.append(" & ".join(cells) + r" \\")
-    out += [r"\bottomrule", r"\end{tabular}"]
-    out += [r"\par\footnotesize " + _tex_escape(n) for n in footnotes(spec, rows)]
-    out += [rf"% {ncol} columns; units: "
-            + _tex_escape("; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"])),
-            r"\end{table}"]
-    return "\n".join(out) + "\n"
+    """A booktabs ``tabular`` by ``tabulate`` (which escapes the cells) in a captioned table, then footnotes."""
+    from tabulate import tabulate
+
+    head = _header(spec)
+    tabular = tabulate(_body(spec, rows), headers=head, tablefmt="latex_booktabs", disable_numparse=True,
+                       colalign=("left",) + ("right",) * (len(head) - 1))
+    units = "; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"])
+    notes = [r"\par\footnotesize " + _tex_escape(n) for n in footnotes(spec, rows)]
+    return "\n".join([r"\begin{table}[t]", r"\centering", rf"\caption{{{_tex_escape(spec['title'])}}}", tabular,
+                      *notes, f"% {len(head)} columns; units: {_tex_escape(units)}", r"\end{table}"]) + "\n"
 
 
 def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -236,7 +234,7 @@ def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         line = [row["label"], row["experiment"] or ""]
         for col in spec["columns"]:
             c = row["cells"][col["key"]]
-            ours = c["value"] if c["value"] is not None else (CITED if row["cited"] else NOT_RUN)
+            ours = c["value"] if c["value"] is not None else (CITED if row["cited"] else (row.get("pending") or NOT_RUN))
             line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c.get("formula") or "",
                      c["run_id"] or ""]
         line += aggregate.csv_cells(spec, row)
@@ -321,30 +319,34 @@ def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) ->
 
 
 def write_table(spec: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> dict[str, str]:
-    """Write <name>.md/.tex/.csv/.png (each through a temporary file and a rename)."""
-    import os
-    import tempfile
-
+    """Write <name>.md/.tex/.csv/.png (each through :func:`vitexp.results.atomic_write`)."""
     rows = fill(spec, runs)
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for ext, text in (("md", render_markdown(spec, rows)), ("tex", render_latex(spec, rows)),
                       ("csv", render_csv(spec, rows))):
-        path = out_dir / f"{spec['name']}.{ext}"
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{path.name}.")
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-        written[ext] = str(path)
-    png = out_dir / f"{spec['name']}.png"
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{png.name}.", suffix=".png")
-    os.close(fd)
-    if render_plot(spec, rows, Path(tmp)):
-        os.replace(tmp, png)
-        written["png"] = str(png)
-    else:
-        os.unlink(tmp)
+        written[ext] = str(atomic_write(out_dir / f"{spec['name']}.{ext}", text))
+    if spec.get("plot"):
+        written["png"] = str(atomic_write(out_dir / f"{spec['name']}.png", lambda tmp: render_plot(spec, rows, Path(tmp))))
     return written
+
+
+def log_to_wandb(path: str, written: dict[str, dict[str, str]]) -> None:
+    """Each table (its CSV, as a ``wandb.Table``) and its plot into one W&B run of ``ENTITY/PROJECT``
+    (job type ``tables``)."""
+    import wandb
+
+    entity, _, project = path.rpartition("/")
+    run = wandb.init(entity=entity or None, project=project, job_type="tables", name="tables")
+    try:
+        for name, files in written.items():
+            with open(files["csv"], newline="") as fh:
+                rows = list(csv.reader(fh))
+            logged: dict[str, Any] = {f"{name}/table": wandb.Table(columns=rows[0], data=rows[1:])}
+            if "png" in files:
+                logged[f"{name}/plot"] = wandb.Image(files["png"])
+            run.log(logged)
+    finally:
+        run.finish()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,11 +367,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vitexp-tables: {err}", file=sys.stderr)
         print(json.dumps({"status": "failed", "error": str(err)}))
         return 2
-    runs = wandb_runs(args.wandb) if args.wandb else list(iter_runs(results_dir))
+    try:
+        runs = wandb_runs(args.wandb) if args.wandb else list(iter_runs(results_dir))
+    except Exception as err:  # no W&B login, no network, no such project
+        print(f"vitexp-tables: reading W&B runs of {args.wandb} failed: {err}", file=sys.stderr)
+        print(json.dumps({"status": "failed", "error": f"W&B {args.wandb}: {type(err).__name__}: {err}"}))
+        return 1
     written = {}
     for spec in specs:
         written[spec["name"]] = write_table(spec, runs, out_dir)
         print(render_markdown(spec, fill(spec, runs)))
+    if args.wandb:
+        log_to_wandb(args.wandb, written)
     print(json.dumps({"status": "completed", "tables": written, "runs_read": len(runs),
                       "source": args.wandb or str(results_dir / "runs")}))
     return 0

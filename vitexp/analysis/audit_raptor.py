@@ -42,7 +42,7 @@ def count(overrides: list[str]) -> dict[str, Any]:
     """GMACs / GFLOPs / params of an experiment's deployed model, as ``vitexp-flops`` counts them."""
     from vitexp.config import compose, validate
     from vitexp.flops import count_macs
-    from vitexp.train import build_model, registers_of
+    from vitexp.build import build_model, registers_of
 
     cfg = compose(overrides)
     validate(cfg, need_data=False)

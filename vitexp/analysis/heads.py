@@ -35,6 +35,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from vitexp.results import atomic_write
+
 
 @torch.no_grad()
 def attention_maps(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
@@ -110,7 +112,7 @@ def laplace_grid(model: nn.Module, image: torch.Tensor, num_prefix: int, out: Pa
     fig.suptitle("Laplace maps: eigenvectors 2-4 of the normalised Laplacian of (A + A^T)/2 as RGB", fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return {"layers": L, "heads": H, "grid_side": side, "min_laplacian_eigenvalue": min_eig}
 
@@ -160,8 +162,11 @@ def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clu
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from tqdm.auto import tqdm
+
     values = []
-    for chunk in images.split(batch_size):
+    for chunk in tqdm(images.split(batch_size), desc="head clusters: attention maps", unit="batch", leave=False,
+                      disable=None):
         maps = attention_maps(model, chunk)  # layers, B, heads, N, N
         cls_max = maps[:, :, :, 0, num_prefix:].amax(-1)  # layers, B, heads
         values.append(cls_max.permute(1, 0, 2).reshape(chunk.shape[0], -1))
@@ -178,7 +183,7 @@ def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clu
     ax.set_ylabel("head")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return {"davies_bouldin": clustering["davies_bouldin"], "silhouette": clustering["silhouette"],
             "n_clusters": n_clusters, "images": int(x.shape[0]), "heads": int(x.shape[1]), "labels": labels.tolist()}

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from vitexp.methods.raptor import distance_matrix_from_data, max_cut_phases, phases_for_blocks
+from vitexp.results import atomic_write
 
 
 def one_based(phases: list[list[int]]) -> str:
@@ -48,7 +49,7 @@ def phase_report(model: nn.Module, loader, images: int, f: float, blocks: Iterab
     ax.set_title("layer distance, phases (red)\n" + "; ".join(lines), fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
     return {
         "images": images,

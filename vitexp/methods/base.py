@@ -48,7 +48,7 @@ class Method(abc.ABC):
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
         """Raise ``ConfigError`` if ``budget`` does not fit this method on a backbone with
         architecture facts ``arch`` (depth, num_heads, embed_dim, ...)."""
-        from vitexp.config import ConfigError
+        from vitexp.errors import ConfigError
 
         if budget["kind"] not in self.budget_kinds:
             raise ConfigError(
@@ -69,6 +69,15 @@ class Method(abc.ABC):
     def stages(self, model: nn.Module) -> list[Stage]:
         """The fits of a run, in order. Default: one stage training ``model`` with ``objective``."""
         return [Stage("main", self.objective, lambda: model, module_kwargs=self.module_kwargs())]
+
+    def lookup(self, cfg: Mapping[str, Any]) -> None:
+        """Read what the run needs from earlier runs before any training, so a missing one fails
+        first (RAPTOR's ``teacher_probe_run``). ``cfg``: the run's config. Default: nothing."""
+
+    def extra_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Metrics of this method beside the run's own, from ``metrics`` and what :meth:`lookup`
+        read (RAPTOR: the teacher's probe and the ``recovered`` fraction). Default: none."""
+        return {}
 
     def record(self) -> dict[str, Any]:
         """Data-dependent choices the ledger entry keeps beside the metrics (RAPTOR's phases). Default: none."""

@@ -300,6 +300,10 @@ class RaptorDistill(nn.Module):
         self.cache = TeacherCache(cache_dir, teacher) if cache_dir else None
         self.num_prefix_tokens = surrogate.num_prefix_tokens
 
+    def tau(self, progress: float) -> float:
+        """Stage 1's teacher-forcing weight at ``progress`` (what the LightningModule logs)."""
+        return anneal_tau(progress, self.tau_fraction)
+
     def train(self, mode: bool = True) -> "RaptorDistill":
         super().train(mode)
         self.teacher.eval()
@@ -354,13 +358,18 @@ def distance_matrix_from_data(teacher: nn.Module, loader, images: int) -> torch.
     teacher = teacher.eval()
     device = next(teacher.parameters()).device
     prefix = int(getattr(teacher, "num_prefix_tokens", 1))
+    from tqdm.auto import tqdm
+
     feats, seen = [], 0
+    bar = tqdm(total=images, desc="RAPTOR phases: teacher states", unit="img", leave=False, disable=None)
     for x, _ in loader:
         x = x[: images - seen].to(device)
+        bar.update(len(x))
         feats.append(layer_features(teacher_states(teacher, x), prefix).cpu())
         seen += len(x)
         if seen >= images:
             break
+    bar.close()
     return layer_distance_matrix(torch.cat(feats, dim=1))
 
 
@@ -400,7 +409,7 @@ class Raptor(Method):
         self.teacher_probe, self.teacher_probe_run = bool(teacher_probe), teacher_probe_run
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
-        from vitexp.config import ConfigError
+        from vitexp.errors import ConfigError
 
         super().validate_budget(budget, arch)
         require_vit(self.name, arch)
@@ -459,6 +468,37 @@ class Raptor(Method):
         out: dict[str, Any] = {"phases": self.phases, "phases_source": self.phases_source}
         if self.distance is not None:
             out["distance_matrix"] = [[round(float(v), 6) for v in row] for row in self.distance]
+        return out
+
+    def lookup(self, cfg: Mapping[str, Any]) -> None:
+        """``teacher_top1`` from the completed run named by ``method.teacher_probe_run`` (its id or
+        experiment), which must have this run's backbone and data."""
+        from vitexp.results import completed_runs
+
+        self.teacher_metrics: dict[str, Any] = {}
+        run_id = self.teacher_probe_run
+        if not run_id:
+            return
+        runs = [r for r in completed_runs(kind="train", results_dir=cfg["results_dir"])
+                if run_id in (r["run_id"], r["experiment"])]
+        if not runs:
+            raise FileNotFoundError(f"method.teacher_probe_run={run_id}: no completed train run with that id or "
+                                    f"experiment in {cfg['results_dir']}/runs")
+        run = runs[-1]
+        for key in ("backbone", "data"):
+            theirs, ours = run["config"].get(key, {}).get("name"), cfg[key]["name"]
+            if theirs != ours:
+                raise ValueError(f"method.teacher_probe_run={run_id}: that run's {key} is {theirs}, this run's is {ours}")
+        self.teacher_metrics = {"teacher_top1": run["metrics"]["top1"], "teacher_top5": run["metrics"].get("top5"),
+                                "teacher_probe_run": run["run_id"]}
+
+    def extra_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """The teacher's probe (looked up, or this run's ``teacher_top1``) and ``recovered`` =
+        surrogate top-1 / teacher top-1."""
+        out = dict(getattr(self, "teacher_metrics", {}))
+        teacher = out.get("teacher_top1", metrics.get("teacher_top1"))
+        if teacher and metrics.get("top1") is not None:
+            out["recovered"] = metrics["top1"] / teacher
         return out
 
     def stages(self, model: nn.Module) -> list[Stage]:

@@ -212,7 +212,7 @@ def head_count(model: nn.Module) -> int:
 
 def require_vit(method: str, arch: Mapping[str, Any]) -> None:
     """SAPER's methods read a ViT's CLS and patch tokens from ``forward_features``."""
-    from vitexp.config import ConfigError
+    from vitexp.errors import ConfigError
 
     if arch.get("family") == "metaformer":
         raise ConfigError(f"method {method} does not apply to a MetaFormer backbone: it needs a ViT's blocks and "
@@ -231,7 +231,7 @@ def set_trainable(backbone: nn.Module, trainable: str) -> None:
 
 
 def _choice(key: str, value: str, valid: tuple[str, ...]) -> str:
-    from vitexp.config import ConfigError
+    from vitexp.errors import ConfigError
 
     if value not in valid:
         raise ConfigError(f"{key}={value!r}: valid choices are {list(valid)}")
@@ -253,7 +253,7 @@ class SaperHeads(Method):
         self.kept_heads: list[list[int]] | None = None
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
-        from vitexp.config import ConfigError
+        from vitexp.errors import ConfigError
 
         super().validate_budget(budget, arch)
         require_vit(self.name, arch)

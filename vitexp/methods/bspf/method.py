@@ -74,7 +74,7 @@ class BSPF(Method):
         return float(budget["keep_ratio"]) if budget["kind"] == "keep_ratio" else 1.0
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
-        from vitexp.config import ConfigError
+        from vitexp.errors import ConfigError
 
         super().validate_budget(budget, arch)
         if budget["kind"] == "keep_ratio" and not 0 < float(budget["keep_ratio"]) <= 1:

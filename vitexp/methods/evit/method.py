@@ -33,7 +33,7 @@ class EViT(Method):
                              f"method.keep_warmup_epochs={keep_warmup_epochs}: must be >= 0")
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
-        from vitexp.config import ConfigError
+        from vitexp.errors import ConfigError
 
         super().validate_budget(budget, arch)
         require_vit(self.name, arch)

@@ -29,7 +29,7 @@ class ToMe(Method):
         return int(r) if isinstance(r, (int, float, str)) else list(r)
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
-        from vitexp.config import ConfigError
+        from vitexp.errors import ConfigError
 
         super().validate_budget(budget, arch)
         require_vit(self.name, arch)

@@ -1,0 +1,70 @@
+"""vitexp-eval: the model a run saved, rebuilt and tested, gives the ledger's top-1."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import QUIET, ledger_entries
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = QUIET + ["data=synthetic", "data.num_train=32", "data.num_val=16", "data.num_test=32", "recipe.batch_size=16",
+                "recipe.epochs=2", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false"]
+
+
+def run_eval(capsys, *argv: str) -> dict:
+    from vitexp.cli import eval_main
+
+    capsys.readouterr()
+    eval_main(list(argv))
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("method", ["saper_ft", "saper_kd"])
+def test_eval_reproduces_a_saper_micro_runs_top1(method, make_cfg, results_dir, tmp_path, capsys):
+    from vitexp.train import train
+
+    trained = train(make_cfg(TINY + ["backbone=dinov2_micro", f"method={method}", "budget=heads", "budget.k=5",
+                                     "recipe.lr=0.01"], tmp_path / method))
+    result = run_eval(capsys, trained["run_id"], "logger=none", "trainer.enable_progress_bar=false")
+    assert result["status"] == "completed" and result["evaluates"] == trained["run_id"]
+    assert result["metrics"]["top1"] == pytest.approx(trained["metrics"]["top1"], abs=1e-9)
+    assert result["metrics"]["test_loss"] == pytest.approx(trained["metrics"]["test_loss"], rel=1e-5)
+    kinds = sorted(e["kind"] for e in ledger_entries(results_dir))
+    assert kinds == ["eval", "train"]
+
+
+def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(make_cfg, results_dir, tmp_path, capsys):
+    """``--weights <run>/checkpoints/last.ckpt`` (the ``model.`` prefix removed) and
+    ``backbone.pretrained=<last.ckpt>`` load the trained weights; a misspelt key is refused."""
+    from vitexp.build import build_configured_backbone
+    from vitexp.train import train
+
+    trained = train(make_cfg(TINY, tmp_path / "run"))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["last.ckpt"]  # one file, replaced every epoch
+    result = run_eval(capsys, "demo", "logger=none", "--weights", str(ckpt))
+    assert result["metrics"]["top1"] == pytest.approx(trained["metrics"]["top1"], abs=1e-9)
+    import torch
+
+    saved = torch.load(tmp_path / "run" / "weights.pth", weights_only=True)
+    model = build_configured_backbone(make_cfg(TINY + [f"backbone.pretrained={ckpt}"]))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    with pytest.raises(SystemExit) as exit_:
+        run_eval(capsys, "demo", "recipe.lrr=1")
+    assert exit_.value.code == 2
+
+
+@pytest.mark.slow
+def test_eval_reproduces_the_committed_demo_run(make_cfg, results_dir, tmp_path, capsys):
+    """The committed demo run's weights are not in the repository: the demo is trained again
+    (same seed, same data) and must give the committed top-1, then vitexp-eval the same."""
+    from vitexp.train import train
+
+    committed = json.loads(next((ROOT / "results" / "runs").glob("*-train-demo-*.json")).read_text())
+    trained = train(make_cfg(QUIET + ["eval.throughput=false"], tmp_path / "demo"))
+    assert trained["metrics"]["top1"] == pytest.approx(committed["metrics"]["top1"], abs=1e-6)
+    result = run_eval(capsys, "demo", "logger=none")
+    assert result["metrics"]["top1"] == pytest.approx(committed["metrics"]["top1"], abs=1e-6)

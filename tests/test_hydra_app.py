@@ -1,0 +1,53 @@
+"""Hydra conventions of the vitexp apps: the app's name, its help, the run folder named after the
+run, the SLURM launcher config without the schema-matching warning, DDP inside a local multirun."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import vitexp.config as vconfig
+from conftest import cli_env
+
+
+def vitexp_cli(*args: str, results_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vitexp.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env=cli_env(results_dir), timeout=300)
+
+
+def test_help_names_the_app_and_lists_the_groups(results_dir, tmp_path):
+    proc = vitexp_cli("train", "--help", results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("vitexp: train, count or time") and "cli" not in proc.stdout.split("\n")[0]
+    for group in ("backbone", "method", "budget", "recipe", "experiment"):
+        assert f"{group}:" in proc.stdout, group
+
+
+def test_the_run_folder_and_slurm_job_are_named_after_the_run():
+    """Resolved as Hydra resolves them when a job starts (HydraConfig set, then the run dir read)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = ["experiment=demo", "recipe.epochs=3", "hydra/launcher=slurm"]
+    cfg = vconfig.compose(overrides, return_hydra_config=True)
+    cfg.hydra.overrides.task = [o for o in overrides if not o.startswith("hydra")]
+    HydraConfig.instance().set_config(cfg)
+    try:
+        assert cfg.hydra.run.dir.startswith("outputs/demo+recipe.epochs=3/")
+        assert cfg.hydra.launcher.name == "demo+recipe.epochs=3"  # the SLURM job name
+        assert cfg.hydra.job.name == "vitexp"  # the app's name: logs are vitexp.log
+    finally:
+        HydraConfig.instance().cfg = None
+
+
+def test_slurm_launcher_composes_without_the_schema_matching_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = vconfig.compose(["hydra/launcher=slurm"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.max_num_timeout >= 1
+
+
+def test_subprocess_ddp_inside_a_local_multirun_is_refused(results_dir, tmp_path):
+    proc = vitexp_cli("train", "-m", "trainer=ddp_cpu", "logger=none", "seed=1,2", results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "hydra/launcher=slurm" in proc.stderr and '"status": "invalid"' in proc.stdout.splitlines()[-1]

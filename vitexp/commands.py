@@ -1,0 +1,244 @@
+"""The bodies of the commands that do not train: ``vitexp-flops``, ``vitexp-bench``,
+``vitexp-audit``, ``vitexp-analyze``. Each runs inside :func:`vitexp.run.owned_run`, which owns
+its ledger entry, logger and closing JSON line; :mod:`vitexp.cli` parses the command lines."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, open_dict
+
+from vitexp.config import to_container, validate
+from vitexp.errors import ConfigError
+from vitexp.results import atomic_write, portable_path
+from vitexp.run import owned_run
+
+
+def run_flops(cfg: DictConfig) -> dict[str, Any]:
+    """Params and MACs of the configured model as deployed, without training; one ledger entry."""
+    from vitexp.build import build_model, registers_of
+    from vitexp.flops import count_heads, count_macs
+
+    with owned_run(cfg.name, "flops", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
+        method = validate(cfg, need_data=False)
+        run.start(to_container(cfg))
+        model, method, _ = build_model(cfg, method)
+        deployed = method.deploy(model)
+        report = count_macs(deployed, int(cfg.backbone.img_size), registers=registers_of(cfg))
+        metrics = {**report.metrics(), "heads": count_heads(deployed)}
+        protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
+        print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
+              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {cfg.backbone.img_size} px, "
+              f"attention matmuls counted; by module (GMACs): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in report.by_module.items() if v > 0))
+        run.complete(metrics, protocol, out={"protocol": protocol}, by_module=report.by_module)
+    return run.result
+
+
+def run_bench(cfg: DictConfig) -> dict[str, Any]:
+    """``bench.mode=throughput``: the method's deployed model against its unmodified backbone,
+    interleaved, images/s and their ratio beside the GMACs ratio. ``bench.mode=overhead``:
+    Lightning's per-step overhead against a plain PyTorch loop on the same model and batches."""
+    from vitexp.bench import bench_device, compare_throughput, lightning_overhead
+    from vitexp.build import build_configured_backbone, build_datamodule, build_model
+    from vitexp.flops import count_macs
+
+    if cfg.bench.mode == "throughput" and cfg.bench.get("compare"):
+        from vitexp.run import emit
+
+        result = run_compare(cfg)
+        emit(result)
+        return result
+    with owned_run(cfg.name, "bench", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
+        if cfg.bench.mode not in ("throughput", "overhead"):
+            raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of ('throughput', 'overhead')")
+        method = validate(cfg, need_data=cfg.bench.mode == "overhead")
+        run.start(to_container(cfg))
+        import torch
+
+        img = int(cfg.backbone.img_size)
+        b = cfg.bench
+        model, method, data_config = build_model(cfg, method)
+        if b.mode == "throughput":
+            deployed = method.deploy(model)
+            baseline = build_configured_backbone(cfg)
+            macs_m, macs_b = count_macs(deployed, img).gmacs, count_macs(baseline, img).gmacs
+            device = bench_device(str(b.device))
+            res = compare_throughput({"method": deployed.to(device), "baseline": baseline.to(device)}, b.batch_size,
+                                     img, warmup=int(b.warmup), rounds=int(b.rounds), iters=int(b.iters), amp=b.amp,
+                                     progress=True)
+            metrics = {"throughput": res["method"]["throughput"], "baseline_throughput": res["baseline"]["throughput"],
+                       "throughput_ratio": res["method"]["throughput"] / res["baseline"]["throughput"],
+                       "gmacs": macs_m, "baseline_gmacs": macs_b, "gmacs_ratio": macs_b / macs_m}
+            protocol = {"mode": "throughput", "interleaved": True, **res["method"]}
+            protocol.pop("throughput", None)
+            print(f"{cfg.name}: {metrics['throughput']:.1f} vs baseline {metrics['baseline_throughput']:.1f} images/s "
+                  f"(ratio {metrics['throughput_ratio']:.2f}; GMACs ratio {metrics['gmacs_ratio']:.2f}), "
+                  f"batch {protocol['batch_size']}, {img} px, {protocol['device_name']}, {protocol['precision']}, "
+                  f"{torch.get_num_threads()} threads")
+        else:
+            if method.objective != "classify":
+                raise ConfigError(f"bench.mode=overhead times the classify objective; method {method.name} is {method.objective}")
+            import copy
+
+            datamodule = build_datamodule(cfg, data_config)
+            datamodule.setup("fit")
+            state = copy.deepcopy(model.state_dict())
+
+            def make_model():
+                m = copy.deepcopy(model)
+                m.load_state_dict(state)
+                return m
+
+            metrics = lightning_overhead(make_model, datamodule.train_dataloader, int(cfg.data.num_classes),
+                                         dict(cfg.recipe), steps=int(b.steps), warmup=int(b.warmup) + 3)
+            protocol = {"mode": "overhead", "batch_size": int(cfg.recipe.batch_size), "img_size": img,
+                        "device": "cpu", "threads": torch.get_num_threads(),
+                        "statistic": "median seconds between consecutive batch starts, best of 2 alternations"}
+            print(f"{cfg.name}: plain loop {metrics['plain_step_s'] * 1e3:.2f} ms/step, Lightning "
+                  f"{metrics['lightning_step_s'] * 1e3:.2f} ms/step: overhead {100 * metrics['lightning_overhead']:+.1f} %")
+        run.complete(metrics, protocol)
+    return run.result
+
+
+def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
+    """``vitexp-audit {bspf,raptor}``: the report ``results/audit/<paper>.md`` and a ledger entry (kind audit)."""
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    with owned_run(f"{args.paper}_audit", "audit", results_dir) as run:
+        run.start(config)
+        if args.paper == "raptor":
+            from vitexp.analysis import audit_raptor as auditor
+
+            findings = auditor.audit(args.sizes)
+        else:
+            from vitexp.analysis import audit_bspf as auditor
+
+            findings = auditor.audit(args.micro_run, args.deit_small, args.images, results_dir)
+        report = auditor.render(findings)
+        out = atomic_write(results_dir / "audit" / f"{args.paper}.md", report)
+        print(report)
+        metrics, protocol = auditor.summary(findings)
+        report_path = portable_path(out, results_dir)
+        run.complete(metrics, protocol, out={"report": str(out)}, report=report_path, findings=findings)
+    return run.result
+
+
+def run_analyze(cfg: DictConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """Laplace maps, head clusters or RAPTOR's phases of the configured backbone (``vitexp-analyze``)."""
+    from vitexp.analysis import heads as head_analysis
+    from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
+
+    analysis_dir = Path(cfg.results_dir) / "analysis"
+    with owned_run(cfg.name, "analyze", cfg.results_dir, analysis_dir, cfg.logger) as run:
+        validate(cfg)
+        run.start({**to_container(cfg), "analysis": vars(args)})
+        model = build_configured_backbone(cfg).eval()
+        datamodule = build_datamodule(cfg, data_config_for(cfg, model))
+        datamodule.setup("test")
+        test = datamodule.test_set
+        prefix = int(getattr(model, "num_prefix_tokens", 1))
+        out = analysis_dir / f"{cfg.name}_{args.analysis}.png"
+        if args.analysis == "laplace":
+            metrics = head_analysis.laplace_grid(model, test[args.image_index][0], prefix, out)
+        elif args.analysis == "phases":
+            from vitexp.analysis.phases import phase_report
+
+            datamodule.setup("fit")
+            metrics = phase_report(model, datamodule.train_eval_dataloader(), args.images, args.f, args.blocks, out)
+            print("\n".join(metrics["phases_text"]))
+        else:
+            import torch
+
+            n = min(args.images, len(test))
+            images = torch.stack([test[i][0] for i in range(n)])
+            metrics = head_analysis.head_clusters(model, images, prefix, args.clusters, out)
+        if run.logger and hasattr(run.logger, "log_image"):
+            run.logger.log_image(key=args.analysis, images=[str(out)])
+        print(f"{cfg.name}: {args.analysis} -> {out}")
+        figure = portable_path(out, cfg.results_dir)
+        run.complete({k: v for k, v in metrics.items() if k not in ("labels", "distance_matrix")},
+                     {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
+                     out={"figure": str(out), "metrics": metrics}, figure=figure, head_clusters=metrics.get("labels"),
+                     distance_matrix=metrics.get("distance_matrix"))
+    return run.result
+
+
+def _compose_experiment(name: str) -> DictConfig:
+    """An experiment's config, composed beside the running Hydra app (or standalone)."""
+    from hydra import compose as hydra_compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = [f"experiment={name}"]
+    if GlobalHydra.instance().is_initialized():
+        return hydra_compose(config_name="train", overrides=overrides)
+    from vitexp.config import compose
+
+    return compose(overrides)
+
+
+def run_compare(cfg: DictConfig) -> dict[str, Any]:
+    """``bench.compare=[A, B, ...]``: the deployed models of several experiments timed in one
+    interleaved run (:func:`vitexp.bench.compare_throughput`) on ``bench.*``'s device, batch and
+    precision. A is the reference: each experiment gets a bench ledger entry with its images/s,
+    its speedup over A (``throughput_ratio``) and A's GMACs over its own (``gmacs_ratio``). The
+    machine's load average before and after goes into the protocol (a shared CPU shows there).
+    The entries are written directly (one per experiment, no logger); the closing JSON line lists them."""
+    import os
+
+    from vitexp.bench import bench_device, compare_throughput
+    from vitexp.flops import count_macs
+    from vitexp.results import LedgerEntry
+    from vitexp.build import build_model
+
+    names = [str(n) for n in cfg.bench.compare]
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise ConfigError(f"bench.compare: {names} must name at least two different experiments (the first is the reference)")
+    subs = {}
+    for name in names:
+        sub = _compose_experiment(name)
+        with open_dict(sub):
+            sub.output_dir, sub.results_dir, sub.bench, sub.logger = cfg.output_dir, cfg.results_dir, cfg.bench, cfg.logger
+        validate(sub, need_data=False)
+        subs[name] = sub
+    sizes = {int(sub.backbone.img_size) for sub in subs.values()}
+    if len(sizes) != 1:
+        raise ConfigError(f"bench.compare: the experiments run at different resolutions {sorted(sizes)}")
+    img = sizes.pop()
+    ledgers = {n: LedgerEntry(n, "bench", to_container(sub), cfg.results_dir).start() for n, sub in subs.items()}
+    try:
+        b = cfg.bench
+        device = bench_device(str(b.device))
+        models, gmacs = {}, {}
+        for name, sub in subs.items():
+            model, method, _ = build_model(sub)
+            deployed = method.deploy(model)
+            gmacs[name] = count_macs(deployed, img).gmacs
+            models[name] = deployed.to(device)
+        load_before = os.getloadavg()
+        res = compare_throughput(models, b.batch_size, img, warmup=int(b.warmup), rounds=int(b.rounds),
+                                 iters=int(b.iters), amp=b.amp, progress=True)
+        load_after = os.getloadavg()
+        ref = names[0]
+        out = {}
+        for name in names:
+            metrics = {"throughput": res[name]["throughput"], "baseline_throughput": res[ref]["throughput"],
+                       "throughput_ratio": res[name]["throughput"] / res[ref]["throughput"],
+                       "gmacs": gmacs[name], "baseline_gmacs": gmacs[ref], "gmacs_ratio": gmacs[ref] / gmacs[name]}
+            protocol = {"mode": "compare", "interleaved": True, "interleaved_with": names, "reference": ref,
+                        **{k: v for k, v in res[name].items() if k != "throughput"}, "statistic": "median over rounds",
+                        "load_average_1m_before_after": [load_before[0], load_after[0]], "cpu_count": os.cpu_count()}
+            print(f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f} over {ref} "
+                  f"(GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)")
+            path = ledgers[name].finish(metrics, protocol)
+            out[name] = {"metrics": metrics, "ledger": str(path), "run_id": ledgers[name].run_id}
+        print(f"batch {res[ref]['batch_size']}, {img} px, {res[ref]['device_name']}, {res[ref]['precision']}, "
+              f"{res[ref]['threads']} threads, load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
+              f"on {os.cpu_count()} CPUs")
+        return {"metrics": {n: o["metrics"] for n, o in out.items()}, "ledger": [o["ledger"] for o in out.values()],
+                "run_id": [o["run_id"] for o in out.values()], "status": "completed"}
+    except BaseException as err:
+        for ledger in ledgers.values():
+            if ledger.record["status"] == "running":
+                ledger.fail(err)
+        raise

@@ -1,0 +1,94 @@
+"""``vitexp-eval``: evaluation only. The model a completed train run saved (``artifacts.weights``,
+or ``--weights``: a ``weights.pth`` or a vitexp Lightning checkpoint) is rebuilt from the run's
+own resolved config (backbone, method applied, the stage whose model the run deployed), loaded,
+and tested on the run's test split by the same LightningModule and :func:`vitexp.train.evaluate_test_split`
+the run used, so ``top1`` equals the ledger's for the same weights and data. The result is a
+ledger entry of kind ``eval`` naming the run it evaluates (``evaluates``).
+
+Overrides: ``key=value`` on the run's config (``data.root=/datasets/imagenet``), or
+``group=option`` for the groups that say where and how it runs (``logger``, ``trainer``), composed
+from ``conf/<group>/<option>.yaml``. A key the run's config does not have is refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from vitexp.errors import ConfigError
+from vitexp.results import completed_runs, default_results_dir, local_path, portable_path
+
+#: Groups an evaluation may swap whole (where and how it runs, not what the model is).
+SWAPPABLE_GROUPS = ("logger", "trainer")
+
+
+def find_run(run: str, results_dir: Path) -> dict[str, Any]:
+    """The completed train run with id ``run``, else the newest completed run of experiment ``run``."""
+    runs = [r for r in completed_runs(kind="train", results_dir=results_dir) if run in (r["run_id"], r["experiment"])]
+    if not runs:
+        raise FileNotFoundError(f"no completed train run with id or experiment {run!r} in {results_dir / 'runs'}")
+    return runs[-1]
+
+
+def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, dict[str, Any]]:
+    """The run's config with ``overrides``, its results folder this machine's; and its ledger record."""
+    from vitexp.config import compose
+
+    results_dir = default_results_dir()
+    record = find_run(run, results_dir)
+    cfg = OmegaConf.create(record["config"])
+    with open_dict(cfg):
+        cfg.results_dir = str(results_dir)
+        cfg.name = record["experiment"]
+        cfg.output_dir = str(results_dir / "eval" / record["run_id"])
+        cfg.resume = False
+    OmegaConf.set_struct(cfg, True)
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        if key in SWAPPABLE_GROUPS:
+            with open_dict(cfg):
+                cfg[key] = compose([ov])[key]
+            continue
+        if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
+            group = key.split(".")[0]
+            valid = sorted(cfg[group].keys()) if isinstance(cfg.get(group), DictConfig) else sorted(cfg.keys())
+            raise ConfigError(f"{key}: not a key of run {record['run_id']}'s config; valid keys: {valid}")
+        OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=False)
+    return cfg, record
+
+
+def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> dict[str, Any]:
+    """Rebuild, load and test (module docstring); returns the closing result of the eval run."""
+    import lightning as L
+
+    from vitexp.build import build_backbone_and_method, load_weights
+    from vitexp.config import to_container, validate
+    from vitexp.run import owned_run
+    from vitexp.train import datamodule_cache, evaluate_test_split, stage_config, stage_module
+
+    with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
+        method = validate(cfg)
+        path = Path(weights) if weights else local_path((record.get("artifacts") or {}).get("weights"), cfg.results_dir)
+        if path is None or not path.is_file():
+            raise FileNotFoundError(f"run {record['run_id']}: its weights {path} are not on this machine; pass --weights "
+                                    f"(weights.pth or checkpoints/last.ckpt of that run) or rerun it")
+        run.start({**to_container(cfg), "evaluates": record["run_id"]})
+        L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+        backbone, method, data_config = build_backbone_and_method(cfg, method)
+        datamodule_for = datamodule_cache(data_config)
+        method.prepare(backbone, datamodule_for(cfg))
+        stage = [s for s in method.stages(method.apply(backbone, cfg.budget)) if s.deployed][-1]
+        module = stage_module(cfg, stage)
+        module.model.load_state_dict(load_weights(path))
+        t = cfg.trainer
+        trainer = L.Trainer(accelerator=t.accelerator, devices=1, precision=t.precision, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=bool(t.enable_progress_bar),
+                            enable_model_summary=False, limit_test_batches=t.get("limit_test_batches"))
+        metrics = evaluate_test_split(trainer, module, datamodule_for(stage_config(cfg, stage)),
+                                      stage.metrics_prefix or "")
+        print(f"{cfg.name}: top-1 {metrics['top1']:.2f} % (run {record['run_id']}: "
+              f"{(record.get('metrics') or {}).get('top1')})")
+        run.complete(metrics, {"accuracy_unit": "%", "weights": portable_path(path, cfg.results_dir)},
+                     out={"evaluates": record["run_id"]}, evaluates=record["run_id"])
+    return run.result

@@ -1,0 +1,200 @@
+"""One owner per run: :func:`owned_run` holds a run's ledger entry, its logger and its closing
+JSON line from start to last line, for every command (train, eval, flops, bench, audit, analyze).
+
+- ``run.start(config)`` opens the ledger entry (after validation: an invalid config writes
+  nothing). Under ``resume=auto|true`` an interrupted attempt's own entry and W&B run are reused:
+  ``<output_dir>/run.json`` records the run id and the W&B id of the first attempt.
+- ``run.logger`` is built on first use (rank zero only), with that W&B id and ``resume="allow"``.
+- ``run.complete(metrics, protocol, ...)`` says what the entry closes with. Leaving the block
+  normally closes it ``completed``; an exception closes it ``failed`` (a :class:`ConfigError`
+  before ``start``: ``invalid``, nothing written, no empty output folder left).
+- On every exit rank zero prints one line of JSON, the last line of standard output.
+
+``resume``: ``false`` starts fresh; ``true`` continues from ``checkpoints/last.ckpt`` and fails
+when there is none; ``auto`` continues when there is one and starts fresh otherwise (what a
+requeued SLURM job needs: the same command, the same run folder).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from vitexp.errors import ConfigError
+from vitexp.results import LedgerEntry, atomic_write_json, portable_path
+
+RUN_MARKER = "run.json"
+RESUME_MODES = ("false", "true", "auto")
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of a (possibly distributed) job, by Lightning's rank utility (which reads
+    ``RANK``/``LOCAL_RANK``/``SLURM_PROCID`` and is updated by the strategy)."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+def resume_mode(value: Any) -> str:
+    """``resume`` as one of :data:`RESUME_MODES` (YAML booleans accepted)."""
+    mode = str(value).lower()
+    if mode not in RESUME_MODES:
+        raise ConfigError(f"resume: {value!r} is not one of {RESUME_MODES}")
+    return mode
+
+
+def resume_checkpoint(resume: Any, checkpoint: Path, first: bool = True) -> str | None:
+    """The checkpoint a stage continues from: ``checkpoint`` when resuming and it exists. Under
+    ``resume=true`` the run's first stage must have one; a later stage without one starts fresh
+    (the run was interrupted before it)."""
+    mode = resume_mode(resume)
+    if mode == "false":
+        return None
+    if checkpoint.is_file():
+        return str(checkpoint)
+    if mode == "true" and first:
+        raise FileNotFoundError(
+            f"resume=true but no checkpoint at {checkpoint}: pass the interrupted run's folder as hydra.run.dir "
+            "(resume=auto starts fresh instead)")
+    return None
+
+
+def emit(payload: Mapping[str, Any]) -> None:
+    """The closing line: one JSON object, flushed after anything on stderr."""
+    sys.stderr.flush()
+    print(json.dumps(dict(payload), default=str), flush=True)
+
+
+def remove_if_empty(output_dir: Path | None) -> None:
+    """Remove a run folder holding nothing but Hydra's own files (``.hydra/``, the job log), and
+    the two folders above it if they are left empty (``outputs/<name>/``, ``outputs/``): what a run that failed validation leaves behind."""
+    if output_dir is None or not (output_dir / ".hydra").is_dir():
+        return
+    if all(p.name == ".hydra" or p.suffix == ".log" for p in output_dir.iterdir()):
+        shutil.rmtree(output_dir, ignore_errors=True)
+        for parent in list(output_dir.resolve().parents)[:2]:  # outputs/<name>/, then outputs/, when left empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+
+class Run:
+    """The state :func:`owned_run` hands to a command's body."""
+
+    def __init__(self, name: str, kind: str, results_dir: Path | str, output_dir: Path | str | None,
+                 logger_cfg: Mapping[str, Any] | None, resume: Any, job_type: str | None, resumable: bool):
+        self.name, self.kind = name, kind
+        self.results_dir = Path(results_dir)
+        self.output_dir = Path(output_dir) if output_dir else None
+        self.logger_cfg, self.resume, self.job_type = logger_cfg, resume_mode(resume), job_type or kind
+        self.rank_zero, self.resumable = is_rank_zero(), resumable
+        self.ledger: LedgerEntry | None = None
+        self.wandb_id: str | None = None
+        self.config: dict[str, Any] = {}
+        self._logger: Any = None
+        self._closing: dict[str, Any] | None = None
+
+    # -- opening ----------------------------------------------------------------------------------
+    def start(self, config: dict[str, Any]) -> "Run":
+        """Open the ledger entry (rank zero): the interrupted attempt's own under resume, else a new one."""
+        self.config = config
+        if not self.rank_zero:
+            return self
+        marker = self.output_dir / RUN_MARKER if self.output_dir and self.resumable else None
+        previous = json.loads(marker.read_text()) if marker and marker.is_file() else {}
+        if self.resume != "false" and previous.get("run_id"):
+            entry = LedgerEntry.load(previous["run_id"], self.results_dir)
+            if entry is not None and entry.record.get("status") != "completed":
+                self.ledger, self.wandb_id = entry.reopen(config), previous.get("wandb_id")
+        if self.ledger is None:
+            self.ledger = LedgerEntry(self.name, self.kind, config, self.results_dir).start()
+            self.wandb_id = uuid.uuid4().hex[:8]  # W&B's id format: 8 characters [0-9a-z]
+            if marker:
+                atomic_write_json(marker, {"run_id": self.ledger.run_id, "wandb_id": self.wandb_id})
+        self.ledger.record["wandb_id"] = self.wandb_id
+        return self
+
+    @property
+    def logger(self):
+        """The Lightning logger of this run (``False`` on other ranks or with ``logger=none``)."""
+        if self._logger is None:
+            from vitexp.logging_utils import build_logger
+
+            if not self.rank_zero or not self.logger_cfg:
+                self._logger = False
+            else:
+                save_dir = self.output_dir or self.results_dir / self.kind
+                self._logger = build_logger(self.logger_cfg, self.name, save_dir, self.config,
+                                            job_type=self.job_type, run_id=self.wandb_id)
+        return self._logger
+
+    # -- closing ----------------------------------------------------------------------------------
+    def complete(self, metrics: Mapping[str, Any], protocol: Mapping[str, Any] | None = None,
+                 out: Mapping[str, Any] | None = None, step: int | None = None, **record: Any) -> None:
+        """What the entry closes with: ``metrics``, ``protocol``, ledger fields ``record`` (paths
+        made portable by the caller), ``out`` (extra keys of the closing JSON line)."""
+        self._closing = {"metrics": dict(metrics), "protocol": dict(protocol or {}), "out": dict(out or {}),
+                         "step": step, "record": record}
+
+    def _close(self) -> dict[str, Any]:
+        from vitexp.logging_utils import finish, log_final, wandb_url
+
+        if self._closing is None:
+            raise RuntimeError(f"{self.kind} run {self.name} ended without run.complete(...)")
+        c = self._closing
+        result = {"metrics": c["metrics"], "ledger": None, "run_id": None, **c["out"]}
+        if not self.rank_zero:
+            return result
+        try:
+            log_final(self.logger, c["metrics"], step=c["step"])
+            url = portable_path(wandb_url(self.logger), self.results_dir)
+            if self.output_dir is not None:
+                c["record"].setdefault("output_dir", portable_path(self.output_dir, self.results_dir))
+            path = self.ledger.finish(c["metrics"], c["protocol"], wandb_url=url, **c["record"])
+        except BaseException:
+            finish(self._logger, failed=True)
+            raise
+        finish(self._logger)
+        return {**result, "ledger": str(path), "run_id": self.ledger.run_id}
+
+    def _fail(self, err: BaseException) -> dict[str, Any]:
+        from vitexp.logging_utils import finish
+
+        invalid = isinstance(err, ConfigError) and self.ledger is None
+        if invalid:
+            remove_if_empty(self.output_dir)
+        elif self.ledger is not None and self.ledger.record["status"] == "running":
+            extra = {"output_dir": portable_path(self.output_dir, self.results_dir)} if self.output_dir else {}
+            self.ledger.fail(err, **extra)
+        finish(self._logger, failed=True)
+        ledger = str(self.ledger.path) if self.ledger else None
+        return {"status": "invalid" if invalid else "failed", "error": f"{type(err).__name__}: {err}", "ledger": ledger}
+
+
+@contextmanager
+def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | str | None = None,
+              logger_cfg: Mapping[str, Any] | None = None, resume: Any = False,
+              job_type: str | None = None, resumable: bool = False) -> Iterator[Run]:
+    """Own one run from start to last line (module docstring). The body calls ``run.start`` once
+    its config is valid and ``run.complete`` at the end; the result is ``run.result``. Only a
+    ``resumable`` run (training) keeps ``run.json`` in its folder and continues its entry."""
+    run = Run(name, kind, results_dir, output_dir, logger_cfg, resume, job_type, resumable)
+    try:
+        yield run
+        run.result = run._close()
+    except BaseException as err:
+        payload = run._fail(err)
+        if run.rank_zero:
+            emit(payload)
+        try:
+            err.vitexp_reported = True  # the CLI prints no second closing line
+        except AttributeError:
+            pass
+        raise
+    if run.rank_zero:
+        emit({"status": "completed", **run.result})
