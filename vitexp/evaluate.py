@@ -1,6 +1,8 @@
 """``vitexp-eval``: evaluation only. The model a completed train run saved (``artifacts.weights``,
 or ``--weights``: a ``weights.pth`` or a vitexp Lightning checkpoint) is rebuilt from the run's
-own resolved config (backbone, method applied, the stage whose model the run deployed), loaded,
+own resolved config (backbone, method applied, the stage whose model the run deployed; a method
+that saves a deployed model of its own shape, SAPER's pruned heads, rebuilds it with
+``Method.rebuild_deployed`` from the ledger entry), loaded,
 and tested on the run's test split by the same LightningModule and :func:`vitexp.train.evaluate_test_split`
 the run used, so ``top1`` equals the ledger's for the same weights and data. The result is a
 ledger entry of kind ``eval`` naming the run it evaluates (``evaluates``).
@@ -64,6 +66,7 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
 
     from vitexp.build import build_backbone_and_method, load_weights
     from vitexp.config import to_container, validate
+    from vitexp.methods import Method
     from vitexp.run import owned_run
     from vitexp.train import datamodule_cache, evaluate_test_split, stage_config, stage_module
 
@@ -80,6 +83,9 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
         method.prepare(backbone, datamodule_for(cfg))
         stage = [s for s in method.stages(method.apply(backbone, cfg.budget)) if s.deployed][-1]
         module = stage_module(cfg, stage)
+        if type(method).rebuild_deployed is not Method.rebuild_deployed:  # the run saved a deployed model of its own shape
+            fresh, _, _ = build_backbone_and_method(cfg, method)
+            module.model = method.rebuild_deployed(fresh, record)
         module.model.load_state_dict(load_weights(path))
         t = cfg.trainer
         trainer = L.Trainer(accelerator=t.accelerator, devices=1, precision=t.precision, logger=False,
