@@ -105,15 +105,27 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
     config = to_container(cfg)
     ledger = LedgerEntry(cfg.name, "flops", config, cfg.results_dir).start()
     try:
-        model, method, _ = build_model(cfg)
+        model, method, data_config = build_model(cfg)
         deployed = method.deploy(model)
-        report = count_macs(deployed, int(cfg.backbone.img_size), registers=registers_of(cfg))
-        metrics = {**report.metrics(), "heads": count_heads(deployed)}
-        protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
+        from vitexp.detection import detection_flops, detector_for, wants_detection
+
+        if wants_detection(cfg):
+            deployed = detector_for(cfg, deployed, data_config)
+            metrics, det_protocol = detection_flops(cfg, deployed)
+            report = count_macs(deployed.backbone.body.model, int(cfg.backbone.img_size))  # the backbone alone, at its resolution
+            metrics.update({"heads": count_heads(deployed), "backbone_gmacs": report.gmacs})
+            protocol = {**det_protocol, "num_classes": int(cfg.data.num_classes)}
+        else:
+            report = count_macs(deployed, int(cfg.backbone.img_size), registers=registers_of(cfg))
+            metrics = {**report.metrics(), "heads": count_heads(deployed)}
+            protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
+        where = f"{protocol['resolution']} (the whole detector)" if wants_detection(cfg) else f"{cfg.backbone.img_size} px"
+        parts = ({k[6:]: v for k, v in metrics.items() if k.startswith("gmacs_")} if wants_detection(cfg)
+                 else report.by_module)
         print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
-              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {cfg.backbone.img_size} px, "
+              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {where}, "
               f"attention matmuls counted; by module (GMACs): "
-              + ", ".join(f"{k} {v:.3f}" for k, v in report.by_module.items() if v > 0))
+              + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v > 0))
         path = _close_run(cfg, ledger, config, "flops", metrics, protocol, by_module=report.by_module)
         return {"metrics": metrics, "protocol": protocol, "ledger": str(path), "run_id": ledger.run_id}
     except BaseException as err:

@@ -146,6 +146,11 @@ def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tupl
     img_size = int(cfg.backbone.img_size)
     metrics: dict[str, Any] = {}
     protocol: dict[str, Any] = {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes)}
+    from vitexp.detection import detection_flops, wants_detection
+
+    if wants_detection(cfg):
+        metrics, det_protocol = detection_flops(cfg, deployed)
+        return metrics, {**protocol, **det_protocol}
     if cfg.eval.flops:
         report = count_macs(deployed, img_size, registers=registers_of(cfg))
         metrics.update(report.metrics())
@@ -222,10 +227,13 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         teacher_metrics = teacher_probe_from_ledger(method, cfg)  # before training: a wrong id fails now
         method.prepare(backbone, datamodule_for(cfg))
         model = method.apply(backbone, cfg.budget)
+        from vitexp.detection import detection_stages, wants_detection
+
+        stages = detection_stages(cfg, model, data_config) if wants_detection(cfg) else method.stages(model)
         logger = build_logger(cfg.logger, cfg.name, output_dir, config) if rank_zero else False
         metrics: dict[str, Any] = {"epochs": 0, "steps": 0}
         deployed_model = model
-        for i, stage in enumerate(method.stages(model)):
+        for i, stage in enumerate(stages):
             module, trainer, fit_s = fit_stage(cfg, stage, datamodule_for, logger, output_dir, callbacks, i == 0)
             metrics["epochs"] += trainer.current_epoch
             metrics["steps"] += trainer.global_step
@@ -234,12 +242,16 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
                 p = stage.metrics_prefix
                 val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
                 test = trainer.test(module, datamodule=datamodule_for(stage_config(cfg, stage)), verbose=False)[0]
-                metrics.update({
-                    f"{p}top1": 100.0 * test["test/top1"],
-                    f"{p}top5": 100.0 * test["test/top5"],
-                    f"{p}test_loss": test["test/loss"],
-                    f"{p}val_top1": 100.0 * val["val/top1"] if "val/top1" in val else None,
-                })
+                if "test/top1" in test:
+                    metrics.update({
+                        f"{p}top1": 100.0 * test["test/top1"],
+                        f"{p}top5": 100.0 * test["test/top5"],
+                        f"{p}test_loss": test["test/loss"],
+                        f"{p}val_top1": 100.0 * val["val/top1"] if "val/top1" in val else None,
+                    })
+                else:  # detection: COCO APs, x 100 as COCO tables print them
+                    metrics.update({f"{p}{k[5:]}": 100.0 * v for k, v in test.items() if k.startswith("test/ap")})
+                    metrics.update({f"{p}val_{k[4:]}": 100.0 * v for k, v in val.items() if k.startswith("val/ap")})
             elif "val/loss" in trainer.callback_metrics:
                 metrics[f"{stage.name}_val_loss"] = float(trainer.callback_metrics["val/loss"])
             if stage.deployed:
