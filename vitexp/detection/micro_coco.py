@@ -188,3 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps({"status": "completed", "out": str(args.out), **summary}))
     return 0
+
+
+def main_exit() -> None:
+    """Console entry point of ``vitexp-data``."""
+    raise SystemExit(main())
