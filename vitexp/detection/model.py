@@ -37,6 +37,8 @@ class StageFeatures(nn.Module):
                             f"forward_intermediates); {type(model).__name__} has none")
         stages = list(range(len(info)))
         self.indices = [stages[i] for i in (indices if indices is not None else stages)]
+        if hasattr(model, "prune_intermediate_layers"):  # the classifier (and stages past the last used) go
+            model.prune_intermediate_layers(self.indices, prune_norm=True, prune_head=True)
         self.model = model
         self.channels = [int(info[i]["num_chs"]) for i in self.indices]
         self.strides = [int(info[i]["reduction"]) for i in self.indices]
