@@ -23,15 +23,26 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
     with owned_run(cfg.name, "flops", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
         method = validate(cfg, need_data=False)
         run.start(to_container(cfg))
-        model, method, _ = build_model(cfg, method)
+        model, method, data_config = build_model(cfg, method)
         deployed = method.deploy(model)
-        report = count_macs(deployed, int(cfg.backbone.img_size), registers=registers_of(cfg))
-        metrics = {**report.metrics(), "heads": count_heads(deployed)}
-        protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
+        from vitexp.detection import detection_flops, detector_for, wants_detection
+
+        if wants_detection(cfg):  # the whole detector at detector.flops_size, and the backbone alone
+            detector = detector_for(cfg, deployed, data_config)
+            metrics, protocol = detection_flops(cfg, detector)
+            report = count_macs(detector.backbone.body.model, int(cfg.backbone.img_size))
+            metrics.update({"heads": count_heads(detector), "backbone_gmacs": report.gmacs})
+            protocol["num_classes"] = int(cfg.data.num_classes)
+            where, parts = f"{protocol['resolution']} (the whole detector)", {k[6:]: v for k, v in metrics.items() if k.startswith("gmacs_")}
+        else:
+            report = count_macs(deployed, int(cfg.backbone.img_size), registers=registers_of(cfg))
+            metrics = {**report.metrics(), "heads": count_heads(deployed)}
+            protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
+            where, parts = f"{cfg.backbone.img_size} px", report.by_module
         print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
-              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {cfg.backbone.img_size} px, "
+              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {where}, "
               f"attention matmuls counted; by module (GMACs): "
-              + ", ".join(f"{k} {v:.3f}" for k, v in report.by_module.items() if v > 0))
+              + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v > 0))
         run.complete(metrics, protocol, out={"protocol": protocol}, by_module=report.by_module)
     return run.result
 

@@ -43,7 +43,9 @@ NON_IDENTITY_KEYS = ("backbone.pretrained", "data.root", "data.num_workers")
 LOGGER_KINDS = ("wandb", "csv", "none")
 #: Groups whose keys are vitexp's schema: ``+group.key=...`` may not add to them. (``trainer``
 #: keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
-SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench")
+SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench", "detector")
+SCHEDULES = ("cosine", "step", "multistep", "none")
+OBJECTIVE_CHOICES = ("auto", "detect")
 
 
 def compose(overrides: Iterable[str] = (), config_name: str = "train",
@@ -108,7 +110,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None):
     data = cfg.data
     _check(not OmegaConf.is_missing(data, "num_classes"), "data.num_classes", "required (data.num_classes=N)")
     _check(int(data.num_classes) >= 2, "data.num_classes", f"{data.num_classes} must be >= 2")
-    if "root" in data.keys() and need_data:
+    if "root" in data.keys() and need_data and not data.get("generate"):
         _check(not OmegaConf.is_missing(data, "root"), "data.root", f"required for data={data.name} (data.root=/path/to/dataset)")
         root = data.root
         package = f" (installed by the Debian package {data.package}: apt-get install -y {data.package})" \
@@ -129,7 +131,14 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None):
     _check(0 <= float(r.label_smoothing) < 1, "recipe.label_smoothing", f"{r.label_smoothing} must be in [0, 1)")
     _check(0 <= float(r.mixup) and 0 <= float(r.cutmix), "recipe.mixup/cutmix", "must be >= 0")
     _check(0 <= float(r.drop_path) < 1, "recipe.drop_path", f"{r.drop_path} must be in [0, 1)")
-    _check(r.sched in ("cosine", "step", "none"), "recipe.sched", f"{r.sched!r} is not one of ('cosine', 'step', 'none')")
+    _check(r.sched in SCHEDULES, "recipe.sched", f"{r.sched!r} is not one of {SCHEDULES}")
+    _check(cfg.get("objective", "auto") in OBJECTIVE_CHOICES, "objective",
+           f"{cfg.get('objective')!r} is not one of {OBJECTIVE_CHOICES}")
+    if cfg.get("objective") == "detect":
+        _check(data.get("_target_", "").endswith("CocoDataModule"), "data",
+               f"objective=detect needs a detection dataset (data=coco or data=micro_coco), not data={data.name}")
+        _check(arch.get("family") in ("metaformer", "shvit"), "backbone",
+               f"objective=detect needs a backbone with stages (caformer_*, shvit_*), not {bb.name}")
 
     _check(cfg.bench.device in ("auto", "cpu", "cuda"), "bench.device",
            f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')")
@@ -164,7 +173,7 @@ def run_name(cfg: DictConfig, choices: dict[str, str], overrides: Iterable[str])
         key = ov.split("=", 1)[0].lstrip("+~")
         if "/" in key or key in IDENTITY_GROUPS or key in ("experiment", "name"):
             continue
-        if key.split(".")[0] in IDENTITY_GROUPS + ("seed",) and key not in NON_IDENTITY_KEYS:
+        if key.split(".")[0] in IDENTITY_GROUPS + ("seed", "objective", "detector") and key not in NON_IDENTITY_KEYS:
             changes.append(ov.lstrip("+~"))
     if any(ov.split("=", 1)[0] == "name" for ov in overrides):
         return str(cfg.name)

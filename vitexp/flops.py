@@ -105,6 +105,33 @@ def count_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters()) + frozen
 
 
+def _analysis(model: nn.Module, inputs: tuple):
+    """fvcore's analysis of ``model(*inputs)`` with vitexp's op handles (the protocol above)."""
+    from fvcore.nn import FlopCountAnalysis
+
+    analysis = FlopCountAnalysis(model, inputs)
+    for op in _UNCOUNTED_OPS:  # a zero handle: fvcore's None keeps its default handle
+        analysis.set_op_handle(op, _zero_handle)
+    for op, handle in _EXTRA_HANDLES.items():
+        analysis.set_op_handle(op, handle)
+    analysis.unsupported_ops_warnings(False)
+    analysis.uncalled_modules_warnings(False)
+    analysis.tracer_warnings("none")
+    return analysis
+
+
+def count_module_macs(module: nn.Module, inputs: tuple) -> int:
+    """MACs of ``module(*inputs)`` (eval mode, no gradients) under vitexp's protocol: for parts of
+    a model that do not take an image (a detector's heads on RoI features)."""
+    was_training = module.training
+    module.eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        total = int(_analysis(module, inputs).total())
+    module.train(was_training)
+    return total
+
+
 def count_macs(
     model: nn.Module,
     img_size: int,
@@ -119,7 +146,6 @@ def count_macs(
     ``extra_params`` adds parameters that live outside ``model`` (e.g. a probe head counted
     separately)."""
     import fvcore
-    from fvcore.nn import FlopCountAnalysis
 
     was_training = model.training
     model.eval()
@@ -127,14 +153,7 @@ def count_macs(
     x = torch.randn(1, in_chans, img_size, img_size, device=device)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        analysis = FlopCountAnalysis(model, x)
-        for op in _UNCOUNTED_OPS:  # a zero handle: fvcore's None keeps its default handle
-            analysis.set_op_handle(op, _zero_handle)
-        for op, handle in _EXTRA_HANDLES.items():
-            analysis.set_op_handle(op, handle)
-        analysis.unsupported_ops_warnings(False)
-        analysis.uncalled_modules_warnings(False)
-        analysis.tracer_warnings("none")
+        analysis = _analysis(model, (x,))
         total = analysis.total()
         by_module = {
             name: macs / 1e9

@@ -313,6 +313,10 @@ OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {
 
 
 def module_for(objective: str) -> type[L.LightningModule]:
+    if objective == "detect":
+        from vitexp.detection.module import DetectModule
+
+        return DetectModule
     try:
         return OBJECTIVE_MODULES[objective]
     except KeyError:

@@ -54,6 +54,11 @@ def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tupl
     img_size = int(cfg.backbone.img_size)
     metrics: dict[str, Any] = {}
     protocol: dict[str, Any] = {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes)}
+    from vitexp.detection import detection_flops, wants_detection
+
+    if wants_detection(cfg):
+        metrics, det_protocol = detection_flops(cfg, deployed)
+        return metrics, {**protocol, **det_protocol}
     if cfg.eval.flops:
         report = count_macs(deployed, img_size, registers=registers_of(cfg))
         metrics.update(report.metrics())
@@ -144,9 +149,12 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         method.lookup(cfg)  # before training: a missing run it needs fails now
         method.prepare(backbone, datamodule_for(cfg))
         model = method.apply(backbone, cfg.budget)
+        from vitexp.detection import detection_stages, wants_detection
+
+        stages = detection_stages(cfg, model, data_config) if wants_detection(cfg) else method.stages(model)
         metrics: dict[str, Any] = {"epochs": 0, "steps": 0}
         deployed_model = model
-        for i, stage in enumerate(method.stages(model)):
+        for i, stage in enumerate(stages):
             module, trainer, fit_s = fit_stage(cfg, stage, datamodule_for, run.logger, output_dir, callbacks, i == 0)
             metrics["epochs"] += trainer.current_epoch
             metrics["steps"] += trainer.global_step
@@ -156,6 +164,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
                 val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
                 metrics.update(evaluate_stage(trainer, module, method, stage, datamodule_for(stage_config(cfg, stage)), p))
                 metrics[f"{p}val_top1"] = 100.0 * val["val/top1"] if "val/top1" in val else None
+                metrics.update({f"{p}val_{k[4:]}": 100.0 * v for k, v in val.items() if k.startswith("val/ap")})
             elif "val/loss" in trainer.callback_metrics:
                 metrics[f"{stage.name}_val_loss"] = float(trainer.callback_metrics["val/loss"])
             if stage.deployed:

@@ -6,6 +6,7 @@ through timm's ``pretrained_cfg_overlay=dict(file=...)``: nothing is ever downlo
 from vitexp.models import caformer as _caformer  # noqa: F401  (registers caformer_micro)
 from vitexp.models import lvvit as _lvvit  # noqa: F401  (registers lvvit_s, lvvit_micro)
 from vitexp.models import micro as _micro  # noqa: F401  (registers vit_micro_patch4_32)
+from vitexp.models import shvit as _shvit  # noqa: F401  (registers shvit_micro)
 from vitexp.models import t2t as _t2t  # noqa: F401  (registers t2t_vit_14, t2t_vit_t_14, t2t_vit_micro)
 from vitexp.models.factory import BackboneInfo, CheckpointMismatchError, backbone_info, build_backbone
 

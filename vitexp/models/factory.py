@@ -55,11 +55,20 @@ class BackboneInfo:
 
 def backbone_info(model: nn.Module, name: str = "") -> BackboneInfo:
     """Read depth, heads, width and token layout off a timm ViT-like model. For a MetaFormer
-    (CaFormer) the facts are its first attention stage's: blocks, heads, width, stride, no prefix."""
+    (CaFormer) the facts are its first attention stage's: blocks, heads, width, stride, no prefix.
+    For SHViT likewise: one head, the stage's width, stride 16 · 2^stage."""
     stages = getattr(model, "stages", None)
     if stages is not None and not hasattr(model, "blocks"):
         for i, stage in enumerate(stages):
-            mixer = stage.blocks[0].token_mixer
+            block = stage.blocks[0]
+            shsa = getattr(getattr(block, "mixer", None), "m", None)
+            if hasattr(shsa, "pdim"):  # SHViT's single-head attention
+                return BackboneInfo(
+                    name=name or type(model).__name__, depth=len(stage.blocks), num_heads=1,
+                    embed_dim=int(shsa.dim), num_prefix_tokens=0,
+                    img_size=int(model.pretrained_cfg["input_size"][-1]), patch_size=16 * 2 ** i,
+                )
+            mixer = getattr(block, "token_mixer", None)
             if hasattr(mixer, "num_heads"):
                 return BackboneInfo(
                     name=name or type(model).__name__, depth=len(stage.blocks), num_heads=int(mixer.num_heads),

@@ -1,0 +1,39 @@
+"""Object detection and instance segmentation (``objective=detect``): torchvision's Mask R-CNN
+around a vitexp backbone (:mod:`.model`), COCO data (:mod:`.coco_data`), the micro COCO
+(:mod:`.micro_coco`) and the LightningModule (:mod:`.module`). These hooks are what a run calls."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+
+def wants_detection(cfg) -> bool:
+    return cfg.get("objective", "auto") == "detect"
+
+
+def detector_for(cfg, model: nn.Module, data_config: dict[str, Any]) -> nn.Module:
+    """The run's Mask R-CNN around ``model`` (the backbone with the method applied)."""
+    from vitexp.detection.model import build_detector
+
+    return build_detector(model, int(cfg.data.num_classes), cfg.detector, data_config)
+
+
+def detection_stages(cfg, model: nn.Module, data_config: dict[str, Any]):
+    """One stage training the detector with the ``detect`` objective."""
+    from vitexp.methods import Stage
+
+    detector = detector_for(cfg, model, data_config)
+    return [Stage("main", "detect", lambda: detector)]
+
+
+def detection_flops(cfg, detector: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metrics, protocol) of the whole detector at ``detector.flops_size`` (height, width)."""
+    from vitexp.detection.model import detector_macs
+    from vitexp.flops import count_params
+
+    height, width = (int(v) for v in cfg.detector.flops_size)
+    report = detector_macs(detector, height, width)
+    metrics = {"gmacs": report["gmacs"], "gflops": report["gflops"], "params_m": count_params(detector) / 1e6,
+               **{f"gmacs_{k}": v for k, v in report["by_part_gmacs"].items()}}
+    return metrics, {**report["protocol"], "objective": "detect", "throughput": "not measured for detectors"}

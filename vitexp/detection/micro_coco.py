@@ -1,0 +1,195 @@
+"""A micro COCO that a 2-core CPU can train on: real Fashion-MNIST items (or scikit-learn's digits
+when the Debian package ``dataset-fashion-mnist`` is absent) composed onto square canvases, with
+their boxes and instance masks, written in COCO 2017's layout so that ``data=coco`` reads it.
+
+Decisions:
+- Each canvas holds 1 to ``max_items`` items, each an item image scaled by a random factor in
+  [``scale_min``, ``scale_max``] (bilinear), pasted where its box does not overlap any earlier
+  item's box (up to 50 tries, else the item is skipped), so instance masks are disjoint.
+- The instance mask is the item's pixels above ``threshold`` (of 255); the box is that mask's
+  tight extent (COCO ``[x, y, w, h]``, pixel-edge coordinates), ``area`` its pixel count, the
+  segmentation its RLE (pycocotools).
+- Items come from the source's training images for ``train2017`` and its test images for
+  ``val2017``, so no item is seen in both.
+- Deterministic for a seed: one ``numpy.random.Generator`` drives every choice, and images are
+  written as PNG without timestamps. The folder is written under a temporary name and renamed,
+  so an interrupted run leaves no half-written dataset.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                         "Bag", "Ankle boot")
+SOURCES = ("auto", "fashion_mnist", "digits")
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    """An IDX file (``.gz`` or plain): big-endian magic (0x0803 images, 0x0801 labels), counts, data."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        data = fh.read()
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def load_items(source: str = "auto", split: str = "train") -> tuple[np.ndarray, np.ndarray, tuple[str, ...], str]:
+    """(uint8 images (N, h, w), labels (N,), class names, source used) for ``split`` train | test."""
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r}: valid sources are {SOURCES}")
+    prefix = "train" if split == "train" else "t10k"
+    files = [FASHION_MNIST_DIR / f"{prefix}-{kind}-ubyte.gz" for kind in ("images-idx3", "labels-idx1")]
+    if source == "fashion_mnist" or (source == "auto" and all(f.is_file() for f in files)):
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"Fashion-MNIST files not found: {missing}; install them with "
+                                    "`apt-get install dataset-fashion-mnist` or use --source digits")
+        return _read_idx(files[0]), _read_idx(files[1]).astype(np.int64), FASHION_MNIST_CLASSES, "fashion_mnist"
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = np.round(digits.images * (255.0 / 16.0)).astype(np.uint8)
+    order = np.random.default_rng(0).permutation(len(images))  # a fixed train/test split of the 1,797 digits
+    cut = int(0.8 * len(images))
+    idx = order[:cut] if split == "train" else order[cut:]
+    images = np.kron(images[idx], np.ones((1, 3, 3), dtype=np.uint8))  # 8x8 -> 24x24, as items of similar size
+    return images, digits.target[idx].astype(np.int64), tuple(str(i) for i in range(10)), "digits"
+
+
+def _resize(item: np.ndarray, scale: float) -> np.ndarray:
+    import torch
+    import torch.nn.functional as F
+
+    h, w = item.shape
+    size = (max(4, round(h * scale)), max(4, round(w * scale)))
+    t = torch.from_numpy(item.astype(np.float32))[None, None]
+    return F.interpolate(t, size=size, mode="bilinear", align_corners=False)[0, 0].round().clamp(0, 255).numpy().astype(np.uint8)
+
+
+def compose_canvas(items: np.ndarray, labels: np.ndarray, rng: np.random.Generator, size: int, max_items: int,
+                   scale: tuple[float, float], threshold: int) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """One canvas (uint8 size×size) and its instances: ``label``, ``mask`` (bool size×size), ``bbox`` (x, y, w, h)."""
+    canvas = np.zeros((size, size), dtype=np.uint8)
+    boxes: list[tuple[int, int, int, int]] = []  # x0, y0, x1, y1 of the pasted patches
+    instances = []
+    for _ in range(int(rng.integers(1, max_items + 1))):
+        i = int(rng.integers(len(items)))
+        item = _resize(items[i], float(rng.uniform(*scale)))
+        h, w = item.shape
+        if h >= size or w >= size:
+            continue
+        for _try in range(50):
+            y0, x0 = int(rng.integers(0, size - h + 1)), int(rng.integers(0, size - w + 1))
+            if all(x0 >= b[2] or x0 + w <= b[0] or y0 >= b[3] or y0 + h <= b[1] for b in boxes):
+                break
+        else:
+            continue
+        mask = np.zeros((size, size), dtype=bool)
+        mask[y0:y0 + h, x0:x0 + w] = item > threshold
+        if not mask.any():
+            continue
+        canvas[y0:y0 + h, x0:x0 + w] = np.maximum(canvas[y0:y0 + h, x0:x0 + w], item)
+        boxes.append((x0, y0, x0 + w, y0 + h))
+        ys, xs = np.nonzero(mask)
+        bbox = (int(xs.min()), int(ys.min()), int(xs.max() - xs.min() + 1), int(ys.max() - ys.min() + 1))
+        instances.append({"label": int(labels[i]), "mask": mask, "bbox": bbox})
+    return canvas, instances
+
+
+def _write_split(out: Path, split: str, n_images: int, items, labels, classes, rng, size: int, max_items: int,
+                 scale, threshold: int) -> dict[str, int]:
+    from PIL import Image
+    from pycocotools import mask as mask_utils
+
+    folder = out / f"{split}2017"
+    folder.mkdir(parents=True)
+    images, annotations = [], []
+    for image_id in range(1, n_images + 1):
+        canvas, instances = compose_canvas(items, labels, rng, size, max_items, scale, threshold)
+        file_name = f"{image_id:06d}.png"
+        Image.fromarray(np.repeat(canvas[..., None], 3, axis=2)).save(folder / file_name)
+        images.append({"id": image_id, "file_name": file_name, "height": size, "width": size})
+        for inst in instances:
+            rle = mask_utils.encode(np.asfortranarray(inst["mask"].astype(np.uint8)))
+            rle["counts"] = rle["counts"].decode("ascii")
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": inst["label"] + 1,
+                                "bbox": list(inst["bbox"]), "area": int(inst["mask"].sum()), "iscrowd": 0,
+                                "segmentation": rle})
+    coco = {"info": {"description": f"vitexp micro COCO ({split})"}, "images": images, "annotations": annotations,
+            "categories": [{"id": i + 1, "name": name, "supercategory": "item"} for i, name in enumerate(classes)]}
+    (out / "annotations").mkdir(exist_ok=True)
+    (out / "annotations" / f"instances_{split}2017.json").write_text(json.dumps(coco))
+    return {"images": len(images), "instances": len(annotations)}
+
+
+def make_micro_coco(out: str | Path, n_train: int = 512, n_val: int = 128, size: int = 128, max_items: int = 4,
+                    scale: Sequence[float] = (1.0, 2.0), threshold: int = 40, seed: int = 0,
+                    source: str = "auto", overwrite: bool = False) -> dict[str, Any]:
+    """Write ``out/{train2017,val2017}/*.png`` and ``out/annotations/instances_{train,val}2017.json``;
+    returns a summary (counts, source, parameters)."""
+    out = Path(out).expanduser()
+    if not 64 <= size <= 1024:
+        raise ValueError(f"size={size}: canvases must be 64 to 1024 px")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+    rng = np.random.default_rng(seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        summary: dict[str, Any] = {"size": size, "max_items": max_items, "scale": list(scale),
+                                   "threshold": threshold, "seed": seed}
+        for split, n in (("train", n_train), ("val", n_val)):
+            items, labels, classes, used = load_items(source, "train" if split == "train" else "test")
+            summary[split] = _write_split(tmp, split, n, items, labels, classes, rng, size, max_items,
+                                          tuple(scale), threshold)
+            summary["source"] = used
+        (tmp / "micro_coco.json").write_text(json.dumps(summary, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``vitexp-data make-micro-coco --out DIR``: write the micro COCO; prints a JSON summary last."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="vitexp-data", description="vitexp's dataset tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("make-micro-coco", help=make_micro_coco.__doc__)
+    p.add_argument("--out", required=True, help="folder to create (COCO 2017 layout)")
+    p.add_argument("--train", type=int, default=512, help="training canvases")
+    p.add_argument("--val", type=int, default=128, help="validation canvases (the test split)")
+    p.add_argument("--size", type=int, default=128, help="canvas side in px")
+    p.add_argument("--max-items", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--source", choices=SOURCES, default="auto")
+    p.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        summary = make_micro_coco(args.out, args.train, args.val, args.size, args.max_items, seed=args.seed,
+                                  source=args.source, overwrite=args.overwrite)
+    except (ValueError, FileExistsError, FileNotFoundError) as err:
+        print(json.dumps({"status": "failed", "error": str(err)}))
+        return 2
+    print(json.dumps({"status": "completed", "out": str(args.out), **summary}))
+    return 0
+
+
+def main_exit() -> None:
+    """Console entry point of ``vitexp-data``."""
+    raise SystemExit(main())
