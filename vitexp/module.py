@@ -241,7 +241,7 @@ class DistillModule(ClassifyModule):
 
 class RaptorStageModule(ClassifyModule):
     """One stage of RAPTOR's surrogate training: the model's ``stage_loss(x, stage, progress)``
-    (vitexp/methods/raptor.py) on the training images, labels unused. Validation logs the same
+    (vitexp/methods/raptor/) on the training images, labels unused. Validation logs the same
     stage's loss at the end of its schedule (stage 1: autoregressive, τ = 0) as ``val/loss``."""
 
     def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any], stage: int = 2):
@@ -268,6 +268,15 @@ class RaptorStageModule(ClassifyModule):
     def _eval_step(self, batch, split: str) -> None:
         loss = self.model.stage_loss(batch[0], self.stage, 1.0)
         self.log(f"{split}/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """``recipe.grad_clip`` clips the norm of each of the model's ``clip_groups(stage)`` on
+        its own (stage 1: one group per block, as RAPTOR clips each block in its own run) instead
+        of Lightning's one norm over all parameters."""
+        if not gradient_clip_val:
+            return
+        for group in self.model.clip_groups(self.stage):
+            torch.nn.utils.clip_grad_norm_(group, float(gradient_clip_val))
 
 
 OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {

@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig
 
+from vitexp.callbacks import BestValidation
 from vitexp.config import to_container, validate
 from vitexp.methods import Method, Stage, method_from_config
 from vitexp.models import build_backbone
@@ -187,8 +188,11 @@ def fit_stage(cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir:
     scfg = stage_config(cfg, stage)
     module = module_for(stage.objective)(stage.model(), num_classes=int(cfg.data.num_classes), recipe=scfg.recipe,
                                          **dict(stage.module_kwargs))
-    trainer = build_trainer(scfg, logger, output_dir, callbacks, stage=stage.name)
+    best = [BestValidation("val/top1")] if stage.best_val else []
+    trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best], stage=stage.name)
     start = time.perf_counter()
+    if best:  # the evaluation before the first epoch (RAPTOR's probes count it)
+        trainer.validate(module, datamodule=datamodule_for(scfg), verbose=False)
     trainer.fit(module, datamodule=datamodule_for(scfg),
                 ckpt_path=resume_checkpoint(cfg, output_dir, stage.name, first=first))
     return module, trainer, time.perf_counter() - start
@@ -240,6 +244,9 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
                     f"{p}test_loss": test["test/loss"],
                     f"{p}val_top1": 100.0 * val["val/top1"] if "val/top1" in val else None,
                 })
+                best = [c.best for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
+                if best:
+                    metrics[f"{p}best_val_top1"] = 100.0 * best[0]
             elif "val/loss" in trainer.callback_metrics:
                 metrics[f"{stage.name}_val_loss"] = float(trainer.callback_metrics["val/loss"])
             if stage.deployed:

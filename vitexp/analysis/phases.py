@@ -1,5 +1,5 @@
 """RAPTOR's phases of a ViT (``vitexp-analyze phases``): the layer distance matrix over N images
-and its contiguous max-cut partitions (vitexp/methods/raptor.py holds the definitions).
+and its contiguous max-cut partitions (vitexp/methods/raptor/ holds the definitions).
 
 The figure is the matrix as a heatmap (layers numbered from 1, as RAPTOR writes its phases) with
 the free partition at threshold f outlined, and one line per block budget k listing its phases.

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from functools import partial
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,10 @@ from vitexp.methods.raptor.surrogate import RaptorSurrogate, teacher_states
 
 #: Stage 2's token weights (RAPTOR): CLS, registers, patches.
 TOKEN_WEIGHTS = {"cls": 0.45, "registers": 0.10, "patches": 0.45}
+#: Stage 1's token weights for a block whose phase ends at the teacher's last layer. RAPTOR's
+#: stage-1 runs of those blocks pass ``--weighted`` without weights, so its defaults apply; the
+#: other blocks train with plain MSE.
+STAGE1_FINAL_TOKEN_WEIGHTS = {"cls": 0.34, "registers": 0.33, "patches": 0.33}
 
 
 def anneal_tau(progress: float, fraction: float = 0.25) -> float:
@@ -102,21 +107,44 @@ class RaptorDistill(nn.Module):
     def teacher_states(self, x: torch.Tensor) -> torch.Tensor:
         return self.cache.states(self.teacher, x) if self.cache is not None else teacher_states(self.teacher, x)
 
-    def stage1_loss(self, x: torch.Tensor, tau: float) -> torch.Tensor:
+    def stage1_criterion(self, phase: Sequence[int]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Plain MSE, or the weighted token MSE (:data:`STAGE1_FINAL_TOKEN_WEIGHTS`) for the block
+        whose phase ends at the teacher's last layer."""
+        if phase[-1] == len(self.teacher.blocks) - 1:
+            return partial(weighted_token_mse, num_prefix_tokens=self.num_prefix_tokens,
+                           weights=STAGE1_FINAL_TOKEN_WEIGHTS)
+        return F.mse_loss
+
+    def stage1_block_losses(self, x: torch.Tensor, tau: float) -> torch.Tensor:
+        """(k,): each block's τ·forced + (1 − τ)·autoregressive loss over its phase, every
+        block fed only the teacher's states (package docstring, "Training")."""
         h = self.teacher_states(x)
         losses = []
         for block, phase in zip(self.surrogate.blocks, self.surrogate.phases):
+            criterion = self.stage1_criterion(phase)
             forced = autoregressive = 0.0
             if tau > 0:
-                forced = sum(F.mse_loss(block(h[l], l), h[l + 1]) for l in phase) / len(phase)
+                forced = sum(criterion(block(h[l], l), h[l + 1]) for l in phase) / len(phase)
             if tau < 1:
                 z, autoregressive = h[phase[0]], 0.0
                 for l in phase:
                     z = block(z, l)
-                    autoregressive = autoregressive + F.mse_loss(z, h[l + 1])
+                    autoregressive = autoregressive + criterion(z, h[l + 1])
                 autoregressive = autoregressive / len(phase)
             losses.append(tau * forced + (1 - tau) * autoregressive)
-        return sum(losses) / len(losses)
+        return torch.stack(losses)
+
+    def stage1_loss(self, x: torch.Tensor, tau: float) -> torch.Tensor:
+        """The sum of the blocks' losses. Blocks share no parameter, so its gradient with respect
+        to a block is that block's own loss's gradient, as when the block trains alone."""
+        return self.stage1_block_losses(x, tau).sum()
+
+    def clip_groups(self, stage: int) -> list[list[nn.Parameter]]:
+        """Parameter groups whose gradient norms are clipped separately: in stage 1 one group per
+        block (RAPTOR clips each block in its own run), in stage 2 every trainable parameter."""
+        if stage == 1:
+            return [list(block.parameters()) for block in self.surrogate.blocks]
+        return [[p for p in self.parameters() if p.requires_grad]]
 
     def stage2_loss(self, x: torch.Tensor) -> torch.Tensor:
         h = self.teacher_states(x)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
@@ -19,6 +20,31 @@ PROBE_RECIPE_KEYS = frozenset({"epochs", "batch_size", "opt", "lr", "weight_deca
                                "warmup_steps", "warmup_lr", "min_lr", "grad_clip"})
 
 
+def load_linear_head(path: str | Path, in_features: int, num_classes: int) -> nn.Linear:
+    """The probe's Linear(2d → classes) from a linear-head checkpoint: a state dict with ``weight``
+    (classes, 2d) and ``bias`` (classes,), as Meta's ``dinov2_vit*14_reg4_linear_head.pth``, or a
+    saved vitexp probe (``head.weight``, ``head.bias``)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"method.probe_head: no linear-head checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for prefix in ("", "head."):
+        if isinstance(state, Mapping) and {f"{prefix}weight", f"{prefix}bias"} <= set(state):
+            weight, bias = state[f"{prefix}weight"], state[f"{prefix}bias"]
+            break
+    else:
+        found = sorted(state)[:8] if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"method.probe_head={path}: expected a state dict with 'weight' and 'bias' (or 'head.weight' "
+                         f"and 'head.bias'); found {found}")
+    if tuple(weight.shape) != (num_classes, in_features) or tuple(bias.shape) != (num_classes,):
+        raise ValueError(f"method.probe_head={path}: weight {tuple(weight.shape)} and bias {tuple(bias.shape)} do not "
+                         f"fit the probe, which needs weight ({num_classes}, {in_features}) = (classes, 2 x embed_dim) "
+                         f"and bias ({num_classes},)")
+    head = nn.Linear(in_features, num_classes)
+    head.load_state_dict({"weight": weight.float(), "bias": bias.float()})
+    return head
+
+
 class Raptor(Method):
     """``method=raptor``: a k-block recurrent surrogate of the (frozen) backbone; ``budget=blocks``.
 
@@ -26,7 +52,13 @@ class Raptor(Method):
     skipped, and with both at 0 the probe sees the surrogate at initialisation), then the linear probe on
     the frozen surrogate (the run's top-1) and on the frozen teacher (``teacher_top1``), each with
     the ``method.probe`` recipe keys. ``method.teacher_probe_run`` names a completed probe run of
-    the same teacher and data to take ``teacher_top1`` from instead."""
+    the same teacher and data to take ``teacher_top1`` from instead.
+
+    Both probes start from ``method.probe_head`` when it names a linear-head checkpoint (RAPTOR
+    starts them from Meta's reg4 linear head), else from a fresh Linear. Each is evaluated once
+    before training as well as after every epoch, and records the best of those validation
+    accuracies (``best_val_top1``, RAPTOR's reported number) beside the final model's test
+    accuracy (``top1``)."""
 
     objective: ClassVar[str] = "raptor"
     budget_kinds: ClassVar[tuple[str, ...]] = ("blocks",)
@@ -35,8 +67,11 @@ class Raptor(Method):
                  phase_images: int = 256, min_phase_size: int = 2, stage1_epochs: int = 1,
                  stage2_epochs: int = 1, tau_fraction: float = 0.25, stage2_targets: str = "all_layers",
                  cache_dir: str | None = None, probe: Mapping[str, Any] | None = None,
-                 teacher_probe: bool = True, teacher_probe_run: str | None = None, mlp: str = "swiglu"):
+                 teacher_probe: bool = True, teacher_probe_run: str | None = None, mlp: str = "swiglu",
+                 probe_head: str | None = None):
         super().__init__(name)
+        self.probe_head = probe_head
+        self._initial_head: nn.Linear | None = None
         self.mlp = mlp
         self._num_classes = 1000
         self.phases = [list(p) for p in phases] if phases else None
@@ -79,6 +114,9 @@ class Raptor(Method):
             raise ConfigError(f"method.probe: unknown recipe keys {unknown}; valid keys are {sorted(PROBE_RECIPE_KEYS)}")
         if not 0 <= self.tau_fraction <= 1:
             raise ConfigError(f"method.tau_fraction: {self.tau_fraction} must be in [0, 1]")
+        if self.probe_head and not Path(self.probe_head).expanduser().is_file():
+            raise ConfigError(f"method.probe_head: no linear-head checkpoint at {self.probe_head} (a state dict with "
+                              "weight (classes, 2 x embed_dim) and bias, e.g. Meta's dinov2_vitb14_reg4_linear_head.pth)")
 
     def prepare(self, backbone: nn.Module, datamodule: Any) -> None:
         """Phases from the teacher's layer distance matrix over ``phase_images`` training images."""
@@ -100,6 +138,8 @@ class Raptor(Method):
             phases, self.phases_source = even_phases(depth, k), "even split (no data: FLOPs and throughput only)"
         teacher = backbone
         self._num_classes = int(teacher.num_classes)
+        if self.probe_head:  # read now: a wrong file fails before any training
+            self._initial_head = load_linear_head(self.probe_head, 2 * teacher.embed_dim, self._num_classes)
         teacher.reset_classifier(0)
         return RaptorDistill(teacher, RaptorSurrogate(teacher, phases, self.mlp), self.cache_dir, self.tau_fraction,
                              self.stage2_targets)
@@ -111,15 +151,19 @@ class Raptor(Method):
             out["distance_matrix"] = [[round(float(v), 6) for v in row] for row in self.distance]
         return out
 
+    def initial_head(self) -> nn.Linear | None:
+        """A copy of the ``method.probe_head`` Linear for one probe (None: the probe's fresh Linear)."""
+        return copy.deepcopy(self._initial_head) if self._initial_head is not None else None
+
     def stages(self, model: nn.Module) -> list[Stage]:
         def surrogate_probe() -> nn.Module:
             surrogate = model.surrogate
             for p in surrogate.parameters():
                 p.requires_grad_(False)
-            return ProbeModel(surrogate, self._num_classes)
+            return ProbeModel(surrogate, self._num_classes, head=self.initial_head())
 
         def teacher_probe() -> nn.Module:
-            return ProbeModel(copy.deepcopy(model.teacher), self._num_classes)
+            return ProbeModel(copy.deepcopy(model.teacher), self._num_classes, head=self.initial_head())
 
         stages = []
         if self.stage1_epochs > 0:
@@ -128,10 +172,11 @@ class Raptor(Method):
         if self.stage2_epochs > 0:
             stages.append(Stage("stage2", "raptor", lambda: model, {"epochs": self.stage2_epochs},
                                 {"stage": 2}, metrics_prefix=None, deployed=False))
-        stages.append(Stage("probe", "classify", surrogate_probe, self.probe, metrics_prefix="", deployed=True))
+        stages.append(Stage("probe", "classify", surrogate_probe, self.probe, metrics_prefix="", deployed=True,
+                            best_val=True))
         if self.teacher_probe and not self.teacher_probe_run:
             stages.append(Stage("teacher_probe", "classify", teacher_probe, self.probe, metrics_prefix="teacher_",
-                                deployed=False))
+                                deployed=False, best_val=True))
         return stages
 
     def deploy(self, model: nn.Module) -> nn.Module:

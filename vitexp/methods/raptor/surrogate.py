@@ -23,24 +23,27 @@ MLP_KINDS = ("swiglu", "gelu")
 
 
 class RaptorBlock(nn.Module):
-    """One recurrent block; ``forward(x, t)`` applies it as layer ``t``."""
+    """One recurrent block; ``forward(x, layer)`` applies it as the teacher's 0-based layer ``layer``."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, mlp: str = "swiglu"):
         super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm1 = nn.LayerNorm(dim, eps=1e-5)  # RAPTOR's nn.LayerNorm default, not DINOv2's 1e-6
         self.attn = Attention(dim, num_heads, qkv_bias=True)
         self.ls1 = LayerScale(dim, init_values=1e-5)
-        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-5)
         if mlp not in MLP_KINDS:
             raise ValueError(f"method.mlp={mlp!r}: valid MLPs are {MLP_KINDS}")
         self.mlp = swiglu(dim, int(mlp_ratio * dim)) if mlp == "swiglu" else Mlp(dim, int(mlp_ratio * dim))
         self.ls2 = LayerScale(dim, init_values=1e-5)
         self.gate = nn.Sequential(nn.Linear(1, 16), nn.SiLU(), nn.Linear(16, 3 * dim))
         nn.init.normal_(self.gate[2].weight, std=1e-4)
-        nn.init.zeros_(self.gate[2].bias)
+        nn.init.normal_(self.gate[2].bias, std=1e-4)
 
-    def forward(self, x: torch.Tensor, t: int) -> torch.Tensor:
-        g = 1 + self.gate(torch.full((1, 1), float(t), device=x.device, dtype=x.dtype))
+    def forward(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """Apply the block as the teacher's (0-based) layer ``layer``; the gate MLP sees
+        t = layer + 1, the 1-based index of the layer whose output this application produces."""
+        t = float(layer + 1)
+        g = 1 + self.gate(torch.full((1, 1), t, device=x.device, dtype=x.dtype))
         g1, g2, g3 = g.view(3, 1, 1, -1).unbind(0)
         x = x + g1 * self.ls1(self.attn(self.norm1(x)))
         x = x + g2 * self.ls2(self.mlp(self.norm2(x)))
