@@ -47,7 +47,7 @@ def test_every_method_config_is_covered():
 @pytest.mark.parametrize("method", METHODS)
 def test_bf16_autocast_trains_every_method_on_every_micro_backbone(method, backbone):
     from vitexp.module import module_for
-    from vitexp.train import build_model
+    from vitexp.build import build_model
 
     try:
         cfg = _config(method, backbone)
@@ -74,7 +74,7 @@ def test_bf16_mixed_trainer_fits_bspf():
     import lightning as L
 
     from vitexp.module import ClassifyModule
-    from vitexp.train import build_model
+    from vitexp.build import build_model
 
     cfg = _config("bspf", "vit_micro")
     model, _, _ = build_model(cfg)
@@ -86,7 +86,7 @@ def test_bf16_mixed_trainer_fits_bspf():
 
 
 def test_bf16_inference_bspf_deit_small_at_full_size():
-    from vitexp.train import build_model
+    from vitexp.build import build_model
 
     cfg = vconfig.compose(["experiment=bspf_deit_small"])
     model, _, _ = build_model(cfg)

@@ -398,7 +398,7 @@ def test_realised_keep_fraction_per_layer_is_recorded():
 
 
 def test_flops_run_records_the_layout_and_keep_fractions(make_cfg):
-    from vitexp.cli import run_flops
+    from vitexp.commands import run_flops
 
     out = run_flops(make_cfg(["experiment=bspf_demo", "logger=none"]))
     assert out["protocol"]["chunk_layout"] == "window"
@@ -424,7 +424,7 @@ def test_model_deep_copies_after_a_forward_with_gradients(backbone):
 # -- keep-rate warm-up (point 9, EViT's schedule) ------------------------------------------------
 def test_keep_warmup_goes_from_one_to_the_target_along_a_half_cosine(make_cfg):
     from vitexp.methods.bspf import warmup_keep_ratio
-    from vitexp.train import build_model
+    from vitexp.build import build_model
 
     assert warmup_keep_ratio(0.0, 0.5, 10) == 1.0
     assert warmup_keep_ratio(5.0, 0.5, 10) == pytest.approx(0.75)

@@ -197,7 +197,7 @@ def test_cli_writes_the_dataset_and_prints_json(tmp_path, capsys):
 def test_detector_trains_under_bf16_autocast(method, make_cfg):
     """Forward and backward of the micro detector (plain and BSPF-ViT backbone) under CPU bf16 autocast."""
     from vitexp.detection import detector_for
-    from vitexp.train import build_model
+    from vitexp.build import build_model
 
     overrides = [f"experiment=micro_coco_{'bspf_' if method == 'bspf' else ''}caformer", "data.root=/nonexistent"]
     model, _, data_config = build_model(make_cfg(overrides))

@@ -243,7 +243,7 @@ def test_budget_errors_name_the_key():
 def test_bench_compare_times_several_experiments_together_one_entry_each(make_cfg, results_dir):
     from conftest import QUIET, ledger_entries
 
-    from vitexp.cli import run_bench
+    from vitexp.commands import run_bench
 
     names = ["demo", "tome_demo", "evit_demo"]
     cfg = make_cfg(QUIET + [f"bench.compare=[{','.join(names)}]", "bench.rounds=1", "bench.iters=1",

@@ -1,4 +1,4 @@
-"""RAPTOR (vitexp/methods/raptor.py): phases, surrogate, the two training stages, the cache,
+"""RAPTOR (vitexp/methods/raptor/): phases, surrogate, the two training stages, the cache,
 the probes in a run, the phases analysis and the FLOPs audit."""
 from __future__ import annotations
 
@@ -41,10 +41,30 @@ def test_max_cut_recovers_constructed_phases(sizes):
     assert [l for p in phases for l in p] == list(range(sum(sizes)))
 
 
+def dinov2_b_like_matrix():
+    """12 layers drifting along one path: steps of 0.1 inside RAPTOR's ViT-B phases
+    [1-4][5-7][8-10][11-12] and jumps of 0.4, 1.0, 0.6 between them; distance 2(1 − e^(−gap)),
+    which saturates at 2 like 1 − cos summed over CLS and mean patch."""
+    steps = [0.1] * 11
+    steps[3], steps[6], steps[9] = 0.4, 1.0, 0.6
+    position = torch.tensor([0.0] + steps).cumsum(0).double()
+    return 2 * (1 - torch.exp(-(position[:, None] - position[None, :]).abs()))
+
+
+@pytest.mark.parametrize("matrix", ["blocks", "dinov2_b_like"])
 @pytest.mark.parametrize("sizes", [[7, 5], [7, 3, 2], [4, 3, 3, 2]])
-def test_phases_for_a_block_budget_recover_raptors_vit_b_partitions(sizes):
+def test_phases_for_a_block_budget_recover_raptors_vit_b_partitions(sizes, matrix):
     """RAPTOR's ViT-B phases: [1-7][8-12]; [1-7][8-10][11-12]; [1-4][5-7][8-10][11-12]."""
-    assert [len(p) for p in phases_for_blocks(block_matrix(sizes), len(sizes))] == sizes
+    w = block_matrix(sizes) if matrix == "blocks" else dinov2_b_like_matrix()
+    assert [len(p) for p in phases_for_blocks(w, len(sizes))] == sizes
+
+
+def test_the_free_threshold_is_vitexps_rule_and_gives_5_phases_on_a_dinov2_b_like_matrix():
+    """What the README says of ``vitexp-analyze phases``: at the default f = 0.7 the drift inside
+    RAPTOR's first phase [1-4] is cut too; only a block budget gives RAPTOR's partitions."""
+    from vitexp.analysis.phases import one_based
+
+    assert one_based(max_cut_phases(dinov2_b_like_matrix(), f=0.7)) == "[1-2][3-4][5-7][8-10][11-12]"
 
 
 def test_homogeneous_layers_are_not_split():
@@ -213,9 +233,10 @@ def test_micro_raptor_run_trains_teacher_then_surrogate_then_both_probes(make_cf
                                               "recipe.warmup_epochs=1"], tmp_path / "teacher"))
     out = train(make_cfg(QUIET + small + ["experiment=raptor_micro", f"backbone.pretrained=run:{teacher['run_id']}",
                                           "recipe.epochs=2", "method.probe.epochs=3", "method.phase_images=64",
-                                          "recipe.warmup_steps=4"], tmp_path / "raptor"))
+                                          "recipe.warmup_steps=4", "method.probe.warmup_steps=4"], tmp_path / "raptor"))
     m = out["metrics"]
     assert {"top1", "teacher_top1", "recovered", "stage1_val_loss", "stage2_val_loss"} <= set(m)
+    assert m["best_val_top1"] >= m["val_top1"] and m["teacher_best_val_top1"] >= m["teacher_val_top1"]
     assert m["recovered"] == pytest.approx(m["top1"] / m["teacher_top1"])
     assert m["teacher_top1"] > 20 and m["top1"] > 10  # 10 classes
     assert m["heads"] == 8  # 2 blocks x 4 heads, applied over 6 layers
@@ -285,7 +306,7 @@ def test_resumed_raptor_run_skips_finished_stages_and_ends_with_the_same_metrics
     ckpt = tmp_path / "run" / "checkpoints" / "probe" / "last.ckpt"
     stamp = ckpt.stat().st_mtime_ns
     again = train(make_cfg(base + ["resume=true"], tmp_path / "run"))["metrics"]
-    for key in ("top1", "teacher_top1", "recovered", "test_loss"):
+    for key in ("top1", "teacher_top1", "test_loss", "teacher_test_loss", "best_val_top1", "teacher_best_val_top1"):
         assert again[key] == pytest.approx(first[key]), key
     assert ckpt.stat().st_mtime_ns == stamp  # the probe was not trained again
 
@@ -344,3 +365,154 @@ def test_a_wrong_teacher_probe_run_fails_before_any_training(make_cfg, results_d
     assert not (tmp_path / "run" / "checkpoints").exists()
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "failed"
+
+
+# -- as the reference trains it (KempnerInstitute/raptor) ------------------------------------------
+def test_gate_sees_the_one_based_output_layer_and_starts_as_the_reference():
+    """The reference feeds the gate MLP t = the 1-based index of the layer the application outputs
+    (1..L), draws the gate's last bias from N(0, 1e-4), and uses nn.LayerNorm's eps 1e-5."""
+    surrogate = RaptorSurrogate(micro_teacher(), [[0, 1], [2, 3]])
+    seen = []
+    for block in surrogate.blocks:
+        block.gate.register_forward_hook(lambda m, args, out: seen.append(float(args[0])))
+    surrogate.forward_features(torch.randn(1, 3, 56, 56))
+    assert seen == [1.0, 2.0, 3.0, 4.0]
+    block = surrogate.blocks[0]
+    assert block.norm1.eps == block.norm2.eps == 1e-5
+    assert 0.5e-4 < float(block.gate[2].bias.std()) < 2e-4
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.0])
+def test_stage1_weights_tokens_for_the_block_that_ends_at_the_last_layer_and_sums_the_blocks(tau):
+    """Phases [0, 1] | [2, 3] of 4 layers: the first block trains with plain MSE, the second
+    (ending at the last layer) with the token-weighted MSE at the reference's stage-1 weights."""
+    from vitexp.methods.raptor import STAGE1_FINAL_TOKEN_WEIGHTS
+
+    teacher = micro_teacher()
+    for block in teacher.blocks:  # LayerScale 1: consecutive layers differ, so the losses are not ~0
+        block.ls1.gamma.data.fill_(1.0)
+        block.ls2.gamma.data.fill_(1.0)
+    pair = RaptorDistill(teacher, RaptorSurrogate(teacher, [[0, 1], [2, 3]]))
+    x = torch.randn(2, 3, 56, 56)
+    h = teacher_states(teacher, x)
+    weighted = lambda p, t: weighted_token_mse(p, t, 5, STAGE1_FINAL_TOKEN_WEIGHTS)  # noqa: E731
+
+    def block_loss(block, phase, criterion):
+        if tau == 1.0:
+            return sum(criterion(block(h[l], l), h[l + 1]) for l in phase) / len(phase)
+        z, total = h[phase[0]], 0.0
+        for l in phase:
+            z = block(z, l)
+            total = total + criterion(z, h[l + 1])
+        return total / len(phase)
+
+    first, second = pair.surrogate.blocks
+    expected = block_loss(first, [0, 1], torch.nn.functional.mse_loss) + block_loss(second, [2, 3], weighted)
+    assert float(expected) > 1e-4
+    torch.testing.assert_close(pair.stage1_loss(x, tau), expected, rtol=1e-5, atol=0)
+    assert STAGE1_FINAL_TOKEN_WEIGHTS == {"cls": 0.34, "registers": 0.33, "patches": 0.33}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage1_clips_each_blocks_gradient_norm_and_stage2_clips_them_together(stage):
+    """recipe.grad_clip through Lightning's clipping hook: in stage 1 a block with a large gradient
+    is clipped to norm 1 and leaves the other block's small gradient alone (RAPTOR trains each
+    block in a run of its own); in stage 2 one norm covers both."""
+    import lightning as L
+
+    from vitexp.module import RaptorStageModule
+
+    teacher = micro_teacher()
+    pair = RaptorDistill(teacher, RaptorSurrogate(teacher, [[0, 1], [2, 3]]))
+    module = RaptorStageModule(pair, 10, {}, stage=stage)
+    module.trainer = L.Trainer(gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                               enable_progress_bar=False, accelerator="cpu")
+    big, small = pair.surrogate.blocks
+    for block, value in ((big, 1.0), (small, 1e-4)):
+        for p in block.parameters():
+            p.grad = torch.full_like(p, value)
+    small_before = [p.grad.clone() for p in small.parameters()]
+    optimizer = torch.optim.AdamW(pair.surrogate.blocks.parameters())
+
+    def norm(block):
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in block.parameters()])))
+
+    big_norm, small_norm = norm(big), norm(small)
+    module.configure_gradient_clipping(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+    if stage == 1:
+        assert norm(big) == pytest.approx(1.0, rel=1e-4)
+        for p, before in zip(small.parameters(), small_before):
+            torch.testing.assert_close(p.grad, before, rtol=0, atol=0)
+    else:  # one scale 1 / (joint norm) for both blocks
+        scale = 1.0 / (big_norm ** 2 + small_norm ** 2) ** 0.5
+        assert norm(big) == pytest.approx(big_norm * scale, rel=1e-4)
+        assert norm(small) == pytest.approx(small_norm * scale, rel=1e-4) and scale < 0.01
+
+
+def save_head(path, classes, features, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    state = {"weight": torch.randn(classes, features, generator=g), "bias": torch.randn(classes, generator=g)}
+    torch.save(state, path)
+    return state
+
+
+def test_probes_start_from_the_given_linear_head(tmp_path):
+    from vitexp.methods.raptor import Raptor
+
+    state = save_head(tmp_path / "head.pth", 10, 2 * 64)
+    method = Raptor(phases=[[0, 1], [2, 3]], probe_head=str(tmp_path / "head.pth"))
+    teacher = timm.create_model("vit_micro_patch14_dinov2", num_classes=10, reg_tokens=4, depth=4)
+    model = method.apply(teacher, {"kind": "blocks", "k": 2})
+    probes = {s.name: s.model() for s in method.stages(model) if s.name.endswith("probe")}
+    assert sorted(probes) == ["probe", "teacher_probe"]
+    for probe in probes.values():
+        torch.testing.assert_close(probe.head.weight, state["weight"])
+        torch.testing.assert_close(probe.head.bias, state["bias"])
+    assert probes["probe"].head.weight is not probes["teacher_probe"].head.weight  # each probe trains its own
+
+
+def test_a_missing_or_misshapen_linear_head_is_a_clear_error(tmp_path, make_cfg):
+    from vitexp.config import validate
+    from vitexp.methods.raptor import Raptor
+
+    base = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor"]
+    with pytest.raises(ConfigError, match=f"method.probe_head: no linear-head checkpoint at {tmp_path}/nope.pth"):
+        validate(make_cfg(base + [f"method.probe_head={tmp_path}/nope.pth"]))
+    teacher = timm.create_model("vit_micro_patch14_dinov2", num_classes=10, reg_tokens=4, depth=4)
+    save_head(tmp_path / "b.pth", 1000, 2 * 768)  # Meta's ViT-B head on a 64-wide, 10-class probe
+    with pytest.raises(ValueError, match=r"weight \(1000, 1536\).*needs weight \(10, 128\)"):
+        Raptor(probe_head=str(tmp_path / "b.pth")).apply(teacher, {"kind": "blocks", "k": 2})
+    torch.save({"fc.weight": torch.zeros(10, 128)}, tmp_path / "keys.pth")
+    with pytest.raises(ValueError, match=r"expected a state dict with 'weight' and 'bias'.*fc.weight"):
+        Raptor(probe_head=str(tmp_path / "keys.pth")).apply(teacher, {"kind": "blocks", "k": 2})
+
+
+def test_probe_records_the_best_validation_top1_including_the_evaluation_before_training(make_cfg, tmp_path):
+    """RAPTOR reports the best ImageNet-val accuracy over the evaluation before training and every
+    epoch's; the ledger keeps it as best_val_top1 beside the final model's test top1."""
+    import lightning as L
+
+    from conftest import QUIET
+    from vitexp.train import train
+
+    class ValidationLog(L.Callback):
+        def __init__(self):
+            self.events = []
+
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                self.events.append((trainer.state.fn.value, trainer.global_step,
+                                    float(trainer.callback_metrics["val/top1"])))
+
+    save_head(tmp_path / "head.pth", 10, 2 * 64)
+    log = ValidationLog()
+    cfg = make_cfg(QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "recipe=raptor",
+                            "data=synthetic", "data.num_train=32", "data.num_val=16", "data.num_test=16",
+                            "method.stage1_epochs=0", "method.stage2_epochs=0", "method.teacher_probe=false",
+                            "method.probe.epochs=2", "method.probe.batch_size=8", "method.probe.lr=0.05",
+                            "method.phases=[[0,1],[2,3]]", "budget.k=2", "eval.throughput=false",
+                            f"method.probe_head={tmp_path}/head.pth"], tmp_path / "run")
+    m = train(cfg, callbacks=[log])["metrics"]
+    assert [(fn, step) for fn, step, _ in log.events] == [("validate", 0), ("fit", 4), ("fit", 8)]
+    assert m["best_val_top1"] == pytest.approx(100 * max(v for _, _, v in log.events))
+    assert m["val_top1"] == pytest.approx(100 * log.events[-1][2]) and "top1" in m

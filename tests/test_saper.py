@@ -263,7 +263,7 @@ def independent_accuracy(model: nn.Module, cfg, objective: str) -> float:
     """Top-1 (%) of ``model`` on the run's test split, computed here: argmax of the logits, or the
     weighted k-NN over the training split's features."""
     from vitexp.module import weighted_knn_votes
-    from vitexp.train import build_datamodule, data_config_for
+    from vitexp.build import build_datamodule, data_config_for
 
     dm = build_datamodule(cfg, data_config_for(cfg, model.backbone))
     dm.setup("test")
@@ -282,7 +282,8 @@ def test_run_reports_and_saves_the_deployed_model(method, make_cfg, results_dir,
     """top1 is the physically pruned model's accuracy; artifacts.weights is that model, rebuilt
     from the ledger (kept_heads) without the training code's gates; soft_top1 is the gated model's."""
     from vitexp.methods import method_from_config
-    from vitexp.train import build_configured_backbone, train
+    from vitexp.build import build_configured_backbone
+    from vitexp.train import train
 
     from conftest import QUIET, ledger_entries
 

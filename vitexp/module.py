@@ -306,6 +306,15 @@ class RaptorStageModule(ClassifyModule):
         loss = self.model.stage_loss(batch[0], self.stage, 1.0)
         self.log(f"{split}/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """``recipe.grad_clip`` clips the norm of each of the model's ``clip_groups(stage)`` on
+        its own (stage 1: one group per block, as RAPTOR clips each block in its own run) instead
+        of Lightning's one norm over all parameters."""
+        if not gradient_clip_val:
+            return
+        for group in self.model.clip_groups(self.stage):
+            torch.nn.utils.clip_grad_norm_(group, float(gradient_clip_val))
+
 
 OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {
     "classify": ClassifyModule, "distill": DistillModule, "raptor": RaptorStageModule,

@@ -27,6 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
 from vitexp.build import build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir, registers_of
+from vitexp.callbacks import BestValidation
 from vitexp.config import to_container, validate
 from vitexp.methods import Method, Stage
 from vitexp.results import atomic_write, portable_path
@@ -112,10 +113,13 @@ def fit_stage(cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir:
               first: bool) -> tuple[L.LightningModule, L.Trainer, float]:
     scfg = stage_config(cfg, stage)
     module = stage_module(cfg, stage)
-    trainer = build_trainer(scfg, logger, output_dir, callbacks, stage=stage.name)
+    best = [BestValidation("val/top1")] if stage.best_val else []
+    trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best], stage=stage.name)
     start = time.perf_counter()
     if int(scfg.recipe.epochs) > 0:  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
         ckpt = resume_checkpoint(cfg.resume, checkpoint_dir(output_dir, stage.name) / "last.ckpt", first=first)
+        if best and ckpt is None:  # the evaluation before the first epoch (RAPTOR's probes count it)
+            trainer.validate(module, datamodule=datamodule_for(scfg), verbose=False)
         trainer.fit(module, datamodule=datamodule_for(scfg), ckpt_path=ckpt)
     return module, trainer, time.perf_counter() - start
 
@@ -165,6 +169,9 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
                 metrics.update(evaluate_stage(trainer, module, method, stage, datamodule_for(stage_config(cfg, stage)), p))
                 metrics[f"{p}val_top1"] = 100.0 * val["val/top1"] if "val/top1" in val else None
                 metrics.update({f"{p}val_{k[4:]}": 100.0 * v for k, v in val.items() if k.startswith("val/ap")})
+                best = [c.best for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
+                if best:
+                    metrics[f"{p}best_val_top1"] = 100.0 * best[0]
             elif "val/loss" in trainer.callback_metrics:
                 metrics[f"{stage.name}_val_loss"] = float(trainer.callback_metrics["val/loss"])
             if stage.deployed:

@@ -1,15 +1,17 @@
 """RAPTOR's phases of a ViT (``vitexp-analyze phases``): the layer distance matrix over N images
-and its contiguous max-cut partitions (vitexp/methods/raptor.py holds the definitions).
+and its contiguous max-cut partitions (vitexp/methods/raptor/ holds the definitions).
 
 The figure is the matrix as a heatmap (layers numbered from 1, as RAPTOR writes its phases) with
 the free partition at threshold f outlined, and one line per block budget k listing its phases.
+The free partition's stopping rule (split while the best cut takes more than f of the segment's
+weight) is vitexp's; RAPTOR chose its thresholds by hand per k. The per-budget lines (``--blocks``)
+are the partitions a run with ``budget.k`` uses, and reproduce RAPTOR's on DINOv2-B-like matrices.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Iterable
 
-import torch
 import torch.nn as nn
 
 from vitexp.methods.raptor import distance_matrix_from_data, max_cut_phases, phases_for_blocks

@@ -19,6 +19,8 @@ class Stage:
     - ``metrics_prefix``: the stage is tested and its accuracies are recorded as ``<prefix>top1``
       ...; ``""`` is the run's own top-1; ``None`` means no test.
     - ``deployed``: this stage's trained model is the one FLOPs and throughput measure.
+    - ``best_val``: the stage is also validated once before training, and the best ``val/top1``
+      over that and every epoch is recorded as ``<prefix>best_val_top1`` (RAPTOR's probes).
     """
 
     name: str
@@ -28,6 +30,7 @@ class Stage:
     module_kwargs: Mapping[str, Any] = field(default_factory=dict)
     metrics_prefix: str | None = ""
     deployed: bool = True
+    best_val: bool = False
 
 
 class Method(abc.ABC):

@@ -1,0 +1,30 @@
+"""Lightning callbacks of vitexp's training loop."""
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+
+class BestValidation(Callback):
+    """The largest value of ``key`` (a synced metric in ``trainer.callback_metrics``) over every
+    validation run the trainer makes: a ``trainer.validate`` before the fit, then each epoch's.
+    Sanity checks do not count. The value travels with checkpoints, so a resumed stage reports
+    the same best."""
+
+    def __init__(self, key: str = "val/top1"):
+        self.key = key
+        self.best: float | None = None
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or self.key not in trainer.callback_metrics:
+            return
+        value = float(trainer.callback_metrics[self.key])
+        self.best = value if self.best is None else max(self.best, value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "best": self.best}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.best = state_dict["best"]

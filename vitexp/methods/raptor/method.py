@@ -1,0 +1,216 @@
+"""``method=raptor``: the Method glue (config knobs, phases from data, the run's stages)."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from vitexp.methods.base import Method, Stage
+from vitexp.methods.raptor.distill import RaptorDistill
+from vitexp.methods.raptor.phases import distance_matrix_from_data, even_phases, phases_for_blocks
+from vitexp.methods.raptor.surrogate import MLP_KINDS, RaptorSurrogate
+from vitexp.methods.saper import ProbeModel, require_vit
+
+
+#: Recipe keys ``method.probe`` may set for the probe stages.
+PROBE_RECIPE_KEYS = frozenset({"epochs", "batch_size", "opt", "lr", "weight_decay", "sched", "warmup_epochs",
+                               "warmup_steps", "warmup_lr", "min_lr", "grad_clip"})
+
+
+def load_linear_head(path: str | Path, in_features: int, num_classes: int) -> nn.Linear:
+    """The probe's Linear(2d → classes) from a linear-head checkpoint: a state dict with ``weight``
+    (classes, 2d) and ``bias`` (classes,), as Meta's ``dinov2_vit*14_reg4_linear_head.pth``, or a
+    saved vitexp probe (``head.weight``, ``head.bias``)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"method.probe_head: no linear-head checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    for prefix in ("", "head."):
+        if isinstance(state, Mapping) and {f"{prefix}weight", f"{prefix}bias"} <= set(state):
+            weight, bias = state[f"{prefix}weight"], state[f"{prefix}bias"]
+            break
+    else:
+        found = sorted(state)[:8] if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"method.probe_head={path}: expected a state dict with 'weight' and 'bias' (or 'head.weight' "
+                         f"and 'head.bias'); found {found}")
+    if tuple(weight.shape) != (num_classes, in_features) or tuple(bias.shape) != (num_classes,):
+        raise ValueError(f"method.probe_head={path}: weight {tuple(weight.shape)} and bias {tuple(bias.shape)} do not "
+                         f"fit the probe, which needs weight ({num_classes}, {in_features}) = (classes, 2 x embed_dim) "
+                         f"and bias ({num_classes},)")
+    head = nn.Linear(in_features, num_classes)
+    head.load_state_dict({"weight": weight.float(), "bias": bias.float()})
+    return head
+
+
+class Raptor(Method):
+    """``method=raptor``: a k-block recurrent surrogate of the (frozen) backbone; ``budget=blocks``.
+
+    A run has four stages: stage 1 and stage 2 (``objective=raptor``; a stage of 0 epochs is
+    skipped, and with both at 0 the probe sees the surrogate at initialisation), then the linear probe on
+    the frozen surrogate (the run's top-1) and on the frozen teacher (``teacher_top1``), each with
+    the ``method.probe`` recipe keys. ``method.teacher_probe_run`` names a completed probe run of
+    the same teacher and data to take ``teacher_top1`` from instead.
+
+    Both probes start from ``method.probe_head`` when it names a linear-head checkpoint (RAPTOR
+    starts them from Meta's reg4 linear head), else from a fresh Linear. Each is evaluated once
+    before training as well as after every epoch, and records the best of those validation
+    accuracies (``best_val_top1``, RAPTOR's reported number) beside the final model's test
+    accuracy (``top1``)."""
+
+    objective: ClassVar[str] = "raptor"
+    budget_kinds: ClassVar[tuple[str, ...]] = ("blocks",)
+
+    def __init__(self, name: str = "raptor", phases: Sequence[Sequence[int]] | None = None,
+                 phase_images: int = 256, min_phase_size: int = 2, stage1_epochs: int = 1,
+                 stage2_epochs: int = 1, tau_fraction: float = 0.25, stage2_targets: str = "all_layers",
+                 cache_dir: str | None = None, probe: Mapping[str, Any] | None = None,
+                 teacher_probe: bool = True, teacher_probe_run: str | None = None, mlp: str = "swiglu",
+                 probe_head: str | None = None):
+        super().__init__(name)
+        self.probe_head = probe_head
+        self._initial_head: nn.Linear | None = None
+        self.mlp = mlp
+        self._num_classes = 1000
+        self.phases = [list(p) for p in phases] if phases else None
+        self.phases_source = "method.phases" if phases else None
+        self.distance: torch.Tensor | None = None
+        self.phase_images, self.min_phase_size = int(phase_images), int(min_phase_size)
+        self.stage1_epochs, self.stage2_epochs = int(stage1_epochs), int(stage2_epochs)
+        self.tau_fraction, self.stage2_targets = float(tau_fraction), stage2_targets
+        self.cache_dir = cache_dir
+        self.probe = dict(probe or {})
+        self.teacher_probe, self.teacher_probe_run = bool(teacher_probe), teacher_probe_run
+
+    def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
+        from vitexp.errors import ConfigError
+
+        super().validate_budget(budget, arch)
+        require_vit(self.name, arch)
+        if arch.get("family", "vit") != "vit":
+            raise ConfigError(f"method {self.name} does not apply to a {arch['family']} backbone: it needs a timm "
+                              "VisionTransformer (the DINOv2 or DeiT layout: patch embedding, prefix tokens, blocks, "
+                              "final norm)")
+        depth, k = int(arch["depth"]), int(budget["k"])
+        if not 1 <= k <= depth // self.min_phase_size:
+            raise ConfigError(f"budget.k: {k} blocks must be in [1, {depth // self.min_phase_size}] (depth {depth}, "
+                              f"phases of at least method.min_phase_size={self.min_phase_size} layers)")
+        if self.phases is not None:
+            flat = [l for p in self.phases for l in p]
+            if len(self.phases) != k or flat != list(range(depth)):
+                raise ConfigError(f"method.phases: {self.phases} must be {k} runs of consecutive layers covering "
+                                  f"0..{depth - 1} in order (budget.k={k})")
+        if self.stage1_epochs < 0 or self.stage2_epochs < 0:
+            raise ConfigError(f"method.stage1_epochs={self.stage1_epochs} and method.stage2_epochs="
+                              f"{self.stage2_epochs} must be >= 0 (both 0: the untrained surrogate, a control)")
+        if self.stage2_targets not in ("all_layers", "final"):
+            raise ConfigError(f"method.stage2_targets: {self.stage2_targets!r} is not one of ('all_layers', 'final')")
+        if self.mlp not in MLP_KINDS:
+            raise ConfigError(f"method.mlp: {self.mlp!r} is not one of {MLP_KINDS}")
+        unknown = sorted(set(self.probe) - PROBE_RECIPE_KEYS)
+        if unknown:
+            raise ConfigError(f"method.probe: unknown recipe keys {unknown}; valid keys are {sorted(PROBE_RECIPE_KEYS)}")
+        if not 0 <= self.tau_fraction <= 1:
+            raise ConfigError(f"method.tau_fraction: {self.tau_fraction} must be in [0, 1]")
+        if self.probe_head and not Path(self.probe_head).expanduser().is_file():
+            raise ConfigError(f"method.probe_head: no linear-head checkpoint at {self.probe_head} (a state dict with "
+                              "weight (classes, 2 x embed_dim) and bias, e.g. Meta's dinov2_vitb14_reg4_linear_head.pth)")
+
+    def prepare(self, backbone: nn.Module, datamodule: Any) -> None:
+        """Phases from the teacher's layer distance matrix over ``phase_images`` training images."""
+        if self.phases is not None or datamodule is None:
+            return
+        datamodule.setup("fit")
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # before Lightning places the model
+        self.distance = distance_matrix_from_data(backbone.to(device), datamodule.train_eval_dataloader(),
+                                                  self.phase_images)
+        backbone.cpu()
+
+    def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
+        k, depth = int(budget["k"]), len(backbone.blocks)
+        if self.phases is None and self.distance is not None:
+            self.phases = phases_for_blocks(self.distance, k, self.min_phase_size)
+            self.phases_source = f"max-cut of the layer distance matrix over {self.phase_images} training images"
+        phases = self.phases
+        if phases is None:
+            phases, self.phases_source = even_phases(depth, k), "even split (no data: FLOPs and throughput only)"
+        teacher = backbone
+        self._num_classes = int(teacher.num_classes)
+        if self.probe_head:  # read now: a wrong file fails before any training
+            self._initial_head = load_linear_head(self.probe_head, 2 * teacher.embed_dim, self._num_classes)
+        teacher.reset_classifier(0)
+        return RaptorDistill(teacher, RaptorSurrogate(teacher, phases, self.mlp), self.cache_dir, self.tau_fraction,
+                             self.stage2_targets)
+
+    def record(self) -> dict[str, Any]:
+        """What the ledger keeps of the method's data-dependent choices."""
+        out: dict[str, Any] = {"phases": self.phases, "phases_source": self.phases_source}
+        if self.distance is not None:
+            out["distance_matrix"] = [[round(float(v), 6) for v in row] for row in self.distance]
+        return out
+
+    def lookup(self, cfg: Mapping[str, Any]) -> None:
+        """``teacher_top1`` from the completed run named by ``method.teacher_probe_run`` (its id or
+        experiment), which must have this run's backbone and data."""
+        from vitexp.results import completed_runs
+
+        self.teacher_metrics: dict[str, Any] = {}
+        run_id = self.teacher_probe_run
+        if not run_id:
+            return
+        runs = [r for r in completed_runs(kind="train", results_dir=cfg["results_dir"])
+                if run_id in (r["run_id"], r["experiment"])]
+        if not runs:
+            raise FileNotFoundError(f"method.teacher_probe_run={run_id}: no completed train run with that id or "
+                                    f"experiment in {cfg['results_dir']}/runs")
+        run = runs[-1]
+        for key in ("backbone", "data"):
+            theirs, ours = run["config"].get(key, {}).get("name"), cfg[key]["name"]
+            if theirs != ours:
+                raise ValueError(f"method.teacher_probe_run={run_id}: that run's {key} is {theirs}, this run's is {ours}")
+        self.teacher_metrics = {"teacher_top1": run["metrics"]["top1"], "teacher_top5": run["metrics"].get("top5"),
+                                "teacher_probe_run": run["run_id"]}
+
+    def extra_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """The teacher's probe (looked up, or this run's ``teacher_top1``) and ``recovered`` =
+        surrogate top-1 / teacher top-1."""
+        out = dict(getattr(self, "teacher_metrics", {}))
+        teacher = out.get("teacher_top1", metrics.get("teacher_top1"))
+        if teacher and metrics.get("top1") is not None:
+            out["recovered"] = metrics["top1"] / teacher
+        return out
+
+    def initial_head(self) -> nn.Linear | None:
+        """A copy of the ``method.probe_head`` Linear for one probe (None: the probe's fresh Linear)."""
+        return copy.deepcopy(self._initial_head) if self._initial_head is not None else None
+
+    def stages(self, model: nn.Module) -> list[Stage]:
+        def surrogate_probe() -> nn.Module:
+            surrogate = model.surrogate
+            for p in surrogate.parameters():
+                p.requires_grad_(False)
+            return ProbeModel(surrogate, self._num_classes, head=self.initial_head())
+
+        def teacher_probe() -> nn.Module:
+            return ProbeModel(copy.deepcopy(model.teacher), self._num_classes, head=self.initial_head())
+
+        stages = []
+        if self.stage1_epochs > 0:
+            stages.append(Stage("stage1", "raptor", lambda: model, {"epochs": self.stage1_epochs},
+                                {"stage": 1}, metrics_prefix=None, deployed=False))
+        if self.stage2_epochs > 0:
+            stages.append(Stage("stage2", "raptor", lambda: model, {"epochs": self.stage2_epochs},
+                                {"stage": 2}, metrics_prefix=None, deployed=False))
+        stages.append(Stage("probe", "classify", surrogate_probe, self.probe, metrics_prefix="", deployed=True,
+                            best_val=True))
+        if self.teacher_probe and not self.teacher_probe_run:
+            stages.append(Stage("teacher_probe", "classify", teacher_probe, self.probe, metrics_prefix="teacher_",
+                                deployed=False, best_val=True))
+        return stages
+
+    def deploy(self, model: nn.Module) -> nn.Module:
+        if isinstance(model, RaptorDistill):
+            return ProbeModel(model.surrogate, self._num_classes)
+        return model
