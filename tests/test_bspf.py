@@ -449,3 +449,20 @@ def test_keep_warmup_goes_from_one_to_the_target_along_a_half_cosine(make_cfg):
     assert seen["tokens"] == 33  # evaluation always uses the target
     with pytest.raises(vconfig.ConfigError, match="never reach"):
         vconfig.validate(make_cfg(["experiment=bspf_demo", "method.keep_warmup_epochs=30", "recipe.epochs=20"]))
+
+
+def test_window_ordered_tokens_refuse_raster_feature_maps():
+    """With chunk_layout=window the tokens run in window order: forward_intermediates refuses NCHW
+    (a raster reshape would scramble the map) and gives the tokens with NLC."""
+    import timm
+
+    import vitexp.models  # noqa: F401
+    from vitexp.methods.bspf import BSPF
+
+    model = timm.create_model("vit_micro_patch4_32", num_classes=10).eval()
+    BSPF(chunk_size=16, prune_layers=[3]).apply(model, {"kind": "keep_ratio", "keep_ratio": 0.5})
+    x = torch.randn(1, 3, 32, 32)
+    with pytest.raises(ValueError, match="window order"):
+        model.forward_intermediates(x, indices=[0], intermediates_only=True)
+    (tokens,) = model.forward_intermediates(x, indices=[0], output_fmt="NLC", intermediates_only=True)
+    assert tokens.shape == (1, 64, 64)

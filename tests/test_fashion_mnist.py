@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from vitexp.data import (FASHION_MNIST_FILES, FASHION_MNIST_ROOT, FashionMNISTDataModule, GreyBatchDataset,
+from vitexp.fashion_mnist import (FASHION_MNIST_FILES, FASHION_MNIST_ROOT, FashionMNISTDataModule, GreyBatchDataset,
                          load_fashion_mnist)
 from vitexp.idx import IMAGES_MAGIC, LABELS_MAGIC, parse_idx, read_idx
 

@@ -230,7 +230,7 @@ def test_nchw_intermediates_of_a_token_pruned_model_are_refused():
     from vitexp.methods.bspf import BSPF
 
     model, x = create("lvvit_micro")
-    BSPF(chunk_size=8, prune_layers=[1]).apply(model.eval(), {"kind": "keep_ratio", "keep_ratio": 0.5})
+    BSPF(chunk_size=8, prune_layers=[1], chunk_layout="raster").apply(model.eval(), {"kind": "keep_ratio", "keep_ratio": 0.5})
     with torch.no_grad():
         nlc = model.forward_intermediates(x, output_fmt="NLC", intermediates_only=True)
         assert [y.shape[1] for y in nlc] == [16, 8, 8, 8]

@@ -132,6 +132,8 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
 def _fmt(value: Any, digits: int) -> str:
     if isinstance(value, (int, float)):
         return f"{value:.{digits}f}"
+    if isinstance(value, (list, tuple)):  # a per-layer metric
+        return " / ".join(_fmt(v, digits) for v in value)
     return str(value)
 
 
@@ -200,6 +202,10 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Symbols the tables print, as LaTeX (after tabulate's own escaping).
+UNICODE_TEX = (("—", "---"), ("×", r"$\times$"), ("±", r"$\pm$"), ("Δ", r"$\Delta$"), ("†", r"\textsuperscript{\dag}"))
+
+
 def _tex_escape(text: str) -> str:
     for a, b in (("\\", r"\textbackslash{}"), ("&", r"\&"), ("%", r"\%"), ("_", r"\_"), ("#", r"\#"),
                  ("—", "---"), ("×", r"$\times$"), ("±", r"$\pm$"), ("Δ", r"$\Delta$"),
@@ -215,6 +221,8 @@ def render_latex(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     head = _header(spec)
     tabular = tabulate(_body(spec, rows), headers=head, tablefmt="latex_booktabs", disable_numparse=True,
                        colalign=("left",) + ("right",) * (len(head) - 1))
+    for a, b in UNICODE_TEX:  # tabulate escapes LaTeX's specials; these symbols it leaves as they are
+        tabular = tabular.replace(a, b)
     units = "; ".join(f"{c['label']}: {c.get('unit', '')}" for c in spec["columns"])
     notes = [r"\par\footnotesize " + _tex_escape(n) for n in footnotes(spec, rows)]
     return "\n".join([r"\begin{table}[t]", r"\centering", rf"\caption{{{_tex_escape(spec['title'])}}}", tabular,

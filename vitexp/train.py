@@ -101,12 +101,10 @@ def evaluate_stage(trainer: L.Trainer, module: L.LightningModule, method: Method
     deployed = method.deploy(module.model) if stage.deployed else module.model
     if deployed is not module.model:
         soft = evaluate_test_split(trainer, module, datamodule, prefix)
-        metrics = {f"{prefix}soft_top1": soft[f"{prefix}top1"], f"{prefix}soft_top5": soft[f"{prefix}top5"]}
+        metrics = {f"{prefix}soft_{k[len(prefix):]}": v for k, v in soft.items()}  # soft_top1, soft_top5, soft_test_loss
         module.model = deployed
-    test = evaluate_test_split(trainer, module, datamodule, prefix)
-    if test.get(f"{prefix}test_loss") is None and metrics:  # a k-NN model without a distillation target
-        test[f"{prefix}test_loss"] = soft.get(f"{prefix}test_loss")
-    return {**metrics, **test}
+    # a deployed k-NN model has no distillation target: its test_loss is None (the soft model's is soft_test_loss)
+    return {**metrics, **evaluate_test_split(trainer, module, datamodule, prefix)}
 
 
 def fit_stage(cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir: Path, callbacks,

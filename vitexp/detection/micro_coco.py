@@ -26,36 +26,22 @@ from typing import Any, Sequence
 
 import numpy as np
 
-FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
                          "Bag", "Ankle boot")
 SOURCES = ("auto", "fashion_mnist", "digits")
-
-
-def _read_idx(path: Path) -> np.ndarray:
-    """An IDX file (``.gz`` or plain): big-endian magic (0x0803 images, 0x0801 labels), counts, data."""
-    import gzip
-
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
-    ndim = data[3]
-    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 
 def load_items(source: str = "auto", split: str = "train") -> tuple[np.ndarray, np.ndarray, tuple[str, ...], str]:
     """(uint8 images (N, h, w), labels (N,), class names, source used) for ``split`` train | test."""
     if source not in SOURCES:
         raise ValueError(f"source={source!r}: valid sources are {SOURCES}")
-    prefix = "train" if split == "train" else "t10k"
-    files = [FASHION_MNIST_DIR / f"{prefix}-{kind}-ubyte.gz" for kind in ("images-idx3", "labels-idx1")]
-    if source == "fashion_mnist" or (source == "auto" and all(f.is_file() for f in files)):
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"Fashion-MNIST files not found: {missing}; install them with "
-                                    "`apt-get install dataset-fashion-mnist` or use --source digits")
-        return _read_idx(files[0]), _read_idx(files[1]).astype(np.int64), FASHION_MNIST_CLASSES, "fashion_mnist"
+    from vitexp.fashion_mnist import FASHION_MNIST_FILES, FASHION_MNIST_ROOT, load_fashion_mnist
+
+    root = Path(FASHION_MNIST_ROOT)
+    present = all((root / f).is_file() for pair in FASHION_MNIST_FILES.values() for f in pair)
+    if source == "fashion_mnist" or (source == "auto" and present):
+        images, labels = load_fashion_mnist(root)["train" if split == "train" else "test"]  # names the package when missing
+        return images.numpy(), labels.numpy(), FASHION_MNIST_CLASSES, "fashion_mnist"
     from sklearn.datasets import load_digits
 
     digits = load_digits()

@@ -62,7 +62,7 @@ class DetectModule(L.LightningModule):
         losses = self.model(images, targets)
         loss = sum(losses.values())
         if not torch.isfinite(loss):
-            from vitexp.module import NonFiniteLossError
+            from vitexp.errors import NonFiniteLossError
 
             raise NonFiniteLossError(f"detection loss is {loss.item()} at step {self.global_step} "
                                      f"({ {k: float(v) for k, v in losses.items()} })")

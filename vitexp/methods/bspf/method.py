@@ -20,7 +20,7 @@ from timm.models.metaformer import MetaFormer
 
 from vitexp.flops import register_model_record
 from vitexp.methods.base import Method
-from vitexp.methods.bspf.layout import CHUNK_LAYOUTS, chunk_count, check_layout, window_order
+from vitexp.methods.bspf.layout import CHUNK_LAYOUTS, check_layout, window_order
 from vitexp.methods.bspf.pruning import FUSIONS, MIRRORS, SCORES, TokenPruner
 from vitexp.methods.bspf.surgery import (ChunkAttention, PruneBlock, PruneMetaBlock, RestoringSequential,
                                          patch_attention, put_in_window_order)
@@ -77,6 +77,9 @@ class BSPF(Method):
         from vitexp.errors import ConfigError
 
         super().validate_budget(budget, arch)
+        if arch.get("family") == "shvit":
+            raise ConfigError(f"method {self.name} does not apply to SHViT yet: BSPF-ViT on SHViT's single-head "
+                              "attention is not implemented (README, 'Backbones beyond DeiT')")
         if budget["kind"] == "keep_ratio" and not 0 < float(budget["keep_ratio"]) <= 1:
             raise ConfigError(f"budget.keep_ratio: {budget['keep_ratio']} must be in (0, 1]")
         depth = int(arch["depth"])
@@ -123,6 +126,8 @@ class BSPF(Method):
         order = window_order(grid, self.chunk_size) if self.chunk_layout == "window" else None
         if order is not None:
             put_in_window_order(blocks[0], order.to(next(backbone.parameters()).device), P)
+            if hasattr(backbone, "forward_intermediates"):
+                backbone.forward_intermediates = _tokens_only(backbone.forward_intermediates)
         return backbone
 
     def _apply_metaformer(self, model: MetaFormer, budget: Mapping[str, Any]) -> MetaFormer:
@@ -161,6 +166,20 @@ class BSPF(Method):
         return model
 
 
+def _tokens_only(forward_intermediates):
+    """A ViT's ``forward_intermediates`` that refuses ``output_fmt="NCHW"``: with
+    ``chunk_layout=window`` the tokens are in window order, so a raster reshape would scramble the
+    map. ``NLC`` gives the tokens as they are (window order; pruned layers: the survivors)."""
+
+    def refusing(*args, output_fmt: str = "NCHW", **kwargs):
+        if output_fmt == "NCHW":
+            raise ValueError("output_fmt='NCHW': BSPF with method.chunk_layout=window runs the tokens in window order, "
+                             "so a raster grid would be scrambled; use output_fmt='NLC' (or chunk_layout=raster)")
+        return forward_intermediates(*args, output_fmt=output_fmt, **kwargs)
+
+    return refusing
+
+
 class ChunkOnly(BSPF):
     """``method=chunk``: chunk attention in every layer; no pruning, no fusion (Table 8)."""
 
@@ -184,7 +203,7 @@ def bspf_record(model: nn.Module) -> dict[str, dict[str, Any]]:
     realised = [m.realised for m in model.modules() if isinstance(m, TokenPruner) and m.realised]
     if realised:
         layers = [kept / total for kept, total in realised]
-        record["metrics"] = {"keep_fraction_layers": layers,
+        record["metrics"] = {"keep_fraction_layers": [round(k, 4) for k in layers],
                              "keep_fraction": math.prod(layers) ** (1.0 / len(layers))}
     return record
 
