@@ -214,8 +214,8 @@ def require_vit(method: str, arch: Mapping[str, Any]) -> None:
     """SAPER's methods read a ViT's CLS and patch tokens from ``forward_features``."""
     from vitexp.errors import ConfigError
 
-    family = arch.get("family", "vit")
-    if family in ("metaformer", "shvit"):
+    family = {"metaformer": "MetaFormer", "shvit": "SHViT"}.get(arch.get("family", "vit"))
+    if family:
         raise ConfigError(f"method {method} does not apply to a {family} backbone: it needs a ViT's blocks and "
                           "CLS token (use a DINOv2, DeiT, T2T-ViT or LV-ViT backbone)")
 
