@@ -131,6 +131,25 @@ def test_similarity_fusion_is_a_weighted_average_into_the_best_kept_token():
     torch.testing.assert_close(fused[0, 0, 1], (patches[0, 0, 1] + w3 * patches[0, 0, 3]) / (1 + w3))
 
 
+def test_fusion_ablations_match_by_one_factor_alone():
+    """Table 8's ablations: ``cosine`` ignores the masks, ``hamming`` ignores the features. Pruned token 2
+    points like kept token 0 but shares its mask row with kept token 1, so the two pick different targets."""
+    patches = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [1.0, 0.2], [0.0, 2.0]]]])  # B=1, C=1, L=4, D=2
+    keep = torch.tensor([[[0, 1]]])
+    kept = patches[:, :, :2].clone()
+    mask = torch.tensor([[[[1.0, 0, 0, 0], [0, 1, 1, 0], [0, 1, 1, 0], [0, 1, 1, 0]]]])
+    _, _, by_cos, w_cos = TokenPruner._match(patches, kept, keep, mask, "cosine")
+    _, _, by_ham, w_ham = TokenPruner._match(patches, kept, keep, mask, "hamming")
+    _, _, by_both, w_both = TokenPruner._match(patches, kept, keep, mask, "similarity")
+    assert by_cos[0, 0].tolist() == [0, 1]  # token 2 -> 0 (cos 0.98), token 3 -> 1 (cos 1)
+    assert by_ham[0, 0].tolist() == [1, 1]  # both share token 1's mask row (Hamming 0)
+    torch.testing.assert_close(w_ham[0, 0], torch.ones(2))
+    torch.testing.assert_close(w_cos[0, 0, 0], F.cosine_similarity(patches[0, 0, 2], patches[0, 0, 0], dim=0))
+    # the product: token 2 -> 0 by cos 0.98 · (1 − 3/4) = 0.245 > cos(t2, t1) · 1 = 0.196
+    assert by_both[0, 0].tolist() == [0, 1]
+    torch.testing.assert_close(w_both[0, 0, 0], 0.25 * w_cos[0, 0, 0])
+
+
 def test_symmetric_qk_is_shared_and_initialised_from_the_mean():
     base = micro()
     wq, wk = base.blocks[0].attn.qkv.weight[:64].clone(), base.blocks[0].attn.qkv.weight[64:128].clone()

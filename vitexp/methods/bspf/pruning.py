@@ -22,7 +22,8 @@
 - **Fusion** (``method.fusion``): ``similarity`` merges each pruned token i into the kept token j
   of its chunk maximising cos(x_i, x_j)·(1 − Hamming(m_i, m_j)/Ω) (m: a token's row of M), by the
   weighted average x_j ← (x_j + Σ w_i x_i) / (1 + Σ w_i), w_i the positive part of that
-  similarity; ``none`` drops pruned tokens; ``paper_literal`` is Eq. 8 as the public review reads
+  similarity; ``cosine`` and ``hamming`` are Table 8's fusion ablations, matching and weighting by
+  one factor alone (cos(x_i, x_j), or 1 − Hamming(m_i, m_j)/Ω); ``none`` drops pruned tokens; ``paper_literal`` is Eq. 8 as the public review reads
   it, x⊙k + (x⊙(1−k))⊙k, which adds exactly zero.
 
 Selection and matching run in float32 even under autocast (they are O(C·Ω²) and a bf16 ranking of
@@ -37,7 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SCORES = ("local3x3", "avg3x3", "single")
-FUSIONS = ("similarity", "none", "paper_literal")
+FUSIONS = ("similarity", "cosine", "hamming", "none", "paper_literal")
+MERGING_FUSIONS = ("similarity", "cosine", "hamming")  # the fusions that merge pruned tokens into kept ones
 MIRRORS = ("none", "upper")
 
 
@@ -126,10 +128,11 @@ class TokenPruner(nn.Module):
         g = 1.0 + soft - soft.detach()
         kept = kept * g.gather(2, keep).unsqueeze(-1).to(kept.dtype)
         match = None
-        if n_keep < L and (self.fusion == "similarity" or self.track):
+        merging = self.fusion in MERGING_FUSIONS
+        if n_keep < L and (merging or self.track):
             with torch.autocast(x.device.type, enabled=False):
-                match = self._match(patches, kept, keep, mask)
-        if self.fusion == "similarity" and match is not None:
+                match = self._match(patches, kept, keep, mask, self.fusion if merging else "similarity")
+        if merging and match is not None:
             kept = self._merge(kept, *match)
         self.last = {"keep": keep.detach(), "mask": mask.detach()}
         self.realised = (int(C * n_keep), int(C * L))  # ints, also when traced by the FLOPs counter
@@ -145,8 +148,9 @@ class TokenPruner(nn.Module):
         return patches * k + (patches * (1 - k)) * k
 
     @staticmethod
-    def _match(patches, kept, keep, mask):
-        """Each pruned token's best kept token of its chunk by cos(x_i, x_j)·(1 − Hamming(m_i, m_j)/Ω):
+    def _match(patches, kept, keep, mask, kind: str = "similarity"):
+        """Each pruned token's best kept token of its chunk by cos(x_i, x_j)·(1 − Hamming(m_i, m_j)/Ω)
+        (``kind="similarity"``), or by one factor alone (``"cosine"``, ``"hamming"``):
         (pruned indices, pruned tokens, target slot, similarity). The similarity is float32."""
         B, C, L, D = patches.shape
         n_keep = keep.shape[-1]
@@ -159,7 +163,9 @@ class TokenPruner(nn.Module):
         m_kept = mask.gather(2, keep.unsqueeze(-1).expand(B, C, n_keep, L))
         inter = m_pruned @ m_kept.transpose(-1, -2)
         hamming = m_pruned.sum(-1, keepdim=True) + m_kept.sum(-1).unsqueeze(-2) - 2 * inter
-        best, target = (cos * (1.0 - hamming / L)).max(dim=-1)  # B,C,R
+        overlap = 1.0 - hamming / L
+        sim = {"similarity": cos * overlap, "cosine": cos, "hamming": overlap}[kind]
+        best, target = sim.max(dim=-1)  # B,C,R
         return pruned_idx, pruned, target, best
 
     @staticmethod
