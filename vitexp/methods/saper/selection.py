@@ -14,7 +14,8 @@ model (:func:`top_k_heads`, as LapSum's deployment does with its learned scores)
   - The absolute value is taken per example, as Eq. 2 writes it (Michel et al.'s code takes it
     per batch): the gates have one value per example (:func:`head_gates`), so one backward gives
     every example's gradient.
-  - Scores are normalised per layer by their ℓ2 norm, as Michel et al. do before pruning.
+  - Scores are normalised per layer by their ℓ2 norm, as Michel et al.'s pruning experiments do
+    (``--normalize_pruning_by_layer`` in their code).
   - The calibration set is ``method.importance_batches`` batches of the training split under
     evaluation transforms (the k-NN bank's images), a random subset drawn with
     ``method.selection_seed``, so a resumed run chooses the same heads. Under DDP every rank
