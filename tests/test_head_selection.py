@@ -110,6 +110,17 @@ def test_head_importance_is_the_mean_of_each_examples_absolute_gradient():
     torch.testing.assert_close(got, expected / 6, rtol=1e-9, atol=1e-12)
 
 
+def test_the_distillation_loss_gives_no_importance_at_gates_one():
+    """Why ``importance`` uses a probe's loss in distillation mode too: with every gate at 1 the
+    student is its teacher, the distillation loss is at its minimum, and every gradient is 0."""
+    backbone = attention_matters_backbone()
+    x = torch.randn(4, 3, 56, 56, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        teacher_tokens = backbone.forward_features(x)
+    scores = head_importance(backbone, [(x, teacher_tokens)], lambda t, target: (t - target).square().mean(dim=(1, 2)))
+    assert torch.count_nonzero(scores) == 0
+
+
 def test_importance_ranks_the_one_head_that_reaches_the_output_first():
     """Only head 1 of layer 2 has non-zero values (every other head outputs 0), while the others
     have the largest projection columns (magnitude prefers them): importance keeps head (2, 1)."""
@@ -186,7 +197,7 @@ class DeployedModel(Callback):
 
 
 @pytest.mark.parametrize("method, trainable", [("saper_ft", "scores"), ("saper_kd", "mlp")])
-def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trainable, make_cfg, results_dir, tmp_path):
+def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trainable, make_cfg, tmp_path, capsys):
     import lightning as L
 
     from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
@@ -215,6 +226,14 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trai
     initial = method_from_config(cfg.method).rebuild_deployed(build_configured_backbone(cfg), entry)
     for ours, theirs in zip(initial.backbone.blocks, keep.model.backbone.blocks):
         torch.testing.assert_close(ours.attn.state_dict(), theirs.attn.state_dict(), rtol=0, atol=0)
+
+    from vitexp.cli import eval_main
+
+    capsys.readouterr()
+    eval_main([result["run_id"], "logger=none", "trainer.enable_progress_bar=false"])
+    evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert evaluated["status"] == "completed" and evaluated["metrics"]["top1"] == pytest.approx(
+        result["metrics"]["top1"], abs=1e-9)
 
     torch.manual_seed(123)  # the rebuilt backbone's own weights are all overwritten
     rebuilt = method_from_config(cfg.method).rebuild_deployed(build_configured_backbone(cfg), entry)
