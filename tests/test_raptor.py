@@ -20,7 +20,7 @@ from vitexp.methods.raptor import (
     teacher_states,
     weighted_token_mse,
 )
-from vitexp.methods.saper import ProbeModel
+from vitexp.methods.probe import ProbeModel
 
 
 def block_matrix(sizes, inside=0.1, outside=1.0):

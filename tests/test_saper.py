@@ -1,5 +1,5 @@
 """SAPER's head gating, physical head removal, FLOPs protocol and reported accuracy
-(vitexp/methods/saper.py, vitexp/module.py DistillModule, vitexp/train.py)."""
+(vitexp/methods/saper/, vitexp/module.py DistillModule, vitexp/train.py)."""
 from __future__ import annotations
 
 import math
@@ -11,9 +11,11 @@ import torch.nn as nn
 from timm.models.vision_transformer import Attention
 
 import vitexp  # noqa: F401
+from vitexp.flops import count_heads as head_count
 from vitexp.flops import count_macs
-from vitexp.methods.saper import (ConstantBranch, GatedAttention, HeadSelector, ProbeModel, SaperDistill,
-                                  SaperHeads, head_count)
+from vitexp.methods.probe import ProbeModel
+from vitexp.methods.saper import ConstantBranch, HeadSelector, SaperDistill, SaperHeads
+from vitexp.models._common import ScaledAttention
 
 
 def micro(num_classes: int = 10, **kwargs):
@@ -100,7 +102,7 @@ def test_gated_attention_equals_timm_attention_with_the_heads_outputs_scaled():
         reference.proj.weight.mul_(g.repeat_interleave(16))
     expected_ones = attn(x)
     gated = attn
-    gated.__class__ = GatedAttention
+    gated.__class__ = ScaledAttention
     gated.gate_values = torch.ones(4, dtype=torch.float64)
     torch.testing.assert_close(gated(x), expected_ones, rtol=1e-12, atol=1e-12)
     gated.gate_values = g

@@ -101,3 +101,23 @@ class Method(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def check_choice(key: str, value: str, valid: tuple[str, ...]) -> str:
+    """``value`` when it is one of ``valid``, else ``ConfigError`` naming the key and the valid choices."""
+    from vitexp.errors import ConfigError
+
+    if value not in valid:
+        raise ConfigError(f"{key}={value!r}: valid choices are {list(valid)}")
+    return value
+
+
+def require_vit(method: str, arch: Mapping[str, Any]) -> None:
+    """``ConfigError`` unless the backbone is a ViT: the methods that read a ViT's blocks, CLS and
+    patch tokens (SAPER, the probe and k-NN rows, RAPTOR, ToMe, EViT) name the family they refuse."""
+    from vitexp.errors import ConfigError
+
+    family = {"metaformer": "MetaFormer", "shvit": "SHViT"}.get(arch.get("family", "vit"))
+    if family:
+        raise ConfigError(f"method {method} does not apply to a {family} backbone: it needs a ViT's blocks and "
+                          "CLS token (use a DINOv2, DeiT, T2T-ViT or LV-ViT backbone)")

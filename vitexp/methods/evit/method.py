@@ -5,9 +5,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import torch.nn as nn
 
-from vitexp.methods.base import Method
+from vitexp.methods.base import Method, require_vit
 from vitexp.methods.evit.patch import KeepRateSchedule, patch_evit
-from vitexp.methods.saper import require_vit
 
 
 class EViT(Method):

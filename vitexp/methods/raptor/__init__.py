@@ -59,7 +59,7 @@
     disk, keyed by a hash of the teacher's weights and of each input image, so a second pass over
     the same (deterministically transformed) images reads instead of recomputing.
 - **Probe.** Linear(2d → classes) on [CLS ‖ mean of patch tokens, registers excluded] after the
-  teacher's final norm (:class:`~vitexp.methods.saper.ProbeModel`), trained on the frozen
+  teacher's final norm (:class:`~vitexp.methods.probe.ProbeModel`), trained on the frozen
   surrogate, and on the frozen teacher for the recovered fraction (surrogate top-1 / teacher top-1).
   ``method.probe_head`` starts both from a linear-head checkpoint (the reference starts from
   Meta's reg4 head). Each probe records its final test top-1 (``top1``, what vitexp's tables

@@ -8,11 +8,11 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from vitexp.methods.base import Method, Stage
+from vitexp.methods.base import Method, Stage, require_vit
+from vitexp.methods.probe import ProbeModel
 from vitexp.methods.raptor.distill import RaptorDistill
 from vitexp.methods.raptor.phases import distance_matrix_from_data, even_phases, phases_for_blocks
 from vitexp.methods.raptor.surrogate import MLP_KINDS, RaptorSurrogate
-from vitexp.methods.saper import ProbeModel, require_vit
 
 
 #: Recipe keys ``method.probe`` may set for the probe stages.

@@ -5,8 +5,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch.nn as nn
 
-from vitexp.methods.base import Method
-from vitexp.methods.saper import require_vit
+from vitexp.methods.base import Method, require_vit
 from vitexp.methods.tome.merge import parse_r
 from vitexp.methods.tome.patch import patch_tome
 

@@ -1,0 +1,100 @@
+"""SAPER's learned selection (``method.selection=lapsum``): per-head scores, the annealed LapSum
+gates, and the gated model that deploys to a physically pruned one.
+
+- One learnable score per head over all heads of the model (L×H: 72 for ViT-S/14, 144 for
+  ViT-B/14). The gates are g = soft_topk(scores, k_t, α_t) (vitexp/methods/lapsum.py), and each
+  head's output is scaled by its gate before the output projection.
+- k_t anneals from the total head count (less ½, as the soft top-k needs k < n) to the budget k by
+  a cosine over the first ``anneal_fraction`` of training; α_t falls geometrically from
+  ``alpha_start`` to ``alpha_end`` over the same span.
+- Deployment keeps the top-k heads by score (:meth:`HeadPrunedModel.kept_heads`) and removes the
+  rest (:func:`~vitexp.methods.saper.surgery.prune_probe_model`).
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn as nn
+
+from vitexp.methods.lapsum import soft_topk
+from vitexp.methods.probe import ProbeModel
+from vitexp.methods.saper.surgery import prune_probe_model
+from vitexp.models._common import ScaledAttention
+
+
+class HeadSelector(nn.Module):
+    """Per-head scores and the annealed LapSum gates."""
+
+    def __init__(self, depth: int, heads: int, k: int, alpha_start: float, alpha_end: float, anneal_fraction: float):
+        super().__init__()
+        self.depth, self.heads, self.k = depth, heads, int(k)
+        self.alpha_start, self.alpha_end, self.anneal_fraction = alpha_start, alpha_end, anneal_fraction
+        self.scores = nn.Parameter(1e-3 * torch.randn(depth * heads))
+        self.register_buffer("progress", torch.zeros(()))
+
+    @property
+    def total(self) -> int:
+        return self.depth * self.heads
+
+    def schedule(self) -> tuple[float, float]:
+        """(k_t, α_t) at the current training progress (0 -> 1)."""
+        t = min(1.0, float(self.progress) / max(self.anneal_fraction, 1e-8))
+        # from total − ½ (soft_topk needs k < n; every gate starts near 1) down to the budget k
+        k_t = self.k + (self.total - 0.5 - self.k) * 0.5 * (1 + math.cos(math.pi * t))
+        alpha_t = self.alpha_start * (self.alpha_end / self.alpha_start) ** t
+        return k_t, alpha_t
+
+    def gates(self) -> torch.Tensor:
+        k_t, alpha_t = self.schedule()
+        return soft_topk(self.scores, k_t, alpha_t).view(self.depth, self.heads)
+
+    def hard_mask(self) -> torch.Tensor:
+        mask = torch.zeros(self.total, device=self.scores.device)
+        mask[self.scores.detach().topk(self.k).indices] = 1.0
+        return mask.view(self.depth, self.heads)
+
+
+class HeadPrunedModel(ProbeModel):
+    """The probe (or k-NN feature) model with gated heads (training) that deploys to a physically
+    pruned one. The gates act through :class:`~vitexp.models._common.ScaledAttention` (timm's
+    attention with ``gate_values`` before the projection), swapped onto each block's attention."""
+
+    def __init__(self, backbone: nn.Module, num_classes: int, selector: HeadSelector, hard: bool = False,
+                 head: nn.Module | None = None, pool: str = "cls_mean"):
+        super().__init__(backbone, num_classes, head=head, pool=pool)
+        self.selector = selector
+        self.hard = hard
+        self.attention_classes = [type(block.attn) for block in backbone.blocks]
+        for block in backbone.blocks:
+            block.attn.__class__ = ScaledAttention
+
+    def set_progress(self, fraction: float) -> None:
+        self.selector.progress.fill_(fraction)
+
+    def forward_gates(self) -> None:
+        """Set every attention's gates for the next forward pass (hard top-k when ``hard``)."""
+        gates = self.selector.hard_mask() if self.hard else self.selector.gates()
+        for block, g in zip(self.backbone.blocks, gates):
+            block.attn.gate_values = g
+
+    def tokens(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_gates()
+        return super().tokens(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forward_gates()
+        return super().forward(x)
+
+    def kept_heads(self) -> list[list[int]]:
+        """The heads deployment keeps, per layer: the top-k by score over the whole model."""
+        return [m.nonzero().flatten().tolist() for m in self.selector.hard_mask()]
+
+    def deploy(self) -> ProbeModel:
+        """Keep the top-k heads by score; remove the others physically (no gates left)."""
+        for block in self.backbone.blocks:  # the last forward's gates (part of its autograd graph)
+            block.attn.gate_values = None
+        deployed = copy.deepcopy(self)
+        return prune_probe_model(deployed.backbone, deployed.kept_heads(), deployed.head, deployed.pool,
+                                 deployed.attention_classes)
