@@ -61,8 +61,9 @@ def _grid(ax, values: np.ndarray, mask: np.ndarray, cmap, title: str, vmin=None,
     if label:
         for layer in range(layers):
             for head in range(heads):
+                bright = float(im.norm(values[layer, head])) > 0.6  # dark text on the bright end of viridis
                 ax.text(head, layer, f"{values[layer, head]:.2g}", ha="center", va="center", fontsize=6,
-                        color="white" if np.isfinite(values[layer, head]) else "black")
+                        color="black" if bright else "white")
     ax.set_xticks(range(heads))
     ax.set_yticks(range(layers))
     ax.set_xlabel("head")

@@ -22,6 +22,9 @@ from vitexp.analysis.tokens import LayerMap
 from vitexp.analysis import save_png
 
 
+LEGEND = "clear: kept; black: dropped{chunks}\ntinted: fused into the token of that colour (its kept patch outlined)"
+
+
 def display_image(image: torch.Tensor) -> np.ndarray:
     """(3, H, W) normalised tensor -> (H, W, 3) in [0, 1] (min–max over the image)."""
     img = image.detach().float().cpu()
@@ -68,7 +71,7 @@ def _panel(ax, img: np.ndarray, grid: tuple[int, int], token: np.ndarray | None,
             r, c = anchored[t]
             ax.add_patch(Rectangle((c * cell_w, r * cell_h), cell_w, cell_h, fill=False,
                                    edgecolor=palette[t % len(palette)], lw=2.0))
-    if chunks is not None and len(np.unique(chunks)) > 1:
+    if chunks is not None:
         _chunk_edges(ax, chunks, cell_h, cell_w)
     ax.set_xlim(0, w)
     ax.set_ylim(h, 0)
@@ -86,15 +89,15 @@ def draw_token_maps(image: torch.Tensor, maps: Sequence[LayerMap], index: int, g
     import matplotlib.pyplot as plt
 
     img = display_image(image)
-    chunk_grid = None if chunks is None else chunks.reshape(grid).numpy()
+    chunk_grid = None if chunks is None or len(chunks.unique()) < 2 else chunks.reshape(grid).numpy()
     panels = 1 + len(maps)
-    fig, axes = plt.subplots(1, panels, figsize=(1.9 * panels, 2.3), squeeze=False)
-    _panel(axes[0][0], img, grid, None, None, chunk_grid, "input" + (" + chunks" if chunk_grid is not None
-                                                                      and len(np.unique(chunk_grid)) > 1 else ""))
+    fig, axes = plt.subplots(1, panels, figsize=(max(2.0 * panels, 5.0), 2.9), squeeze=False, layout="constrained")
+    _panel(axes[0][0], img, grid, None, None, chunk_grid, "input" + (" + chunks" if chunk_grid is not None else ""))
     for ax, m in zip(axes[0][1:], maps):
         token = m.token[index].reshape(grid).cpu().numpy()
         kept = m.kept[index].reshape(grid).cpu().numpy()
         fused, dropped = int(m.fused[index].sum()), int(m.dropped[index].sum())
         _panel(ax, img, grid, token, kept, chunk_grid,
                f"block {m.block}: {m.tokens_out} tokens\nkept {int(kept.sum())}, fused {fused}, dropped {dropped}")
-    return save_png(fig, out, title)
+    legend = LEGEND.format(chunks="; white lines: chunks" if chunk_grid is not None else "")
+    return save_png(fig, out, f"{title}\n{legend}")
