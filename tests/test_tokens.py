@@ -195,11 +195,13 @@ def test_analyze_tokens_writes_a_png_per_image_and_records_them(case, results_di
     assert entry["layers"] and all(layer["kept"] + layer["fused"] + layer["dropped"] == 64 for layer in entry["layers"])
 
 
-def test_analyze_tokens_refuses_a_method_without_token_reduction(results_dir, capsys):
+@pytest.mark.parametrize("overrides, says", [(["experiment=demo"], "valid methods"),
+                                              (["experiment=bspf_demo", "backbone=caformer_micro"], "use a ViT backbone")])
+def test_analyze_tokens_refuses_what_it_cannot_draw(overrides, says, results_dir, capsys):
     from vitexp.cli import analyze_main
 
     with pytest.raises(SystemExit) as exit_info:
-        analyze_main(["tokens", "experiment=demo", "logger=none"])
+        analyze_main(["tokens", *overrides, "logger=none"])
     assert exit_info.value.code == 2
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["status"] == "invalid" and "valid methods" in out["error"] and not ledger_entries(results_dir)
+    assert out["status"] == "invalid" and says in out["error"] and not ledger_entries(results_dir)

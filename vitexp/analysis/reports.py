@@ -33,6 +33,10 @@ def check_request(cfg: DictConfig, analysis: str, record: dict[str, Any] | None)
     if analysis == "tokens" and cfg.method.name not in TOKEN_METHODS:
         raise ConfigError(f"vitexp-analyze tokens: method={cfg.method.name} reduces no tokens; "
                           f"valid methods: {list(TOKEN_METHODS)}")
+    family = (cfg.backbone.get("arch") or {}).get("family", "vit")
+    if analysis == "tokens" and family in ("metaformer", "shvit"):
+        raise ConfigError(f"vitexp-analyze tokens draws a ViT's patch tokens; backbone={cfg.backbone.name} is a "
+                          f"{family} (use a ViT backbone: vit_micro, t2t_vit_micro, lvvit_micro, dinov2_micro, DeiT)")
     if analysis == "heads" and not (record or {}).get("kept_heads"):
         raise ConfigError(f"vitexp-analyze heads: run {(record or {}).get('run_id')} ({(record or {}).get('experiment')}) "
                           "has no kept_heads: it is not a completed SAPER train run (method=saper_ft or saper_kd)")
