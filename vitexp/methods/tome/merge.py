@@ -94,7 +94,8 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, num_prefix: int) -> tu
 
 
 def merge_decision(matching: Matching, tokens: int) -> TokenDecision:
-    """Where step 4 puts each of the ``tokens`` non-prefix tokens (A at odd positions, B at even):
+    """Where step 4 puts each of the ``tokens`` non-prefix tokens (counted from 0 after the prefix:
+    A at the odd positions, B at the even ones):
     an unmerged A token to its rank among them, B token b to slot |unmerged| + b, a merged A
     token into its B token's slot. Merged A tokens are not kept; B tokens are."""
     src, dst, unmerged = matching
