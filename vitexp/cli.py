@@ -202,41 +202,71 @@ def audit_main(argv: list[str] | None = None) -> None:
 
 
 def analyze_main(argv: list[str] | None = None) -> None:
-    """``vitexp-analyze {laplace,clusters,phases} [options] [overrides]``: Laplace maps or head
-    clustering of the configured backbone (``backbone.pretrained`` for real weights) on the
-    configured data's test split, or RAPTOR's layer distance matrix and phases over training images
-    (evaluation transforms); a PNG under ``results/analysis/``, a ledger entry (kind analyze),
-    W&B images."""
+    """``vitexp-analyze {laplace,clusters,phases,tokens,heads} [options] [overrides]``: Laplace maps
+    or head clustering of the configured backbone (``backbone.pretrained`` for real weights) on the
+    configured data's test split, RAPTOR's layer distance matrix and phases over training images
+    (evaluation transforms), a token method's source maps per test image (``tokens``), or a SAPER
+    run's kept heads and scores beside the head clusters (``heads --run RUN``); PNGs under
+    ``results/analysis/``, a ledger entry (kind analyze), W&B images."""
     import argparse
 
     from vitexp.commands import run_analyze
-    from vitexp.config import check_overrides, compose, run_name
 
     parser = argparse.ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
-    parser.add_argument("analysis", choices=("laplace", "clusters", "phases"))
+    parser.add_argument("analysis", choices=("laplace", "clusters", "phases", "tokens", "heads"))
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. backbone=dinov2_vitb14 backbone.pretrained=/p")
-    parser.add_argument("--images", type=int, default=256, help="clusters: test images used; phases: training images")
+    parser.add_argument("--images", type=int, default=None,
+                        help="clusters, heads: test images clustered (256); phases: training images (256); "
+                             "tokens: test images drawn, one PNG each (4)")
+    parser.add_argument("--run", help="heads: the SAPER train run, its id or experiment (its newest completed run)")
     parser.add_argument("--f", type=float, default=0.7, help="phases: max-cut threshold fraction f")
     parser.add_argument("--blocks", type=int, nargs="+", default=[2, 3, 4], help="phases: block budgets k to partition for")
     parser.add_argument("--image-index", type=int, default=0, help="laplace: which test image")
     parser.add_argument("--clusters", type=int, default=4, help="clusters: number of spectral clusters")
     args = parser.parse_intermixed_args(argv)
+    if args.images is None:
+        args.images = 4 if args.analysis == "tokens" else 256
+    record = None
     try:
-        cfg = compose(args.overrides, return_hydra_config=True)
-        choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if v}
-        with open_dict(cfg):  # no Hydra run directory here: outputs go beside the figures
-            del cfg["hydra"]
-            cfg.output_dir = str(Path(cfg.results_dir) / "analysis")
-            cfg.name = run_name(cfg, choices, args.overrides)
-        check_overrides(cfg, args.overrides)
+        if args.analysis == "heads":
+            cfg, record = _heads_config(args)
+        else:
+            cfg = _analyze_config(args)
     except Exception as err:  # composition: nothing written
         _invalid(err, "vitexp-analyze")
     try:
-        run_analyze(cfg, args)
+        run_analyze(cfg, args, record)
     except ConfigError as err:
         _invalid(err, "vitexp-analyze")
     except Exception as err:
         _exit_failed(err)
+
+
+def _analyze_config(args):
+    """The composed config of ``vitexp-analyze`` (outputs beside the figures)."""
+    from vitexp.config import check_overrides, compose, run_name
+
+    cfg = compose(args.overrides, return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if v}
+    with open_dict(cfg):  # no Hydra run directory here: outputs go beside the figures
+        del cfg["hydra"]
+        cfg.output_dir = str(Path(cfg.results_dir) / "analysis")
+        cfg.name = run_name(cfg, choices, args.overrides)
+    check_overrides(cfg, args.overrides)
+    return cfg
+
+
+def _heads_config(args):
+    """The SAPER run's own config (overrides as ``vitexp-eval`` takes them) and its ledger record."""
+    from vitexp.evaluate import eval_config
+
+    if not args.run:
+        raise ConfigError("vitexp-analyze heads needs --run <SAPER train run id or experiment>")
+    cfg, record = eval_config(args.run, args.overrides)
+    with open_dict(cfg):
+        cfg.output_dir = str(Path(cfg.results_dir) / "analysis")
+        cfg.name = f"{record['experiment']}_heads"
+    return cfg, record
 
 
 _APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "eval": eval_main, "sweep": sweep_main,

@@ -135,12 +135,15 @@ def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
     return run.result
 
 
-def run_analyze(cfg: DictConfig, args: argparse.Namespace) -> dict[str, Any]:
-    """Laplace maps, head clusters or RAPTOR's phases of the configured backbone (``vitexp-analyze``)."""
+def run_analyze(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Laplace maps, head clusters or RAPTOR's phases of the configured backbone, a token method's
+    source maps, or the heads of SAPER run ``record`` (``vitexp-analyze``)."""
     from vitexp.analysis import heads as head_analysis
     from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
 
     analysis_dir = Path(cfg.results_dir) / "analysis"
+    if args.analysis in ("tokens", "heads"):
+        return _run_report(cfg, args, record, analysis_dir)
     with owned_run(cfg.name, "analyze", cfg.results_dir, analysis_dir, cfg.logger) as run:
         validate(cfg)
         run.start({**to_container(cfg), "analysis": vars(args)})
@@ -172,6 +175,33 @@ def run_analyze(cfg: DictConfig, args: argparse.Namespace) -> dict[str, Any]:
                      {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
                      out={"figure": str(out), "metrics": metrics}, figure=figure, head_clusters=metrics.get("labels"),
                      distance_matrix=metrics.get("distance_matrix"))
+    return run.result
+
+
+def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any] | None,
+                analysis_dir: Path) -> dict[str, Any]:
+    """``vitexp-analyze tokens|heads`` (vitexp/analysis/reports.py): PNGs, W&B images, ledger paths."""
+    from vitexp.analysis import reports
+
+    with owned_run(cfg.name, "analyze", cfg.results_dir, analysis_dir, cfg.logger) as run:
+        validate(cfg)
+        reports.check_request(cfg, args.analysis, record)
+        extra = {"analyzes": record["run_id"]} if record else {}
+        run.start({**to_container(cfg), "analysis": vars(args), **extra})
+        if args.analysis == "tokens":
+            report = reports.token_report(cfg, args, analysis_dir)
+        else:
+            report = reports.head_report(cfg, record, args, analysis_dir)
+        figures = [Path(f) for f in report.pop("figures")]
+        if run.logger and hasattr(run.logger, "log_image"):
+            run.logger.log_image(key=args.analysis, images=[str(f) for f in figures])
+        for f in figures:
+            print(f"{cfg.name}: {args.analysis} -> {f}")
+        metrics = {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        run.complete(metrics, {"resolution": int(cfg.backbone.img_size)},
+                     out={"figures": [str(f) for f in figures]},
+                     figures=[portable_path(f, cfg.results_dir) for f in figures], **extra,
+                     **{k: v for k, v in report.items() if k not in metrics})
     return run.result
 
 

@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vitexp.methods.token_record import TokenDecision
+
 SCORES = ("local3x3", "avg3x3", "single")
 FUSIONS = ("similarity", "cosine", "hamming", "none", "paper_literal")
 MERGING_FUSIONS = ("similarity", "cosine", "hamming")  # the fusions that merge pruned tokens into kept ones
@@ -80,7 +82,10 @@ class TokenPruner(nn.Module):
 
     ``keep_ratio`` is ρ. While training, ``train_keep_ratio`` (set by a keep-rate warm-up) replaces
     it when not None. ``realised`` holds (kept, input) patch tokens of the last call, the layer's
-    realised keep fraction kept / input = ⌈ρΩ⌉ / Ω."""
+    realised keep fraction kept / input = ⌈ρΩ⌉ / Ω. With ``record_decisions`` set, ``decision``
+    (:class:`~vitexp.methods.token_record.TokenDecision`) says where each input patch token went."""
+
+    record_decisions = False
 
     def __init__(self, keep_ratio: float, num_prefix: int, num_chunks: int, score: str, mirror: str, fusion: str):
         super().__init__()
@@ -129,7 +134,7 @@ class TokenPruner(nn.Module):
         kept = kept * g.gather(2, keep).unsqueeze(-1).to(kept.dtype)
         match = None
         merging = self.fusion in MERGING_FUSIONS
-        if n_keep < L and (merging or self.track):
+        if n_keep < L and (merging or self.track or self.record_decisions):
             with torch.autocast(x.device.type, enabled=False):
                 match = self._match(patches, kept, keep, mask, self.fusion if merging else "similarity")
         if merging and match is not None:
@@ -138,6 +143,8 @@ class TokenPruner(nn.Module):
         self.realised = (int(C * n_keep), int(C * L))  # ints, also when traced by the FLOPs counter
         if self.track:  # where each input token went: its own slot, or its fusion target's
             self.last["assign"] = self._assignment(keep, match, L)
+        if self.record_decisions:
+            self.decision = self._decision(keep, match, L)
         return torch.cat([x[:, :P], kept.reshape(B, C * n_keep, D)], dim=1)
 
     @staticmethod
@@ -193,3 +200,16 @@ class TokenPruner(nn.Module):
             pruned_idx, _, target, _ = match
             assign.scatter_(2, pruned_idx, base.expand_as(target) + target)
         return assign.reshape(B, C * L)
+
+    def _decision(self, keep: torch.Tensor, match, L: int) -> TokenDecision:
+        """:meth:`_assignment` with the pruned tokens that add nothing marked dropped (−1): all of
+        them unless ``fusion=similarity``, and there those of weight max(sim, 0) = 0."""
+        B, C, n_keep = keep.shape
+        target = self._assignment(keep, match, L).reshape(B, C, L)
+        kept = torch.zeros(B, C, L, dtype=torch.bool, device=keep.device).scatter_(2, keep, True)
+        fused = torch.zeros_like(kept)
+        if match is not None and self.fusion == "similarity":
+            pruned_idx, _, _, best = match
+            fused.scatter_(2, pruned_idx, best > 0)
+        target = torch.where(kept | fused, target, torch.full_like(target, -1))
+        return TokenDecision(kept.reshape(B, C * L), target.reshape(B, C * L), C * n_keep, C)

@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from vitexp.methods.token_record import TokenDecision
+
 
 def keep_count(keep_rate: float, candidates: int) -> int:
     """⌈ρ·M⌉ (at least 1); the product is rounded to 1e-9 first so that 0.7·100 keeps 70."""
@@ -39,13 +41,31 @@ def keep_rate_at(epoch: float, target: float, start: float, ramp: float) -> floa
     return target + (1.0 - target) * 0.5 * (1.0 + math.cos(math.pi * (epoch - start) / ramp))
 
 
+def rank(cls_attn: torch.Tensor) -> torch.Tensor:
+    """B×M candidates' indices, most CLS-attended first (the kept ones are the first k)."""
+    return cls_attn.argsort(dim=1, descending=True)
+
+
+def fuse_decision(cls_attn: torch.Tensor, keep: int, fuse: bool = True) -> TokenDecision:
+    """Where :func:`prune_and_fuse` puts each candidate: the i-th most attended to output slot i
+    (i < k); the others into the fused token (slot k), or dropped (−1) without fusion."""
+    B, M = cls_attn.shape
+    order = rank(cls_attn)
+    rest = keep if fuse and keep < M else -1
+    slots = torch.full((B, M), rest, dtype=torch.long, device=cls_attn.device)
+    slots[:, :keep] = torch.arange(keep, device=cls_attn.device)
+    target = torch.empty_like(slots).scatter_(1, order, slots)
+    kept = torch.zeros(B, M, dtype=torch.bool, device=cls_attn.device).scatter_(1, order[:, :keep], True)
+    return TokenDecision(kept, target, keep + int(rest >= 0))
+
+
 def prune_and_fuse(x: torch.Tensor, cls_attn: torch.Tensor, keep: int, num_prefix: int, fuse: bool = True) -> torch.Tensor:
     """x: B×N×C, cls_attn: B×(N−P) (head-averaged CLS attention to the candidates) ->
     B×(P + keep + fuse)×C: prefix, kept candidates (most attended first), fused token."""
     B, _, C = x.shape
     P = num_prefix
     candidates = x[:, P:]
-    order = cls_attn.argsort(dim=1, descending=True)
+    order = rank(cls_attn)
     kept = candidates.gather(1, order[:, :keep].unsqueeze(-1).expand(B, keep, C))
     parts = [x[:, :P], kept]
     if fuse and keep < candidates.shape[1]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from timm.models.vision_transformer import Attention, Block
 
-from vitexp.methods.evit.fuse import keep_count, keep_rate_at, prune_and_fuse
+from vitexp.methods.evit.fuse import fuse_decision, keep_count, keep_rate_at, prune_and_fuse
 from vitexp.methods.token_surgery import attend, heads, keep_residual_scale, project, vit_blocks
 
 
@@ -50,6 +50,10 @@ class EViTAttention(Attention):
 
 
 class EViTBlock(Block):
+    """With ``record_decisions`` set, a pruning forward stores its
+    :class:`~vitexp.methods.token_record.TokenDecision` in ``decision``."""
+
+    record_decisions = False
     schedule: KeepRateSchedule
     num_prefix: int
     fuse: bool
@@ -64,6 +68,8 @@ class EViTBlock(Block):
         x = x + self.drop_path1(self.ls1(out)) / self.skip_lam
         if prune:
             x = prune_and_fuse(x, cls_attn[:, P:], keep, P, self.fuse)
+            if self.record_decisions:
+                self.decision = fuse_decision(cls_attn[:, P:], keep, self.fuse)
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))) / self.skip_lam
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from timm.models.vision_transformer import Attention, Block
 
-from vitexp.methods.tome.merge import bipartite_soft_matching, merge_wavg
+from vitexp.methods.tome.merge import match, merge_decision, merge_fn, merge_wavg
 from vitexp.methods.token_surgery import attend, heads, keep_residual_scale, project, vit_blocks
 
 
@@ -39,6 +39,10 @@ class ToMeAttention(Attention):
 
 
 class ToMeBlock(Block):
+    """With ``record_decisions`` set, a merging forward stores its
+    :class:`~vitexp.methods.token_record.TokenDecision` in ``decision``."""
+
+    record_decisions = False
     tome: MergeState
     layer: int
     skip_lam: float
@@ -49,9 +53,11 @@ class ToMeBlock(Block):
             state.size = None
         out, metric = self.attn(self.norm1(x), state.size if state.prop_attn else None)
         x = x + self.drop_path1(self.ls1(out)) / self.skip_lam
-        if state.r[self.layer] > 0:
-            merge, _ = bipartite_soft_matching(metric, state.r[self.layer], state.num_prefix)
-            x, state.size = merge_wavg(merge, x, state.size)
+        matching = match(metric, state.r[self.layer], state.num_prefix)
+        if matching is not None:
+            x, state.size = merge_wavg(merge_fn(matching, state.num_prefix), x, state.size)
+            if self.record_decisions:
+                self.decision = merge_decision(matching, metric.shape[1] - state.num_prefix)
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))) / self.skip_lam
 
 
