@@ -105,3 +105,6 @@ def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_findin
         assert heading in report
     metrics, protocol = audit_saper.summary(findings)
     assert protocol["saper_runs"] == {"s0": "run:t0"} and "saper_micro_ft_k4_c2_ami" in metrics
+    given = str(tmp_path / "teacher1.pth")  # --weights: e.g. a real DINOv2 checkpoint replaces the pinned teacher
+    (run,) = audit_saper.audit(["run:s0"], given, images=4, clusters=(2,), selections=10, results_dir=results_dir)["runs"]
+    assert run["weights"] == given and run["laplacian"]["graphs"] == 4 * 4 * 4

@@ -163,6 +163,9 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
             ticks.append(("paper", x["paper"], row))
         elif y["paper"] is not None:
             accuracy_ticks.append(("paper", y["paper"], row))
+            if y.get("formula"):
+                ax.annotate(DERIVED_MARK, (0.0, y["paper"]), xycoords=ax.get_yaxis_transform(), xytext=(6, 2),
+                            textcoords="offset points", fontsize=7, color=style["family"][row["family"]])
     for name, by_source in series_curves(rows, xk, yk).items():
         colour = style["family"][next(r["family"] for r in rows if r["series"] == name)]
         for source, points in by_source.items():
