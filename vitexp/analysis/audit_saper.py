@@ -283,7 +283,7 @@ def render(f: dict[str, Any]) -> str:
               f"{f['selections']} uniformly random selections of the same number of heads; p = (1 + #random ≥ "
               "observed) / (1 + #random). A cluster's p compares its kept count with chance, two-sided. In vitexp's "
               "SAPER the head scores that LapSum ranks are free parameters trained on the task loss: no spectral "
-              "quantity enters them (vitexp/methods/saper.py).", ""]
+              "quantity enters them (`vitexp.methods.saper`).", ""]
     for run in f["runs"]:
         lines += [f"### `{run['experiment']}`", "", *_agreement_lines(run), ""]
     lines += [f"Verdict (measured; level {ALPHA} divided by the {len(f['clusters'])} cluster counts tested):", ""]
