@@ -177,24 +177,35 @@ def tables_main(argv: list[str] | None = None) -> None:
 
 
 def audit_main(argv: list[str] | None = None) -> None:
-    """``vitexp-audit {bspf,raptor}``: measure the public review's objections (BSPF-ViT) or decompose
-    SAPER's FLOPs comparison with RAPTOR; writes ``results/audit/<paper>.md`` and a ledger entry
-    (kind audit)."""
+    """``vitexp-audit {bspf,saper,raptor}``: measure the public review's objections (BSPF-ViT, SAPER) or
+    decompose SAPER's FLOPs comparison with RAPTOR; writes ``results/audit/<paper>.md`` and a ledger
+    entry (kind audit)."""
     import argparse
 
+    from vitexp.analysis import audit_saper
     from vitexp.commands import run_audit
     from vitexp.results import default_results_dir
 
     parser = argparse.ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
-    parser.add_argument("paper", choices=("bspf", "raptor"), help="which paper's claims to audit")
+    parser.add_argument("paper", choices=("bspf", "saper", "raptor"), help="which paper's claims to audit")
     parser.add_argument("--micro-run", default="run:demo",
                         help="bspf: the trained micro ViT, a ledger train run: run:<experiment> (its newest) or run:<run_id>")
     parser.add_argument("--deit-small", help="bspf: DeiT-S weights, a local file or run:<...> (default: random init, seed 0, said so)")
-    parser.add_argument("--images", type=int, default=16, help="digits fed through the micro model (DeiT-S gets a quarter)")
+    parser.add_argument("--images", type=int, default=None,
+                        help="bspf: digits fed through the micro model, DeiT-S gets a quarter (default 16); "
+                             "saper: test images for the attention and the head clusters (default 256)")
+    parser.add_argument("--saper-run", nargs="+", default=list(audit_saper.SAPER_RUNS),
+                        help="saper: SAPER train runs whose kept_heads are audited, run:<experiment> (its newest) or run:<run_id>")
+    parser.add_argument("--weights", help="saper: the pruned backbone's weights, a local file (e.g. a real DINOv2 for a "
+                                          "paper-scale SAPER run; default: the teacher run the SAPER run loaded)")
+    parser.add_argument("--clusters", type=int, nargs="+", default=list(audit_saper.CLUSTERS), help="saper: spectral cluster counts")
+    parser.add_argument("--selections", type=int, default=10_000, help="saper: random head selections for chance")
     parser.add_argument("--sizes", nargs="+", choices=("b", "s"), default=["b", "s"],
                         help="raptor: DINOv2 sizes to count (ViT-B, ViT-S)")
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.images is None:
+        args.images = 256 if args.paper == "saper" else 16
     try:
         run_audit(args, args.results_dir or default_results_dir())
     except Exception as err:

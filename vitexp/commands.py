@@ -114,7 +114,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
 
 
 def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
-    """``vitexp-audit {bspf,raptor}``: the report ``results/audit/<paper>.md`` and a ledger entry (kind audit)."""
+    """``vitexp-audit {bspf,saper,raptor}``: the report ``results/audit/<paper>.md`` and a ledger entry (kind audit)."""
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     with owned_run(f"{args.paper}_audit", "audit", results_dir) as run:
         run.start(config)
@@ -122,6 +122,10 @@ def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
             from vitexp.analysis import audit_raptor as auditor
 
             findings = auditor.audit(args.sizes)
+        elif args.paper == "saper":
+            from vitexp.analysis import audit_saper as auditor
+
+            findings = auditor.audit(args.saper_run, args.weights, args.images, args.clusters, args.selections, results_dir)
         else:
             from vitexp.analysis import audit_bspf as auditor
 

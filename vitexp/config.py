@@ -164,7 +164,7 @@ def run_name(cfg: DictConfig, choices: dict[str, str], overrides: Iterable[str])
     experiment = choices.get("experiment")
     if not experiment:
         return str(cfg.name)
-    pinned_choices = _pinned_choices(experiment)
+    pinned_choices = experiment_choices(experiment)
     changes = []
     for group in IDENTITY_GROUPS:
         if group in choices and pinned_choices.get(group, choices[group]) != choices[group]:
@@ -180,7 +180,7 @@ def run_name(cfg: DictConfig, choices: dict[str, str], overrides: Iterable[str])
     return str(cfg.name) + ("+" + ",".join(changes) if changes else "")
 
 
-def _pinned_choices(experiment: str) -> dict[str, str]:
+def experiment_choices(experiment: str) -> dict[str, str]:
     """Group choices an experiment composes: train.yaml's defaults, updated by the experiment
     file's ``override /group: choice`` entries."""
     pins: dict[str, str] = {}

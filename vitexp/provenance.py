@@ -11,6 +11,9 @@ import operator
 import re
 from typing import Any
 
+#: How a table or plot marks a derived paper value (its formula goes in a footnote).
+DERIVED_MARK = "†"
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 #: a source that shows a sum or difference of numbers ("81.5 + 0.9") describes a derived value
 _ARITHMETIC = re.compile(r"\d\s*[+−-]\s*\d")

@@ -1,5 +1,5 @@
-"""Table specs (``sweeps/<table>.yaml``) joined with the ledger -> Markdown, LaTeX, CSV and an
-accuracy-vs-GMACs plot in ``results/tables/``.
+"""Table specs (``sweeps/<table>.yaml``) joined with the ledger -> Markdown, LaTeX, CSV and a
+cost-vs-accuracy plot (:mod:`vitexp.plots`) in ``results/tables/``.
 
 A cell shows vitexp's value from the newest completed run of the row's experiment that has that
 metric, beside the paper's value. With no such run the cell says "not run" (or "running" /
@@ -10,7 +10,9 @@ number ever comes from anywhere but a run or the spec's paper value.
 Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``); ``plot``
 (``x``, ``y`` metric keys, optional); ``seeds`` (optional); ``rows`` (``label``, ``experiment``,
 ``run``: train | flops | bench, ``cited``, ``seeds``, ``baseline``, ``series`` (rows of one sweep,
-drawn as a curve), ``paper``: {metric: {value, source, derived, formula}}); ``notes`` (optional list
+drawn as a curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and axis where
+the row has no experiment to read them from), ``paper``: {metric: {value, source, derived,
+formula}}); ``notes`` (optional list
 of footnotes printed under the table, e.g. where a row's settings were fitted rather than read).
 
 Provenance (design.md, "Table spec"): every paper value names the document and place it was read
@@ -37,13 +39,13 @@ from typing import Any, Iterable
 import yaml
 
 from vitexp import SWEEPS_DIR, aggregate
-from vitexp.provenance import provenance_errors
+from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
+from vitexp.provenance import DERIVED_MARK, provenance_errors
 from vitexp.results import atomic_write, default_results_dir, effective_status, iter_runs
 
 NOT_RUN = "not run"
 CITED = "cited, not run"
 NO_PAPER = "—"
-DERIVED_MARK = "†"
 
 
 def load_spec(table: str | Path) -> dict[str, Any]:
@@ -250,82 +252,6 @@ def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def series_curves(rows: list[dict[str, Any]], xk: str, yk: str) -> dict[str, dict[str, list[tuple[float, float]]]]:
-    """Rows that share a ``series`` (a method's sweep): their vitexp and paper points, by x, one
-    curve each where there are at least two points."""
-    curves: dict[str, dict[str, list[tuple[float, float]]]] = {}
-    for row in rows:
-        if not row.get("series"):
-            continue
-        x, y = row["cells"][xk], row["cells"][yk]
-        for source, key in (("vitexp", "value"), ("paper", "paper")):
-            if x[key] is not None and y[key] is not None:
-                curves.setdefault(row["series"], {}).setdefault(source, []).append((x[key], y[key]))
-    return {name: {src: sorted(pts) for src, pts in by.items() if len(pts) >= 2} for name, by in curves.items()}
-
-
-def render_plot(spec: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> bool:
-    """Accuracy vs GMACs: vitexp's runs (filled) and the paper's values (hollow), one colour per
-    row. Returns False (and writes nothing) when the spec has no plot."""
-    plot = spec.get("plot")
-    if not plot:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xk, yk = plot["x"], plot["y"]
-    cols = {c["key"]: c for c in spec["columns"]}
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    plotted = 0
-    for i, row in enumerate(rows):
-        color = colors[i % len(colors)]
-        x, y = row["cells"][xk], row["cells"][yk]
-        if x["value"] is not None and y["value"] is not None:
-            ax.errorbar(x["value"], y["value"], xerr=x.get("std"), yerr=y.get("std"), color=color, marker="o",
-                        markersize=7, capsize=3, linestyle="none", zorder=3,
-                        label=f"{row['label']} (vitexp{', ±1 std' if y.get('std') else ''})")
-            plotted += 1
-        if x["paper"] is not None and y["paper"] is not None:
-            mark = DERIVED_MARK if x.get("formula") or y.get("formula") else ""
-            ax.scatter(x["paper"], y["paper"], facecolors="none", edgecolors=color, marker="s", s=60, zorder=3,
-                       label=f"{row['label']} (paper{mark})")
-            plotted += 1
-    for name, by_source in series_curves(rows, xk, yk).items():
-        for source, points in by_source.items():
-            ax.plot(*zip(*points), color="0.4", lw=1, ls="-" if source == "vitexp" else "--", zorder=2,
-                    label=f"{name} ({source})")
-    def axis_label(col):  # long units are spelled out in the table files, not on the axis
-        unit = col.get("unit", "")
-        return col["label"] if not unit or len(unit) > 12 or unit == col["label"] else f"{col['label']} ({unit})"
-
-    ax.set_xlabel(axis_label(cols[xk]))
-    ax.set_ylabel(axis_label(cols[yk]))
-    ax.set_title(spec["title"], fontsize=9)
-    ax.grid(alpha=0.3)
-    if plotted:
-        ax.legend(fontsize=6, loc="best")
-    else:
-        ax.text(0.5, 0.5, "no row has both values yet (not run)", ha="center", va="center", transform=ax.transAxes)
-    notes = footnotes(spec, rows)
-    if notes:  # below the axes, wrapped to the figure's width
-        import textwrap
-
-        text = "\n".join(textwrap.fill(n, 120) for n in notes)
-        extra = 0.09 * (text.count("\n") + 1) + 0.1  # inches: 5 pt lines
-        width, height = fig.get_size_inches()
-        fig.set_size_inches(width, height + extra)
-        fig.text(0.01, 0.01, text, fontsize=5, ha="left", va="bottom")
-        fig.tight_layout(rect=(0, extra / (height + extra), 1, 1))
-    else:
-        fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return True
-
-
 def write_table(spec: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> dict[str, str]:
     """Write <name>.md/.tex/.csv/.png (each through :func:`vitexp.results.atomic_write`)."""
     rows = fill(spec, runs)
@@ -334,7 +260,8 @@ def write_table(spec: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path)
                       ("csv", render_csv(spec, rows))):
         written[ext] = str(atomic_write(out_dir / f"{spec['name']}.{ext}", text))
     if spec.get("plot"):
-        written["png"] = str(atomic_write(out_dir / f"{spec['name']}.png", lambda tmp: render_plot(spec, rows, Path(tmp))))
+        written["png"] = str(atomic_write(out_dir / f"{spec['name']}.png",
+                                          lambda tmp: render_plot(spec, rows, Path(tmp), footnotes(spec, rows))))
     return written
 
 

@@ -154,14 +154,9 @@ def cluster_heads(values: np.ndarray, n_clusters: int) -> dict[str, Any]:
             "davies_bouldin": davies_bouldin_precomputed(distance, labels)}
 
 
-def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clusters: int, out: Path,
-                  batch_size: int = 64) -> dict[str, Any]:
-    """Cluster heads by the correlation of their maximal CLS attention over images; heatmap PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def cls_max_attention(model: nn.Module, images: torch.Tensor, num_prefix: int, batch_size: int = 64) -> np.ndarray:
+    """Per image and head, the maximal attention the CLS query pays to a patch token: an
+    (images, layers × heads) array, heads in layer-major order (index = layer · H + head)."""
     from tqdm.auto import tqdm
 
     values = []
@@ -170,7 +165,18 @@ def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clu
         maps = attention_maps(model, chunk)  # layers, B, heads, N, N
         cls_max = maps[:, :, :, 0, num_prefix:].amax(-1)  # layers, B, heads
         values.append(cls_max.permute(1, 0, 2).reshape(chunk.shape[0], -1))
-    x = torch.cat(values).double().numpy()  # images, heads
+    return torch.cat(values).double().numpy()
+
+
+def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clusters: int, out: Path,
+                  batch_size: int = 64) -> dict[str, Any]:
+    """Cluster heads by the correlation of their maximal CLS attention over images; heatmap PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = cls_max_attention(model, images, num_prefix, batch_size)
     clustering = cluster_heads(x, n_clusters)
     labels, corr = clustering["labels"], clustering["correlation"]
     order = np.argsort(labels, kind="stable")

@@ -1,0 +1,129 @@
+"""The table plots (vitexp/plots.py) drawn from a constructed ledger: hollow paper markers and
+filled measured ones, error bars from seeds, cost-only rows as ticks, one axis per dataset,
+colour per method family, marker per backbone, sweeps joined by a line."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pytest
+from matplotlib.colors import to_rgba
+
+from vitexp import plots, tables
+
+SPEC = {
+    "name": "plots_fixture",
+    "title": "Plot fixture",
+    "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 1},
+                {"key": "gmacs", "label": "GMACs", "unit": "GMACs", "digits": 3}],
+    "plot": {"x": "gmacs", "y": "top1"},
+    "rows": [
+        {"label": "micro baseline", "experiment": "demo", "paper": {}},
+        {"label": "micro BSPF, seeds", "experiment": "fmnist_bspf_vit_micro", "seeds": [0, 1, 2], "paper": {}},
+        {"label": "DeiT-S cost only", "experiment": "bspf_deit_small", "paper": {}},
+        {"label": "EViT 0.7", "experiment": "evit_deit_small_keep07",
+         "paper": {"top1": {"value": 79.5, "source": "EViT README"}, "gmacs": {"value": 3.0, "source": "BSPF-ViT Table 1"}}},
+        {"label": "EViT 0.6", "experiment": "evit_deit_small_keep06",
+         "paper": {"top1": {"value": 78.9, "source": "EViT README"}, "gmacs": {"value": 2.6, "source": "BSPF-ViT Table 1"}}},
+        {"label": "ToMe r13", "experiment": "tome_deit_small_r13", "paper": {"top1": {"value": 79.4, "source": "ToMe"}}},
+        {"label": "MCTF", "cited": True, "family": "MCTF", "backbone": "deit_small", "dataset": "imagenet",
+         "paper": {"top1": {"value": 80.1, "source": "MCTF"}, "gmacs": {"value": 2.6, "source": "MCTF"}}},
+    ],
+}
+SEEDED_TOP1 = {0: 80.0, 1: 82.0, 2: 84.0}  # sample std 2.0
+
+
+def _run(i, experiment, metrics, seed=None):
+    return {"run_id": f"r{i}", "experiment": experiment, "status": "completed", "kind": "train",
+            "config": {"seed": seed} if seed is not None else {}, "metrics": metrics}
+
+
+def _figure():
+    runs = [_run(0, "demo", {"top1": 95.0, "gmacs": 0.0226}),
+            *(_run(1 + s, f"fmnist_bspf_vit_micro+seed={s}", {"top1": t, "gmacs": 0.012}, seed=s)
+              for s, t in SEEDED_TOP1.items()),
+            _run(5, "bspf_deit_small", {"gmacs": 2.39}),
+            _run(6, "evit_deit_small_keep07", {"top1": 79.0, "gmacs": 3.03}),
+            _run(7, "evit_deit_small_keep06", {"top1": 78.0, "gmacs": 2.62})]
+    return plots.draw(SPEC, tables.fill(SPEC, runs))
+
+
+@pytest.fixture
+def artists():
+    fig = _figure()
+    yield {line.get_gid(): (ax, line) for ax in fig.axes for line in ax.lines if line.get_gid()}, fig
+    plt.close(fig)
+
+
+def test_paper_values_are_hollow_and_measured_values_filled(artists):
+    by_gid, _ = artists
+    for label in ("EViT 0.7", "EViT 0.6", "MCTF"):
+        assert to_rgba(by_gid[f"paper:{label}"][1].get_markerfacecolor())[3] == 0.0, label
+    for label in ("micro baseline", "micro BSPF, seeds", "EViT 0.7"):
+        line = by_gid[f"vitexp:{label}"][1]
+        assert to_rgba(line.get_markerfacecolor())[3] == 1.0, label
+        assert to_rgba(line.get_markerfacecolor()) == to_rgba(line.get_markeredgecolor())
+
+
+def test_error_bars_where_seeds_give_a_std(artists):
+    by_gid, fig = artists
+    bars = {c.lines[0].get_gid(): c for ax in fig.axes for c in ax.containers}
+    seeded = bars["vitexp:micro BSPF, seeds"]
+    assert seeded.has_yerr
+    (vertical,) = [seg for bars in seeded.lines[2] for seg in bars.get_segments() if seg[0][0] == seg[1][0]]
+    assert [y for _, y in vertical] == pytest.approx([82.0 - 2.0, 82.0 + 2.0])  # mean ± 1 sample std
+    assert not bars["vitexp:micro baseline"].has_yerr and not bars["vitexp:EViT 0.7"].has_yerr
+
+
+def test_cost_only_rows_are_ticks_on_the_cost_axis(artists):
+    by_gid, _ = artists
+    assert "vitexp:DeiT-S cost only" not in by_gid
+    ax, tick = by_gid["tick-vitexp:DeiT-S cost only"]
+    assert list(tick.get_xdata()) == [2.39] and list(tick.get_ydata()) == [0.0]
+    assert tick.get_transform() == ax.get_xaxis_transform()  # y in axes units: on the cost axis
+    assert tick.get_marker() == "^" and to_rgba(tick.get_markerfacecolor())[3] == 1.0
+    ax, accuracy = by_gid["ytick-paper:ToMe r13"]  # a paper accuracy without its cost: on the accuracy axis, hollow
+    assert list(accuracy.get_ydata()) == [79.4] and accuracy.get_transform() == ax.get_yaxis_transform()
+    assert to_rgba(accuracy.get_markerfacecolor())[3] == 0.0
+
+
+def test_one_axis_per_dataset_colour_per_family_marker_per_backbone(artists):
+    by_gid, fig = artists
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["digits (scikit-learn)", "Fashion-MNIST", "ImageNet-1K"]
+    axis_of = {gid.split(":", 1)[1]: ax.get_title() for gid, (ax, _) in by_gid.items()}
+    assert axis_of["micro baseline"] == "digits (scikit-learn)" and axis_of["micro BSPF, seeds"] == "Fashion-MNIST"
+    assert {axis_of[k] for k in ("DeiT-S cost only", "EViT 0.7", "MCTF", "ToMe r13")} == {"ImageNet-1K"}
+    colour = {gid: to_rgba(line.get_markeredgecolor()) for gid, (_, line) in by_gid.items()}
+    assert colour["vitexp:EViT 0.7"] == colour["paper:EViT 0.6"] == to_rgba(plots.FAMILY_COLOURS["EViT"])
+    assert colour["vitexp:micro BSPF, seeds"] == colour["tick-vitexp:DeiT-S cost only"] != colour["vitexp:EViT 0.7"]
+    assert len({colour["paper:MCTF"], colour["vitexp:EViT 0.7"], colour["vitexp:micro baseline"]}) == 3
+    marker = {gid: line.get_marker() for gid, (_, line) in by_gid.items() if not gid.startswith(("tick", "sweep"))}
+    assert marker["vitexp:micro baseline"] == marker["vitexp:micro BSPF, seeds"]  # vit_micro
+    assert marker["vitexp:EViT 0.7"] == marker["paper:MCTF"] != marker["vitexp:micro baseline"]  # deit_small
+
+
+def test_a_sweep_is_joined_by_a_line_and_the_legend_stays_short(artists):
+    by_gid, fig = artists
+    (name,) = {g.split(":", 1)[1] for g in by_gid if g.startswith("sweep-")}
+    _, measured = by_gid[f"sweep-vitexp:{name}"]
+    assert list(zip(measured.get_xdata(), measured.get_ydata())) == [(2.62, 78.0), (3.03, 79.0)]
+    assert measured.get_linestyle() == "-" and by_gid[f"sweep-paper:{name}"][1].get_linestyle() == "--"
+    (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert {"baseline", "BSPF-ViT", "EViT", "ToMe", "MCTF", "ViT micro", "DeiT-S", "paper"} <= set(labels)
+    assert "vitexp (measured) ± 1 std over seeds" in labels
+    assert len(labels) <= 12
+
+
+def test_a_table_of_costs_alone_is_never_an_empty_frame():
+    spec = tables.load_spec("bspf_table7")
+    runs = [_run(i, row["experiment"], {"gmacs": 2.0 + 0.25 * i}) for i, row in enumerate(spec["rows"])]
+    fig = plots.draw(spec, tables.fill(spec, runs))
+    (ax,) = fig.axes
+    ticks = [line for line in ax.lines if (line.get_gid() or "").startswith("tick-vitexp:")]
+    assert len(ticks) == len(spec["rows"]) == 7
+    assert [t.get_text() for t in ax.texts] == [row["label"] for row in spec["rows"]]  # ticks named
+    plt.close(fig)
