@@ -201,8 +201,15 @@ def test_sweep_dry_run_launches_an_override_rows_missing_seeds_with_its_override
     assert summary["launched"]["flops"] == [f"{name}+seed=1", f"{name}+seed=2"]
     assert (f"-m experiment=bspf_demo budget.keep_ratio=0.7 name='{name}+seed=${{seed}}' seed=1,2 "
             "++logger.group=override_rows") in err
+    from vitexp.config import compose, run_name  # what such a job records: Hydra parses the quoted name
+
+    job = [*rows.job_arguments(tables.load_spec(_spec_file(tmp_path))["rows"][0], seeded=True), "seed=2"]
+    cfg = compose(job)
+    assert run_name(cfg, {"experiment": "bspf_demo"}, job) == aggregate.seeded_name(name, 2)
+    assert cfg.budget.keep_ratio == 0.7
 
 
+@pytest.mark.slow
 def test_sweep_runs_an_override_row_and_the_table_finds_its_seeds(tmp_path, results_dir, capsys):
     """End to end: vitexp-sweep runs the row's seeds under its name with its overrides; the table
     fills the row from them; the same command then launches nothing."""
