@@ -210,11 +210,12 @@ def test_sweep_dry_run_launches_an_override_rows_missing_seeds_with_its_override
 
 
 @pytest.mark.slow
-def test_sweep_runs_an_override_row_and_the_table_finds_its_seeds(tmp_path, results_dir, capsys):
+def test_sweep_runs_an_override_row_and_the_table_finds_its_seeds(tmp_path, results_dir, capsys, monkeypatch):
     """End to end: vitexp-sweep runs the row's seeds under its name with its overrides; the table
     fills the row from them; the same command then launches nothing."""
     from vitexp.sweep import main
 
+    monkeypatch.chdir(tmp_path)  # Hydra's multirun/ folder
     spec = _spec_file(tmp_path)
     assert main([str(spec), "logger=none"]) == 0, capsys.readouterr().err[-3000:]
     runs = list(iter_runs(results_dir))
