@@ -3,13 +3,15 @@
 A spec (``sweeps/<table>.yaml``) asks for seeds with ``seeds: [0, 1, 2]`` at the table level or
 per row (a row's ``seeds: null`` means one unseeded run of the experiment as configured, e.g. the
 shared pretrained baseline that the other rows load). A seeded row's runs are the completed runs
-of its experiment whose ``config.seed`` is one of its seeds, recorded under the experiment's name
-or under the name ``vitexp-sweep`` gives them (``<experiment>+seed=<s>``); for each seed the newest
+of its name (the experiment, or :func:`vitexp.rows.row_name` for a row with overrides) whose
+``config.seed`` is one of its seeds, recorded under that name or under the name ``vitexp-sweep``
+gives them (``<name>+seed=<s>``); for each seed the newest
 such run with the metric counts.
 
 Decisions:
 - The spread is the sample standard deviation (``ddof=1``); with one seed there is none.
-- A method row's ``baseline:`` names the experiment of its baseline row. The paired difference is
+- A method row's ``baseline:`` names its baseline row (the row's ledger name,
+  :func:`vitexp.rows.row_name`: its experiment, unless the row has overrides or a ``name``). The paired difference is
   taken per seed over the seeds both rows completed, ``d_s = method_s - baseline_s``, and reported
   as mean ± sample std of the ``d_s`` (n pairs): the seeds of a fine-tuning share the pretrained
   weights, data order and initialisation of the head, so pairing removes that shared noise.
@@ -34,8 +36,9 @@ def row_seeds(spec: dict[str, Any], row: dict[str, Any]) -> list[int] | None:
     return [int(s) for s in seeds]
 
 
-def seeded_name(experiment: str, seed: int) -> str:
-    """The ledger name of one seed of a row as vitexp-sweep launches it (``experiment=E seed=s``)."""
+def seeded_name(experiment: str, seed: int | str) -> str:
+    """The ledger name of one seed of a row as vitexp-sweep launches it (``experiment=E seed=s``,
+    or ``name='<name>+seed=${seed}'`` for a row with overrides)."""
     return SEED_NAME.format(experiment=experiment, seed=seed)
 
 
@@ -121,7 +124,7 @@ def paired_cells(spec: dict[str, Any], filled: list[dict[str, Any]]) -> None:
             continue
         if base not in by_experiment or by_experiment[base].get("seeds") is None:
             raise ValueError(f"{spec.get('name', 'table')}: row {row['label']!r} has baseline {base!r}, "
-                             f"which is not the experiment of a seeded row; seeded rows: "
+                             f"which is not the name of a seeded row; seeded rows: "
                              f"{sorted(e for e, r in by_experiment.items() if r.get('seeds') is not None)}")
         for col in paired_columns(spec):
             mine, theirs = row["cells"][col["key"]], by_experiment[base]["cells"][col["key"]]

@@ -1,13 +1,16 @@
 """``vitexp-sweep TABLE``: launch every row of a table spec as one Hydra multirun.
 
-Rows are experiment configs (``conf/experiment/<row.experiment>.yaml``); a row's ``run`` says
-which app produces it (``train`` -> vitexp-train, ``flops`` -> vitexp-flops, ``bench`` ->
-vitexp-bench). Rows that already have a completed run of that kind in the ledger, or one running
-now, are skipped unless ``--force``, so an interrupted sweep resumes by running the same command
-again; a run whose process is gone (``interrupted``, :func:`vitexp.results.effective_status`) is rerun.
-A row with seeds (the spec's ``seeds``, :mod:`vitexp.aggregate`) is one job per seed (``experiment=E
-seed=s``, recorded as ``E+seed=s``), and only its seeds without a completed or running run are
-launched; unseeded rows go first (the pretrained baselines that seeded rows load with ``run:``).
+Rows are experiment configs (``conf/experiment/<row.experiment>.yaml``), with the row's overrides
+appended and its name passed (:mod:`vitexp.rows`); a row's ``run`` says which app produces it
+(``train`` -> vitexp-train, ``flops`` -> vitexp-flops, ``bench`` -> vitexp-bench). Rows that
+already have a completed run of that kind under their name in the ledger, or one running now, are
+skipped unless ``--force``, so an interrupted sweep resumes by running the same command again; a
+run whose process is gone (``interrupted``, :func:`vitexp.results.effective_status`) is rerun. A
+row with seeds (the spec's ``seeds``, :mod:`vitexp.aggregate`) is one job per seed (``experiment=E
+seed=s``, recorded as ``E+seed=s``; a row with overrides or a name N: ``name='N+seed=${seed}'``),
+and only its seeds without a completed or running run are launched; unseeded rows go first (the
+pretrained baselines that seeded rows load with ``run:``). Plain unseeded rows share one multirun
+(``experiment=a,b,c``); a row with overrides is a job of its own.
 Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
 Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
 trainer=ddp data.root=/datasets/imagenet``.
@@ -24,6 +27,7 @@ from pathlib import Path
 from vitexp import CONF_DIR
 from vitexp.aggregate import row_seeds, seed_runs, seeded_name
 from vitexp.results import default_results_dir, effective_status, iter_runs
+from vitexp.rows import expand_rows, job_arguments, row_name
 from vitexp.tables import all_specs, load_spec
 
 APPS = {"train": "vitexp-train", "flops": "vitexp-flops", "bench": "vitexp-bench"}
@@ -41,37 +45,49 @@ def _script(app: str) -> str:
 
 
 def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[str, dict]:
-    """{kind: {"launch": [names], "skip": [names], "seeds": {experiment: [seeds to launch]},
-    "seeded": [names of seeded jobs]}} for the spec's runnable rows; a name is the experiment, or
-    ``<experiment>+seed=<s>`` for one seed of a seeded row."""
+    """{kind: {"launch": [names], "skip": [names], "seeds": {row name: [seeds to launch]},
+    "seeded": [names of seeded jobs], "jobs": {row name: [Hydra arguments]}} for the spec's
+    runnable rows; a name is the row's (:func:`vitexp.rows.row_name`), or ``<name>+seed=<s>`` for
+    one seed of a seeded row."""
     out: dict[str, dict] = {}
-    for row in spec["rows"]:
+    runs = list(iter_runs(results_dir))
+    for row in expand_rows(spec["rows"]):
         if row.get("cited") or not row.get("experiment"):
             continue
-        exp = row["experiment"]
+        exp, name = row["experiment"], row_name(row)
         if not (CONF_DIR / "experiment" / f"{exp}.yaml").is_file():
             raise FileNotFoundError(f"row {row['label']!r}: no experiment config conf/experiment/{exp}.yaml")
         k = kind or row.get("run", "train")
         if k not in APPS:
             raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
-        bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": []})
-        active = [r for r in iter_runs(results_dir)
-                  if r.get("kind") == k and effective_status(r) in ("completed", "running")]
+        bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": [], "jobs": {}})
+        active = [r for r in runs if r.get("kind") == k and effective_status(r) in ("completed", "running")]
         seeds = row_seeds(spec, row)
+        bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None)
         if seeds is not None:
-            by_seed = seed_runs([{**r, "status": "completed"} for r in active], exp, seeds)
+            by_seed = seed_runs([{**r, "status": "completed"} for r in active], name, seeds)
             for seed in seeds:
                 target = "skip" if by_seed[seed] and not force else "launch"
-                if seeded_name(exp, seed) not in bucket[target]:
-                    bucket[target].append(seeded_name(exp, seed))
-                    bucket["seeded"].append(seeded_name(exp, seed))
+                if seeded_name(name, seed) not in bucket[target]:
+                    bucket[target].append(seeded_name(name, seed))
+                    bucket["seeded"].append(seeded_name(name, seed))
                     if target == "launch":
-                        bucket["seeds"].setdefault(exp, []).append(seed)
+                        bucket["seeds"].setdefault(name, []).append(seed)
             continue
-        target = "skip" if any(r.get("experiment") == exp for r in active) and not force else "launch"
-        if exp not in bucket[target]:
-            bucket[target].append(exp)
+        target = "skip" if any(r.get("experiment") == name for r in active) and not force else "launch"
+        if name not in bucket[target]:
+            bucket[target].append(name)
     return out
+
+
+def job_list(rows: dict) -> list[list[str]]:
+    """The Hydra arguments of each job to launch for one kind's plan: the plain unseeded rows as
+    one multirun, each other unseeded row, then each seeded row with its missing seeds."""
+    unseeded = [n for n in rows["launch"] if n not in rows["seeded"]]
+    plain = [n for n in unseeded if rows["jobs"][n] == [f"experiment={n}"]]
+    jobs = [[f"experiment={','.join(plain)}"]] if plain else []
+    jobs += [rows["jobs"][n] for n in unseeded if n not in plain]
+    return jobs + [[*rows["jobs"][n], f"seed={','.join(map(str, seeds))}"] for n, seeds in rows["seeds"].items()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"vitexp-sweep: {exp} ({kind}) has a completed or running run; skipped (--force reruns it)", file=sys.stderr)
         if not rows["launch"]:
             continue
-        unseeded = [e for e in rows["launch"] if e not in rows["seeded"]]
-        jobs = [[f"experiment={','.join(unseeded)}"]] if unseeded else []
-        jobs += [[f"experiment={exp}", f"seed={','.join(map(str, seeds))}"] for exp, seeds in rows["seeds"].items()]
+        jobs = job_list(rows)
         grouping = [f"++logger.group={spec['name']}", f"++logger.tags=[{spec['name']}]"]  # ++: any logger group
         summary["launched"][kind] = rows["launch"]
         for job in jobs:

@@ -1,19 +1,21 @@
 """Table specs (``sweeps/<table>.yaml``) joined with the ledger -> Markdown, LaTeX, CSV and a
 cost-vs-accuracy plot (:mod:`vitexp.plots`) in ``results/tables/``.
 
-A cell shows vitexp's value from the newest completed run of the row's experiment that has that
-metric, beside the paper's value. With no such run the cell says "not run" (or "running" /
+A cell shows vitexp's value from the newest completed run recorded under the row's name
+(:func:`vitexp.rows.row_name`) that has that metric, beside the paper's value. With no such run the cell says "not run" (or "running" /
 "interrupted" while the row's newest run is one, :func:`vitexp.results.effective_status`); a row marked
 ``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
 number ever comes from anywhere but a run or the spec's paper value.
 
 Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``); ``plot``
 (``x``, ``y`` metric keys, optional); ``seeds`` (optional); ``rows`` (``label``, ``experiment``,
-``run``: train | flops | bench, ``cited``, ``seeds``, ``baseline``, ``series`` (rows of one sweep,
-drawn as a curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and axis where
-the row has no experiment to read them from), ``paper``: {metric: {value, source, derived,
-formula}}); ``notes`` (optional list
-of footnotes printed under the table, e.g. where a row's settings were fitted rather than read).
+``overrides``, ``name``, ``grid`` (:mod:`vitexp.rows`: a row is a base experiment plus overrides,
+recorded under its name; a grid expands into rows), ``run``: train | flops | bench, ``cited``,
+``seeds``, ``baseline`` (the name of the baseline row), ``series`` (rows of one sweep, drawn as a
+curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and axis where the row
+has no experiment to read them from), ``paper``: {metric: {value, source, derived, formula}});
+``notes`` (optional list of footnotes printed under the table, e.g. where a row's settings were
+fitted rather than read).
 
 Provenance (design.md, "Table spec"): every paper value names the document and place it was read
 from (``source``). A value the paper does not print but that follows by arithmetic from what it
@@ -41,6 +43,7 @@ import yaml
 from vitexp import SWEEPS_DIR, aggregate
 from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
 from vitexp.provenance import DERIVED_MARK, provenance_errors
+from vitexp.rows import check_rows, expand_rows, row_name
 from vitexp.results import atomic_write, default_results_dir, effective_status, iter_runs
 
 NOT_RUN = "not run"
@@ -61,6 +64,8 @@ def load_spec(table: str | Path) -> dict[str, Any]:
     for key in ("title", "columns", "rows"):
         if key not in spec:
             raise ValueError(f"{path}: missing key {key!r}")
+    spec["rows"] = expand_rows(spec["rows"])
+    check_rows(spec["rows"], str(path))
     for row in spec["rows"]:
         if not row.get("cited") and not row.get("experiment"):
             raise ValueError(f"{path}: row {row.get('label')!r} has neither an experiment nor cited: true")
@@ -102,11 +107,12 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
     runs = list(runs)
     completed = [r for r in runs if r.get("status") == "completed"]
     filled = []
-    for row in spec["rows"]:
-        mine = [r for r in completed if row.get("experiment") and r.get("experiment") == row["experiment"]]
-        seeds = aggregate.row_seeds(spec, row) if row.get("experiment") else None
-        by_seed = aggregate.seed_runs(completed, row["experiment"], seeds) if seeds is not None else None
-        pending = [effective_status(r) for r in runs if r.get("experiment") == row.get("experiment")
+    for row in expand_rows(spec["rows"]):
+        name = row_name(row)
+        mine = [r for r in completed if name and r.get("experiment") == name]
+        seeds = aggregate.row_seeds(spec, row) if name else None
+        by_seed = aggregate.seed_runs(completed, name, seeds) if seeds is not None else None
+        pending = [effective_status(r) for r in runs if name and r.get("experiment") == name
                    and r.get("status") == "running"]
         cells = {}
         for col in spec["columns"]:
@@ -124,7 +130,7 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
                     value, run_id = v, r["run_id"]
             cells[key] = {"value": value, "run_id": run_id, "paper": paper.get("value"),
                           "source": paper.get("source"), "formula": paper.get("formula") if paper.get("derived") else None}
-        filled.append({"label": row["label"], "experiment": row.get("experiment"),
+        filled.append({"label": row["label"], "experiment": name,
                        "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
                        "seeds": seeds, "baseline": row.get("baseline"), "pending": pending[-1] if pending else None})
     aggregate.paired_cells(spec, filled)

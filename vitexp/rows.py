@@ -1,0 +1,132 @@
+"""Table rows as runs: a row of a spec (``sweeps/<table>.yaml``) is a base experiment plus Hydra
+overrides, and a ``grid`` row stands for one row per combination of its variables.
+
+Row keys (beside those :mod:`vitexp.tables` reads):
+
+- ``experiment``: the base, ``conf/experiment/<experiment>.yaml``;
+- ``overrides``: Hydra overrides appended to it (``[method=saper_kd, budget.k=6]``); no ``seed``
+  (the row's ``seeds`` say that), ``experiment`` or ``name`` (row keys of their own);
+- ``name``: the name the row's runs are recorded under in the ledger (its ``experiment`` field).
+  Default: the experiment; with overrides ``<experiment>+<override>,<override>...``, the form the
+  CLIs give a command-line change of an experiment (:func:`vitexp.config.run_name`).
+
+Decision: the sweep passes the row's name to every job (``name='<name>'``, or
+``name='<name>+seed=${seed}'`` for a seeded row, :func:`vitexp.aggregate.seeded_name`), so the
+ledger name of a run made from a row never depends on how the CLIs abbreviate overrides, and
+:func:`vitexp.tables.fill`, ``vitexp-sweep``'s skip list, ``vitexp-eval NAME`` and
+``backbone.pretrained=run:NAME`` all find a row's runs by that one name. A ``name`` different
+from the derived one keeps a row on the runs of an experiment file it replaced.
+
+Grid: ``grid: {variable: [values]}`` expands into one row per combination, the first variable
+outermost. A value is a scalar (the variable's value) or a mapping that sets several variables at
+once (``{mode: ft, mode_label: fine-tune}``). Every string of the row (label, overrides, name,
+baseline, paper sources, ...) is formatted with the combination (``str.format``:
+``budget.k={k}``). ``by_name: {<expanded name>: {row keys}}`` adds keys (paper values, a
+baseline) to the expanded row of that name.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable
+
+from vitexp.aggregate import seeded_name
+
+#: Override keys a row may not set through ``overrides`` (they are row keys of their own).
+RESERVED = ("seed", "experiment", "name")
+#: Characters a ledger name may not hold (it travels to Hydra as a quoted string).
+UNQUOTABLE = ("'", '"', "\\", "$", "{", "}")
+
+
+def expand_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The spec's rows with every ``grid`` row replaced by its rows (plain rows unchanged)."""
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        out += _expand_grid(row) if "grid" in row else [row]
+    return out
+
+
+def _combinations(grid: Any, label: Any) -> list[dict[str, Any]]:
+    if not isinstance(grid, dict) or not grid or not all(isinstance(v, list) and v for v in grid.values()):
+        raise ValueError(f"grid row {label!r}: grid must map each variable to a non-empty list of values, got {grid!r}")
+    axes = [[v if isinstance(v, dict) else {var: v} for v in values] for var, values in grid.items()]
+    return [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*axes)]
+
+
+def _format(value: Any, variables: dict[str, Any], label: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return value.format(**variables)
+        except (KeyError, IndexError) as err:
+            raise ValueError(f"grid row {label!r}: {value!r} names {err} but the grid's variables are "
+                             f"{sorted(variables)}") from None
+    if isinstance(value, list):
+        return [_format(v, variables, label) for v in value]
+    if isinstance(value, dict):
+        return {k: _format(v, variables, label) for k, v in value.items()}
+    return value
+
+
+def _expand_grid(row: dict[str, Any]) -> list[dict[str, Any]]:
+    template = {k: v for k, v in row.items() if k not in ("grid", "by_name")}
+    by_name = dict(row.get("by_name") or {})
+    rows = []
+    for variables in _combinations(row["grid"], row.get("label")):
+        expanded = _format(template, variables, row.get("label"))
+        extra = by_name.pop(row_name(expanded), None)
+        rows.append({**expanded, **(extra or {})})
+    if by_name:
+        raise ValueError(f"grid row {row.get('label')!r}: by_name names {sorted(by_name)}, which are not names of "
+                         f"its rows: {[row_name(r) for r in rows]}")
+    return rows
+
+
+def row_overrides(row: dict[str, Any]) -> list[str]:
+    """The row's overrides, checked: a list of ``key=value`` strings without a reserved key."""
+    overrides = row.get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+        raise ValueError(f"row {row.get('label')!r}: overrides must be a list of key=value strings, got {overrides!r}")
+    for ov in overrides:
+        if ov.split("=", 1)[0].lstrip("+~") in RESERVED:
+            raise ValueError(f"row {row.get('label')!r}: override {ov!r} is a row key of its own "
+                             f"(seeds: the row's seeds; experiment and name: the row's keys)")
+    return overrides
+
+
+def row_name(row: dict[str, Any]) -> str | None:
+    """The ledger name of the row's runs (module docstring); ``None`` for a row without experiment."""
+    if not row.get("experiment"):
+        return None
+    overrides = row_overrides(row)
+    name = row.get("name") or (f"{row['experiment']}+{','.join(overrides)}" if overrides else row["experiment"])
+    if not isinstance(name, str) or any(c in name for c in UNQUOTABLE):
+        raise ValueError(f"row {row.get('label')!r}: name {name!r} may not contain any of {' '.join(UNQUOTABLE)}")
+    return name
+
+
+def is_plain(row: dict[str, Any]) -> bool:
+    """A row that is its experiment as configured (no overrides, recorded under the experiment's name)."""
+    return not row_overrides(row) and row_name(row) == row["experiment"]
+
+
+def job_arguments(row: dict[str, Any], seeded: bool) -> list[str]:
+    """The Hydra arguments of the row's job (the seeds, for a seeded row, are the caller's):
+    ``experiment=E`` for a plain unseeded row (``experiment=E seed=s`` names itself ``E+seed=s``),
+    else the base, the overrides and the row's name."""
+    if is_plain(row):
+        return [f"experiment={row['experiment']}"]
+    name = row_name(row)
+    name = seeded_name(name, "${seed}") if seeded else name  # type: ignore[arg-type]
+    return [f"experiment={row['experiment']}", *row_overrides(row), f"name='{name}'"]
+
+
+def check_rows(rows: list[dict[str, Any]], where: str) -> None:
+    """Every row's overrides and name are well formed, and two rows that are different runs do
+    not share a name (the ledger could not tell their runs apart)."""
+    seen: dict[str, tuple[Any, ...]] = {}
+    for row in rows:
+        name = row_name(row)
+        if name is None:
+            continue
+        what = (row["experiment"], tuple(row_overrides(row)))
+        if seen.setdefault(name, what) != what:
+            raise ValueError(f"{where}: rows {seen[name]} and {what} are both recorded as {name!r}; give one of them a name of its own")
