@@ -43,7 +43,7 @@ NON_IDENTITY_KEYS = ("backbone.pretrained", "data.root", "data.num_workers")
 LOGGER_KINDS = ("wandb", "csv", "none")
 #: Groups whose keys are vitexp's schema: ``+group.key=...`` may not add to them. (``trainer``
 #: keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
-SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench", "detector")
+SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench", "detector", "bspf_spec")
 SCHEDULES = ("cosine", "step", "multistep", "none")
 OBJECTIVE_CHOICES = ("auto", "detect")
 
@@ -143,9 +143,22 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None):
     _check(cfg.bench.device in ("auto", "cpu", "cuda"), "bench.device",
            f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')")
 
+    if method is None:
+        _check_bspf_spec(cfg)
     method = method or method_from_config(cfg.method)
     method.validate_budget(cfg.budget, {**arch, "img_size": int(bb.img_size)})
     return method
+
+
+def _check_bspf_spec(cfg: DictConfig) -> None:
+    """A method that reads ``${bspf_spec.*}`` on a backbone without ``conf/bspf_spec/<backbone>.yaml``
+    (the optional group Hydra selects by the backbone's name): a ConfigError saying what to set."""
+    if "bspf_spec" in cfg:
+        return
+    for key, value in OmegaConf.to_container(cfg.method, resolve=False).items():
+        if isinstance(value, str) and "${bspf_spec." in value:
+            raise ConfigError(f"method.{key}: backbone={cfg.backbone.name} has no BSPF defaults "
+                              f"(conf/bspf_spec/{cfg.backbone.name}.yaml); add that file or set method.{key}=...")
 
 
 def group_choices(cfg: DictConfig | None = None) -> dict[str, str]:
@@ -187,8 +200,9 @@ def _pinned_choices(experiment: str) -> dict[str, str]:
     for file, prefix in ((CONF_DIR / "train.yaml", ""), (CONF_DIR / "experiment" / f"{experiment}.yaml", "override /")):
         if not file.is_file():
             continue
-        for entry in OmegaConf.load(file).get("defaults", []) or []:
-            if isinstance(entry, (dict, DictConfig)):
+        defaults = OmegaConf.to_container(OmegaConf.load(file), resolve=False).get("defaults", [])  # ${backbone} stays
+        for entry in defaults or []:
+            if isinstance(entry, dict):
                 for k, v in entry.items():
                     if str(k).startswith(prefix) and v is not None:
                         pins[str(k)[len(prefix):]] = str(v)
