@@ -68,3 +68,13 @@ def test_a_backbone_without_bspf_defaults_is_a_config_error_naming_the_file():
     cfg = vconfig.compose(["backbone=vit_micro", "method=bspf", "budget=keep_ratio", "~bspf_spec", "data=synthetic",
                            "method.chunk_size=16", "method.prune_layers=[1]"])
     vconfig.validate(cfg, need_data=False)  # set by hand: fine
+
+
+def test_choosing_other_bspf_defaults_renames_the_run():
+    """``bspf_spec=<other backbone>`` (or one of its keys) changes the method: not the experiment's run."""
+    cfg = vconfig.compose(["experiment=bspf_demo"])
+    choices = {"experiment": "bspf_demo", "backbone": "vit_micro", "method": "bspf", "bspf_spec": "vit_micro"}
+    assert vconfig.run_name(cfg, choices, ["experiment=bspf_demo"]) == "bspf_demo"
+    assert vconfig.run_name(cfg, dict(choices, bspf_spec="deit_small"),
+                            ["experiment=bspf_demo", "bspf_spec=deit_small"]) == "bspf_demo+bspf_spec=deit_small"
+    assert vconfig.run_name(cfg, choices, ["bspf_spec.prune_layers=[2]"]) == "bspf_demo+bspf_spec.prune_layers=[2]"

@@ -186,7 +186,8 @@ def run_name(cfg: DictConfig, choices: dict[str, str], overrides: Iterable[str])
         key = ov.split("=", 1)[0].lstrip("+~")
         if "/" in key or key in IDENTITY_GROUPS or key in ("experiment", "name"):
             continue
-        if key.split(".")[0] in IDENTITY_GROUPS + ("seed", "objective", "detector") and key not in NON_IDENTITY_KEYS:
+        if key.split(".")[0] in IDENTITY_GROUPS + ("seed", "objective", "detector", "bspf_spec") \
+                and key not in NON_IDENTITY_KEYS:  # bspf_spec: another backbone's BSPF defaults change the method
             changes.append(ov.lstrip("+~"))
     if any(ov.split("=", 1)[0] == "name" for ov in overrides):
         return str(cfg.name)
