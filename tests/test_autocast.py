@@ -45,6 +45,8 @@ def _stage_loss(module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def test_every_method_config_is_covered():
     assert {"baseline", "bspf", "chunk", "probe", "raptor", "saper_ft", "saper_kd", "tome", "evit", "knn"} <= set(METHODS)
     assert {"vit_micro", "caformer_micro", "dinov2_micro", "shvit_micro"} <= set(MICRO)
+    for method in ("bspf", "chunk"):  # BSPF-ViT applies to SHViT: its matrix cells run, not skip
+        _config(method, "shvit_micro")
 
 
 @pytest.mark.parametrize("backbone", MICRO)

@@ -193,13 +193,13 @@ def test_cli_writes_the_dataset_and_prints_json(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == "failed"
 
 
-@pytest.mark.parametrize("method", ["baseline", "bspf"])
-def test_detector_trains_under_bf16_autocast(method, make_cfg):
+@pytest.mark.parametrize("experiment", ["caformer", "bspf_caformer", "shvit", "bspf_shvit"])
+def test_detector_trains_under_bf16_autocast(experiment, make_cfg):
     """Forward and backward of the micro detector (plain and BSPF-ViT backbone) under CPU bf16 autocast."""
     from vitexp.detection import detector_for
     from vitexp.build import build_model
 
-    overrides = [f"experiment=micro_coco_{'bspf_' if method == 'bspf' else ''}caformer", "data.root=/nonexistent"]
+    overrides = [f"experiment=micro_coco_{experiment}", "data.root=/nonexistent"]
     model, _, data_config = build_model(make_cfg(overrides))
     cfg = make_cfg(overrides)
     detector = detector_for(cfg, model, data_config).train()
@@ -213,6 +213,11 @@ def test_detector_trains_under_bf16_autocast(method, make_cfg):
     assert torch.isfinite(loss)
     grads = [p.grad for p in detector.backbone.body.model.stages.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    if experiment.startswith("bspf"):  # the detector's backbone really pruned
+        from vitexp.methods.bspf import TokenPruner
+
+        realised = [m.realised for m in detector.modules() if isinstance(m, TokenPruner)]
+        assert realised and all(kept < total for kept, total in realised)
 
 
 def test_micro_detection_runs_under_ddp_gloo(results_dir, tmp_path):

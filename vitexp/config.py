@@ -43,7 +43,7 @@ NON_IDENTITY_KEYS = ("backbone.pretrained", "data.root", "data.num_workers")
 LOGGER_KINDS = ("wandb", "csv", "none")
 #: Groups whose keys are vitexp's schema: ``+group.key=...`` may not add to them. (``trainer``
 #: keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
-SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench", "detector")
+SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench", "detector", "bspf_spec")
 SCHEDULES = ("cosine", "step", "multistep", "none")
 OBJECTIVE_CHOICES = ("auto", "detect")
 
@@ -143,9 +143,22 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None):
     _check(cfg.bench.device in ("auto", "cpu", "cuda"), "bench.device",
            f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')")
 
+    if method is None:
+        _check_bspf_spec(cfg)
     method = method or method_from_config(cfg.method)
     method.validate_budget(cfg.budget, {**arch, "img_size": int(bb.img_size)})
     return method
+
+
+def _check_bspf_spec(cfg: DictConfig) -> None:
+    """A method that reads ``${bspf_spec.*}`` on a backbone without ``conf/bspf_spec/<backbone>.yaml``
+    (the optional group Hydra selects by the backbone's name): a ConfigError saying what to set."""
+    if "bspf_spec" in cfg:
+        return
+    for key, value in OmegaConf.to_container(cfg.method, resolve=False).items():
+        if isinstance(value, str) and "${bspf_spec." in value:
+            raise ConfigError(f"method.{key}: backbone={cfg.backbone.name} has no BSPF defaults "
+                              f"(conf/bspf_spec/{cfg.backbone.name}.yaml); add that file or set method.{key}=...")
 
 
 def group_choices(cfg: DictConfig | None = None) -> dict[str, str]:
@@ -173,7 +186,8 @@ def run_name(cfg: DictConfig, choices: dict[str, str], overrides: Iterable[str])
         key = ov.split("=", 1)[0].lstrip("+~")
         if "/" in key or key in IDENTITY_GROUPS or key in ("experiment", "name"):
             continue
-        if key.split(".")[0] in IDENTITY_GROUPS + ("seed", "objective", "detector") and key not in NON_IDENTITY_KEYS:
+        if key.split(".")[0] in IDENTITY_GROUPS + ("seed", "objective", "detector", "bspf_spec") \
+                and key not in NON_IDENTITY_KEYS:  # bspf_spec: another backbone's BSPF defaults change the method
             changes.append(ov.lstrip("+~"))
     if any(ov.split("=", 1)[0] == "name" for ov in overrides):
         return str(cfg.name)
@@ -187,8 +201,9 @@ def experiment_choices(experiment: str) -> dict[str, str]:
     for file, prefix in ((CONF_DIR / "train.yaml", ""), (CONF_DIR / "experiment" / f"{experiment}.yaml", "override /")):
         if not file.is_file():
             continue
-        for entry in OmegaConf.load(file).get("defaults", []) or []:
-            if isinstance(entry, (dict, DictConfig)):
+        defaults = OmegaConf.to_container(OmegaConf.load(file), resolve=False).get("defaults", [])  # ${backbone} stays
+        for entry in defaults or []:
+            if isinstance(entry, dict):
                 for k, v in entry.items():
                     if str(k).startswith(prefix) and v is not None:
                         pins[str(k)[len(prefix):]] = str(v)

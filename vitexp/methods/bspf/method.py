@@ -17,11 +17,13 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch.nn as nn
 from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import MetaFormer
+from timm.models.shvit import SHViT
 
 from vitexp.flops import register_model_record
 from vitexp.methods.base import Method
 from vitexp.methods.bspf.layout import CHUNK_LAYOUTS, check_layout, window_order
 from vitexp.methods.bspf.pruning import FUSIONS, MIRRORS, SCORES, TokenPruner
+from vitexp.methods.bspf.shvit import ChunkSHSA, patch_shvit
 from vitexp.methods.bspf.surgery import (ChunkAttention, PruneBlock, PruneMetaBlock, RestoringSequential,
                                          patch_attention, put_in_window_order)
 
@@ -77,9 +79,9 @@ class BSPF(Method):
         from vitexp.errors import ConfigError
 
         super().validate_budget(budget, arch)
-        if arch.get("family") == "shvit":
-            raise ConfigError(f"method {self.name} does not apply to SHViT yet: BSPF-ViT on SHViT's single-head "
-                              "attention is not implemented (README, 'Backbones beyond DeiT')")
+        if arch.get("family") == "shvit" and self.symmetric:
+            raise ConfigError("method.symmetric=true: shared Q/K is not implemented for SHViT's single-head "
+                              "attention (README, 'Reading of the papers', SHViT); use method.symmetric=false")
         if budget["kind"] == "keep_ratio" and not 0 < float(budget["keep_ratio"]) <= 1:
             raise ConfigError(f"budget.keep_ratio: {budget['keep_ratio']} must be in (0, 1]")
         depth = int(arch["depth"])
@@ -102,7 +104,13 @@ class BSPF(Method):
                               "training epochs: the keep ratio would never reach budget.keep_ratio")
 
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
-        model = self._apply_metaformer(backbone, budget) if isinstance(backbone, MetaFormer) else self._apply_vit(backbone, budget)
+        if isinstance(backbone, SHViT):
+            model = patch_shvit(backbone, self.keep_ratio(budget), self.chunk_size, self.chunk_layout,
+                                self.prune_layers, self.score, self.mirror, self.fusion)
+        elif isinstance(backbone, MetaFormer):
+            model = self._apply_metaformer(backbone, budget)
+        else:
+            model = self._apply_vit(backbone, budget)
         if self.keep_warmup_epochs > 0:
             if self.train_epochs is None:
                 raise ValueError("method.keep_warmup_epochs needs method.train_epochs (conf: ${recipe.epochs})")
@@ -195,10 +203,10 @@ def bspf_record(model: nn.Module) -> dict[str, dict[str, Any]]:
     layout and chunk count (protocol), and each pruning layer's realised keep fraction, kept /
     input patch tokens = ⌈ρΩ⌉/Ω, with ``keep_fraction`` their geometric mean: the constant
     per-layer fraction that leaves as many tokens (metrics)."""
-    attns = [m for m in model.modules() if isinstance(m, ChunkAttention)]
+    attns = [m for m in model.modules() if isinstance(m, (ChunkAttention, ChunkSHSA))]
     if not attns:
         return {}
-    record: dict[str, dict[str, Any]] = {
+    record: dict[str, dict[str, Any]] = {  # SHViT: the first attention stage's chunks in the counted forward
         "protocol": {"chunk_layout": attns[0].chunk_layout, "chunks": attns[0].num_chunks or 1}}
     realised = [m.realised for m in model.modules() if isinstance(m, TokenPruner) and m.realised]
     if realised:
