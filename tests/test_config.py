@@ -1,8 +1,6 @@
 """Composition of every experiment config, and bad input failing at composition/validation."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 

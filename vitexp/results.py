@@ -248,12 +248,7 @@ class LedgerEntry:
 
     def fail(self, error: BaseException, **extra: Any) -> Path:
         detail = "".join(traceback.format_exception_only(type(error), error)).strip()
-        path = self._close("failed", error=detail, **extra)
-        try:  # lets a CLI name the ledger file in its closing JSON line
-            error.ledger_path = str(path)  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
-        return path
+        return self._close("failed", error=detail, **extra)
 
 
 def iter_runs(results_dir: Path | str | None = None) -> Iterator[dict[str, Any]]:

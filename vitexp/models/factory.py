@@ -45,10 +45,6 @@ class BackboneInfo:
     patch_size: int
 
     @property
-    def total_heads(self) -> int:
-        return self.depth * self.num_heads
-
-    @property
     def num_patches(self) -> int:
         return (self.img_size // self.patch_size) ** 2
 
