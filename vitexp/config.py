@@ -23,8 +23,8 @@ if not OmegaConf.has_resolver("vitexp_root"):
 
 def _job_value(key: str, root: Any) -> Any:
     """The job config's ``key`` as seen from the ``hydra`` node: from the config being resolved
-    (``root``), else from the full config Hydra keeps behind Hydra's ``HydraConfig`` (its parent).
-    Hydra's ``--cfg hydra --resolve`` prints the ``hydra`` node alone, without the job's keys."""
+    (``root``), else from the full config that is the parent of ``HydraConfig.get()``, for
+    ``--cfg hydra --resolve``, where Hydra resolves the ``hydra`` node alone, without the job's keys."""
     from hydra.core.hydra_config import HydraConfig
 
     missing = object()
