@@ -79,3 +79,22 @@ def test_cfg_prints_the_config_of_every_app(app, cfg_type, resolve, monkeypatch,
             assert launcher["name"] == "demo+recipe.epochs=3" and launcher["nodes"] == 2
         else:
             assert "${vitexp_name:" in run_dir and "${" in str(launcher["nodes"])
+
+
+@pytest.mark.parametrize("buffering", [1, -1])  # line-buffered (fails in print), block-buffered (at the flush)
+def test_a_reader_that_leaves_early_ends_the_app_quietly(buffering, monkeypatch):
+    """``vitexp-train --help | head -3``: the pipe closes under the app; it exits 1, no traceback."""
+    import os
+
+    from vitexp import cli
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    monkeypatch.setattr(sys, "stdout", os.fdopen(write_end, "w", buffering=buffering))
+    monkeypatch.setattr(sys, "argv", ["vitexp-train", "--help"])
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.train_main()
+    finally:
+        sys.stdout.close()
+    assert exit_.value.code == 1
