@@ -52,3 +52,26 @@ def cli_env(results_dir: Path) -> dict[str, str]:
     env["WANDB_MODE"] = "offline"
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def vit_analytic_macs(
+    *,
+    img_size: int,
+    patch_size: int,
+    embed_dim: int,
+    depth: int,
+    mlp_ratio: float,
+    num_classes: int,
+    in_chans: int = 3,
+    num_prefix_tokens: int = 1,
+) -> int:
+    """Closed-form MACs of a DeiT-layout ViT under vitexp's protocol (the reference the counter is
+    checked against).
+
+    Patch embedding P·(c·p²)·D; per block, with N = P + prefix tokens: qkv 3·N·D², attention
+    Q·Kᵀ and A·V 2·N²·D, output projection N·D², MLP 2·N·D·(r·D); classifier D·C."""
+    patches = (img_size // patch_size) ** 2
+    n, d = patches + num_prefix_tokens, embed_dim
+    hidden = int(mlp_ratio * d)
+    per_block = 3 * n * d * d + 2 * n * n * d + n * d * d + 2 * n * d * hidden
+    return patches * in_chans * patch_size**2 * d + depth * per_block + d * num_classes

@@ -60,6 +60,15 @@ def test_audit_is_reproducible_from_the_runs_it_pins(results_dir, tmp_path):
     assert audit_bspf.micro_findings(f"run:{old}", images=2, results_dir=results_dir) == first
 
 
+def test_the_pinned_weights_load_from_the_portable_path_the_ledger_keeps(results_dir, tmp_path, monkeypatch):
+    """Weights inside the results folder are stored relative to it: loaded from any working folder."""
+    (results_dir / "outputs").mkdir(parents=True)
+    _demo_run(results_dir, results_dir / "outputs", seed=0)
+    monkeypatch.chdir(tmp_path)
+    pinned = audit_bspf.micro_findings("run:demo", images=2, results_dir=results_dir)["pinned"]
+    assert pinned["weights"] == "outputs/weights_0.pth"
+
+
 def test_audit_without_a_pinned_run_names_what_to_train(results_dir):
     with pytest.raises(FileNotFoundError, match="vitexp-train experiment=demo"):
         audit_bspf.micro_findings("run:demo", images=2, results_dir=results_dir)

@@ -124,7 +124,7 @@ def test_similarity_fusion_is_a_weighted_average_into_the_best_kept_token():
     keep = torch.tensor([[[0, 1]]])
     kept = patches[:, :, :2].clone()
     mask = torch.ones(1, 1, 4, 4)  # identical rows: Hamming 0, similarity = cosine
-    fused = TokenPruner._fuse_similarity(patches, kept, keep, mask)
+    fused = TokenPruner._merge(kept, *TokenPruner._match(patches, kept, keep, mask))
     w2 = F.cosine_similarity(patches[0, 0, 2], patches[0, 0, 0], dim=0)
     w3 = 1.0
     torch.testing.assert_close(fused[0, 0, 0], (patches[0, 0, 0] + w2 * patches[0, 0, 2]) / (1 + w2))

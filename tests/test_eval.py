@@ -71,3 +71,22 @@ def test_eval_reproduces_the_committed_demo_run(make_cfg, results_dir, tmp_path,
     assert trained["metrics"]["top1"] == pytest.approx(committed["metrics"]["top1"], abs=1e-6)
     result = run_eval(capsys, "demo", "logger=none")
     assert result["metrics"]["top1"] == pytest.approx(committed["metrics"]["top1"], abs=1e-6)
+
+
+def test_eval_reads_the_runs_portable_paths_as_paths_on_this_machine(make_cfg, results_dir):
+    """The ledger stores data.root and backbone.pretrained relative to the project or the results
+    folder; the evaluation gets them back as paths on this machine."""
+    from vitexp.config import to_container
+    from vitexp.evaluate import eval_config
+    from vitexp.results import LedgerEntry
+
+    weights = results_dir / "outputs" / "teacher" / "weights.pth"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"")
+    config = to_container(make_cfg(["data=micro_coco", f"backbone.pretrained={weights}"], results_dir / "outputs" / "r"))
+    entry = LedgerEntry("demo", "train", config, results_dir).start()
+    entry.finish({"top1": 1.0})
+    stored = json.loads(entry.path.read_text())["config"]
+    assert (stored["data"]["root"], stored["backbone"]["pretrained"]) == ("data/micro_coco", "outputs/teacher/weights.pth")
+    cfg, _ = eval_config(entry.run_id)
+    assert cfg.data.root == str(ROOT / "data" / "micro_coco") and cfg.backbone.pretrained == str(weights)

@@ -7,6 +7,9 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+import yaml
+
 import vitexp.config as vconfig
 from conftest import cli_env
 
@@ -51,3 +54,47 @@ def test_subprocess_ddp_inside_a_local_multirun_is_refused(results_dir, tmp_path
     proc = vitexp_cli("train", "-m", "trainer=ddp_cpu", "logger=none", "seed=1,2", results_dir=results_dir, cwd=tmp_path)
     assert proc.returncode == 2
     assert "hydra/launcher=slurm" in proc.stderr and '"status": "invalid"' in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize("app", ["train", "flops", "bench"])
+@pytest.mark.parametrize("cfg_type", ["job", "hydra", "all"])
+@pytest.mark.parametrize("resolve", [False, True])
+def test_cfg_prints_the_config_of_every_app(app, cfg_type, resolve, monkeypatch, capsys):
+    """``--cfg job|hydra|all [--resolve]``: Hydra prints the hydra node alone for ``--cfg hydra``,
+    so its interpolations into the job config (the run name, the SLURM node count) must resolve
+    without the job's keys."""
+    from vitexp import cli
+
+    overrides = ["experiment=demo", "recipe.epochs=3", "hydra/launcher=slurm", "trainer.num_nodes=2"]
+    monkeypatch.setattr(sys, "argv", [f"vitexp-{app}", "--cfg", cfg_type, *(["--resolve"] if resolve else []), *overrides])
+    getattr(cli, f"{app}_main")()
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert ("hydra" in printed) == (cfg_type != "job") and ("recipe" in printed) == (cfg_type != "hydra")
+    if cfg_type != "hydra":
+        assert printed["recipe"]["epochs"] == 3 and printed["name"] == "demo"
+    if cfg_type != "job":
+        run_dir, launcher = printed["hydra"]["run"]["dir"], printed["hydra"]["launcher"]
+        if resolve:
+            assert run_dir.startswith("outputs/demo+recipe.epochs=3/") and "${" not in run_dir
+            assert launcher["name"] == "demo+recipe.epochs=3" and launcher["nodes"] == 2
+        else:
+            assert "${vitexp_name:" in run_dir and "${" in str(launcher["nodes"])
+
+
+@pytest.mark.parametrize("buffering", [1, -1])  # line-buffered (fails in print), block-buffered (at the flush)
+def test_a_reader_that_leaves_early_ends_the_app_quietly(buffering, monkeypatch):
+    """``vitexp-train --help | head -3``: the pipe closes under the app; it exits 1, no traceback."""
+    import os
+
+    from vitexp import cli
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    monkeypatch.setattr(sys, "stdout", os.fdopen(write_end, "w", buffering=buffering))
+    monkeypatch.setattr(sys, "argv", ["vitexp-train", "--help"])
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.train_main()
+    finally:
+        sys.stdout.close()
+    assert exit_.value.code == 1

@@ -71,3 +71,42 @@ def test_unreadable_files_are_skipped(results_dir):
     (results_dir / "runs" / "broken.json").write_text("{not json")
     LedgerEntry("demo", "flops", {}, results_dir).start().finish({"gmacs": 1.0})
     assert [r["experiment"] for r in iter_runs(results_dir)] == ["demo"]
+
+
+def _strings(value):
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+    elif isinstance(value, str):
+        yield value
+
+
+def test_no_entry_holds_an_absolute_path_of_this_machine(make_cfg, results_dir, tmp_path):
+    """A flops run whose config holds paths inside the project (data.root) and the results folder
+    (results_dir, output_dir): none of them is stored absolute, at any depth of the entry."""
+    from vitexp import PROJECT_ROOT
+    from vitexp.commands import run_flops
+    from vitexp.results import local_path
+
+    cfg = make_cfg(["data=micro_coco", "logger=csv"], output_dir=results_dir / "outputs" / "f1")
+    assert str(cfg.data.root).startswith(str(PROJECT_ROOT))
+    run_flops(cfg)
+    (entry,) = [json.loads(p.read_text()) for p in (results_dir / "runs").glob("*.json")]
+    machine = [s for s in _strings(entry) if s.removeprefix("offline:").startswith((str(PROJECT_ROOT), str(tmp_path)))]
+    assert machine == []
+    assert entry["config"]["data"]["root"] == "data/micro_coco" and entry["config"]["output_dir"] == "outputs/f1"
+    assert local_path(entry["output_dir"], results_dir) == results_dir / "outputs" / "f1"
+
+
+def test_run_weights_resolve_to_a_file_on_this_machine(results_dir, tmp_path, monkeypatch):
+    """``backbone.pretrained=run:<experiment>``: the stored (portable) weights path, as a path here."""
+    from vitexp.results import resolve_weights
+
+    weights = results_dir / "outputs" / "teacher" / "weights.pth"
+    weights.parent.mkdir(parents=True)
+    weights.write_bytes(b"")
+    LedgerEntry("teacher", "train", {}, results_dir).start().finish({"top1": 1.0}, artifacts={"weights": weights})
+    monkeypatch.chdir(tmp_path)
+    assert resolve_weights("run:teacher", results_dir) == str(weights)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import vitexp  # noqa: F401  (registers the micro backbones)
 import vitexp.config as vconfig
-from vitexp.flops import count_macs, vit_analytic_macs
+from conftest import vit_analytic_macs
+from vitexp.flops import count_macs
 from vitexp.methods.evit import EViT
 from vitexp.methods.evit.fuse import keep_count, keep_rate_at, prune_and_fuse
 from vitexp.methods.tome import ToMe

@@ -2,8 +2,6 @@
 NaN loss, exact resume, bad checkpoints and datasets, the W&B offline logger."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback

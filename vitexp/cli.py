@@ -85,7 +85,13 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]]) -> None:
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of exiting: the error reaches the JSON line
     try:
-        main()
+        try:
+            main()
+        finally:
+            sys.stdout.flush()  # a reader that left shows here at the latest, not in Python's exit
+    except BrokenPipeError:  # the reader left (vitexp-train --help | head): nothing more can be printed
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor flushed at exit
+        raise SystemExit(1) from None
     except Exception as err:
         if getattr(err, "vitexp_reported", False):
             raise

@@ -21,11 +21,27 @@ if not OmegaConf.has_resolver("vitexp_root"):
     OmegaConf.register_new_resolver("vitexp_root", lambda: str(PROJECT_ROOT))
 
 
-def _hydra_run_name(name: Any) -> str:
-    """``${vitexp_name:${name}}``: the run's name (:func:`run_name`) inside a Hydra app, for its
-    run folder and SLURM job name (``/`` made ``_``); ``name`` as given outside one."""
+def _job_value(key: str, root: Any) -> Any:
+    """The job config's ``key`` as seen from the ``hydra`` node: from the config being resolved
+    (``root``), else from the full config that is the parent of ``HydraConfig.get()``, for
+    ``--cfg hydra --resolve``, where Hydra resolves the ``hydra`` node alone, without the job's keys."""
     from hydra.core.hydra_config import HydraConfig
 
+    missing = object()
+    value = OmegaConf.select(root, key, default=missing)
+    if value is missing and HydraConfig.initialized():
+        value = OmegaConf.select(HydraConfig.get(), ".." + key, default=missing)
+    if value is missing:
+        raise ConfigError(f"{key}: not in the composed config")
+    return value
+
+
+def _hydra_run_name(*, _root_: Any) -> str:
+    """``${vitexp_name:}``: the run's name (:func:`run_name` of the config's ``name``) inside a
+    Hydra app, for its run folder and SLURM job name (``/`` made ``_``); ``name`` as given outside one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    name = _job_value("name", _root_)
     if not HydraConfig.initialized():
         return str(name)
     hc = HydraConfig.get()
@@ -35,6 +51,8 @@ def _hydra_run_name(name: Any) -> str:
 
 if not OmegaConf.has_resolver("vitexp_name"):
     OmegaConf.register_new_resolver("vitexp_name", _hydra_run_name)
+if not OmegaConf.has_resolver("vitexp_job"):  # ${vitexp_job:trainer.num_nodes} in the hydra node
+    OmegaConf.register_new_resolver("vitexp_job", lambda key, *, _root_: _job_value(key, _root_))
 
 #: Groups whose choice defines what a run is (a change renames the run).
 IDENTITY_GROUPS = ("backbone", "method", "budget", "data", "recipe")

@@ -19,10 +19,12 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp.errors import ConfigError
-from vitexp.results import completed_runs, default_results_dir, local_path, portable_path
+from vitexp.results import RUN_WEIGHTS_PREFIX, completed_runs, default_results_dir, local_path, portable_path
 
 #: Groups an evaluation may swap whole (where and how it runs, not what the model is).
 SWAPPABLE_GROUPS = ("logger", "trainer")
+#: The run's inputs that are paths on the machine it ran on (the ledger stores them portable).
+PATH_KEYS = ("data.root", "backbone.pretrained")
 
 
 def find_run(run: str, results_dir: Path) -> dict[str, Any]:
@@ -40,6 +42,11 @@ def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, di
     results_dir = default_results_dir()
     record = find_run(run, results_dir)
     cfg = OmegaConf.create(record["config"])
+    for key in PATH_KEYS:  # stored relative to the project root or the results folder when inside one
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if isinstance(value, str) and value != "???" and not value.startswith(RUN_WEIGHTS_PREFIX) \
+                and not Path(value).expanduser().is_absolute():
+            OmegaConf.update(cfg, key, str(local_path(value, results_dir)), merge=False)
     with open_dict(cfg):
         cfg.results_dir = str(results_dir)
         cfg.name = record["experiment"]

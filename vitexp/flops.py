@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -86,9 +86,6 @@ class FlopsReport:
     def metrics(self) -> dict[str, Any]:
         return {"gmacs": self.gmacs, "gflops": self.gflops, "params_m": self.params_m, **self.recorded}
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def count_heads(model: nn.Module) -> int:
     """Attention heads present in a model (modules with a ``num_heads`` and a ``qkv`` or ``qk``
@@ -137,14 +134,10 @@ def count_macs(
     img_size: int,
     in_chans: int = 3,
     registers: int = 0,
-    extra_params: int = 0,
-    by_module_depth: int = 1,
 ) -> FlopsReport:
-    """Count MACs of one image through ``model`` (eval mode, batch 1) under vitexp's protocol.
-
-    ``registers`` is recorded in the protocol (it is a property of the model being counted);
-    ``extra_params`` adds parameters that live outside ``model`` (e.g. a probe head counted
-    separately)."""
+    """Count MACs of one image through ``model`` (eval mode, batch 1) under vitexp's protocol;
+    ``by_module`` holds the GMACs of each top-level child. ``registers`` is recorded in the
+    protocol (it is a property of the model being counted)."""
     import fvcore
 
     was_training = model.training
@@ -158,7 +151,7 @@ def count_macs(
         by_module = {
             name: macs / 1e9
             for name, macs in analysis.by_module().items()
-            if name and name.count(".") < by_module_depth
+            if name and "." not in name
         }
     recorded: dict[str, Any] = {}
     method_protocol: dict[str, Any] = {}
@@ -181,30 +174,8 @@ def count_macs(
     return FlopsReport(
         gmacs=total / 1e9,
         gflops=2 * total / 1e9,
-        params_m=(count_params(model) + extra_params) / 1e6,
+        params_m=count_params(model) / 1e6,
         protocol=protocol,
         by_module=by_module,
         recorded=recorded,
     )
-
-
-def vit_analytic_macs(
-    *,
-    img_size: int,
-    patch_size: int,
-    embed_dim: int,
-    depth: int,
-    mlp_ratio: float,
-    num_classes: int,
-    in_chans: int = 3,
-    num_prefix_tokens: int = 1,
-) -> int:
-    """Closed-form MACs of a DeiT-layout ViT under vitexp's protocol.
-
-    Patch embedding P·(c·p²)·D; per block, with N = P + prefix tokens: qkv 3·N·D², attention
-    Q·Kᵀ and A·V 2·N²·D, output projection N·D², MLP 2·N·D·(r·D); classifier D·C."""
-    patches = (img_size // patch_size) ** 2
-    n, d = patches + num_prefix_tokens, embed_dim
-    hidden = int(mlp_ratio * d)
-    per_block = 3 * n * d * d + 2 * n * n * d + n * d * d + 2 * n * d * hidden
-    return patches * in_chans * patch_size**2 * d + depth * per_block + d * num_classes

@@ -15,9 +15,11 @@ Decisions:
 - A ``running`` entry records its ``host`` and ``pid``; when that process is gone the entry is
   :data:`INTERRUPTED` (:func:`effective_status`), which ``vitexp-tables`` shows and ``vitexp-sweep``
   reruns. An entry from another host cannot be checked and stays ``running``.
-- Paths (``output_dir``, ``wandb_url``, artifacts) are stored relative to the project root, or to
-  the results folder, when they lie inside one (:func:`portable_path`), so results move between
-  machines; :func:`local_path` turns them back into paths on this machine.
+- Every path in an entry (the config's ``output_dir``, ``results_dir`` and ``data.root``,
+  ``wandb_url``, artifacts) is stored relative to the project root, or to the results folder, when
+  it lies inside one (:func:`portable_paths`), so results move between machines;
+  :func:`local_path` turns them back into paths on this machine. A path outside both (a dataset
+  under ``/datasets``) is kept as given: nothing else names it on another machine.
 """
 from __future__ import annotations
 
@@ -100,6 +102,21 @@ def portable_path(path: Path | str | None, results_dir: Path | str | None = None
             except ValueError:
                 continue
     return prefix + text
+
+
+def portable_paths(value: Any, results_dir: Path | str | None = None) -> Any:
+    """``value`` (a ledger record, or any part of one) with every string that is an absolute path
+    made :func:`portable_path`, at any depth: the resolved config's ``output_dir``, ``results_dir``
+    and ``data.root`` as much as the artifacts."""
+    if isinstance(value, dict):
+        return {k: portable_paths(v, results_dir) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable_paths(v, results_dir) for v in value]
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str) and value.removeprefix("offline:").startswith("/"):
+        return portable_path(value, results_dir)
+    return value
 
 
 def local_path(path: str | None, results_dir: Path | str | None = None) -> Path | None:
@@ -203,13 +220,18 @@ class LedgerEntry:
         previous["env"] = {k: (self.record.get("env") or {}).get(k) for k in ("hostname", "pid")}
         self.record["attempts"] = [*self.record.get("attempts", []), previous]
         self.record.update(status="running", config=config, env=environment(), finished=None, error=None)
-        atomic_write_json(self.path, self.record)
+        self._write()
         return self
+
+    def _write(self) -> None:
+        """Write the record, its paths made portable (:func:`portable_paths`)."""
+        self.record = portable_paths(self.record, self.dir)
+        atomic_write_json(self.path, self.record)
 
     def start(self) -> "LedgerEntry":
         if self.path.exists():
             raise FileExistsError(f"ledger entry {self.path} already exists; finished results are never overwritten")
-        atomic_write_json(self.path, self.record)
+        self._write()
         return self
 
     def _close(self, status: str, **fields: Any) -> Path:
@@ -218,7 +240,7 @@ class LedgerEntry:
         self.record.update(fields)
         self.record["status"] = status
         self.record["finished"] = _now()
-        atomic_write_json(self.path, self.record)
+        self._write()
         return self.path
 
     def finish(self, metrics: dict[str, Any], protocol: dict[str, Any] | None = None, **extra: Any) -> Path:
@@ -226,12 +248,7 @@ class LedgerEntry:
 
     def fail(self, error: BaseException, **extra: Any) -> Path:
         detail = "".join(traceback.format_exception_only(type(error), error)).strip()
-        path = self._close("failed", error=detail, **extra)
-        try:  # lets a CLI name the ledger file in its closing JSON line
-            error.ledger_path = str(path)  # type: ignore[attr-defined]
-        except AttributeError:
-            pass
-        return path
+        return self._close("failed", error=detail, **extra)
 
 
 def iter_runs(results_dir: Path | str | None = None) -> Iterator[dict[str, Any]]:
@@ -281,7 +298,7 @@ def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> 
     that experiment (``run:<run_id>`` also works). Raises ``FileNotFoundError`` naming what to run."""
     if not spec or not str(spec).startswith(RUN_WEIGHTS_PREFIX):
         return spec
-    return str(weights_run(spec, results_dir)["artifacts"]["weights"])
+    return str(local_path(weights_run(spec, results_dir)["artifacts"]["weights"], results_dir))
 
 
 def weights_run(spec: str, results_dir: Path | str | None = None) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from vitexp.errors import ConfigError
-from vitexp.results import LedgerEntry, atomic_write_json, portable_path
+from vitexp.results import LedgerEntry, atomic_write_json
 
 RUN_MARKER = "run.json"
 RESUME_MODES = ("false", "true", "auto")
@@ -136,8 +136,8 @@ class Run:
     # -- closing ----------------------------------------------------------------------------------
     def complete(self, metrics: Mapping[str, Any], protocol: Mapping[str, Any] | None = None,
                  out: Mapping[str, Any] | None = None, step: int | None = None, **record: Any) -> None:
-        """What the entry closes with: ``metrics``, ``protocol``, ledger fields ``record`` (paths
-        made portable by the caller), ``out`` (extra keys of the closing JSON line)."""
+        """What the entry closes with: ``metrics``, ``protocol``, ledger fields ``record`` (the
+        ledger stores their paths portable), ``out`` (extra keys of the closing JSON line)."""
         self._closing = {"metrics": dict(metrics), "protocol": dict(protocol or {}), "out": dict(out or {}),
                          "step": step, "record": record}
 
@@ -152,10 +152,9 @@ class Run:
             return result
         try:
             log_final(self.logger, c["metrics"], step=c["step"])
-            url = portable_path(wandb_url(self.logger), self.results_dir)
             if self.output_dir is not None:
-                c["record"].setdefault("output_dir", portable_path(self.output_dir, self.results_dir))
-            path = self.ledger.finish(c["metrics"], c["protocol"], wandb_url=url, **c["record"])
+                c["record"].setdefault("output_dir", self.output_dir)
+            path = self.ledger.finish(c["metrics"], c["protocol"], wandb_url=wandb_url(self.logger), **c["record"])
         except BaseException:
             finish(self._logger, failed=True)
             raise
@@ -169,8 +168,7 @@ class Run:
         if invalid:
             remove_if_empty(self.output_dir)
         elif self.ledger is not None and self.ledger.record["status"] == "running":
-            extra = {"output_dir": portable_path(self.output_dir, self.results_dir)} if self.output_dir else {}
-            self.ledger.fail(err, **extra)
+            self.ledger.fail(err, **({"output_dir": self.output_dir} if self.output_dir else {}))
         finish(self._logger, failed=True)
         ledger = str(self.ledger.path) if self.ledger else None
         return {"status": "invalid" if invalid else "failed", "error": f"{type(err).__name__}: {err}", "ledger": ledger}

@@ -8,6 +8,6 @@ from vitexp.models import lvvit as _lvvit  # noqa: F401  (registers lvvit_s, lvv
 from vitexp.models import micro as _micro  # noqa: F401  (registers vit_micro_patch4_32)
 from vitexp.models import shvit as _shvit  # noqa: F401  (registers shvit_micro)
 from vitexp.models import t2t as _t2t  # noqa: F401  (registers t2t_vit_14, t2t_vit_t_14, t2t_vit_micro)
-from vitexp.models.factory import BackboneInfo, CheckpointMismatchError, backbone_info, build_backbone
+from vitexp.models.factory import CheckpointMismatchError, build_backbone
 
-__all__ = ["BackboneInfo", "CheckpointMismatchError", "backbone_info", "build_backbone"]
+__all__ = ["CheckpointMismatchError", "build_backbone"]

@@ -10,7 +10,6 @@ Decisions:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,65 +29,6 @@ class CheckpointMismatchError(RuntimeError):
         if detail and not (missing or unexpected):
             msg += f" ({detail.splitlines()[0][:300]})"
         super().__init__(msg)
-
-
-@dataclass(frozen=True)
-class BackboneInfo:
-    """Architecture facts that methods and budgets are validated against."""
-
-    name: str
-    depth: int
-    num_heads: int
-    embed_dim: int
-    num_prefix_tokens: int
-    img_size: int
-    patch_size: int
-
-    @property
-    def total_heads(self) -> int:
-        return self.depth * self.num_heads
-
-    @property
-    def num_patches(self) -> int:
-        return (self.img_size // self.patch_size) ** 2
-
-
-def backbone_info(model: nn.Module, name: str = "") -> BackboneInfo:
-    """Read depth, heads, width and token layout off a timm ViT-like model. For a MetaFormer
-    (CaFormer) the facts are its first attention stage's: blocks, heads, width, stride, no prefix.
-    For SHViT likewise: one head, the stage's width, stride 16 · 2^stage."""
-    stages = getattr(model, "stages", None)
-    if stages is not None and not hasattr(model, "blocks"):
-        for i, stage in enumerate(stages):
-            block = stage.blocks[0]
-            shsa = getattr(getattr(block, "mixer", None), "m", None)
-            if hasattr(shsa, "pdim"):  # SHViT's single-head attention
-                return BackboneInfo(
-                    name=name or type(model).__name__, depth=len(stage.blocks), num_heads=1,
-                    embed_dim=int(shsa.dim), num_prefix_tokens=0,
-                    img_size=int(model.pretrained_cfg["input_size"][-1]), patch_size=16 * 2 ** i,
-                )
-            mixer = getattr(block, "token_mixer", None)
-            if hasattr(mixer, "num_heads"):
-                return BackboneInfo(
-                    name=name or type(model).__name__, depth=len(stage.blocks), num_heads=int(mixer.num_heads),
-                    embed_dim=int(mixer.num_heads * mixer.head_dim), num_prefix_tokens=0,
-                    img_size=int(model.pretrained_cfg["input_size"][-1]), patch_size=4 * 2 ** i,
-                )
-    blocks = getattr(model, "blocks", [])
-    attn = getattr(blocks[0], "attn", None) if len(blocks) else None
-    patch = getattr(model, "patch_embed", None)
-    img = getattr(patch, "img_size", (0, 0)) if patch is not None else (0, 0)
-    psz = getattr(patch, "patch_size", (1, 1)) if patch is not None else (1, 1)
-    return BackboneInfo(
-        name=name or type(model).__name__,
-        depth=len(blocks),
-        num_heads=int(getattr(attn, "num_heads", 0)),
-        embed_dim=int(getattr(model, "embed_dim", getattr(model, "num_features", 0))),
-        num_prefix_tokens=int(getattr(model, "num_prefix_tokens", 1)),
-        img_size=int(img[0]),
-        patch_size=int(psz[0]),
-    )
 
 
 def _checkpoint_key_diff(model: nn.Module, path: str) -> tuple[list[str], list[str]]:

@@ -185,10 +185,6 @@ class TokenPruner(nn.Module):
         den = torch.ones(B, C, n_keep, 1, dtype=kept.dtype, device=kept.device).scatter_add(2, target.unsqueeze(-1), w)
         return num / den
 
-    @classmethod
-    def _fuse_similarity(cls, patches, kept, keep, mask) -> torch.Tensor:
-        return cls._merge(kept, *cls._match(patches, kept, keep, mask))
-
     @staticmethod
     def _assignment(keep: torch.Tensor, match, L: int) -> torch.Tensor:
         """(B, C·L) index of the output patch token that stands for each input patch token."""
