@@ -74,3 +74,24 @@ def test_normalisation_and_elementwise_ops_are_not_counted():
     assert macs == 0.0
     linear = count_macs(_WrapConvIn(nn.Linear(8, 3), (1, 4, 8)), img_size=4, in_chans=1).gmacs * 1e9
     assert linear == 4 * 8 * 3
+
+
+def test_flops_of_a_saper_model_count_the_same_heads_whatever_the_global_rng(tmp_path):
+    """SAPER's initial head scores pick the k heads of the counted model: vitexp-flops seeds by
+    ``cfg.seed`` before building, so two runs count (and record) the same model. Here k = 3 of 16
+    heads leaves some layers headless, whose params differ by which layers those are."""
+    import json
+
+    from vitexp.commands import run_flops
+    from vitexp.config import compose
+
+    def once(global_seed: int):
+        cfg = compose(["backbone=dinov2_micro", "method=saper_ft", "budget=heads", "budget.k=3", "data=digits",
+                       "logger=none", f"results_dir={tmp_path}", f"output_dir={tmp_path}/out{global_seed}"])
+        torch.manual_seed(global_seed)
+        result = run_flops(cfg)
+        return result["metrics"], json.loads(open(result["ledger"]).read())["kept_heads"]
+
+    (m1, heads1), (m2, heads2) = once(1), once(2)
+    assert sum(len(h) for h in heads1) == 3
+    assert heads1 == heads2 and m1 == m2

@@ -16,13 +16,19 @@ from vitexp.run import owned_run
 
 
 def run_flops(cfg: DictConfig) -> dict[str, Any]:
-    """Params and MACs of the configured model as deployed, without training; one ledger entry."""
+    """Params and MACs of the configured model as deployed, without training; one ledger entry.
+    Seeded by ``cfg.seed`` first: a method whose deployed shape depends on an initialisation (SAPER's
+    initial head scores pick the k heads) counts the same model every time, and records it
+    (``method.record()``, e.g. ``kept_heads``)."""
+    import lightning as L
+
     from vitexp.build import build_model, registers_of
     from vitexp.flops import count_heads, count_macs
 
     with owned_run(cfg.name, "flops", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
         method = validate(cfg, need_data=False)
         run.start(to_container(cfg))
+        L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         model, method, data_config = build_model(cfg, method)
         deployed = method.deploy(model)
         from vitexp.detection import detection_flops, detector_for, wants_detection
@@ -43,7 +49,7 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
               f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {where}, "
               f"attention matmuls counted; by module (GMACs): "
               + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v > 0))
-        run.complete(metrics, protocol, out={"protocol": protocol}, by_module=report.by_module)
+        run.complete(metrics, protocol, out={"protocol": protocol}, by_module=report.by_module, **method.record())
     return run.result
 
 
