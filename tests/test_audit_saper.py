@@ -63,7 +63,7 @@ def test_the_laplacian_is_symmetric_psd_only_after_symmetrisation():
 
 
 def test_a_missing_saper_run_names_what_to_run(tmp_path):
-    with pytest.raises(FileNotFoundError, match="vitexp-train experiment=saper_micro_ft_k4"):
+    with pytest.raises(FileNotFoundError, match="vitexp-sweep saper_micro"):
         saper_record("run:saper_micro_ft_k4", tmp_path)
 
 
@@ -91,7 +91,7 @@ def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_findin
         torch.save(build_backbone({**teacher_cfg["backbone"], "pretrained": None}, num_classes=10).state_dict(), weights)
         record(f"t{i}", "saper_micro_teacher", teacher_cfg, f"2026-01-0{1 + 2 * i}T00:00:00+00:00",
                f"2026-01-0{1 + 2 * i}T01:00:00+00:00", artifacts={"weights": str(weights)})
-    saper_cfg = to_container(make_cfg(["experiment=saper_micro_ft_k4"]))
+    saper_cfg = to_container(make_cfg(["experiment=saper_micro", "name=saper_micro_ft_k4"]))
     record("s0", "saper_micro_ft_k4", saper_cfg, "2026-01-02T00:00:00+00:00", "2026-01-02T01:00:00+00:00",
            kept_heads=[[1], [0, 1], [1], []])
     findings = audit_saper.audit(["run:saper_micro_ft_k4"], images=12, clusters=(2,), selections=50,

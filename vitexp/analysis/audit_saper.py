@@ -141,7 +141,8 @@ def saper_record(spec: str, results_dir: Path | None) -> dict[str, Any]:
             if target in (r.get("experiment"), r.get("run_id")) and r.get("kept_heads")]
     if not runs:
         raise FileNotFoundError(f"--saper-run {spec}: no completed SAPER train run of {target!r} with kept_heads in "
-                                f"the ledger; run `vitexp-train experiment={target}` first")
+                                f"the ledger; run the table row recorded under that name first "
+                                f"(`vitexp-sweep saper_micro` runs {', '.join(r.removeprefix(RUN_WEIGHTS_PREFIX) for r in SAPER_RUNS)})")
     return runs[-1]
 
 
