@@ -127,3 +127,13 @@ def test_a_table_of_costs_alone_is_never_an_empty_frame():
     assert len(ticks) == len(spec["rows"]) == 7
     assert [t.get_text() for t in ax.texts] == [row["label"] for row in spec["rows"]]  # ticks named
     plt.close(fig)
+
+
+def test_a_rows_overrides_set_its_family():
+    """A grid row's overrides change its experiment's method or selection, and so its colour."""
+    from vitexp.plots import row_identity
+
+    assert row_identity({"experiment": "saper_micro"})["family"] == "SAPER"
+    assert row_identity({"experiment": "saper_micro", "overrides": ["method=probe", "budget=none"]})["family"] == "baseline"
+    picked = row_identity({"experiment": "saper_micro", "overrides": ["method=saper_kd", "method.selection=random"]})
+    assert picked == {"family": "heads: random", "backbone": "dinov2_micro", "dataset": "digits"}

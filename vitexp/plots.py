@@ -35,6 +35,7 @@ import yaml
 from vitexp import CONF_DIR
 from vitexp.config import experiment_choices
 from vitexp.provenance import DERIVED_MARK
+from vitexp.rows import row_overrides
 
 #: Method choice -> family (colour). Probes and k-NN of the unpruned backbone are its baseline.
 METHOD_FAMILIES = {"baseline": "baseline", "probe": "baseline", "knn": "baseline", "bspf": "BSPF-ViT",
@@ -82,9 +83,15 @@ def sweep_key(experiment: str) -> str | None:
 def row_identity(spec_row: dict[str, Any]) -> dict[str, str]:
     """A spec row's family, backbone and dataset: the row's own keys, else its experiment's choices."""
     experiment = spec_row.get("experiment")
-    choices = experiment_choices(experiment) if experiment and _experiment_file(experiment) else {}
-    family = METHOD_FAMILIES.get(choices.get("method", ""), choices.get("method"))
+    choices = dict(experiment_choices(experiment)) if experiment and _experiment_file(experiment) else {}
     selection = ((_experiment_file(experiment) if experiment else {}).get("method") or {}).get("selection")
+    for override in row_overrides(spec_row):  # a row's overrides change its experiment's choices
+        key, _, value = override.lstrip("+~").partition("=")
+        if "." not in key:
+            choices[key] = value
+        elif key == "method.selection":
+            selection = value
+    family = METHOD_FAMILIES.get(choices.get("method", ""), choices.get("method"))
     if selection and selection != "lapsum":
         family = f"heads: {selection}"
     return {"family": spec_row.get("family") or family or spec_row.get("label", UNKNOWN),
