@@ -70,6 +70,10 @@ X_B = [0, 0, 2, 2]
 @pytest.mark.parametrize("fusion, after_a, after_b", [
     ("similarity", [0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
     ("none", [0, -1, 1, -1, -1, 2, -1, 3], [0, -1, -1, -1, -1, -1, -1, 1]),
+    # Table 8's ablations merge too: cosine alone picks each copy's partner; Hamming alone ties at
+    # distance 2 in layer A, and the tie goes to the chunk's first kept token
+    ("cosine", [0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
+    ("hamming", [0, 0, 1, 0, 2, 2, 2, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
 ])
 def test_bspf_source_maps_on_known_decisions(fusion, after_a, after_b):
     pruners = [TokenPruner(0.5, 1, 2, "single", "none", fusion).eval() for _ in range(2)]
@@ -85,7 +89,7 @@ def test_bspf_source_maps_on_known_decisions(fusion, after_a, after_b):
     assert maps[1].kept[0].tolist() == [True] + [False] * 6 + [True]
     chunks = patch_chunks(8, 2, None)
     assert chunks.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
-    if fusion == "similarity":
+    if fusion != "none":
         for m in maps:
             check_map(m, chunks)
 

@@ -199,12 +199,12 @@ class TokenPruner(nn.Module):
 
     def _decision(self, keep: torch.Tensor, match, L: int) -> TokenDecision:
         """:meth:`_assignment` with the pruned tokens that add nothing marked dropped (−1): all of
-        them unless ``fusion=similarity``, and there those of weight max(sim, 0) = 0."""
+        them unless the fusion merges (:data:`MERGING_FUSIONS`), and there those of weight max(sim, 0) = 0."""
         B, C, n_keep = keep.shape
         target = self._assignment(keep, match, L).reshape(B, C, L)
         kept = torch.zeros(B, C, L, dtype=torch.bool, device=keep.device).scatter_(2, keep, True)
         fused = torch.zeros_like(kept)
-        if match is not None and self.fusion == "similarity":
+        if match is not None and self.fusion in MERGING_FUSIONS:
             pruned_idx, _, _, best = match
             fused.scatter_(2, pruned_idx, best > 0)
         target = torch.where(kept | fused, target, torch.full_like(target, -1))
