@@ -211,6 +211,8 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trai
     assert entry["status"] == "completed" and result["metrics"]["heads"] == 5 and result["metrics"]["steps"] > 0
     assert sum(len(h) for h in entry["kept_heads"]) == 5 and count_heads(keep.model) == 5
     assert entry["selection_source"].startswith("importance over 2 calibration batches")
+    # no soft gates: the model trained is the deployed one, tested once, with no soft_top1
+    assert "soft_top1" not in result["metrics"] and "top1" in result["metrics"]
 
     # the same seed chooses the same heads again (what a resumed run relies on)
     L.seed_everything(int(cfg.seed), verbose=False)

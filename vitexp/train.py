@@ -96,13 +96,14 @@ def evaluate_stage(trainer: L.Trainer, module: L.LightningModule, method: Method
                    prefix: str = "") -> dict[str, Any]:
     """The stage's test metrics, measured on the model as deployed. When ``Method.deploy`` gives
     another model (SAPER's physically pruned heads), the trained one is tested first as
-    ``<prefix>soft_top1`` / ``soft_top5``, then ``module.model`` becomes the deployed model."""
+    ``<prefix>soft_top1`` / ``soft_top5`` (unless :meth:`Method.trains_another_model` says the two
+    compute the same: a fixed head selection), then ``module.model`` becomes the deployed model."""
     metrics: dict[str, Any] = {}
     deployed = method.deploy(module.model) if stage.deployed else module.model
-    if deployed is not module.model:
+    if deployed is not module.model and method.trains_another_model():
         soft = evaluate_test_split(trainer, module, datamodule, prefix)
         metrics = {f"{prefix}soft_{k[len(prefix):]}": v for k, v in soft.items()}  # soft_top1, soft_top5, soft_test_loss
-        module.model = deployed
+    module.model = deployed
     # a deployed k-NN model has no distillation target: its test_loss is None (the soft model's is soft_test_loss)
     return {**metrics, **evaluate_test_split(trainer, module, datamodule, prefix)}
 

@@ -244,8 +244,8 @@ def _agreement_verdict(run: dict[str, Any]) -> str:
         return f"- {name}: the kept heads agree with the clusters beyond chance ({said}; level {level:.4f})."
     worst = min(run["clusters"].values(), key=lambda a: a["ami_p_value"])
     return (f"- {name}: **no agreement beyond chance was measured**: the smallest p over the cluster counts is "
-            f"{worst['ami_p_value']:.4f} (level {level:.4f}); the clusters do not predict which heads LapSum keeps "
-            f"on this model. With so few heads the test sees only strong agreement: random selections' AMI spreads "
+            f"{worst['ami_p_value']:.4f} (level {level:.4f}); no prediction of the kept heads by the clusters "
+            f"was detected on this model, at this test's power: with so few heads the test sees only strong agreement: random selections' AMI spreads "
             f"± {worst['ami_chance_std']:.3f}.")
 
 

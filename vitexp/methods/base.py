@@ -90,6 +90,12 @@ class Method(abc.ABC):
         """The trained model as deployed (pruned parts physically removed). Default: as is."""
         return model
 
+    def trains_another_model(self) -> bool:
+        """Whether the model trained differs from the one :meth:`deploy` gives in what it computes
+        (SAPER's soft gates against its hard top-k), so the trained model's test metrics
+        (``soft_top1``) say something of their own. Default: yes when ``deploy`` returns another object."""
+        return True
+
     def rebuild_deployed(self, backbone: nn.Module, record: Mapping[str, Any]) -> nn.Module:
         """The architecture of a completed run's deployed model, for its saved weights
         (``record["artifacts"]["weights"]``, loaded with ``load_state_dict``). ``backbone`` is built

@@ -121,6 +121,10 @@ class SaperHeads(Method):
             return [Stage("main", self.objective, lambda: model, {"epochs": 0}, self.module_kwargs())]
         return super().stages(model)
 
+    def trains_another_model(self) -> bool:
+        """A fixed rule prunes before training: the model trained is the deployed model."""
+        return self.selection == "lapsum"
+
     def deploy(self, model: nn.Module) -> nn.Module:
         if isinstance(model, HeadPrunedModel):
             self.kept_heads = model.kept_heads()

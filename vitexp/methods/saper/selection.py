@@ -30,6 +30,8 @@ model (:func:`top_k_heads`, as LapSum's deployment does with its learned scores)
 """
 from __future__ import annotations
 
+import os
+
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
@@ -154,10 +156,14 @@ def calibration_loader(datamodule: Any, batches: int, seed: int) -> torch.utils.
 
 def importance_scores(backbone: nn.Module, datamodule: Any, batches: int, seed: int, pool: str) -> torch.Tensor:
     """Michel et al.'s importance of every head of the unpruned ``backbone`` (module docstring),
-    normalised per layer; computed on the GPU when there is one, the backbone left on the CPU."""
+    normalised per layer; computed on this process's GPU when there is one (``LOCAL_RANK``: each DDP
+    rank its own device, as Lightning will assign it), the backbone left on the CPU. The probe is fitted
+    on the same calibration images it scores (a decision: with few images per class the fit nears
+    separation and the gradients shrink, so use enough batches for the number of classes)."""
     loader = calibration_loader(datamodule, batches, seed)
     was_training = backbone.training
-    backbone.to(torch.device("cuda" if torch.cuda.is_available() else "cpu")).eval()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    backbone.to(device).eval()
     prefix = int(getattr(backbone, "num_prefix_tokens", 1))
     param = next(backbone.parameters())
     try:
