@@ -110,3 +110,16 @@ def test_run_weights_resolve_to_a_file_on_this_machine(results_dir, tmp_path, mo
     LedgerEntry("teacher", "train", {}, results_dir).start().finish({"top1": 1.0}, artifacts={"weights": weights})
     monkeypatch.chdir(tmp_path)
     assert resolve_weights("run:teacher", results_dir) == str(weights)
+
+
+def test_the_committed_ledger_holds_no_absolute_machine_path():
+    """Results move between machines: no string anywhere in results/runs/*.json is an absolute path
+    of a machine (a project checkout, a temporary or home folder)."""
+    import re
+
+    from vitexp import PROJECT_ROOT
+
+    absolute = re.compile(r'"(offline:)?/(work|tmp|root|home|scratch|mnt|Users)/')
+    offenders = [p.name for p in sorted((PROJECT_ROOT / "results" / "runs").glob("*.json"))
+                 if absolute.search(p.read_text())]
+    assert not offenders, offenders
