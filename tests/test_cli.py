@@ -89,3 +89,30 @@ def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path):
     assert tables.returncode == 0
     md = re.sub(r" +", " ", (results_dir / "tables" / "demo.md").read_text())  # tabulate pads columns
     assert "| DeiT-S (224 px, ImageNet-1K) | not run | 79.8 | 4.599 | 4.6 |" in md
+
+
+def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, capsys, make_cfg, results_dir):
+    """Errors the apps do not report themselves (a Hydra error composing an override, a failure while
+    writing a table) still end with the closing JSON line and a non-zero exit."""
+    import vitexp.tables
+    from vitexp.cli import eval_main, tables_main
+    from vitexp.config import to_container
+
+    (results_dir / "runs").mkdir(parents=True, exist_ok=True)
+    (results_dir / "runs" / "r1.json").write_text(json.dumps({
+        "run_id": "r1", "experiment": "demo", "status": "completed", "kind": "train",
+        "started": "2026-01-01T00:00:00+00:00", "config": to_container(make_cfg(["logger=none"]))}))
+    with pytest.raises(SystemExit) as exited:
+        eval_main(["r1", "logger=nope"])  # no such logger option: Hydra's error
+    out = capsys.readouterr()
+    assert exited.value.code == 2 and last_json(out.out)["status"] == "invalid"
+    assert "logger" in last_json(out.out)["error"]
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(vitexp.tables, "write_table", broken)
+    with pytest.raises(SystemExit) as exited:
+        tables_main(["demo", "--out", "/nonexistent-but-unused"])
+    assert exited.value.code == 1
+    assert last_json(capsys.readouterr().out) == {"status": "failed", "error": "OSError: disk full", "ledger": None}

@@ -158,10 +158,15 @@ def eval_main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.root=/datasets/imagenet")
     parser.add_argument("--weights", help="weights.pth or a vitexp Lightning checkpoint (default: the run's weights)")
     args = parser.parse_intermixed_args(argv)
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     try:
         cfg, record = eval_config(args.run, args.overrides)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
-        _invalid(err, "vitexp-eval")
+    except (ConfigError, FileNotFoundError, ValueError, HydraException, OmegaConfBaseException) as err:
+        _invalid(err, "vitexp-eval")  # an unknown run, option or key: nothing ran
+    except Exception as err:
+        _exit_failed(err)
     try:
         evaluate(cfg, record, args.weights)
     except ConfigError as err:
@@ -170,16 +175,25 @@ def eval_main(argv: list[str] | None = None) -> None:
         _exit_failed(err)
 
 
+def _closing_line_on_error(main: Callable[[list[str] | None], int], argv: list[str] | None) -> None:
+    """Run a non-Hydra app's ``main``; an error it does not report itself still ends with the JSON line."""
+    try:
+        code = main(argv)
+    except Exception as err:
+        _exit_failed(err)
+    raise SystemExit(code)
+
+
 def sweep_main(argv: list[str] | None = None) -> None:
     from vitexp.sweep import main
 
-    raise SystemExit(main(argv))
+    _closing_line_on_error(main, argv)
 
 
 def tables_main(argv: list[str] | None = None) -> None:
     from vitexp.tables import main
 
-    raise SystemExit(main(argv))
+    _closing_line_on_error(main, argv)
 
 
 def audit_main(argv: list[str] | None = None) -> None:
