@@ -1,5 +1,5 @@
 """LightningModules, one per objective. A module trains whatever ``nn.Module`` it is given and
-never knows which method produced it (design.md).
+never knows which method produced it.
 
 ``classify``: cross-entropy (label smoothing, or soft targets under timm's Mixup/CutMix),
 timm optimizer and scheduler, torchmetrics top-1/top-5 (synced across DDP ranks).

@@ -1,5 +1,5 @@
-"""Provenance rules for the papers' values in table specs (``sweeps/*.yaml``, design.md "Table
-spec"): a paper cell is ``{value, source, derived, formula}``. ``source`` names the document and
+"""Provenance rules for the papers' values in table specs (``sweeps/*.yaml``; the
+README's "Reproducing the tables on a GPU cluster"): a paper cell is ``{value, source, derived, formula}``. ``source`` names the document and
 the place the number was read ("EViT README", "DeiT paper (Touvron et al. 2021), as cited in
 BSPF-ViT Table 1"); a value the paper gives only through arithmetic (a gain added to a baseline:
 72.2 + 1.3 = 73.5) is ``derived: true`` with its ``formula``, which must evaluate to the value.

@@ -1,8 +1,10 @@
 """The results ledger: one JSON file per run in ``results/runs/<run_id>.json``.
 
-Schema (design.md): ``run_id``, ``experiment``, ``status`` (running | completed | failed),
-``kind`` (train | flops | bench | audit | ...), ``config`` (resolved), ``metrics``, ``protocol``,
-``env``, ``wandb_url``, ``started``, ``finished``, ``error``.
+Schema: ``run_id``, ``experiment``, ``status`` (running | completed | failed; shown
+``interrupted`` when a running entry's process is gone, :func:`effective_status`), ``kind`` (train |
+flops | bench | eval | audit | analyze), ``config`` (resolved), ``metrics``, ``protocol``, ``env``,
+``wandb_id``, ``wandb_url``, ``started``, ``finished``, ``error``, ``attempts`` (earlier attempts
+of a resumed run), ``artifacts`` (e.g. ``weights``), and a method's record (``kept_heads``, ...).
 
 Decisions:
 - A run writes its entry twice: ``running`` when it starts (so a run killed by SIGKILL is

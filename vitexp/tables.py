@@ -17,7 +17,7 @@ has no experiment to read them from), ``paper``: {metric: {value, source, derive
 ``notes`` (optional list of footnotes printed under the table, e.g. where a row's settings were
 fitted rather than read).
 
-Provenance (design.md, "Table spec"): every paper value names the document and place it was read
+Provenance (:mod:`vitexp.provenance`): every paper value names the document and place it was read
 from (``source``). A value the paper does not print but that follows by arithmetic from what it
 prints (72.2 + 1.3 = 73.5) carries ``derived: true`` and its ``formula``; the formula must evaluate
 to the value, and such a cell is rendered with :data:`DERIVED_MARK` and a footnote giving the

@@ -1,7 +1,7 @@
 """The ``detect`` objective: a LightningModule that trains torchvision's Mask R-CNN (its own losses:
 RPN objectness and box, RoI class, box and mask) and evaluates COCO box and mask AP with
 ``torchmetrics.detection.MeanAveragePrecision`` (``iou_type=("bbox", "segm")``, pycocotools
-backend). It never knows which method produced the backbone (design.md).
+backend). It never knows which method produced the backbone.
 
 Logged as ``{split}/ap_box``, ``ap_mask`` (COCO AP@[.5:.95]) and ``ap_box_50``, ``ap_box_75``,
 ``ap_mask_50``, ``ap_mask_75``, in [0, 1]; the ledger stores them × 100, as COCO tables print them.

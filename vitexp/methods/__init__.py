@@ -1,4 +1,4 @@
-"""Methods turn a backbone into the model to train (design.md, "Method").
+"""Methods turn a backbone into the model to train (:class:`vitexp.methods.base.Method`).
 
 A method is built from its config group with ``hydra.utils.instantiate`` and implements
 :class:`~vitexp.methods.base.Method`: which objective trains it, which budgets it accepts,
