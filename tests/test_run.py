@@ -98,6 +98,22 @@ def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_ru
         resumed["metrics"]["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-6)
 
 
+def test_resume_refuses_a_folder_that_holds_another_run(make_cfg, results_dir, tmp_path):
+    """resume=auto in a folder whose interrupted attempt had another config does not continue that
+    run (its entry, W&B run and checkpoint) with this config: it stops before touching them."""
+    from vitexp.errors import ConfigError
+    from vitexp.train import train
+
+    over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
+        "resume=auto", "recipe.epochs=2", "data.num_train=32", "data.num_test=16"]
+    with pytest.raises(RuntimeError, match="preempted"):
+        train(make_cfg(over, tmp_path / "split"), callbacks=[_CrashAtEpoch(1)])
+    before = ledger_entries(results_dir)
+    with pytest.raises(ConfigError, match="holds run .* config_sha differ"):
+        train(make_cfg(over + ["recipe.lr=0.123"], tmp_path / "split"))
+    assert ledger_entries(results_dir) == before  # the interrupted entry is untouched, no new one
+
+
 def test_resume_true_still_requires_a_checkpoint_and_auto_starts_fresh(make_cfg, tmp_path, results_dir):
     from vitexp.run import resume_checkpoint
 

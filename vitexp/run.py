@@ -63,6 +63,19 @@ def resume_checkpoint(resume: Any, checkpoint: Path, first: bool = True) -> str 
     return None
 
 
+#: Config keys a requeued or resumed attempt may change without being another run.
+ATTEMPT_KEYS = ("resume", "output_dir", "results_dir")
+
+
+def config_fingerprint(config: Mapping[str, Any]) -> str:
+    """A short hash of a run's resolved config without :data:`ATTEMPT_KEYS`: what makes a run folder's
+    first attempt and a resumed one the same run."""
+    import hashlib
+
+    kept = {k: v for k, v in config.items() if k not in ATTEMPT_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def emit(payload: Mapping[str, Any]) -> None:
     """The closing line: one JSON object, flushed after anything on stderr."""
     sys.stderr.flush()
@@ -108,6 +121,7 @@ class Run:
         marker = self.output_dir / RUN_MARKER if self.output_dir and self.resumable else None
         previous = json.loads(marker.read_text()) if marker and marker.is_file() else {}
         if self.resume != "false" and previous.get("run_id"):
+            self._check_same_run(previous, marker)
             entry = LedgerEntry.load(previous["run_id"], self.results_dir)
             if entry is not None and entry.record.get("status") != "completed":
                 self.ledger, self.wandb_id = entry.reopen(config), previous.get("wandb_id")
@@ -115,9 +129,23 @@ class Run:
             self.ledger = LedgerEntry(self.name, self.kind, config, self.results_dir).start()
             self.wandb_id = uuid.uuid4().hex[:8]  # W&B's id format: 8 characters [0-9a-z]
             if marker:
-                atomic_write_json(marker, {"run_id": self.ledger.run_id, "wandb_id": self.wandb_id})
+                atomic_write_json(marker, {"run_id": self.ledger.run_id, "wandb_id": self.wandb_id, "name": self.name,
+                                           "config_sha": config_fingerprint(config)})
         self.ledger.record["wandb_id"] = self.wandb_id
         return self
+
+    def _check_same_run(self, previous: Mapping[str, Any], marker: Path) -> None:
+        """Resuming continues the run the folder holds, never another: the name and the config
+        (:func:`config_fingerprint`) must be those of the first attempt (markers that predate these
+        keys are not checked)."""
+        theirs = {k: previous[k] for k in ("name", "config_sha") if k in previous}
+        ours = {"name": self.name, "config_sha": config_fingerprint(self.config)}
+        changed = [k for k in theirs if theirs[k] != ours[k]]
+        if changed:
+            raise ConfigError(
+                f"resume={self.resume}: {marker.parent} holds run {previous.get('name', previous['run_id'])!r} "
+                f"({previous['run_id']}), whose {' and '.join(changed)} differ from this command's; resuming would "
+                "continue that run with this config. Use another hydra.run.dir, or resume=false to start fresh there")
 
     @property
     def logger(self):
