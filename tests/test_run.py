@@ -152,6 +152,45 @@ def test_a_running_entry_whose_process_is_gone_is_interrupted(results_dir, tmp_p
     assert INTERRUPTED in text.splitlines()[4]
 
 
+def test_a_running_entry_from_another_host_is_interrupted_once_its_heartbeat_stops(monkeypatch):
+    """A cluster node's entry cannot be checked by pid: it stays running while it beats and reads
+    as interrupted once its heartbeat (or, before the first beat, its start) is older than
+    $VITEXP_STALE_HOURS (default 6)."""
+    import datetime as dt
+
+    from vitexp.results import INTERRUPTED, effective_status
+
+    now = dt.datetime(2026, 1, 2, 12, 0, tzinfo=dt.timezone.utc)
+    entry = {"status": "running", "env": {"hostname": "node-17", "pid": 1}, "started": "2026-01-02T00:00:00+00:00"}
+    assert effective_status(entry, now) == INTERRUPTED  # 12 h since the start, never beat
+    entry["heartbeat"] = "2026-01-02T11:00:00+00:00"
+    assert effective_status(entry, now) == "running"  # beat an hour ago
+    monkeypatch.setenv("VITEXP_STALE_HOURS", "0.5")
+    assert effective_status(entry, now) == INTERRUPTED
+    assert effective_status({**entry, "status": "completed"}, now) == "completed"
+
+
+def test_a_training_run_beats_its_entry(make_cfg, results_dir, tmp_path):
+    import unittest.mock
+
+    import vitexp.results
+    from vitexp.train import train
+
+    beats = []
+
+    original = vitexp.results.LedgerEntry.beat
+
+    def counting(self):
+        beats.append(self.record["status"])
+        original(self)
+
+    with unittest.mock.patch.object(vitexp.results.LedgerEntry, "beat", counting):
+        result = train(make_cfg(SMALL_RUN + QUIET[:1], tmp_path / "beat"))
+    entry = json.loads(open(result["ledger"]).read())
+    assert beats and set(beats) == {"running"} and "heartbeat" in entry
+    assert entry["heartbeat"] >= entry["started"]
+
+
 def test_ledger_paths_are_relative_to_the_results_folder(make_cfg, results_dir):
     from vitexp.results import local_path
     from vitexp.train import train

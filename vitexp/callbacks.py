@@ -28,3 +28,22 @@ class BestValidation(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.best = state_dict["best"]
+
+
+class Heartbeat(Callback):
+    """Beats the run's ledger entry (:meth:`vitexp.results.LedgerEntry.beat`) after every training
+    epoch and validation, on rank zero: a running entry from a cluster node stays "running" while
+    it beats and reads as interrupted once it stops."""
+
+    def __init__(self, entry: Any):
+        self.entry = entry
+
+    def _beat(self, trainer: L.Trainer) -> None:
+        if self.entry is not None and trainer.is_global_zero and not trainer.sanity_checking:
+            self.entry.beat()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._beat(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._beat(trainer)

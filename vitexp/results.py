@@ -230,6 +230,13 @@ class LedgerEntry:
         self.record = portable_paths(self.record, self.dir)
         atomic_write_json(self.path, self.record)
 
+    def beat(self) -> None:
+        """Record that the run is alive (``heartbeat``, UTC): how a running entry written on another
+        host (a cluster node) is told apart from one whose job died (:func:`effective_status`)."""
+        if self.record.get("status") == "running":
+            self.record["heartbeat"] = _now()
+            self._write()
+
     def start(self) -> "LedgerEntry":
         if self.path.exists():
             raise FileExistsError(f"ledger entry {self.path} already exists; finished results are never overwritten")
@@ -265,18 +272,32 @@ def iter_runs(results_dir: Path | str | None = None) -> Iterator[dict[str, Any]]
     yield from sorted(records, key=lambda r: (r.get("started") or "", r.get("run_id", "")))
 
 
-def effective_status(record: dict[str, Any]) -> str:
-    """The entry's status, with a ``running`` entry whose process is gone (same host, its pid no
-    longer exists) read as :data:`INTERRUPTED`."""
+#: A running entry from another host whose heartbeat (or start) is older than this many hours is
+#: read as interrupted; ``$VITEXP_STALE_HOURS`` sets it (vitexp beats once per epoch and validation).
+STALE_HOURS = 6.0
+
+
+def effective_status(record: dict[str, Any], now: _dt.datetime | None = None) -> str:
+    """The entry's status, with a ``running`` entry read as :data:`INTERRUPTED` when its process is
+    gone: on this host, its pid no longer exists; on another host (a cluster node), its last
+    ``heartbeat`` (else its start) is older than ``$VITEXP_STALE_HOURS`` (default :data:`STALE_HOURS`)."""
     status = record.get("status", "")
+    if status != "running":
+        return status
     env = record.get("env") or {}
-    if status == "running" and env.get("hostname") == platform.node() and env.get("pid"):
+    if env.get("hostname") == platform.node() and env.get("pid"):
         try:
             os.kill(int(env["pid"]), 0)
         except ProcessLookupError:
             return INTERRUPTED
         except (PermissionError, OSError):
             pass
+        return status
+    last = record.get("heartbeat") or record.get("started")
+    if last:
+        age = (now or _dt.datetime.now(_dt.timezone.utc)) - _dt.datetime.fromisoformat(last)
+        if age.total_seconds() > 3600 * float(os.environ.get("VITEXP_STALE_HOURS", STALE_HOURS)):
+            return INTERRUPTED
     return status
 
 

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
 from vitexp.build import build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir, registers_of
-from vitexp.callbacks import BestValidation
+from vitexp.callbacks import BestValidation, Heartbeat
 from vitexp.config import to_container, validate
 from vitexp.methods import Method, Stage
 from vitexp.results import atomic_write, portable_path
@@ -158,7 +158,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         metrics: dict[str, Any] = {"epochs": 0, "steps": 0}
         deployed_model = model
         for i, stage in enumerate(stages):
-            module, trainer, fit_s = fit_stage(cfg, stage, datamodule_for, run.logger, output_dir, callbacks, i == 0)
+            module, trainer, fit_s = fit_stage(cfg, stage, datamodule_for, run.logger, output_dir,
+                                               [*callbacks, Heartbeat(run.ledger)], i == 0)
             metrics["epochs"] += trainer.current_epoch
             metrics["steps"] += trainer.global_step
             metrics[f"{stage.name}_fit_time_s" if stage.name != "main" else "fit_time_s"] = fit_s
