@@ -50,8 +50,10 @@ def test_slurm_launcher_composes_without_the_schema_matching_warning():
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.max_num_timeout >= 1
 
 
-def test_subprocess_ddp_inside_a_local_multirun_is_refused(results_dir, tmp_path):
-    proc = vitexp_cli("train", "-m", "trainer=ddp_cpu", "logger=none", "seed=1,2", results_dir=results_dir, cwd=tmp_path)
+@pytest.mark.parametrize("trainer", [["trainer=ddp_cpu"], ["trainer=cpu", "trainer.devices=2"]])
+def test_subprocess_ddp_inside_a_local_multirun_is_refused(trainer, results_dir, tmp_path):
+    """strategy=ddp, and strategy=auto with two devices (Lightning then picks the same subprocess DDP)."""
+    proc = vitexp_cli("train", "-m", *trainer, "logger=none", "seed=1,2", results_dir=results_dir, cwd=tmp_path)
     assert proc.returncode == 2
     assert "hydra/launcher=slurm" in proc.stderr and '"status": "invalid"' in proc.stdout.splitlines()[-1]
 

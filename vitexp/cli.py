@@ -39,8 +39,10 @@ def _refuse_ddp_in_local_multirun(cfg: DictConfig, hydra_cfg) -> None:
 
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     local = "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
-    devices = str(cfg.trainer.get("devices", 1))
-    if multirun and local and str(cfg.trainer.get("strategy")) in _SUBPROCESS_STRATEGIES and devices not in ("1", "None"):
+    devices, strategy = str(cfg.trainer.get("devices", 1)), str(cfg.trainer.get("strategy"))
+    several = devices not in ("1", "None", "auto") or strategy in _SUBPROCESS_STRATEGIES and devices == "auto"
+    # strategy=auto picks Lightning's subprocess DDP for more than one device, as strategy=ddp does
+    if multirun and local and strategy in (*_SUBPROCESS_STRATEGIES, "auto") and several:
         raise ConfigError(
             f"trainer.strategy={cfg.trainer.strategy} with trainer.devices={devices} inside a local multirun (-m): "
             "Lightning's DDP workers re-run the command line, i.e. the whole sweep. Run each job alone "
