@@ -119,3 +119,18 @@ def test_every_table_spec_parses_and_names_existing_experiments(spec):
     for row in data["rows"]:
         if not row.get("cited"):
             assert (CONF_DIR / "experiment" / f"{row['experiment']}.yaml").is_file(), row["label"]
+
+
+def test_a_protocol_filter_keeps_a_row_on_the_runs_of_that_protocol():
+    """peers_throughput_cpu shows one interleaved comparison: a newer single-model bench of a row
+    (another protocol, other images/s) must not replace its cell."""
+    from vitexp.tables import fill
+
+    spec = {"name": "t", "protocol": {"mode": "compare"}, "columns": [{"key": "throughput", "digits": 1}],
+            "rows": [{"label": "BSPF", "experiment": "bspf_deit_small", "paper": {}}]}
+    runs = [{"run_id": "old", "experiment": "bspf_deit_small", "status": "completed", "kind": "bench",
+             "protocol": {"mode": "compare"}, "metrics": {"throughput": 2.7}},
+            {"run_id": "new", "experiment": "bspf_deit_small", "status": "completed", "kind": "bench",
+             "protocol": {"mode": "throughput"}, "metrics": {"throughput": 6.2}}]
+    assert fill(spec, runs)[0]["cells"]["throughput"]["run_id"] == "old"
+    assert fill({**spec, "protocol": None}, runs)[0]["cells"]["throughput"]["run_id"] == "new"

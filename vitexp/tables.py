@@ -15,7 +15,8 @@ recorded under its name; a grid expands into rows), ``run``: train | flops | ben
 curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and axis where the row
 has no experiment to read them from), ``paper``: {metric: {value, source, derived, formula}});
 ``notes`` (optional list of footnotes printed under the table, e.g. where a row's settings were
-fitted rather than read).
+fitted rather than read); ``protocol`` (optional, the spec's or a row's: only runs whose ledger
+``protocol`` has these values fill it, e.g. ``{mode: compare}`` for one interleaved comparison).
 
 Provenance (:mod:`vitexp.provenance`): every paper value names the document and place it was read
 from (``source``). A value the paper does not print but that follows by arithmetic from what it
@@ -109,7 +110,9 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
     filled = []
     for row in expand_rows(spec["rows"]):
         name = row_name(row)
-        mine = [r for r in completed if name and r.get("experiment") == name]
+        wanted = row.get("protocol") or spec.get("protocol") or {}  # e.g. {mode: compare}: only such runs
+        mine = [r for r in completed if name and r.get("experiment") == name
+                and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())]
         seeds = aggregate.row_seeds(spec, row) if name else None
         by_seed = aggregate.seed_runs(completed, name, seeds) if seeds is not None else None
         pending = [effective_status(r) for r in runs if name and r.get("experiment") == name
