@@ -97,6 +97,8 @@ def test_every_row_finds_the_runs_recorded_under_its_old_name(name):
         metrics = {c["key"]: 1000.0 + i for c in spec["columns"]}
         fake += [_fake_run(old, None, metrics)] if seeds is None else \
             [_fake_run(aggregate.seeded_name(old, s), s, metrics) for s in seeds]
+        for run in fake:  # of the protocol the spec's cells are read from (peers_throughput_cpu: compare)
+            run["protocol"] = dict(spec.get("protocol") or {})
         expect[label] = (1000.0 + i, seeds)
     filled = {r["label"]: r for r in tables.fill(spec, fake)}
     for label, (value, seeds) in expect.items():
