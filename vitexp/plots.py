@@ -270,7 +270,7 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
                            borderaxespad=0.0, frameon=False)
     if notes:  # under the axes, wrapped to the figure's width; savefig's tight box takes them in
         width = int(fig.get_size_inches()[0] * 22 + 30)
-        fig.text(0.01, -0.01, "\n".join(textwrap.fill(n, width) for n in notes), fontsize=5, ha="left", va="top")
+        fig.text(0.01, -0.01, "\n".join(textwrap.fill(n, width) for n in notes), fontsize=7, ha="left", va="top")
     return fig
 
 

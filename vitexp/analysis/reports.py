@@ -99,7 +99,13 @@ def head_report(cfg: DictConfig, record: dict[str, Any], args: argparse.Namespac
     from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
     from vitexp.results import local_path
 
+    from vitexp.analysis.audit_saper import teacher_of
+    from vitexp.results import RUN_WEIGHTS_PREFIX
+
     kept = record["kept_heads"]
+    if str(cfg.backbone.get("pretrained") or "").startswith(RUN_WEIGHTS_PREFIX):  # the teacher this run loaded,
+        with open_dict(cfg):                                                    # not a newer one of that name
+            cfg.backbone.pretrained = teacher_of(record, Path(cfg.results_dir))
     backbone = build_configured_backbone(cfg).eval()
     heads = int(backbone.blocks[0].attn.num_heads)
     output_dir = local_path(record.get("output_dir"), cfg.results_dir)
@@ -124,7 +130,7 @@ def head_report(cfg: DictConfig, record: dict[str, Any], args: argparse.Namespac
              f"clusters over {n} test images")
     marked = draw_head_grid(kept, heads, scores, clusters["labels"], out, title)
     return {"figures": [out, out_dir / f"{name}_head_clusters.png"], "marked": marked,
-            "kept_heads": kept, "head_scores": None if scores is None else [round(float(s), 6) for s in scores],
+            "backbone_weights": cfg.backbone.get("pretrained"), "kept_heads": kept, "head_scores": None if scores is None else [round(float(s), 6) for s in scores],
             "scores_from": str(checkpoint) if scores is not None else None, "scores_agree_with_kept": agree,
             "head_clusters": clusters["labels"], "silhouette": clusters["silhouette"],
             "davies_bouldin": clusters["davies_bouldin"], "images": n}

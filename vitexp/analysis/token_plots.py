@@ -53,7 +53,7 @@ def _panel(ax, img: np.ndarray, grid: tuple[int, int], token: np.ndarray | None,
     cell_h, cell_w = h / rows, w / cols
     ax.imshow(img, extent=(0, w, h, 0), interpolation="nearest")
     if token is not None:
-        palette = plt.get_cmap("tab20").colors
+        palette = [c for c in plt.get_cmap("tab20").colors if max(c) - min(c) > 0.1]  # no greys: they read as digit strokes
         overlay = np.zeros((rows, cols, 4))
         anchored = {}
         for r in range(rows):
