@@ -213,6 +213,11 @@ def test_detector_trains_under_bf16_autocast(experiment, make_cfg):
     assert torch.isfinite(loss)
     grads = [p.grad for p in detector.backbone.body.model.stages.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+    # a from-scratch backbone's normalisation scales train (freeze_bn: auto): frozen, SHViT's
+    # zero-initialised residual BatchNorm scales would stay 0 and switch its blocks off
+    for name, stage in detector.backbone.body.model.stages.named_children():
+        scales = [p.grad for n, p in stage.named_parameters() if n.endswith("weight") and p.dim() == 1]
+        assert any(g is not None and g.abs().sum() > 0 for g in scales), f"stage {name}: no normalisation scale learns"
     if experiment.startswith("bspf"):  # the detector's backbone really pruned
         from vitexp.methods.bspf import TokenPruner
 
@@ -240,3 +245,23 @@ def test_micro_detection_runs_under_ddp_gloo(results_dir, tmp_path):
     assert entry["status"] == "completed" and m["world_size"] == 2
     assert m["steps"] == 2  # 8 canvases, batch 2, 2 ranks: 2 steps per rank
     assert {"ap_box", "ap_mask", "ap_box_50", "gmacs", "gmacs_backbone_fpn"} <= set(m)
+
+
+def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_cfg, tmp_path):
+    """freeze_bn: auto. A from-scratch shvit_micro keeps trainable BatchNorm (frozen at init, its
+    zero-initialised residual scales would stay 0); with weights, BatchNorm is frozen as usual."""
+    from torchvision.ops.misc import FrozenBatchNorm2d  # what timm.layers.freeze_batch_norm_2d makes
+
+    from vitexp.build import build_model
+    from vitexp.detection import detector_for
+
+    def frozen(overrides):
+        cfg = make_cfg(["experiment=micro_coco_shvit", "data.root=/nonexistent", *overrides])
+        model, _, data_config = build_model(cfg)
+        body = detector_for(cfg, model, data_config).backbone.body
+        return [isinstance(m, FrozenBatchNorm2d) for m in body.modules()
+                if isinstance(m, (torch.nn.BatchNorm2d, FrozenBatchNorm2d))]
+
+    scratch = frozen([])
+    assert scratch and not any(scratch)
+    assert all(frozen(["detector.freeze_bn=true"]))

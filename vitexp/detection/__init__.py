@@ -13,10 +13,14 @@ def wants_detection(cfg) -> bool:
 
 
 def detector_for(cfg, model: nn.Module, data_config: dict[str, Any]) -> nn.Module:
-    """The run's Mask R-CNN around ``model`` (the backbone with the method applied)."""
+    """The run's Mask R-CNN around ``model`` (the backbone with the method applied). ``freeze_bn:
+    auto`` freezes the backbone's BatchNorm only when it starts from weights (``backbone.pretrained``)."""
     from vitexp.detection.model import build_detector
 
-    return build_detector(model, int(cfg.data.num_classes), cfg.detector, data_config)
+    detector_cfg = dict(cfg.detector)
+    if str(detector_cfg.get("freeze_bn", "auto")) == "auto":
+        detector_cfg["freeze_bn"] = bool(cfg.backbone.get("pretrained"))
+    return build_detector(model, int(cfg.data.num_classes), detector_cfg, data_config)
 
 
 def detection_stages(cfg, model: nn.Module, data_config: dict[str, Any]):

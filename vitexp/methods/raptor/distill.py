@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -14,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitexp.methods.raptor.surrogate import RaptorSurrogate, teacher_states
+from vitexp.results import atomic_write
 
 #: Stage 2's token weights (RAPTOR): CLS, registers, patches.
 TOKEN_WEIGHTS = {"cls": 0.45, "registers": 0.10, "patches": 0.45}
@@ -74,10 +73,8 @@ class TeacherCache:
             fresh = teacher_states(teacher, x[missing])
             for j, i in enumerate(missing):
                 found[i] = fresh[:, j]
-                fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{keys[i]}.")
-                os.close(fd)
-                torch.save(fresh[:, j].to(self.dtype).cpu().clone(), tmp)
-                os.replace(tmp, files[i])
+                state = fresh[:, j].to(self.dtype).cpu().clone()
+                atomic_write(files[i], lambda tmp, state=state: torch.save(state, tmp))
         return torch.stack([t.to(x.dtype) for t in found], dim=1)
 
 
