@@ -264,6 +264,27 @@ def test_bench_compare_times_several_experiments_together_one_entry_each(make_cf
         run_bench(make_cfg(QUIET + ["bench.compare=[demo,demo]"]))
 
 
+def test_a_comparison_that_fails_marks_its_entries_failed_and_says_so(make_cfg, results_dir, monkeypatch, capsys):
+    """A runtime error while timing is a failed run (its entries failed, a closing line naming them),
+    not an invalid config."""
+    import json
+
+    import vitexp.bench
+    from conftest import QUIET, ledger_entries
+    from vitexp.commands import run_bench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(vitexp.bench, "compare_throughput", broken)
+    with pytest.raises(RuntimeError) as raised:
+        run_bench(make_cfg(QUIET + ["bench.compare=[demo,tome_demo]", "bench.device=cpu"]))
+    assert getattr(raised.value, "vitexp_reported", False)  # the CLI prints no second, "invalid", line
+    closing = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert closing["status"] == "failed" and len(closing["run_id"]) == 2
+    assert sorted(e["status"] for e in ledger_entries(results_dir)) == ["failed", "failed"]
+
+
 def test_rows_of_a_series_become_one_curve_each_in_the_plot():
     from vitexp.tables import fill, load_spec, series_curves
 

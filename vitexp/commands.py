@@ -234,7 +234,9 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
     precision. A is the reference: each experiment gets a bench ledger entry with its images/s,
     its speedup over A (``throughput_ratio``) and A's GMACs over its own (``gmacs_ratio``). The
     machine's load average before and after goes into the protocol (a shared CPU shows there).
-    The entries are written directly (one per experiment, no logger); the closing JSON line lists them."""
+    The entries are written directly (one per experiment, no logger: one W&B run per table row would
+    split one measurement); the closing JSON line lists them, also when the timing fails (then each
+    entry is marked failed)."""
     import os
 
     from vitexp.bench import bench_device, compare_throughput
@@ -292,4 +294,11 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
         for ledger in ledgers.values():
             if ledger.record["status"] == "running":
                 ledger.fail(err)
+        if isinstance(err, Exception):  # the closing line names the failed entries; the CLI adds none
+            from vitexp.run import emit
+
+            emit({"status": "failed", "error": f"{type(err).__name__}: {err}",
+                  "ledger": [str(ledger.path) for ledger in ledgers.values()],
+                  "run_id": [ledger.run_id for ledger in ledgers.values()]})
+            err.vitexp_reported = True
         raise
