@@ -265,3 +265,17 @@ def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_c
     scratch = frozen([])
     assert scratch and not any(scratch)
     assert all(frozen(["detector.freeze_bn=true"]))
+
+
+def test_the_detect_objective_resumes_like_the_others():
+    """DetectModule is an ObjectiveModule: its checkpoints carry the global RNG states (exact resume)
+    and a non-finite loss stops with the shared guard's error."""
+    from vitexp.detection.module import DetectModule
+    from vitexp.errors import NonFiniteLossError
+
+    module = DetectModule(torch.nn.Linear(2, 2), 10, {"lr": 1e-3})
+    checkpoint: dict = {}
+    module.on_save_checkpoint(checkpoint)
+    assert set(checkpoint["vitexp_rng"]) == {"torch", "numpy", "python"}
+    with pytest.raises(NonFiniteLossError, match="detection loss"):
+        module.check_finite(torch.tensor(float("nan")), "detection loss")

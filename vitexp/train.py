@@ -78,8 +78,12 @@ def stage_module(cfg: DictConfig, stage: Stage, model: nn.Module | None = None) 
     """The stage's LightningModule around ``model`` (default: the stage's own)."""
     from vitexp.module import module_for
 
-    return module_for(stage.objective)(stage.model() if model is None else model, num_classes=int(cfg.data.num_classes),
-                                       recipe=stage_config(cfg, stage).recipe, **dict(stage.module_kwargs))
+    if stage.objective == "detect":
+        from vitexp.detection.module import DetectModule as module_class
+    else:
+        module_class = module_for(stage.objective)
+    return module_class(stage.model() if model is None else model, num_classes=int(cfg.data.num_classes),
+                        recipe=stage_config(cfg, stage).recipe, **dict(stage.module_kwargs))
 
 
 def evaluate_test_split(trainer: L.Trainer, module: L.LightningModule, datamodule, prefix: str = "") -> dict[str, Any]:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import lightning as L
 import torch
 import torch.nn as nn
+
+from vitexp.module import ObjectiveModule
 
 #: torchmetrics' result keys -> vitexp's metric names.
 AP_KEYS = {"bbox_map": "ap_box", "bbox_map_50": "ap_box_50", "bbox_map_75": "ap_box_75",
@@ -42,30 +43,23 @@ def ap_metrics(result: Mapping[str, torch.Tensor]) -> dict[str, float]:
     return {name: float(result[key]) for key, name in AP_KEYS.items() if key in result}
 
 
-class DetectModule(L.LightningModule):
+class DetectModule(ObjectiveModule):
     """Trains and evaluates a torchvision detector (``model(images, targets)`` -> loss dict in
-    training, ``model(images)`` -> detections in evaluation)."""
+    training, ``model(images)`` -> detections in evaluation). From :class:`ObjectiveModule`: the
+    RNG states saved with each checkpoint (exact resume), the finite-loss guard, the per-step
+    scheduler update; the optimizer and schedule are the 1× schedule's (below)."""
 
     def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any]):
-        super().__init__()
-        self.model = model
-        self.num_classes = int(num_classes)
-        self.recipe = dict(recipe)
+        super().__init__(model, num_classes, recipe)
         self.val_map = mean_average_precision()
         self.test_map = mean_average_precision()
-
-    def forward(self, images):
-        return self.model(images)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, targets = batch
         losses = self.model(images, targets)
         loss = sum(losses.values())
-        if not torch.isfinite(loss):
-            from vitexp.errors import NonFiniteLossError
-
-            raise NonFiniteLossError(f"detection loss is {loss.item()} at step {self.global_step} "
-                                     f"({ {k: float(v) for k, v in losses.items()} })")
+        if not torch.isfinite(loss):  # the guard's error, with the loss terms
+            self.check_finite(loss, f"detection loss ({ {k: float(v) for k, v in losses.items()} })")
         bs = len(images)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True, batch_size=bs)
         for k, v in losses.items():
@@ -100,7 +94,7 @@ class DetectModule(L.LightningModule):
 
         r = self.recipe
         kwargs = {"momentum": float(r["momentum"])} if r.get("momentum") is not None else {}
-        optimizer = create_optimizer_v2(self.model, opt=r["opt"], lr=float(r["lr"]),
+        optimizer = create_optimizer_v2(self.model, opt=r["opt"], lr=self.effective_lr(),
                                         weight_decay=float(r["weight_decay"]), **kwargs)
         epochs = int(r["epochs"])
         steps_per_epoch = max(1, int(self.trainer.estimated_stepping_batches) // epochs)
@@ -115,6 +109,3 @@ class DetectModule(L.LightningModule):
             warmup_lr=float(r.get("warmup_lr", 1e-5)), min_lr=float(r.get("min_lr", 0.0)),
             step_on_epochs=False, updates_per_epoch=steps_per_epoch, **sched_kwargs)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    def lr_scheduler_step(self, scheduler, metric) -> None:
-        scheduler.step_update(num_updates=self.global_step)
