@@ -128,3 +128,15 @@ def test_slurm_launcher_config_composes_with_the_trainer():
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert launcher.nodes == 2 and launcher.partition == "gpu" and launcher.max_num_timeout >= 1
     assert cfg.trainer.strategy == "ddp"
+
+
+def test_plus_plus_overrides_may_override_but_not_add_a_schema_key():
+    """``++recipe.lr=...`` overrides (accepted); ``++recipe.lrr=...`` would add a misspelt key
+    (refused, naming the recipe's keys); ``+backbone.arch.x`` names arch's own keys; the sweep's
+    ``++logger.group`` is one of the keys ``++`` may add."""
+    cfg = vconfig.compose(["++recipe.lr=0.5", "++logger.group=t", "logger=csv"])
+    vconfig.check_overrides(cfg, ["++recipe.lr=0.5", "++logger.group=t", "logger=csv"])
+    with pytest.raises(vconfig.ConfigError, match=r"recipe.lrr: not a key of recipe .*'lr'"):
+        vconfig.check_overrides(vconfig.compose(["++recipe.lrr=1"]), ["++recipe.lrr=1"])
+    with pytest.raises(vconfig.ConfigError, match=r"backbone.arch.x: not a key of backbone.arch .*'depth'"):
+        vconfig.check_overrides(vconfig.compose(["+backbone.arch.x=1"]), ["+backbone.arch.x=1"])

@@ -215,6 +215,7 @@ def run_cli(*args: str, results_dir: Path, cwd: Path) -> subprocess.CompletedPro
     (["train", "backbone=nope"], "backbone"),
     (["train", "recipe.lrr=1"], "lrr"),
     (["train", "+recipe.lrr=1", "logger=none"], "valid keys"),
+    (["train", "++recipe.lrr=1", "logger=none"], "valid keys"),
     (["train", "recipe.epochs=0", "logger=none"], "recipe.epochs"),
     (["tables", "--wandb", "nobody/nothing"], "W&B"),
 ])
@@ -226,7 +227,7 @@ def test_every_exit_ends_with_a_json_line_and_leaves_no_empty_folder(args, needl
     assert proc.returncode != 0
     result = last_json(proc.stdout)
     assert result["status"] in ("invalid", "failed") and needle in result["error"] + proc.stderr
-    if "+recipe.lrr=1" in args:
+    if "+recipe.lrr=1" in args or "++recipe.lrr=1" in args:
         assert "lr" in result["error"] and "epochs" in result["error"]  # the recipe group's keys
     assert ledger_entries(results_dir) == []
     assert not (tmp_path / "outputs").exists()

@@ -84,18 +84,49 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+#: Keys ``++`` may add to a group that lacks them: the W&B grouping vitexp-sweep gives every job,
+#: whatever its logger (``csv`` and ``none`` have no such keys).
+ADDABLE_KEYS = ("logger.group", "logger.tags")
+
+
+def _compose_beside_hydra(overrides: list[str]) -> DictConfig:
+    """:func:`compose` from inside a running Hydra app, whose global state is restored after."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    running = GlobalHydra.instance().hydra
+    try:
+        return compose(overrides)
+    finally:
+        GlobalHydra.instance().clear()
+        if running is not None:
+            GlobalHydra.instance().initialize(running)
+
+
 def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
-    """Refuse ``+group.key=value`` that adds a key to one of :data:`SCHEMA_GROUPS` (a misspelt
-    key would otherwise be accepted and ignored), naming the group's valid keys."""
+    """Refuse ``+group.key=value``, and ``++group.key=value`` where the key did not exist, that adds
+    a key to one of :data:`SCHEMA_GROUPS` (a misspelt key would otherwise be accepted and ignored),
+    naming the valid keys where it was added."""
+    overrides = list(overrides)
     for ov in overrides:
-        if not ov.startswith("+") or ov.startswith("++"):
+        if not ov.startswith("+"):
             continue
-        key = ov[1:].split("=", 1)[0]
+        key = ov.lstrip("+").split("=", 1)[0]
         group, _, sub = key.partition(".")
-        if group in SCHEMA_GROUPS and sub:
-            node = cfg.get(group)
-            valid = sorted(k for k in node.keys() if k != sub.split(".")[0]) if isinstance(node, DictConfig) else []
-            raise ConfigError(f"{key}: not a key of the {group} group (added with '+'); valid keys: {valid}")
+        if group not in SCHEMA_GROUPS or not sub:
+            continue
+        parent_key, _, leaf = key.rpartition(".")
+        if ov.startswith("++"):  # add-or-override: refused only when it adds
+            if key in ADDABLE_KEYS:
+                continue
+            without = _compose_beside_hydra([o for o in overrides if o != ov])
+            if OmegaConf.select(without, key, default="<missing>") != "<missing>":
+                continue
+            parent = OmegaConf.select(without, parent_key, default=None)
+        else:
+            parent = OmegaConf.select(cfg, parent_key, default=None)
+        valid = sorted(k for k in parent.keys() if k != leaf) if isinstance(parent, DictConfig) else []
+        raise ConfigError(f"{key}: not a key of {parent_key} (added with '{ov[:len(ov) - len(ov.lstrip('+'))]}'); "
+                          f"valid keys: {valid}")
 
 
 def validate(cfg: DictConfig, need_data: bool = True, method=None):
