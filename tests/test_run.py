@@ -299,3 +299,18 @@ def test_the_progress_bar_shows_accuracy_in_percent(monkeypatch):
 
     monkeypatch.setattr(TQDMProgressBar, "get_metrics", lambda self, t, m: {"val/top1": 0.9531, "train/loss": 0.25})
     assert PercentProgressBar().get_metrics(None, None) == {"val/top1": "95.31%", "train/loss": 0.25}
+
+
+def test_a_failed_validation_removes_only_folders_vitexp_made(tmp_path):
+    """The empty run folder goes; above it only Hydra's outputs/<name>/ and outputs/, never a folder
+    the user chose for hydra.run.dir."""
+    from vitexp.run import remove_if_empty
+
+    mine = tmp_path / "scratch" / "me" / "run1"
+    (mine / ".hydra").mkdir(parents=True)
+    remove_if_empty(mine)
+    assert not mine.exists() and (tmp_path / "scratch" / "me").is_dir()
+    hydra_made = tmp_path / "proj" / "outputs" / "demo" / "2026-01-01_00-00-00"
+    (hydra_made / ".hydra").mkdir(parents=True)
+    remove_if_empty(hydra_made)
+    assert not (tmp_path / "proj" / "outputs").exists() and (tmp_path / "proj").is_dir()

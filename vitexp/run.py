@@ -89,7 +89,10 @@ def remove_if_empty(output_dir: Path | None) -> None:
         return
     if all(p.name == ".hydra" or p.suffix == ".log" for p in output_dir.iterdir()):
         shutil.rmtree(output_dir, ignore_errors=True)
-        for parent in list(output_dir.resolve().parents)[:2]:  # outputs/<name>/, then outputs/, when left empty
+        parents = list(output_dir.resolve().parents)[:2]  # outputs/<name>/, then outputs/, when left empty
+        if len(parents) < 2 or parents[1].name not in ("outputs", "multirun"):
+            return  # a folder the user chose (hydra.run.dir=/scratch/me/run1): nothing above it is vitexp's
+        for parent in parents:
             try:
                 parent.rmdir()
             except OSError:
