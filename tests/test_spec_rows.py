@@ -151,8 +151,6 @@ def _needs_selection(row: dict) -> bool:
     return any(ov.startswith("method.selection=") for ov in rows.row_overrides(row))
 
 
-#: method.selection (issue 12) comes from another branch; its rows compose once the key exists.
-HAS_SELECTION = "selection" in OmegaConf.load(CONF_DIR / "method" / "saper_ft.yaml")
 
 
 def test_spec_rows_compose_the_configs_of_the_saper_experiment_files_they_replace():
@@ -171,10 +169,9 @@ def test_spec_rows_compose_the_configs_of_the_saper_experiment_files_they_replac
         assert not wrong, f"{name}: (experiment file, row) differ: {wrong}"
 
 
-@pytest.mark.skipif(not HAS_SELECTION, reason="method.selection (issue 12 point 6) is not in conf/method/saper_ft.yaml yet")
 def test_head_selection_rows_compose_with_their_selection():
     selection = [r for r in _rows_by_name().values() if _needs_selection(r)]
-    assert len(selection) == 24  # saper_micro: 2 modes x 3 rules; fmnist_saper_table1: x 3 k
+    assert len(selection) == 30  # saper_micro: 2 modes x 3 rules; fmnist_saper_table1: x 3 k; saper_table1: ViT-B k = 24
     for row, composed in zip(selection, _composed(selection)):
         _check_overrides_took(row, composed)
 
