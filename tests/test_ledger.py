@@ -123,3 +123,32 @@ def test_the_committed_ledger_holds_no_absolute_machine_path():
     offenders = [p.name for p in sorted((PROJECT_ROOT / "results" / "runs").glob("*.json"))
                  if absolute.search(p.read_text())]
     assert not offenders, offenders
+
+
+def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(make_cfg, results_dir, tmp_path, monkeypatch):
+    """backbone.pretrained=run:<experiment> is resolved once, at validation, to run:<run_id> (the
+    ledger then says which run's weights were loaded); building the model opens that one entry
+    without scanning the ledger again."""
+    import torch
+
+    import vitexp.results
+    from vitexp.build import build_configured_backbone
+    from vitexp.config import validate
+
+    weights = results_dir / "outputs" / "t" / "weights.pth"
+    weights.parent.mkdir(parents=True)
+    cfg = make_cfg(["backbone=vit_micro", "data=synthetic", "logger=none"])
+    torch.save(build_configured_backbone(cfg).state_dict(), weights)
+    (results_dir / "runs").mkdir(parents=True, exist_ok=True)
+    for run_id, started in (("old", "2026-01-01T00:00:00+00:00"), ("new", "2026-01-02T00:00:00+00:00")):
+        (results_dir / "runs" / f"{run_id}.json").write_text(json.dumps({
+            "run_id": run_id, "experiment": "teacher", "status": "completed", "kind": "train", "started": started,
+            "artifacts": {"weights": str(weights)}}))
+    cfg = make_cfg(["backbone=vit_micro", "data=synthetic", "logger=none", "backbone.pretrained=run:teacher"])
+    validate(cfg, need_data=False)
+    assert cfg.backbone.pretrained == "run:new"
+    scans = []
+    original = vitexp.results.completed_runs
+    monkeypatch.setattr(vitexp.results, "completed_runs", lambda *a, **k: scans.append(1) or original(*a, **k))
+    build_configured_backbone(cfg)
+    assert scans == []

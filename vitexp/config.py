@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp import CONF_DIR, PROJECT_ROOT
 from vitexp.errors import ConfigError
@@ -147,10 +147,18 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None):
     _check(int(bb.img_size) > 0 and int(bb.img_size) % int(arch.patch_size) == 0, "backbone.img_size",
            f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}")
     if bb.pretrained:
-        from vitexp.results import resolve_weights
+        from vitexp.results import RUN_WEIGHTS_PREFIX, local_path, weights_run
 
         try:
-            weights = resolve_weights(str(bb.pretrained), cfg.results_dir)
+            if str(bb.pretrained).startswith(RUN_WEIGHTS_PREFIX):
+                # pinned to the run found now: the ledger records which run's weights were loaded,
+                # and building the model reads that one entry instead of the whole ledger again
+                run = weights_run(str(bb.pretrained), cfg.results_dir)
+                with open_dict(cfg):
+                    bb.pretrained = RUN_WEIGHTS_PREFIX + run["run_id"]
+                weights = local_path(run["artifacts"]["weights"], cfg.results_dir)
+            else:
+                weights = bb.pretrained
         except FileNotFoundError as err:
             raise ConfigError(f"backbone.pretrained: {err}") from None
         _check(Path(str(weights)).expanduser().is_file(), "backbone.pretrained",

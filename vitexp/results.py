@@ -328,9 +328,14 @@ def weights_run(spec: str, results_dir: Path | str | None = None) -> dict[str, A
     """The ledger record behind ``run:<experiment>`` (its newest completed train run) or
     ``run:<run_id>``, checked to have its recorded ``weights`` file on this machine."""
     target = str(spec).removeprefix(RUN_WEIGHTS_PREFIX)
-    runs = [r for r in completed_runs(kind="train", results_dir=results_dir)
-            if target in (r.get("experiment"), r.get("run_id"))]
     where = (Path(results_dir) if results_dir else default_results_dir()) / "runs"
+    pinned = where / f"{target}.json"  # run:<run_id>: that one entry, no scan of the ledger
+    if pinned.is_file():
+        record = json.loads(pinned.read_text())
+        runs = [record] if record.get("status") == "completed" and record.get("kind") == "train" else []
+    else:
+        runs = [r for r in completed_runs(kind="train", results_dir=results_dir)
+                if target in (r.get("experiment"), r.get("run_id"))]
     if not runs:
         raise FileNotFoundError(f"backbone.pretrained={spec}: no completed train run of {target!r} in {where}; "
                                 f"run `vitexp-train experiment={target}` first")

@@ -68,11 +68,16 @@ ATTEMPT_KEYS = ("resume", "output_dir", "results_dir")
 
 
 def config_fingerprint(config: Mapping[str, Any]) -> str:
-    """A short hash of a run's resolved config without :data:`ATTEMPT_KEYS`: what makes a run folder's
-    first attempt and a resumed one the same run."""
+    """A short hash of a run's resolved config without :data:`ATTEMPT_KEYS` and without the run a
+    ``backbone.pretrained: run:`` was pinned to: what makes a run folder's first attempt and a resumed
+    one the same run."""
     import hashlib
 
     kept = {k: v for k, v in config.items() if k not in ATTEMPT_KEYS}
+    backbone = dict(kept.get("backbone") or {})
+    if str(backbone.get("pretrained") or "").startswith("run:"):  # pinned anew by each attempt's validation;
+        backbone["pretrained"] = "run:"                             # a resumed run's weights come from its checkpoint
+        kept["backbone"] = backbone
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
