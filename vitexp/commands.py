@@ -234,15 +234,16 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
     precision. A is the reference: each experiment gets a bench ledger entry with its images/s,
     its speedup over A (``throughput_ratio``) and A's GMACs over its own (``gmacs_ratio``). The
     machine's load average before and after goes into the protocol (a shared CPU shows there).
-    The entries are written directly (one per experiment, no logger: one W&B run per table row would
-    split one measurement); the closing JSON line lists them, also when the timing fails (then each
+    Each entry has its own :func:`vitexp.run.owned_run` (no logger: one W&B run per row would split
+    one measurement); one closing JSON line lists them all, also when the timing fails (then each
     entry is marked failed)."""
+    import contextlib
     import os
 
     from vitexp.bench import bench_device, compare_throughput
-    from vitexp.flops import count_macs
-    from vitexp.results import LedgerEntry
     from vitexp.build import build_model
+    from vitexp.flops import count_macs
+    from vitexp.run import emit
 
     names = [str(n) for n in cfg.bench.compare]
     if len(names) < 2 or len(set(names)) != len(names):
@@ -258,47 +259,43 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
     if len(sizes) != 1:
         raise ConfigError(f"bench.compare: the experiments run at different resolutions {sorted(sizes)}")
     img = sizes.pop()
-    ledgers = {n: LedgerEntry(n, "bench", to_container(sub), cfg.results_dir).start() for n, sub in subs.items()}
     try:
-        b = cfg.bench
-        device = bench_device(str(b.device))
-        models, gmacs = {}, {}
-        for name, sub in subs.items():
-            model, method, _ = build_model(sub)
-            deployed = method.deploy(model)
-            gmacs[name] = count_macs(deployed, img).gmacs
-            models[name] = deployed.to(device)
-        load_before = os.getloadavg()
-        res = compare_throughput(models, b.batch_size, img, warmup=int(b.warmup), rounds=int(b.rounds),
-                                 iters=int(b.iters), amp=b.amp, progress=True)
-        load_after = os.getloadavg()
-        ref = names[0]
-        out = {}
-        for name in names:
-            metrics = {"throughput": res[name]["throughput"], "baseline_throughput": res[ref]["throughput"],
-                       "throughput_ratio": res[name]["throughput"] / res[ref]["throughput"],
-                       "gmacs": gmacs[name], "baseline_gmacs": gmacs[ref], "gmacs_ratio": gmacs[ref] / gmacs[name]}
-            protocol = {"mode": "compare", "interleaved": True, "interleaved_with": names, "reference": ref,
-                        **{k: v for k, v in res[name].items() if k != "throughput"}, "statistic": "median over rounds",
-                        "load_average_1m_before_after": [load_before[0], load_after[0]], "cpu_count": os.cpu_count()}
-            print(f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f} over {ref} "
-                  f"(GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)")
-            path = ledgers[name].finish(metrics, protocol)
-            out[name] = {"metrics": metrics, "ledger": str(path), "run_id": ledgers[name].run_id}
-        print(f"batch {res[ref]['batch_size']}, {img} px, {res[ref]['device_name']}, {res[ref]['precision']}, "
-              f"{res[ref]['threads']} threads, load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
-              f"on {os.cpu_count()} CPUs")
-        return {"metrics": {n: o["metrics"] for n, o in out.items()}, "ledger": [o["ledger"] for o in out.values()],
-                "run_id": [o["run_id"] for o in out.values()], "status": "completed"}
-    except BaseException as err:
-        for ledger in ledgers.values():
-            if ledger.record["status"] == "running":
-                ledger.fail(err)
-        if isinstance(err, Exception):  # the closing line names the failed entries; the CLI adds none
-            from vitexp.run import emit
-
-            emit({"status": "failed", "error": f"{type(err).__name__}: {err}",
-                  "ledger": [str(ledger.path) for ledger in ledgers.values()],
-                  "run_id": [ledger.run_id for ledger in ledgers.values()]})
-            err.vitexp_reported = True
+        with contextlib.ExitStack() as stack:  # one owner per experiment's entry, one closing line for all
+            runs = {n: stack.enter_context(owned_run(n, "bench", cfg.results_dir, None, None, emits=False)) for n in names}
+            for name, run in runs.items():
+                run.start(to_container(subs[name]))
+            b = cfg.bench
+            device = bench_device(str(b.device))
+            models, gmacs = {}, {}
+            for name, sub in subs.items():
+                model, method, _ = build_model(sub)
+                deployed = method.deploy(model)
+                gmacs[name] = count_macs(deployed, img).gmacs
+                models[name] = deployed.to(device)
+            load_before = os.getloadavg()
+            res = compare_throughput(models, b.batch_size, img, warmup=int(b.warmup), rounds=int(b.rounds),
+                                     iters=int(b.iters), amp=b.amp, progress=True)
+            load_after = os.getloadavg()
+            ref = names[0]
+            for name in names:
+                metrics = {"throughput": res[name]["throughput"], "baseline_throughput": res[ref]["throughput"],
+                           "throughput_ratio": res[name]["throughput"] / res[ref]["throughput"],
+                           "gmacs": gmacs[name], "baseline_gmacs": gmacs[ref], "gmacs_ratio": gmacs[ref] / gmacs[name]}
+                protocol = {"mode": "compare", "interleaved": True, "interleaved_with": names, "reference": ref,
+                            **{k: v for k, v in res[name].items() if k != "throughput"}, "statistic": "median over rounds",
+                            "load_average_1m_before_after": [load_before[0], load_after[0]], "cpu_count": os.cpu_count()}
+                print(f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f} over {ref} "
+                      f"(GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)")
+                runs[name].complete(metrics, protocol)
+            print(f"batch {res[ref]['batch_size']}, {img} px, {res[ref]['device_name']}, {res[ref]['precision']}, "
+                  f"{res[ref]['threads']} threads, load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
+                  f"on {os.cpu_count()} CPUs")
+    except Exception as err:  # each owner marked its entry failed; one closing line names them
+        started = [r for r in runs.values() if r.ledger is not None] if "runs" in locals() else []
+        emit({"status": "failed", "error": f"{type(err).__name__}: {err}",
+              "ledger": [str(r.ledger.path) for r in started], "run_id": [r.ledger.run_id for r in started]})
+        err.vitexp_reported = True
         raise
+    return {"metrics": {n: r.result["metrics"] for n, r in runs.items()},
+            "ledger": [r.result["ledger"] for r in runs.values()],
+            "run_id": [r.result["run_id"] for r in runs.values()], "status": "completed"}

@@ -213,22 +213,24 @@ class Run:
 @contextmanager
 def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | str | None = None,
               logger_cfg: Mapping[str, Any] | None = None, resume: Any = False,
-              job_type: str | None = None, resumable: bool = False) -> Iterator[Run]:
+              job_type: str | None = None, resumable: bool = False, emits: bool = True) -> Iterator[Run]:
     """Own one run from start to last line (module docstring). The body calls ``run.start`` once
     its config is valid and ``run.complete`` at the end; the result is ``run.result``. Only a
-    ``resumable`` run (training) keeps ``run.json`` in its folder and continues its entry."""
+    ``resumable`` run (training) keeps ``run.json`` in its folder and continues its entry.
+    ``emits=False``: the caller prints the closing line (one command owning several runs, such as
+    ``bench.compare``, closes with one line naming them all)."""
     run = Run(name, kind, results_dir, output_dir, logger_cfg, resume, job_type, resumable)
     try:
         yield run
         run.result = run._close()
     except BaseException as err:
         payload = run._fail(err)
-        if run.rank_zero:
+        if run.rank_zero and emits:
             emit(payload)
         try:
             err.vitexp_reported = True  # the CLI prints no second closing line
         except AttributeError:
             pass
         raise
-    if run.rank_zero:
+    if run.rank_zero and emits:
         emit({"status": "completed", **run.result})
