@@ -16,7 +16,7 @@ from vitexp.flops import count_macs
 from vitexp.methods.evit import EViT
 from vitexp.methods.evit.fuse import keep_count, keep_rate_at, prune_and_fuse
 from vitexp.methods.tome import ToMe
-from vitexp.methods.tome.merge import bipartite_soft_matching, merge_wavg, parse_r
+from vitexp.methods.tome.merge import match, merge_fn, merge_wavg, parse_r
 from vitexp.methods.tome.patch import ToMeAttention
 
 #: the micro backbones (timm name, kwargs, image size): DeiT layout, DINOv2 with registers, T2T-ViT, LV-ViT
@@ -118,7 +118,8 @@ def test_evit_keeps_the_most_cls_attended_tokens_and_fuses_the_rest_weighted_by_
 def test_bipartite_matching_merges_the_most_similar_pairs_size_weighted():
     # CLS, then patches p0..p5: B = p0, p2, p4; A = p1, p3, p5. p3 duplicates p0 and p5 nearly p4.
     metric = torch.tensor([[[1.0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 0, 0], [0, 1, 1], [0, 1, 1.1]]])
-    merge, r = bipartite_soft_matching(metric, 2, num_prefix=1)
+    matching = match(metric, 2, num_prefix=1)
+    merge, r = merge_fn(matching, num_prefix=1), int(matching.src.shape[1])
     assert r == 2
     x = torch.arange(7, dtype=torch.float).view(1, 7, 1)
     size = torch.tensor([1.0, 1, 1, 1, 3, 1, 1]).view(1, 7, 1)  # p3 stands for 3 patches

@@ -33,7 +33,8 @@ def check_map(m: LayerMap, chunk_of_patch: torch.Tensor | None = None) -> None:
         assert held == set(range(m.tokens_out)), f"block {m.block}: tokens {set(range(m.tokens_out)) - held} hold no patch"
     if chunk_of_patch is not None:
         alive = m.token >= 0
-        assert (m.token_chunk()[alive] == chunk_of_patch.expand_as(m.token)[alive]).all()
+        per = max(1, m.tokens_out // m.chunks)  # the chunk of the token each patch went into
+        assert (m.token[alive] // per == chunk_of_patch.expand_as(m.token)[alive]).all()
 
 
 # -- BSPF-ViT on a constructed input whose decisions are known ------------------------------------

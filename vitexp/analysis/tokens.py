@@ -45,11 +45,6 @@ class LayerMap:
     def dropped(self) -> torch.Tensor:
         return self.token < 0
 
-    def token_chunk(self) -> torch.Tensor:
-        """The chunk of the token each patch is in (−1 when dropped)."""
-        per = max(1, self.tokens_out // self.chunks)
-        return torch.where(self.token >= 0, self.token // per, torch.full_like(self.token, -1))
-
 
 def _block_of(model: nn.Module) -> dict[int, int]:
     """id(module) -> index of the ViT block that holds it."""

@@ -85,14 +85,6 @@ def merge_fn(matching: Matching, num_prefix: int) -> Merge:
     return merge
 
 
-def bipartite_soft_matching(metric: torch.Tensor, r: int, num_prefix: int) -> tuple[Merge, int]:
-    """metric: B×N×d. Returns (merge, r actually merged): :func:`match`, then :func:`merge_fn`."""
-    matching = match(metric, r, num_prefix)
-    if matching is None:
-        return (lambda t: t), 0
-    return merge_fn(matching, num_prefix), int(matching.src.shape[1])
-
-
 def merge_decision(matching: Matching, tokens: int) -> TokenDecision:
     """Where step 4 puts each of the ``tokens`` non-prefix tokens (counted from 0 after the prefix:
     A at the odd positions, B at the even ones):
