@@ -116,3 +116,15 @@ def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, caps
         tables_main(["demo", "--out", "/nonexistent-but-unused"])
     assert exited.value.code == 1
     assert last_json(capsys.readouterr().out) == {"status": "failed", "error": "OSError: disk full", "ledger": None}
+
+
+@pytest.mark.parametrize("app", ["eval", "sweep", "tables", "audit", "analyze"])
+def test_a_usage_error_ends_with_the_invalid_line(app, capsys):
+    """argparse's own errors (an unknown option) also close with the JSON line, exit 2."""
+    from vitexp import cli
+
+    with pytest.raises(SystemExit) as exited:
+        first = {"eval": ["r1"], "sweep": ["demo"], "tables": [], "audit": ["bspf"], "analyze": ["tokens"]}[app]
+        getattr(cli, f"{app}_main")([*first, "--bogus"])
+    closing = last_json(capsys.readouterr().out)
+    assert exited.value.code == 2 and closing["status"] == "invalid" and "--bogus" in closing["error"]

@@ -136,6 +136,8 @@ def test_plus_plus_overrides_may_override_but_not_add_a_schema_key():
     ``++logger.group`` is one of the keys ``++`` may add."""
     cfg = vconfig.compose(["++recipe.lr=0.5", "++logger.group=t", "logger=csv"])
     vconfig.check_overrides(cfg, ["++recipe.lr=0.5", "++logger.group=t", "logger=csv"])
+    given = ["data=imagenet", "++data.root=/x"]  # an existing key whose value is ??? is overridden, not added
+    vconfig.check_overrides(vconfig.compose(given), given)
     with pytest.raises(vconfig.ConfigError, match=r"recipe.lrr: not a key of recipe .*'lr'"):
         vconfig.check_overrides(vconfig.compose(["++recipe.lrr=1"]), ["++recipe.lrr=1"])
     with pytest.raises(vconfig.ConfigError, match=r"backbone.arch.x: not a key of backbone.arch .*'depth'"):

@@ -168,6 +168,7 @@ def test_a_running_entry_from_another_host_is_interrupted_once_its_heartbeat_sto
     monkeypatch.setenv("VITEXP_STALE_HOURS", "0.5")
     assert effective_status(entry, now) == INTERRUPTED
     assert effective_status({**entry, "status": "completed"}, now) == "completed"
+    assert effective_status({**entry, "heartbeat": "2026-01-02T11:45:00"}, now) == "running"  # no zone: UTC
 
 
 def test_a_training_run_beats_its_entry(make_cfg, results_dir, tmp_path):
@@ -314,3 +315,20 @@ def test_a_failed_validation_removes_only_folders_vitexp_made(tmp_path):
     (hydra_made / ".hydra").mkdir(parents=True)
     remove_if_empty(hydra_made)
     assert not (tmp_path / "proj" / "outputs").exists() and (tmp_path / "proj").is_dir()
+
+
+def test_a_resumed_run_may_pin_a_newer_run_of_its_teacher_but_not_another_teacher(tmp_path):
+    """Each attempt pins backbone.pretrained=run:<experiment> to that experiment's newest run: the
+    fingerprint reads a pinned run id as its experiment, so a newer run of the same teacher is the
+    same run, another teacher is not."""
+    from vitexp.run import config_fingerprint
+
+    (tmp_path / "runs").mkdir()
+    for run_id, experiment in (("a1", "teacher"), ("a2", "teacher"), ("b1", "other")):
+        (tmp_path / "runs" / f"{run_id}.json").write_text(json.dumps({"run_id": run_id, "experiment": experiment}))
+
+    def config(pin):
+        return {"results_dir": str(tmp_path), "name": "x", "backbone": {"pretrained": f"run:{pin}"}}
+
+    assert config_fingerprint(config("a1")) == config_fingerprint(config("a2"))
+    assert config_fingerprint(config("a1")) != config_fingerprint(config("b1"))

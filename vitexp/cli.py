@@ -19,6 +19,7 @@ from vitexp import CONF_DIR
 from vitexp import config as _config  # noqa: F401  (registers the resolvers conf/train.yaml uses)
 from vitexp.errors import ConfigError
 from vitexp.run import emit, remove_if_empty
+from vitexp.run import ArgumentParser
 
 #: Lightning strategies that re-run the command line in worker processes.
 _SUBPROCESS_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true")
@@ -151,11 +152,10 @@ def _exit_failed(err: BaseException) -> None:
 def eval_main(argv: list[str] | None = None) -> None:
     """``vitexp-eval RUN_ID_OR_EXPERIMENT [overrides] [--weights PATH]``: rebuild the model a
     completed train run saved and test it on the run's test split (a ledger entry of kind eval)."""
-    import argparse
 
     from vitexp.evaluate import evaluate, eval_config
 
-    parser = argparse.ArgumentParser(prog="vitexp-eval", description=eval_main.__doc__)
+    parser = ArgumentParser(prog="vitexp-eval", description=eval_main.__doc__)
     parser.add_argument("run", help="a completed train run's id, or an experiment (its newest completed run)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.root=/datasets/imagenet")
     parser.add_argument("--weights", help="weights.pth or a vitexp Lightning checkpoint (default: the run's weights)")
@@ -202,13 +202,12 @@ def audit_main(argv: list[str] | None = None) -> None:
     """``vitexp-audit {bspf,saper,raptor}``: measure the public review's objections (BSPF-ViT, SAPER) or
     decompose SAPER's FLOPs comparison with RAPTOR; writes ``results/audit/<paper>.md`` and a ledger
     entry (kind audit)."""
-    import argparse
 
     from vitexp.analysis import audit_saper
     from vitexp.commands import run_audit
     from vitexp.results import default_results_dir
 
-    parser = argparse.ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
+    parser = ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
     parser.add_argument("paper", choices=("bspf", "saper", "raptor"), help="which paper's claims to audit")
     parser.add_argument("--micro-run", default="run:demo",
                         help="bspf: the trained micro ViT, a ledger train run: run:<experiment> (its newest) or run:<run_id>")
@@ -241,11 +240,10 @@ def analyze_main(argv: list[str] | None = None) -> None:
     (evaluation transforms), a token method's source maps per test image (``tokens``), or a SAPER
     run's kept heads and scores beside the head clusters (``heads --run RUN``); PNGs under
     ``results/analysis/``, a ledger entry (kind analyze), W&B images."""
-    import argparse
 
     from vitexp.commands import run_analyze
 
-    parser = argparse.ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
+    parser = ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
     parser.add_argument("analysis", choices=("laplace", "clusters", "phases", "tokens", "heads"))
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. backbone=dinov2_vitb14 backbone.pretrained=/p")
     parser.add_argument("--images", type=int, default=None,

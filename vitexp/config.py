@@ -119,9 +119,9 @@ def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
             if key in ADDABLE_KEYS:
                 continue
             without = _compose_beside_hydra([o for o in overrides if o != ov])
-            if OmegaConf.select(without, key, default="<missing>") != "<missing>":
+            parent = OmegaConf.select(without, parent_key, default=None, throw_on_resolution_failure=False)
+            if isinstance(parent, DictConfig) and leaf in parent.keys():  # an existing key (even ???): overridden
                 continue
-            parent = OmegaConf.select(without, parent_key, default=None)
         else:
             parent = OmegaConf.select(cfg, parent_key, default=None)
         valid = sorted(k for k in parent.keys() if k != leaf) if isinstance(parent, DictConfig) else []

@@ -3,7 +3,7 @@
 Schema: ``run_id``, ``experiment``, ``status`` (running | completed | failed; shown
 ``interrupted`` when a running entry's process is gone, :func:`effective_status`), ``kind`` (train |
 flops | bench | eval | audit | analyze), ``config`` (resolved), ``metrics``, ``protocol``, ``env``,
-``wandb_id``, ``wandb_url``, ``started``, ``finished``, ``error``, ``attempts`` (earlier attempts
+``wandb_id``, ``wandb_url``, ``started``, ``finished``, ``heartbeat``, ``error``, ``attempts`` (earlier attempts
 of a resumed run), ``artifacts`` (e.g. ``weights``), and a method's record (``kept_heads``, ...).
 
 Decisions:
@@ -16,7 +16,9 @@ Decisions:
   ``failed`` entry (:meth:`LedgerEntry.reopen`), keeping each earlier attempt in ``attempts``.
 - A ``running`` entry records its ``host`` and ``pid``; when that process is gone the entry is
   :data:`INTERRUPTED` (:func:`effective_status`), which ``vitexp-tables`` shows and ``vitexp-sweep``
-  reruns. An entry from another host cannot be checked and stays ``running``.
+  reruns. An entry from another host is checked by its ``heartbeat`` (written after every training
+  epoch and validation; before the first, its start): older than ``$VITEXP_STALE_HOURS`` (default 6)
+  reads as interrupted. Work outside a fit (RAPTOR's phase pass, flops, bench) does not beat.
 - Every path in an entry (the config's ``output_dir``, ``results_dir`` and ``data.root``,
   ``wandb_url``, artifacts) is stored relative to the project root, or to the results folder, when
   it lies inside one (:func:`portable_paths`), so results move between machines;
@@ -295,7 +297,10 @@ def effective_status(record: dict[str, Any], now: _dt.datetime | None = None) ->
         return status
     last = record.get("heartbeat") or record.get("started")
     if last:
-        age = (now or _dt.datetime.now(_dt.timezone.utc)) - _dt.datetime.fromisoformat(last)
+        then = _dt.datetime.fromisoformat(str(last))
+        if then.tzinfo is None:  # a timestamp without its zone (W&B's created_at) is UTC
+            then = then.replace(tzinfo=_dt.timezone.utc)
+        age = (now or _dt.datetime.now(_dt.timezone.utc)) - then
         if age.total_seconds() > 3600 * float(os.environ.get("VITEXP_STALE_HOURS", STALE_HOURS)):
             return INTERRUPTED
     return status

@@ -16,6 +16,7 @@ requeued SLURM job needs: the same command, the same run folder).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -67,18 +68,40 @@ def resume_checkpoint(resume: Any, checkpoint: Path, first: bool = True) -> str 
 ATTEMPT_KEYS = ("resume", "output_dir", "results_dir")
 
 
+def _run_experiment(run_id: str, results_dir: Any) -> str:
+    """The experiment of ledger entry ``run_id`` (``run_id`` itself when there is no such entry)."""
+    from vitexp.results import default_results_dir, local_path
+
+    root = local_path(results_dir, None) if results_dir else default_results_dir()
+    path = Path(root) / "runs" / f"{run_id}.json"
+    return json.loads(path.read_text()).get("experiment", run_id) if path.is_file() else run_id
+
+
 def config_fingerprint(config: Mapping[str, Any]) -> str:
-    """A short hash of a run's resolved config without :data:`ATTEMPT_KEYS` and without the run a
-    ``backbone.pretrained: run:`` was pinned to: what makes a run folder's first attempt and a resumed
-    one the same run."""
+    """A short hash of a run's resolved config without :data:`ATTEMPT_KEYS`, with a pinned
+    ``backbone.pretrained: run:<run_id>`` read as the experiment it names (each attempt pins the
+    newest run anew; another experiment is another run): what makes a run folder's first attempt
+    and a resumed one the same run."""
     import hashlib
 
     kept = {k: v for k, v in config.items() if k not in ATTEMPT_KEYS}
     backbone = dict(kept.get("backbone") or {})
-    if str(backbone.get("pretrained") or "").startswith("run:"):  # pinned anew by each attempt's validation;
-        backbone["pretrained"] = "run:"                             # a resumed run's weights come from its checkpoint
+    spec = str(backbone.get("pretrained") or "")
+    if spec.startswith("run:"):  # pinned anew by each attempt's validation: compare the experiment it names
+        backbone["pretrained"] = "run:" + _run_experiment(spec[4:], config.get("results_dir"))
         kept["backbone"] = backbone
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse`` whose usage errors (an unknown option, a missing argument) also end with the
+    ``invalid`` closing line and exit 2, as every vitexp command does."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        emit({"status": "invalid", "error": f"{self.prog}: {message}", "ledger": None})
+        raise SystemExit(2)
 
 
 def emit(payload: Mapping[str, Any]) -> None:

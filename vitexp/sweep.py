@@ -17,7 +17,6 @@ trainer=ddp data.root=/datasets/imagenet``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
@@ -29,6 +28,7 @@ from vitexp.aggregate import row_seeds, seed_runs, seeded_name
 from vitexp.results import default_results_dir, effective_status, iter_runs
 from vitexp.rows import expand_rows, job_arguments, row_name
 from vitexp.tables import all_specs, load_spec
+from vitexp.run import ArgumentParser
 
 APPS = {"train": "vitexp-train", "flops": "vitexp-flops", "bench": "vitexp-bench"}
 
@@ -91,7 +91,7 @@ def job_list(rows: dict) -> list[list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vitexp-sweep", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="vitexp-sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("table", help=f"a table spec in sweeps/: {all_specs()}")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job")
     parser.add_argument("--force", action="store_true", help="rerun rows that already have a completed run")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = plan(spec, args.kind, args.force, results_dir)
     except (FileNotFoundError, ValueError) as err:
         print(f"vitexp-sweep: {err}", file=sys.stderr)
-        print(json.dumps({"status": "failed", "error": str(err)}))
+        print(json.dumps({"status": "invalid", "error": str(err), "ledger": None}))
         return 2
     summary = {"table": spec["name"], "launched": {}, "skipped": {}, "returncodes": {}}
     status = 0

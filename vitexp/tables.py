@@ -31,7 +31,6 @@ as error bars.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -46,6 +45,7 @@ from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves
 from vitexp.provenance import DERIVED_MARK, provenance_errors
 from vitexp.rows import check_rows, expand_rows, row_name
 from vitexp.results import atomic_write, default_results_dir, effective_status, iter_runs
+from vitexp.run import ArgumentParser
 
 NOT_RUN = "not run"
 CITED = "cited, not run"
@@ -294,7 +294,7 @@ def log_to_wandb(path: str, written: dict[str, dict[str, str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="vitexp-tables",
         description="Join the ledger with the table specs in sweeps/ and write results/tables/<table>.{md,tex,csv,png}.",
     )
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = [load_spec(t) for t in (args.tables or all_specs())]
     except (FileNotFoundError, ValueError) as err:
         print(f"vitexp-tables: {err}", file=sys.stderr)
-        print(json.dumps({"status": "failed", "error": str(err)}))
+        print(json.dumps({"status": "invalid", "error": str(err), "ledger": None}))
         return 2
     try:
         runs = wandb_runs(args.wandb) if args.wandb else list(iter_runs(results_dir))
