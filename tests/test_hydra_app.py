@@ -100,3 +100,17 @@ def test_a_reader_that_leaves_early_ends_the_app_quietly(buffering, monkeypatch)
     finally:
         sys.stdout.close()
     assert exit_.value.code == 1
+
+
+def test_the_device_count_lightning_will_use():
+    """What the local-multirun DDP refusal counts: a list of ids by its length (devices=[0] is one),
+    a count, "0,1", and auto/-1 as every visible GPU on a GPU accelerator (one process on the CPU)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from vitexp.cli import _device_count
+
+    assert _device_count(OmegaConf.create({"d": [0]}).d, "gpu") == 1
+    assert _device_count([0, 1], "gpu") == 2 and _device_count(2, "cpu") == 2 and _device_count("0,1", "gpu") == 2
+    assert _device_count("auto", "cpu") == 1
+    assert _device_count("auto", "gpu") == (torch.cuda.device_count() if torch.cuda.is_available() else 1)

@@ -33,6 +33,21 @@ def _invalid(err: BaseException, prog: str = "vitexp") -> None:
     raise SystemExit(2) from None
 
 
+def _device_count(devices: Any, accelerator: str) -> int:
+    """How many devices Lightning will use for ``trainer.devices``: a count, a list of ids, or
+    ``auto``/-1 (every visible GPU on a GPU accelerator, one CPU process otherwise)."""
+    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__len__") and not isinstance(devices, str)):
+        return len(devices)
+    text = str(devices)
+    if text in ("auto", "-1"):
+        import torch
+
+        return torch.cuda.device_count() if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() else 1
+    if "," in text:
+        return len([d for d in text.split(",") if d.strip()])
+    return int(text) if text.lstrip("-").isdigit() else 1
+
+
 def _refuse_ddp_in_local_multirun(cfg: DictConfig, hydra_cfg) -> None:
     """Lightning's subprocess DDP re-runs ``sys.argv`` in each worker; inside a local ``-m`` sweep
     that would rerun the whole sweep there. Refused, pointing to the SLURM launcher."""
@@ -40,8 +55,8 @@ def _refuse_ddp_in_local_multirun(cfg: DictConfig, hydra_cfg) -> None:
 
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     local = "BasicLauncher" in str(hydra_cfg.launcher.get("_target_", ""))
-    devices, strategy = str(cfg.trainer.get("devices", 1)), str(cfg.trainer.get("strategy"))
-    several = devices not in ("1", "None", "auto") or strategy in _SUBPROCESS_STRATEGIES and devices == "auto"
+    devices, strategy = cfg.trainer.get("devices", 1), str(cfg.trainer.get("strategy"))
+    several = _device_count(devices, str(cfg.trainer.get("accelerator", "auto"))) > 1
     # strategy=auto picks Lightning's subprocess DDP for more than one device, as strategy=ddp does
     if multirun and local and strategy in (*_SUBPROCESS_STRATEGIES, "auto") and several:
         raise ConfigError(
