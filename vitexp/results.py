@@ -334,9 +334,9 @@ def weights_run(spec: str, results_dir: Path | str | None = None) -> dict[str, A
     ``run:<run_id>``, checked to have its recorded ``weights`` file on this machine."""
     target = str(spec).removeprefix(RUN_WEIGHTS_PREFIX)
     where = (Path(results_dir) if results_dir else default_results_dir()) / "runs"
-    pinned = where / f"{target}.json"  # run:<run_id>: that one entry, no scan of the ledger
-    if pinned.is_file():
-        record = json.loads(pinned.read_text())
+    pinned = LedgerEntry.load(target, results_dir)  # run:<run_id>: that one entry, no scan of the ledger
+    if pinned is not None:
+        record = pinned.record
         runs = [record] if record.get("status") == "completed" and record.get("kind") == "train" else []
     else:
         runs = [r for r in completed_runs(kind="train", results_dir=results_dir)

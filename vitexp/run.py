@@ -70,11 +70,10 @@ ATTEMPT_KEYS = ("resume", "output_dir", "results_dir")
 
 def _run_experiment(run_id: str, results_dir: Any) -> str:
     """The experiment of ledger entry ``run_id`` (``run_id`` itself when there is no such entry)."""
-    from vitexp.results import default_results_dir, local_path
+    from vitexp.results import local_path
 
-    root = local_path(results_dir, None) if results_dir else default_results_dir()
-    path = Path(root) / "runs" / f"{run_id}.json"
-    return json.loads(path.read_text()).get("experiment", run_id) if path.is_file() else run_id
+    entry = LedgerEntry.load(run_id, local_path(results_dir, None) if results_dir else None)
+    return entry.record.get("experiment", run_id) if entry else run_id
 
 
 def config_fingerprint(config: Mapping[str, Any]) -> str:
