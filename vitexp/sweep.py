@@ -14,6 +14,8 @@ pretrained baselines that seeded rows load with ``run:``). Plain unseeded rows s
 Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
 Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
 trainer=ddp data.root=/datasets/imagenet``.
+``--kind eval`` re-evaluates the weights of every completed training run the table cites
+(:mod:`vitexp.recheck`) and fails when a re-evaluated top-1 differs from the ledger's.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import sys
 from pathlib import Path
 
 from vitexp import CONF_DIR
+from vitexp import recheck
 from vitexp.aggregate import row_seeds, seed_runs, seeded_name
 from vitexp.results import default_results_dir, effective_status, iter_runs
 from vitexp.rows import expand_rows, job_arguments, row_name
@@ -90,12 +93,34 @@ def job_list(rows: dict) -> list[list[str]]:
     return jobs + [[*rows["jobs"][n], f"seed={','.join(map(str, seeds))}"] for n, seeds in rows["seeds"].items()]
 
 
+def _recheck(spec: dict, results_dir: Path, args) -> int:
+    """``--kind eval``: vitexp-eval each cited run (:func:`vitexp.recheck.recheck`), one line per run."""
+    def evaluate(run_id: str) -> int:
+        cmd = [_script("vitexp-eval"), run_id, *args.overrides]
+        print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
+        return 0 if args.dry_run else subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+
+    result = recheck.recheck(spec, results_dir, evaluate, force=args.force, tolerance=args.tolerance)
+    for line in recheck.report_lines(result):
+        print(f"vitexp-sweep: {line}", file=sys.stderr)
+    ok = not result["disagree"] and not result["not_evaluated"]
+    print(json.dumps({"table": spec["name"], "kind": "eval", "status": "completed" if ok else "failed",
+                      "evaluated": [r["run_id"] for r in result["runs"] if r["evaluated_now"]],
+                      "disagree": result["disagree"], "not_evaluated": result["not_evaluated"],
+                      "tolerance": result["tolerance"]}))
+    return 0 if ok or args.dry_run else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="vitexp-sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("table", help=f"a table spec in sweeps/: {all_specs()}")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job")
     parser.add_argument("--force", action="store_true", help="rerun rows that already have a completed run")
-    parser.add_argument("--kind", choices=sorted(APPS), help="launch this app for every row instead of each row's own")
+    parser.add_argument("--kind", choices=sorted([*APPS, "eval"]),
+                        help="launch this app for every row instead of each row's own; eval: re-evaluate "
+                             "every completed training run the table cites and compare its top-1")
+    parser.add_argument("--tolerance", type=float, default=recheck.DEFAULT_TOLERANCE,
+                        help="--kind eval: the largest |re-evaluated - ledger| top-1 (points) that agrees")
     parser.add_argument("--dry-run", action="store_true", help="print the commands without running them")
     args = parser.parse_intermixed_args(argv)
     try:
@@ -104,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         for ov in args.overrides:
             if ov.startswith("results_dir="):
                 results_dir = Path(ov.split("=", 1)[1])
+        if args.kind == "eval":
+            return _recheck(spec, results_dir, args)
         todo = plan(spec, args.kind, args.force, results_dir)
     except (FileNotFoundError, ValueError) as err:
         print(f"vitexp-sweep: {err}", file=sys.stderr)

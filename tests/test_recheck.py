@@ -1,0 +1,114 @@
+"""``vitexp-sweep TABLE --kind eval``: the runs a table cites are re-evaluated once each, and a
+re-evaluated top-1 that differs from the ledger's fails the check (constructed ledger, fake vitexp-eval)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from vitexp import aggregate, recheck, sweep
+from vitexp.results import LedgerEntry
+
+SPEC = {
+    "name": "recheck_fixture",
+    "title": "Recheck fixture",
+    "seeds": [0, 1],
+    "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 2}],
+    "rows": [
+        {"label": "Pretrained", "experiment": "pre", "seeds": None},
+        {"label": "Baseline", "experiment": "base"},
+        {"label": "Method", "experiment": "meth", "baseline": "base"},
+        {"label": "Method again (a second table row on the same runs)", "experiment": "meth"},
+        {"label": "Cost only", "experiment": "meth", "run": "flops", "seeds": None},
+    ],
+}
+
+
+def _train(results_dir, name, seed, top1, started=None):
+    entry = LedgerEntry(name, "train", {"seed": seed}, results_dir).start()
+    if started:
+        entry.record["started"] = started
+    entry.finish({"top1": top1})
+    return entry.record["run_id"]
+
+
+def _eval(results_dir, run_id, top1):
+    entry = LedgerEntry(f"eval-of-{run_id}", "eval", {}, results_dir).start()
+    entry.record["evaluates"] = run_id
+    entry.finish({"top1": top1})
+
+
+@pytest.fixture
+def ledger(results_dir):
+    ids = {"pre": _train(results_dir, "pre", 0, 88.0)}
+    for seed in (0, 1):
+        ids[("base", seed)] = _train(results_dir, aggregate.seeded_name("base", seed), seed, 90.0 + seed)
+    _train(results_dir, "meth+seed=0", 0, 50.0, started="2000-01-01T00:00:00+00:00")  # older: not cited
+    ids[("meth", 0)] = _train(results_dir, "meth+seed=0", 0, 86.0, started="9999-01-01T00:00:00+00:00")
+    return ids
+
+
+def test_cited_runs_are_the_tables_newest_per_seed_once_each(ledger, results_dir):
+    cited = recheck.cited_runs(SPEC, results_dir)
+    assert [(c["row"], c["seed"], c["top1"]) for c in cited] == [
+        ("pre", None, 88.0), ("base", 0, 90.0), ("base", 1, 91.0), ("meth", 0, 86.0)]
+    assert cited[-1]["run_id"] == ledger[("meth", 0)]
+
+
+def test_agreeing_disagreeing_already_evaluated_and_failed_runs(ledger, results_dir):
+    _eval(results_dir, ledger["pre"], 88.0)  # evaluated before: not evaluated again
+    reevaluated = {ledger[("base", 0)]: 90.0, ledger[("base", 1)]: 91.0 + 0.005, ledger[("meth", 0)]: 85.5}
+    calls = []
+
+    def evaluate(run_id):
+        calls.append(run_id)
+        if run_id in reevaluated:
+            _eval(results_dir, run_id, reevaluated[run_id])
+        return 0
+
+    result = recheck.recheck(SPEC, results_dir, evaluate)
+    assert calls == [ledger[("base", 0)], ledger[("base", 1)], ledger[("meth", 0)]]
+    assert result["disagree"] == [ledger[("meth", 0)]]  # 85.5 vs 86.0: the rebuilt model is another one
+    assert result["not_evaluated"] == []
+    meth = result["runs"][-1]
+    assert meth["diff"] == pytest.approx(-0.5) and meth["agrees"] is False
+    assert "DISAGREES" in recheck.report_lines(result)[-1]
+
+    calls.clear()
+    again = recheck.recheck(SPEC, results_dir, evaluate)
+    assert calls == [] and again["disagree"] == [ledger[("meth", 0)]]  # nothing evaluated twice
+    recheck.recheck(SPEC, results_dir, evaluate, force=True)
+    assert len(calls) == 4
+
+    failing = recheck.recheck(SPEC, results_dir, lambda run_id: 1, force=True)
+    assert failing["not_evaluated"] == [c["run_id"] for c in recheck.cited_runs(SPEC, results_dir)]
+
+
+def test_cli_runs_vitexp_eval_per_run_and_fails_on_a_disagreement(ledger, results_dir, tmp_path, monkeypatch, capsys):
+    spec_path = tmp_path / "recheck_fixture.yaml"
+    spec_path.write_text(yaml.safe_dump({k: v for k, v in SPEC.items() if k != "name"}))
+    top1 = {ledger["pre"]: 88.0, ledger[("base", 0)]: 90.0, ledger[("base", 1)]: 91.0, ledger[("meth", 0)]: 86.0}
+    commands = []
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kwargs):
+        if cmd[0] != "vitexp-eval":
+            return real_run(cmd, **kwargs)  # the ledger's own git calls
+        commands.append(cmd)
+        _eval(results_dir, cmd[1], top1[cmd[1]])
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(sweep, "_script", lambda app: app)
+    monkeypatch.setattr(sweep.subprocess, "run", fake_run)
+    rc = sweep.main([str(spec_path), f"results_dir={results_dir}", "--kind", "eval"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and summary["status"] == "completed" and summary["disagree"] == []
+    assert [c[:2] for c in commands] == [["vitexp-eval", rid] for rid in top1]
+    assert commands[0][2:] == [f"results_dir={results_dir}"]
+
+    top1[ledger[("meth", 0)]] = 70.0
+    rc = sweep.main([str(spec_path), f"results_dir={results_dir}", "--kind", "eval", "--force"])
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 1 and summary["status"] == "failed" and summary["disagree"] == [ledger[("meth", 0)]]

@@ -1,0 +1,106 @@
+"""``vitexp-sweep TABLE --kind eval``: re-evaluate the weights behind every accuracy cell of a table.
+
+The runs a table cites for a training row are the ones :mod:`vitexp.aggregate` reads: per seed, the
+newest completed ``train`` run with a ``top1`` (an unseeded row: the newest completed one under the
+row's name). Each is rebuilt and tested by ``vitexp-eval <run_id>`` (a ledger entry of kind ``eval``
+that ``evaluates`` it); a run that already has a completed ``eval`` entry is not evaluated again
+unless ``--force``. The summary pairs each run's ledger ``top1`` with the re-evaluated one.
+
+Decision: a re-evaluation *agrees* when ``|top1_eval - top1_train| <= tolerance`` points. The default
+tolerance is 0.01 points, one image of Fashion-MNIST's 10,000 test images; the same weights on the
+same kind of device give the same logits, so any larger difference means the rebuilt model is not
+the one that was trained (wrong heads deployed, a pruning step missing, other weights loaded).
+A run trained on a GPU under bf16 and re-evaluated on a CPU may differ by more: pass ``--tolerance``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from vitexp.aggregate import per_seed_values, row_seeds, seed_runs
+from vitexp.results import iter_runs
+from vitexp.rows import expand_rows, row_name
+
+#: points of top-1; one image of a 10,000-image test set
+DEFAULT_TOLERANCE = 0.01
+
+
+def cited_runs(spec: dict[str, Any], results_dir: Path) -> list[dict[str, Any]]:
+    """[{"row": name, "seed": seed or None, "run_id": id, "top1": ledger top1}] for every training row
+    of the spec, in row order; rows and seeds without a completed run are left out."""
+    runs = [r for r in iter_runs(results_dir) if r.get("kind") == "train" and r.get("status") == "completed"]
+    out: list[dict[str, Any]] = []
+    for row in expand_rows(spec["rows"]):
+        if row.get("cited") or not row.get("experiment") or row.get("run", "train") != "train":
+            continue
+        name = row_name(row)
+        seeds = row_seeds(spec, row)
+        if seeds is None:
+            mine = [r for r in runs if r.get("experiment") == name and _top1(r) is not None]
+            picked = [(None, _top1(mine[-1]), mine[-1]["run_id"])] if mine else []
+        else:
+            picked = [(s, v, rid) for s, (v, rid) in sorted(per_seed_values(seed_runs(runs, name, seeds), "top1").items())]
+        for seed, top1, run_id in picked:
+            if not any(c["run_id"] == run_id for c in out):  # a row shared by two labels is evaluated once
+                out.append({"row": name, "seed": seed, "run_id": run_id, "top1": top1})
+    return out
+
+
+def _top1(run: dict[str, Any]) -> float | None:
+    v = (run.get("metrics") or {}).get("top1")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def evaluations(results_dir: Path, before: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
+    """{train run_id: its newest completed eval entry}; an entry not in ``before`` (run ids) is newer
+    than every entry in it (start times have a resolution of one second)."""
+    out: dict[str, dict[str, Any]] = {}
+    entries = [r for r in iter_runs(results_dir)  # oldest first: the newest wins
+               if r.get("kind") == "eval" and r.get("status") == "completed" and r.get("evaluates")]
+    for r in sorted(entries, key=lambda r: r["run_id"] not in before):  # stable: keeps the time order
+        out[r["evaluates"]] = r
+    return out
+
+
+def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], int], force: bool = False,
+            tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+    """Evaluate (``evaluate(run_id)`` -> return code) every cited run without a completed eval entry
+    (every one with ``force``), then compare: {"runs": [{row, seed, run_id, top1, eval_top1, diff,
+    eval_run_id, evaluated_now, agrees}], "disagree": [run_ids], "not_evaluated": [run_ids]}."""
+    cited = cited_runs(spec, results_dir)
+    done = evaluations(results_dir)
+    before = {r["run_id"] for r in iter_runs(results_dir) if r.get("kind") == "eval"}
+    failed = []
+    for c in cited:
+        c["evaluated_now"] = force or c["run_id"] not in done
+        if c["evaluated_now"] and evaluate(c["run_id"]) != 0:
+            failed.append(c["run_id"])
+    done = evaluations(results_dir, before)
+    rows, disagree, missing = [], [], []
+    for c in cited:
+        entry = done.get(c["run_id"])
+        top1 = _top1(entry) if entry and c["run_id"] not in failed else None
+        if top1 is None:
+            missing.append(c["run_id"])
+            rows.append({**c, "eval_top1": None, "diff": None, "eval_run_id": None, "agrees": None})
+            continue
+        diff = top1 - c["top1"]
+        agrees = abs(diff) <= tolerance
+        if not agrees:
+            disagree.append(c["run_id"])
+        rows.append({**c, "eval_top1": top1, "diff": diff, "eval_run_id": entry["run_id"], "agrees": agrees})
+    return {"runs": rows, "disagree": disagree, "not_evaluated": missing, "tolerance": tolerance}
+
+
+def report_lines(result: dict[str, Any]) -> list[str]:
+    """One line per cited run: ledger top-1, re-evaluated top-1 and their difference."""
+    lines = []
+    for r in result["runs"]:
+        seed = "" if r["seed"] is None else f" seed {r['seed']}"
+        if r["eval_top1"] is None:
+            lines.append(f"{r['row']}{seed}: {r['top1']:.2f} % in the ledger; not re-evaluated (vitexp-eval failed)")
+            continue
+        verdict = "agrees" if r["agrees"] else f"DISAGREES (tolerance {result['tolerance']} points)"
+        lines.append(f"{r['row']}{seed}: {r['top1']:.2f} % in the ledger, {r['eval_top1']:.2f} % re-evaluated "
+                     f"({r['diff']:+.3f}; {verdict}; {r['run_id']})")
+    return lines
