@@ -42,6 +42,7 @@ def _eval(results_dir, run_id, top1):
 
 @pytest.fixture
 def ledger(results_dir):
+    _train(results_dir, "pre", 0, 12.0, started="2000-01-01T00:00:00+00:00")  # older: not cited
     ids = {"pre": _train(results_dir, "pre", 0, 88.0)}
     for seed in (0, 1):
         ids[("base", seed)] = _train(results_dir, aggregate.seeded_name("base", seed), seed, 90.0 + seed)
