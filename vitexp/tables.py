@@ -3,7 +3,9 @@ cost-vs-accuracy plot (:mod:`vitexp.plots`) in ``results/tables/``.
 
 A cell shows vitexp's value from the newest completed run recorded under the row's name
 (:func:`vitexp.rows.row_name`) that has that metric, beside the paper's value. With no such run the cell says "not run" (or "running" /
-"interrupted" while the row's newest run is one, :func:`vitexp.results.effective_status`); a row marked
+"interrupted" while the row's newest run is one, :func:`vitexp.results.effective_status`), or "n/a" when
+the row has a completed training run that does not record that metric (the soft-gated accuracy of an
+unpruned row; a row with only a FLOPs count still says "not run" for its accuracy); a row marked
 ``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
 number ever comes from anywhere but a run or the spec's paper value.
 
@@ -48,6 +50,7 @@ from vitexp.results import atomic_write, default_results_dir, effective_status, 
 from vitexp.run import ArgumentParser
 
 NOT_RUN = "not run"
+NOT_RECORDED = "n/a"
 CITED = "cited, not run"
 NO_PAPER = "—"
 
@@ -135,7 +138,9 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
                           "source": paper.get("source"), "formula": paper.get("formula") if paper.get("derived") else None}
         filled.append({"label": row["label"], "experiment": name,
                        "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
-                       "seeds": seeds, "baseline": row.get("baseline"), "pending": pending[-1] if pending else None})
+                       "seeds": seeds, "baseline": row.get("baseline"), "pending": pending[-1] if pending else None,
+                       "trained": any(r.get("kind") == "train" for r in
+                                      (mine if by_seed is None else [r for rs in by_seed.values() for r in rs]))})
     aggregate.paired_cells(spec, filled)
     return filled
 
@@ -152,12 +157,17 @@ def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
     cell = row["cells"][col["key"]]
     digits = int(col.get("digits", 2))
     if "n" in cell:  # a seeded row: mean ± std (n)
-        ours = aggregate.format_stat(cell["value"], cell["std"], cell["n"], digits, cell["expected"]) or NOT_RUN
+        ours = aggregate.format_stat(cell["value"], cell["std"], cell["n"], digits, cell["expected"]) or _missing(row)
     elif cell["value"] is not None:
         ours = _fmt(cell["value"], digits)
     else:
-        ours = CITED if row["cited"] else (row.get("pending") or NOT_RUN)
+        ours = _missing(row)
     return ours, _paper_text(cell)
+
+
+def _missing(row: dict[str, Any]) -> str:
+    """The text of a cell without a value: cited, running/interrupted, n/a (trained without it), not run."""
+    return CITED if row["cited"] else (row.get("pending") or (NOT_RECORDED if row.get("trained") else NOT_RUN))
 
 
 def _paper_text(cell: dict[str, Any]) -> str:
@@ -253,7 +263,7 @@ def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         line = [row["label"], row["experiment"] or ""]
         for col in spec["columns"]:
             c = row["cells"][col["key"]]
-            ours = c["value"] if c["value"] is not None else (CITED if row["cited"] else (row.get("pending") or NOT_RUN))
+            ours = c["value"] if c["value"] is not None else _missing(row)
             line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c.get("formula") or "",
                      c["run_id"] or ""]
         line += aggregate.csv_cells(spec, row)
