@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import yaml
 
-from vitexp import aggregate, recheck, sweep
-from vitexp.results import LedgerEntry
+from vitexp import aggregate, recheck, sweep, tables
+from vitexp.results import LedgerEntry, iter_runs
 
 SPEC = {
     "name": "recheck_fixture",
@@ -35,8 +35,11 @@ def _train(results_dir, name, seed, top1, started=None):
 
 
 def _eval(results_dir, run_id, top1):
-    entry = LedgerEntry(f"eval-of-{run_id}", "eval", {}, results_dir).start()
+    """As vitexp-eval records it: under the training run's name and config, ``evaluates`` its id."""
+    trained = next(r for r in iter_runs(results_dir) if r["run_id"] == run_id)
+    entry = LedgerEntry(trained["experiment"], "eval", trained["config"], results_dir).start()
     entry.record["evaluates"] = run_id
+    entry.record["started"] = "9999-12-31T00:00:00+00:00"  # after every training run, as in a real ledger
     entry.finish({"top1": top1})
 
 
@@ -71,6 +74,10 @@ def test_agreeing_disagreeing_already_evaluated_and_failed_runs(ledger, results_
 
     result = recheck.recheck(SPEC, results_dir, evaluate)
     assert calls == [ledger[("base", 0)], ledger[("base", 1)], ledger[("meth", 0)]]
+    filled = {r["label"]: r for r in tables.fill(SPEC, iter_runs(results_dir))}  # eval entries fill no cell
+    assert filled["Method"]["cells"]["top1"]["value"] == pytest.approx(86.0)
+    assert filled["Pretrained"]["cells"]["top1"]["run_id"] == ledger["pre"]
+    assert filled["Baseline"]["cells"]["top1"]["seeds"] == {0: 90.0, 1: 91.0}  # not the re-evaluated 91.005
     assert result["disagree"] == [ledger[("meth", 0)]]  # 85.5 vs 86.0: the rebuilt model is another one
     assert result["not_evaluated"] == []
     meth = result["runs"][-1]
@@ -87,27 +94,52 @@ def test_agreeing_disagreeing_already_evaluated_and_failed_runs(ledger, results_
     assert failing["not_evaluated"] == [c["run_id"] for c in recheck.cited_runs(SPEC, results_dir)]
 
 
+@pytest.mark.parametrize("reevaluated, agrees", [(90.01, True), (89.99, True), (90.02, False), (89.98, False)])
+def test_one_image_of_ten_thousand_agrees_two_do_not(results_dir, reevaluated, agrees):
+    spec = {**SPEC, "rows": [{"label": "Pretrained", "experiment": "pre", "seeds": None}]}
+    run_id = _train(results_dir, "pre", 0, 90.0)
+    result = recheck.recheck(spec, results_dir, lambda rid: _eval(results_dir, rid, reevaluated) or 0)
+    assert result["disagree"] == ([] if agrees else [run_id])
+
+
+def test_a_detector_run_is_not_checkable(results_dir):
+    spec = {**SPEC, "rows": [{"label": "Detector", "experiment": "det"}]}
+    entry = LedgerEntry("det+seed=0", "train", {"seed": 0}, results_dir).start()
+    entry.finish({"ap_box": 30.0})
+    result = recheck.recheck(spec, results_dir, lambda rid: pytest.fail("nothing to evaluate"))
+    assert result["runs"] == [] and result["not_checkable"] == [entry.record["run_id"]]
+
+
 def test_cli_runs_vitexp_eval_per_run_and_fails_on_a_disagreement(ledger, results_dir, tmp_path, monkeypatch, capsys):
     spec_path = tmp_path / "recheck_fixture.yaml"
     spec_path.write_text(yaml.safe_dump({k: v for k, v in SPEC.items() if k != "name"}))
     top1 = {ledger["pre"]: 88.0, ledger[("base", 0)]: 90.0, ledger[("base", 1)]: 91.0, ledger[("meth", 0)]: 86.0}
-    commands = []
+    commands, environments = [], []
     real_run = subprocess.run
 
     def fake_run(cmd, **kwargs):
         if cmd[0] != "vitexp-eval":
             return real_run(cmd, **kwargs)  # the ledger's own git calls
         commands.append(cmd)
+        environments.append(kwargs["env"])
         _eval(results_dir, cmd[1], top1[cmd[1]])
         return subprocess.CompletedProcess(cmd, 0)
 
+    monkeypatch.setenv("VITEXP_RESULTS", str(tmp_path / "another_ledger"))  # results_dir= is the one to use
     monkeypatch.setattr(sweep, "_script", lambda app: app)
     monkeypatch.setattr(sweep.subprocess, "run", fake_run)
-    rc = sweep.main([str(spec_path), f"results_dir={results_dir}", "--kind", "eval"])
+    argv = [str(spec_path), f"results_dir={results_dir}", "data.root=/elsewhere", "--kind", "eval"]
+    assert sweep.main([*argv, "--dry-run"]) == 0 and commands == []
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["status"] == "dry_run" and summary["would_evaluate"] == list(top1)
+
+    rc = sweep.main(argv)
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and summary["status"] == "completed" and summary["disagree"] == []
     assert [c[:2] for c in commands] == [["vitexp-eval", rid] for rid in top1]
-    assert commands[0][2:] == [f"results_dir={results_dir}"]
+    assert commands[0][2:] == ["data.root=/elsewhere"]  # vitexp-eval finds the ledger by $VITEXP_RESULTS
+    assert environments[0]["VITEXP_RESULTS"] == str(results_dir)
+    assert summary["evaluated"] == list(top1) and summary["checked"] == 4
 
     top1[ledger[("meth", 0)]] = 70.0
     rc = sweep.main([str(spec_path), f"results_dir={results_dir}", "--kind", "eval", "--force"])

@@ -57,7 +57,7 @@ def test_cells_from_newest_completed_run_and_not_run(ledger):
     assert "| Trained | 71.2 | 72.2 | 1.25 | — |" in md
     assert "| Counted only | not run | — | 4.60 | 4.6 |" in md
     assert "| Never run | not run | — | not run | — |" in md
-    assert "| Trained without a FLOPs count | 60.0 | — | n/a | — |" in md  # ran, but records no such metric
+    assert "| Trained without a FLOPs count | 60.0 | — | not run | — |" in md  # not an optional column
     assert "| MCTF | cited, not run | 80.1 | cited, not run | 2.6 |" in md
 
 
@@ -67,7 +67,7 @@ def test_written_files(ledger, tmp_path):
     written = tables.write_table(SPEC, list(iter_runs(ledger)), tmp_path / "tables")
     assert set(written) == {"md", "tex", "csv", "png"}
     rows = list(csv.DictReader(io.StringIO((tmp_path / "tables" / "fixture.csv").read_text())))
-    assert rows[2]["top1"] == "not run" and rows[4]["top1"] == "cited, not run" and rows[3]["gmacs"] == "n/a"
+    assert rows[2]["top1"] == "not run" and rows[4]["top1"] == "cited, not run" and rows[3]["gmacs"] == "not run"
     assert float(rows[0]["top1"]) == pytest.approx(71.23) and rows[0]["top1_paper"] == "72.2"
     tex = (tmp_path / "tables" / "fixture.tex").read_text()
     assert r"\begin{tabular}" in tex and "not run" in tex
@@ -139,12 +139,13 @@ def test_a_protocol_filter_keeps_a_row_on_the_runs_of_that_protocol():
     assert fill({**spec, "protocol": None}, runs)[0]["cells"]["throughput"]["run_id"] == "new"
 
 
-def test_seeded_row_trained_without_a_metric_says_na(results_dir):
+def test_seeded_row_trained_without_an_optional_metric_says_na(results_dir):
     from vitexp.results import iter_runs
 
     spec = {"name": "seeded_na", "title": "t", "seeds": [0, 1],
             "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 1},
-                        {"key": "soft_top1", "label": "Soft", "unit": "%", "digits": 1}],
+                        {"key": "soft_top1", "label": "Soft", "unit": "%", "digits": 1, "optional": True},
+                        {"key": "gmacs", "label": "GMACs", "unit": "GMACs", "digits": 1}],
             "rows": [{"label": "Probe", "experiment": "probe"}, {"label": "Pruned", "experiment": "pruned"},
                      {"label": "Missing", "experiment": "missing"}]}
     for seed in (0, 1):
@@ -152,6 +153,6 @@ def test_seeded_row_trained_without_a_metric_says_na(results_dir):
         LedgerEntry(f"pruned+seed={seed}", "train", {"seed": seed}, results_dir).start().finish(
             {"top1": 60.0, "soft_top1": 70.0})
     md = re.sub(r" +", " ", tables.render_markdown(spec, tables.fill(spec, list(iter_runs(results_dir)))))
-    assert "| Probe | 80.5 ± 0.7 (2) | — | n/a | — |" in md
-    assert "| Pruned | 60.0 ± 0.0 (2) | — | 70.0 ± 0.0 (2) | — |" in md
-    assert "| Missing | not run | — | not run | — |" in md
+    assert "| Probe | 80.5 ± 0.7 (2) | — | n/a | — | not run | — |" in md  # only an optional column says n/a
+    assert "| Pruned | 60.0 ± 0.0 (2) | — | 70.0 ± 0.0 (2) | — | not run | — |" in md
+    assert "| Missing | not run | — | not run | — | not run | — |" in md

@@ -1,16 +1,19 @@
 """``vitexp-sweep TABLE --kind eval``: re-evaluate the weights behind every accuracy cell of a table.
 
-The runs a table cites for a training row are the ones :mod:`vitexp.aggregate` reads: per seed, the
-newest completed ``train`` run with a ``top1`` (an unseeded row: the newest completed one under the
-row's name). Each is rebuilt and tested by ``vitexp-eval <run_id>`` (a ledger entry of kind ``eval``
-that ``evaluates`` it); a run that already has a completed ``eval`` entry is not evaluated again
-unless ``--force``. The summary pairs each run's ledger ``top1`` with the re-evaluated one.
+The runs a table cites for a training row's top-1 are the ones :func:`vitexp.tables.fill` reads: per
+seed, the newest completed ``train`` run with a ``top1`` (an unseeded row: the newest completed one
+under the row's name). Each is rebuilt and tested by ``vitexp-eval <run_id>`` (a ledger entry of kind
+``eval`` that ``evaluates`` it, recorded under the run's name; tables never read eval entries); a run
+that already has a completed ``eval`` entry is not evaluated again unless ``--force``. The summary
+pairs each run's ledger ``top1`` with the re-evaluated one. A training run of the table without a
+``top1`` (a detector's ``ap_box``) is listed as not checkable: vitexp-eval tests classifiers.
 
-Decision: a re-evaluation *agrees* when ``|top1_eval - top1_train| <= tolerance`` points. The default
-tolerance is 0.01 points, one image of Fashion-MNIST's 10,000 test images; the same weights on the
-same kind of device give the same logits, so any larger difference means the rebuilt model is not
-the one that was trained (wrong heads deployed, a pruning step missing, other weights loaded).
-A run trained on a GPU under bf16 and re-evaluated on a CPU may differ by more: pass ``--tolerance``.
+Decision: a re-evaluation *agrees* when ``|top1_eval - top1_train| <= tolerance`` points (plus 1e-6
+for the float32 percentages). The default tolerance is 0.01 points, one image of Fashion-MNIST's
+10,000 test images; the same weights on the same kind of device give the same logits, so any larger
+difference means the rebuilt model is not the one that was trained (wrong heads deployed, a pruning
+step missing, other weights loaded). A run trained on a GPU under bf16 and re-evaluated on a CPU may
+differ by more: pass ``--tolerance``.
 """
 from __future__ import annotations
 
@@ -23,16 +26,34 @@ from vitexp.rows import expand_rows, row_name
 
 #: points of top-1; one image of a 10,000-image test set
 DEFAULT_TOLERANCE = 0.01
+#: float32 percentages: 90.01 - 90.0 is a little more than 0.01
+FLOAT_SLACK = 1e-6
+
+
+def training_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The spec's rows that train (not cited, not a FLOPs count or a benchmark)."""
+    return [row for row in expand_rows(spec["rows"])
+            if not row.get("cited") and row.get("experiment") and row.get("run", "train") == "train"]
+
+
+def _completed_training(results_dir: Path) -> list[dict[str, Any]]:
+    return [r for r in iter_runs(results_dir) if r.get("kind") == "train" and r.get("status") == "completed"]
+
+
+def not_checkable(spec: dict[str, Any], results_dir: Path) -> list[str]:
+    """Completed training runs of the spec's training rows that record no ``top1`` (detectors)."""
+    names = {row_name(row) for row in training_rows(spec)}
+    return [r["run_id"] for r in _completed_training(results_dir)
+            if _top1(r) is None and (r.get("experiment") in names
+                                     or r.get("experiment", "").rsplit("+seed=", 1)[0] in names)]
 
 
 def cited_runs(spec: dict[str, Any], results_dir: Path) -> list[dict[str, Any]]:
     """[{"row": name, "seed": seed or None, "run_id": id, "top1": ledger top1}] for every training row
     of the spec, in row order; rows and seeds without a completed run are left out."""
-    runs = [r for r in iter_runs(results_dir) if r.get("kind") == "train" and r.get("status") == "completed"]
+    runs = _completed_training(results_dir)
     out: list[dict[str, Any]] = []
-    for row in expand_rows(spec["rows"]):
-        if row.get("cited") or not row.get("experiment") or row.get("run", "train") != "train":
-            continue
+    for row in training_rows(spec):
         name = row_name(row)
         seeds = row_seeds(spec, row)
         if seeds is None:
@@ -62,11 +83,18 @@ def evaluations(results_dir: Path, before: set[str] = frozenset()) -> dict[str, 
     return out
 
 
+def to_evaluate(spec: dict[str, Any], results_dir: Path, force: bool = False) -> list[str]:
+    """The cited runs without a completed eval entry (every cited run with ``force``)."""
+    done = evaluations(results_dir)
+    return [c["run_id"] for c in cited_runs(spec, results_dir) if force or c["run_id"] not in done]
+
+
 def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], int], force: bool = False,
             tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
     """Evaluate (``evaluate(run_id)`` -> return code) every cited run without a completed eval entry
     (every one with ``force``), then compare: {"runs": [{row, seed, run_id, top1, eval_top1, diff,
-    eval_run_id, evaluated_now, agrees}], "disagree": [run_ids], "not_evaluated": [run_ids]}."""
+    eval_run_id, evaluated_now, agrees}], "disagree": [run_ids], "not_evaluated": [run_ids whose
+    evaluation failed], "not_checkable": [run_ids without a top1]}."""
     cited = cited_runs(spec, results_dir)
     done = evaluations(results_dir)
     before = {r["run_id"] for r in iter_runs(results_dir) if r.get("kind") == "eval"}
@@ -85,16 +113,17 @@ def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], i
             rows.append({**c, "eval_top1": None, "diff": None, "eval_run_id": None, "agrees": None})
             continue
         diff = top1 - c["top1"]
-        agrees = abs(diff) <= tolerance
+        agrees = abs(diff) <= tolerance + FLOAT_SLACK
         if not agrees:
             disagree.append(c["run_id"])
         rows.append({**c, "eval_top1": top1, "diff": diff, "eval_run_id": entry["run_id"], "agrees": agrees})
-    return {"runs": rows, "disagree": disagree, "not_evaluated": missing, "tolerance": tolerance}
+    return {"runs": rows, "disagree": disagree, "not_evaluated": missing, "tolerance": tolerance,
+            "not_checkable": not_checkable(spec, results_dir)}
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
     """One line per cited run: ledger top-1, re-evaluated top-1 and their difference."""
-    lines = []
+    lines = [f"{run_id}: no top1 to re-evaluate (vitexp-eval tests classifiers)" for run_id in result["not_checkable"]]
     for r in result["runs"]:
         seed = "" if r["seed"] is None else f" seed {r['seed']}"
         if r["eval_top1"] is None:

@@ -20,6 +20,7 @@ trainer=ddp data.root=/datasets/imagenet``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -94,21 +95,38 @@ def job_list(rows: dict) -> list[list[str]]:
 
 
 def _recheck(spec: dict, results_dir: Path, args) -> int:
-    """``--kind eval``: vitexp-eval each cited run (:func:`vitexp.recheck.recheck`), one line per run."""
+    """``--kind eval``: vitexp-eval each cited run (:func:`vitexp.recheck.recheck`), one line per run.
+    vitexp-eval reads and writes the ledger in ``results_dir`` (``$VITEXP_RESULTS``); the other
+    overrides (``data.root=...``) are its own."""
+    if args.dry_run:
+        todo = recheck.to_evaluate(spec, results_dir, args.force)
+        for run_id in todo:
+            print(f"vitexp-sweep: {_script('vitexp-eval')} {run_id} {' '.join(args.overrides)}", file=sys.stderr)
+        print(json.dumps({"table": spec["name"], "kind": "eval", "status": "dry_run", "would_evaluate": todo}))
+        return 0
+    env = {**os.environ, "VITEXP_RESULTS": str(results_dir)}
+    overrides = [ov for ov in args.overrides if not ov.startswith("results_dir=")]
+    evaluated = []
+
     def evaluate(run_id: str) -> int:
-        cmd = [_script("vitexp-eval"), run_id, *args.overrides]
+        cmd = [_script("vitexp-eval"), run_id, *overrides]
         print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
-        return 0 if args.dry_run else subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+        done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        if done.returncode == 0:
+            evaluated.append(run_id)
+        else:  # its closing JSON line says why
+            print(f"vitexp-sweep: vitexp-eval {run_id} failed: {(done.stdout or '').strip()[-500:]}", file=sys.stderr)
+        return done.returncode
 
     result = recheck.recheck(spec, results_dir, evaluate, force=args.force, tolerance=args.tolerance)
     for line in recheck.report_lines(result):
         print(f"vitexp-sweep: {line}", file=sys.stderr)
-    ok = not result["disagree"] and not result["not_evaluated"]
+    ok = not (result["disagree"] or result["not_evaluated"] or result["not_checkable"])
     print(json.dumps({"table": spec["name"], "kind": "eval", "status": "completed" if ok else "failed",
-                      "evaluated": [r["run_id"] for r in result["runs"] if r["evaluated_now"]],
-                      "disagree": result["disagree"], "not_evaluated": result["not_evaluated"],
+                      "checked": len(result["runs"]), "evaluated": evaluated, "disagree": result["disagree"],
+                      "not_evaluated": result["not_evaluated"], "not_checkable": result["not_checkable"],
                       "tolerance": result["tolerance"]}))
-    return 0 if ok or args.dry_run else 1
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,13 +3,13 @@ cost-vs-accuracy plot (:mod:`vitexp.plots`) in ``results/tables/``.
 
 A cell shows vitexp's value from the newest completed run recorded under the row's name
 (:func:`vitexp.rows.row_name`) that has that metric, beside the paper's value. With no such run the cell says "not run" (or "running" /
-"interrupted" while the row's newest run is one, :func:`vitexp.results.effective_status`), or "n/a" when
-the row has a completed training run that does not record that metric (the soft-gated accuracy of an
-unpruned row; a row with only a FLOPs count still says "not run" for its accuracy); a row marked
+"interrupted" while the row's newest run is one, :func:`vitexp.results.effective_status`), or, in a column
+marked ``optional: true``, "n/a" when the row has a completed training run that does not record that
+metric (the soft-gated accuracy of an unpruned row); a row marked
 ``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
 number ever comes from anywhere but a run or the spec's paper value.
 
-Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``); ``plot``
+Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``, ``optional``); ``plot``
 (``x``, ``y`` metric keys, optional); ``seeds`` (optional); ``rows`` (``label``, ``experiment``,
 ``overrides``, ``name``, ``grid`` (:mod:`vitexp.rows`: a row is a base experiment plus overrides,
 recorded under its name; a grid expands into rows), ``run``: train | flops | bench, ``cited``,
@@ -109,7 +109,8 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
     """For every row and column: vitexp's value (newest completed run with that metric), its
     run id, the paper's value and source."""
     runs = list(runs)
-    completed = [r for r in runs if r.get("status") == "completed"]
+    # an eval entry re-tests a training run's weights under its name (vitexp-eval): it checks a cell, never fills one
+    completed = [r for r in runs if r.get("status") == "completed" and r.get("kind") != "eval"]
     filled = []
     for row in expand_rows(spec["rows"]):
         name = row_name(row)
@@ -157,17 +158,20 @@ def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
     cell = row["cells"][col["key"]]
     digits = int(col.get("digits", 2))
     if "n" in cell:  # a seeded row: mean ± std (n)
-        ours = aggregate.format_stat(cell["value"], cell["std"], cell["n"], digits, cell["expected"]) or _missing(row)
+        ours = aggregate.format_stat(cell["value"], cell["std"], cell["n"], digits, cell["expected"]) or _missing(row, col)
     elif cell["value"] is not None:
         ours = _fmt(cell["value"], digits)
     else:
-        ours = _missing(row)
+        ours = _missing(row, col)
     return ours, _paper_text(cell)
 
 
-def _missing(row: dict[str, Any]) -> str:
-    """The text of a cell without a value: cited, running/interrupted, n/a (trained without it), not run."""
-    return CITED if row["cited"] else (row.get("pending") or (NOT_RECORDED if row.get("trained") else NOT_RUN))
+def _missing(row: dict[str, Any], col: dict[str, Any]) -> str:
+    """The text of a cell without a value: cited, running/interrupted, n/a (an optional metric the
+    row's training does not record), not run."""
+    if row["cited"]:
+        return CITED
+    return row.get("pending") or (NOT_RECORDED if col.get("optional") and row.get("trained") else NOT_RUN)
 
 
 def _paper_text(cell: dict[str, Any]) -> str:
@@ -263,7 +267,7 @@ def render_csv(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         line = [row["label"], row["experiment"] or ""]
         for col in spec["columns"]:
             c = row["cells"][col["key"]]
-            ours = c["value"] if c["value"] is not None else _missing(row)
+            ours = c["value"] if c["value"] is not None else _missing(row, col)
             line += [ours, "" if c["paper"] is None else c["paper"], c["source"] or "", c.get("formula") or "",
                      c["run_id"] or ""]
         line += aggregate.csv_cells(spec, row)
