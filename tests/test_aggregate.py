@@ -117,6 +117,23 @@ def test_sweep_plan_launches_only_missing_row_seed_pairs(results_dir):
     assert forced["seeds"]["chunk_demo"] == [0, 1, 2] and forced["skip"] == []
 
 
+def test_sweep_reruns_a_shared_start_whose_weights_are_not_on_this_machine(results_dir, tmp_path):
+    from vitexp.sweep import plan
+
+    spec = {"name": "s", "seeds": [0], "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
+                                                {"label": "ft", "experiment": "chunk_demo"}]}
+    weights = tmp_path / "weights.pth"
+    LedgerEntry("demo", "train", {"seed": 0}, results_dir).start().finish(
+        {"top1": 1.0}, artifacts={"weights": str(weights)})  # a committed ledger, weights elsewhere
+    assert plan(spec, None, False, results_dir)["train"]["launch"] == ["demo", "chunk_demo+seed=0"]
+    weights.write_bytes(b"weights")
+    todo = plan(spec, None, False, results_dir)["train"]
+    assert todo["launch"] == ["chunk_demo+seed=0"] and todo["skip"] == ["demo"]
+    unseeded = {**spec, "seeds": None}  # not a shared start: a completed run is enough
+    weights.unlink()
+    assert plan(unseeded, None, False, results_dir)["train"]["skip"] == ["demo"]
+
+
 def test_paired_cell_before_and_without_common_seeds(results_dir):
     _run(results_dir, "base+seed=0", 0, {"top1": 90.0})
     rows = {r["label"]: r for r in tables.fill(SPEC, list(iter_runs(results_dir)))}

@@ -9,7 +9,9 @@ run whose process is gone (``interrupted``, :func:`vitexp.results.effective_stat
 row with seeds (the spec's ``seeds``, :mod:`vitexp.aggregate`) is one job per seed (``experiment=E
 seed=s``, recorded as ``E+seed=s``; a row with overrides or a name N: ``name='N+seed=${seed}'``),
 and only its seeds without a completed or running run are launched; unseeded rows go first (the
-pretrained baselines that seeded rows load with ``run:``). Plain unseeded rows share one multirun
+pretrained baselines that seeded rows load with ``run:``). Such a shared start (a row with ``seeds:
+null`` in a seeded table) counts as done only while its weights are on this machine: on a fresh
+checkout of a committed ledger it trains again, and the seeded rows load the new run. Plain unseeded rows share one multirun
 (``experiment=a,b,c``); a row with overrides is a job of its own.
 Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
 Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
@@ -29,7 +31,7 @@ from pathlib import Path
 from vitexp import CONF_DIR
 from vitexp import recheck
 from vitexp.aggregate import row_seeds, seed_runs, seeded_name
-from vitexp.results import default_results_dir, effective_status, iter_runs
+from vitexp.results import RUN_WEIGHTS_PREFIX, default_results_dir, effective_status, iter_runs, weights_run
 from vitexp.rows import expand_rows, job_arguments, row_name
 from vitexp.tables import all_specs, load_spec
 from vitexp.run import ArgumentParser
@@ -78,10 +80,29 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
                     if target == "launch":
                         bucket["seeds"].setdefault(name, []).append(seed)
             continue
-        target = "skip" if any(r.get("experiment") == name for r in active) and not force else "launch"
+        done = any(r.get("experiment") == name for r in active)
+        if done and k == "train" and _shared_start(spec, row) and not _weights_here(name, results_dir):
+            print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
+                  f"not on this machine: it runs again", file=sys.stderr)
+            done = any(r.get("experiment") == name and r.get("status") == "running" for r in active)
+        target = "skip" if done and not force else "launch"
         if name not in bucket[target]:
             bucket[target].append(name)
     return out
+
+
+def _shared_start(spec: dict, row: dict) -> bool:
+    """A row with ``seeds: null`` in a seeded table: the pretrained start its seeded rows load."""
+    return bool(spec.get("seeds")) and "seeds" in row and row["seeds"] is None
+
+
+def _weights_here(name: str, results_dir: Path) -> bool:
+    """Whether the newest completed train run of ``name`` has its weights file on this machine."""
+    try:
+        weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def job_list(rows: dict) -> list[list[str]]:
