@@ -40,28 +40,32 @@ def _completed_training(results_dir: Path) -> list[dict[str, Any]]:
     return [r for r in iter_runs(results_dir) if r.get("kind") == "train" and r.get("status") == "completed"]
 
 
+def _row_runs(spec: dict[str, Any], runs: list[dict[str, Any]]) -> list[tuple[str, dict[Any, list[dict[str, Any]]]]]:
+    """[(row name, {seed (None for an unseeded row): its completed runs, oldest first})] per training
+    row, the runs found as :mod:`vitexp.aggregate` finds them."""
+    out = []
+    for row in training_rows(spec):
+        name, seeds = row_name(row), row_seeds(spec, row)
+        by_seed = {None: [r for r in runs if r.get("experiment") == name]} if seeds is None \
+            else seed_runs(runs, name, seeds)
+        out.append((name, by_seed))
+    return out
+
+
 def not_checkable(spec: dict[str, Any], results_dir: Path) -> list[str]:
     """Completed training runs of the spec's training rows that record no ``top1`` (detectors)."""
-    names = {row_name(row) for row in training_rows(spec)}
-    return [r["run_id"] for r in _completed_training(results_dir)
-            if _top1(r) is None and (r.get("experiment") in names
-                                     or r.get("experiment", "").rsplit("+seed=", 1)[0] in names)]
+    found = [r["run_id"] for _, by_seed in _row_runs(spec, _completed_training(results_dir))
+             for rs in by_seed.values() for r in rs if _top1(r) is None]
+    return list(dict.fromkeys(found))
 
 
 def cited_runs(spec: dict[str, Any], results_dir: Path) -> list[dict[str, Any]]:
     """[{"row": name, "seed": seed or None, "run_id": id, "top1": ledger top1}] for every training row
     of the spec, in row order; rows and seeds without a completed run are left out."""
-    runs = _completed_training(results_dir)
     out: list[dict[str, Any]] = []
-    for row in training_rows(spec):
-        name = row_name(row)
-        seeds = row_seeds(spec, row)
-        if seeds is None:
-            mine = [r for r in runs if r.get("experiment") == name and _top1(r) is not None]
-            picked = [(None, _top1(mine[-1]), mine[-1]["run_id"])] if mine else []
-        else:
-            picked = [(s, v, rid) for s, (v, rid) in sorted(per_seed_values(seed_runs(runs, name, seeds), "top1").items())]
-        for seed, top1, run_id in picked:
+    for name, by_seed in _row_runs(spec, _completed_training(results_dir)):
+        picked = [(s, v, rid) for s, (v, rid) in per_seed_values(by_seed, "top1").items()]  # newest per seed
+        for seed, top1, run_id in sorted(picked, key=lambda p: (p[0] is not None, p[0] or 0)):
             if not any(c["run_id"] == run_id for c in out):  # a row shared by two labels is evaluated once
                 out.append({"row": name, "seed": seed, "run_id": run_id, "top1": top1})
     return out
