@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from vitexp.data import CIFAR100DataModule, DigitsDataModule, EpochSeededSampler, ImageFolderDataModule, SyntheticDataModule
+from torch.utils.data import DistributedSampler
+
+from vitexp.data import (CIFAR100DataModule, DigitsDataModule, EpochSeededSampler, ImageFolderDataModule,
+                         SyntheticDataModule, train_sampler)
 
 CFG32 = {"input_size": (3, 32, 32)}
 
@@ -32,6 +35,43 @@ def test_epoch_seeded_sampler_is_reproducible_per_epoch():
     second = list(s)
     s.set_epoch(0)
     assert list(s) == first and second != first and sorted(second) == list(range(50))
+
+
+def test_epoch_orders_of_different_seeds_are_disjoint():
+    """Seeds must not share an epoch's order: a table's std over seeds assumes independent runs."""
+    orders = {}
+    for seed in range(3):
+        s = EpochSeededSampler(range(200), seed=seed)
+        for epoch in range(10):
+            s.set_epoch(epoch)
+            orders.setdefault(tuple(s), []).append((seed, epoch))
+    shared = [v for v in orders.values() if len(v) > 1]
+    assert not shared, f"(seed, epoch) pairs drawing the same order: {shared}"
+
+
+def test_ddp_sampler_keeps_the_seeds_apart():
+    """Under DDP (2 ranks) the epoch orders of different seeds stay disjoint too, and the sampler is a
+    DistributedSampler, which Lightning keeps instead of putting its ``seed + epoch`` one in."""
+    orders = {}
+    for seed in range(3):
+        ranks = [train_sampler(range(200), seed, num_replicas=2, rank=r) for r in range(2)]
+        assert all(isinstance(s, DistributedSampler) for s in ranks)
+        for epoch in range(10):
+            for s in ranks:
+                s.set_epoch(epoch)
+            shares = [list(s) for s in ranks]
+            assert sorted(shares[0] + shares[1]) == list(range(200))
+            orders.setdefault(tuple(shares[0] + shares[1]), []).append((seed, epoch))
+    shared = [v for v in orders.values() if len(v) > 1]
+    assert not shared, f"(seed, epoch) pairs drawing the same order: {shared}"
+    assert isinstance(train_sampler(range(10), 1), EpochSeededSampler)
+
+
+def test_seed_zero_keeps_its_orders():
+    """Seed 0 draws epoch e's order from generator seed e (the committed seed-0 runs stay valid)."""
+    s = EpochSeededSampler(range(50), seed=0)
+    s.set_epoch(1)
+    assert list(s) == torch.randperm(50, generator=torch.Generator().manual_seed(1)).tolist()
 
 
 def test_synthetic_is_deterministic_and_class_conditional():

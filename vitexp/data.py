@@ -7,7 +7,7 @@ data config (``timm.data.resolve_data_config``: input size, interpolation, mean,
 expect. Nothing is downloaded: a missing dataset root is a ``FileNotFoundError`` naming it.
 
 Reproducibility: every DataLoader carries its own seeded generator and the training sampler
-reshuffles from ``seed + epoch`` (:class:`EpochSeededSampler`), so a resumed run sees the same
+reshuffles from the seed and the epoch (:class:`EpochSeededSampler`), so a resumed run sees the same
 batches as an uninterrupted one and no loader draws from the global RNG.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, Subset, TensorDataset
 
 DEFAULT_DATA_CONFIG = {
     "input_size": (3, 224, 224),
@@ -31,11 +31,17 @@ DEFAULT_DATA_CONFIG = {
 }
 
 
-class EpochSeededSampler(RandomSampler):
-    """A random permutation drawn from ``seed + epoch`` (Lightning calls ``set_epoch``).
+SEED_STRIDE = 1_000_003  # seeds apart: an epoch count no run reaches
 
-    It subclasses ``RandomSampler`` so that under DDP Lightning swaps it for a
-    ``DistributedSampler`` (itself seeded per epoch)."""
+
+class EpochSeededSampler(RandomSampler):
+    """A random permutation drawn from ``seed * SEED_STRIDE + epoch`` (Lightning calls ``set_epoch``).
+
+    The stride keeps the runs of different seeds on disjoint orders: with ``seed + epoch`` the
+    second epoch of seed s repeated the first of seed s + 1, which correlates the seeds a table
+    averages over. Seed 0 draws the same orders under both formulas.
+    Under DDP the data modules use :func:`train_sampler`'s ``DistributedSampler`` instead; this one
+    subclasses ``RandomSampler`` so that Lightning still shards it if it meets it there."""
 
     def __init__(self, data_source: Sequence, seed: int = 0):
         super().__init__(data_source)
@@ -46,8 +52,21 @@ class EpochSeededSampler(RandomSampler):
         self.epoch = epoch
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        g = torch.Generator().manual_seed(self.seed * SEED_STRIDE + self.epoch)
         yield from torch.randperm(len(self.data_source), generator=g).tolist()
+
+
+def train_sampler(dataset: Sequence, seed: int, num_replicas: int | None = None, rank: int | None = None):
+    """The training sampler: :class:`EpochSeededSampler`, or under DDP (a process group of more than
+    one, or ``num_replicas`` given) a ``DistributedSampler`` seeded with ``seed * SEED_STRIDE``, so each
+    rank's share of epoch e comes from ``seed * SEED_STRIDE + e`` as on one process. Lightning keeps a
+    ``DistributedSampler`` it is given; the one it would put in its place is seeded ``seed + epoch``."""
+    if num_replicas is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        num_replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if num_replicas is not None and num_replicas > 1:
+        return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
+                                  seed=seed * SEED_STRIDE)
+    return EpochSeededSampler(dataset, seed)
 
 
 class _TransformedTensorDataset(Dataset):
@@ -88,7 +107,7 @@ class VitexpDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=EpochSeededSampler(dataset, self.loader_seed) if train else None,
+            sampler=train_sampler(dataset, self.loader_seed) if train else None,
             shuffle=False if not train else None,
             drop_last=train and len(dataset) > self.batch_size,
             num_workers=self.num_workers,
