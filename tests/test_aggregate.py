@@ -11,6 +11,7 @@ import math
 import pytest
 
 from vitexp import aggregate, tables
+from vitexp.data import DATA_ORDER
 from vitexp.results import LedgerEntry, iter_runs
 
 SPEC = {
@@ -34,14 +35,16 @@ BASE = {0: 90.0, 1: 91.0, 2: 89.5}
 METH = {0: 90.5, 1: 91.2}
 
 
-def _run(results_dir, name, seed, metrics, started=None, fail=False):
+def _run(results_dir, name, seed, metrics, started=None, fail=False, order=DATA_ORDER):
+    """A train run; ``order=None``: one from the sampler that drew ``seed + epoch`` (no data_order)."""
     entry = LedgerEntry(name, "train", {"seed": seed}, results_dir).start()
     if started:
         entry.record["started"] = started
     if fail:
         entry.fail(RuntimeError("killed"))
     else:
-        entry.finish(metrics)
+        entry.finish(metrics, {"data_order": order} if order else {})
+        return entry.run_id
 
 
 @pytest.fixture
@@ -76,7 +79,8 @@ def test_rendered_cells_say_n_and_missing_seeds(seeded_ledger, tmp_path):
     md = tables.render_markdown(SPEC, tables.fill(SPEC, runs))
     md = re.sub(r" {2,}", " ", md)  # tabulate pads the cells of a column to one width
     assert "| Baseline | 90.17 ± 0.76 (3) | — | 0.020 ± 0.000 (3) | — | — |" in md
-    assert "| Method | 90.85 ± 0.49 (2 of 3 seeds) | — | 0.010 ± 0.000 (2 of 3 seeds) | — | +0.35 ± 0.21 (2) |" in md
+    assert "| Method | 90.85 ± 0.49 (2 of 3 seeds) | — | 0.010 ± 0.000 (2 of 3 seeds) | — | +0.35 ± 0.21 (2 of 3 seeds) |" in md
+    assert "not independent" not in md  # every seeded run drew its own orders
     assert "| Pretrained | 88.80 | — | 0.020 | — | — |" in md
     assert "Δ Top-1 vs baseline" in md.splitlines()[2]
     written = tables.write_table(SPEC, runs, tmp_path / "tables")
@@ -150,3 +154,26 @@ def test_the_sweeps_seed_override_names_runs_as_the_tables_expect():
     cfg = compose(["experiment=chunk_demo", "seed=1"])
     choices = {"experiment": "chunk_demo", "backbone": "vit_micro", "method": "chunk", "data": "digits"}
     assert run_name(cfg, choices, ["experiment=chunk_demo", "seed=1"]) == aggregate.seeded_name("chunk_demo", 1)
+
+
+def test_seeds_from_the_overlapping_sampler_are_flagged_and_trained_again(results_dir):
+    """A seed >= 1 trained by the ``seed + epoch`` sampler is named under the table and launched again;
+    seed 0 (the same orders under both samplers) and a run recording data_order are not, and the
+    rerun replaces the old value in the cell."""
+    from vitexp.sweep import plan
+
+    spec = {"name": "s", "title": "t", "seeds": [0, 1, 2], "columns": SPEC["columns"],
+            "rows": [{"label": "chunk", "experiment": "chunk_demo"}]}
+    _run(results_dir, "chunk_demo+seed=0", 0, {"top1": 90.0}, order=None)
+    old = _run(results_dir, "chunk_demo+seed=1", 1, {"top1": 50.0}, order=None,
+               started="2000-01-01T00:00:00+00:00")
+    _run(results_dir, "chunk_demo+seed=2", 2, {"top1": 92.0})
+    todo = plan(spec, None, False, results_dir)["train"]
+    assert todo["seeds"] == {"chunk_demo": [1]} and todo["skip"] == ["chunk_demo+seed=0", "chunk_demo+seed=2"]
+    md = tables.render_markdown(spec, tables.fill(spec, list(iter_runs(results_dir))))
+    assert "1 of the seeded runs" in md and f"`{old}`" in md.split("not independent")[1]
+    _run(results_dir, "chunk_demo+seed=1", 1, {"top1": 91.0}, started="9999-01-01T00:00:00+00:00")
+    assert plan(spec, None, False, results_dir)["train"]["launch"] == []
+    rows = tables.fill(spec, list(iter_runs(results_dir)))
+    assert rows[0]["cells"]["top1"]["value"] == pytest.approx(91.0) and rows[0]["overlapping"] == []
+    assert "not independent" not in tables.render_markdown(spec, rows)

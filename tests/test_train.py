@@ -46,6 +46,7 @@ def test_fast_dev_run(backbone, method, make_cfg, results_dir):
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "completed" and entry["kind"] == "train"
     assert entry["protocol"]["resolution"] == cfg.backbone.img_size
+    assert entry["protocol"]["data_order"] == "seed*1000003+epoch"  # what the sweep tells old seeds by
 
 
 def test_demo_reaches_85_percent_on_digits(make_cfg, results_dir):

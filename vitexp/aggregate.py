@@ -47,6 +47,16 @@ def run_seed(run: dict[str, Any]) -> int | None:
     return int(seed) if isinstance(seed, (int, float)) else None
 
 
+def overlapping_order(run: dict[str, Any]) -> bool:
+    """A completed training run of seed s >= 1 whose protocol lacks ``data_order``
+    (:data:`vitexp.data.DATA_ORDER`): its sampler drew epoch e from ``s + e``, so its second epoch
+    repeated the first of seed s + 1 and the seeds of a row were not independent. Seed 0 drew the
+    same orders under both samplers; a running run has no protocol yet and is not judged."""
+    seed = run_seed(run)
+    return (run.get("kind") == "train" and run.get("status") == "completed" and seed is not None
+            and seed >= 1 and "data_order" not in (run.get("protocol") or {}))
+
+
 def seed_runs(runs: Iterable[dict[str, Any]], experiment: str, seeds: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
     """{seed: completed runs of that seed of ``experiment``, oldest first}."""
     out: dict[int, list[dict[str, Any]]] = {s: [] for s in seeds}
@@ -137,7 +147,8 @@ def paired_text(row: dict[str, Any], col: dict[str, Any]) -> str:
     diff = (row.get("paired") or {}).get(col["key"])
     if diff is None:
         return "—"
-    text = format_stat(diff["mean"], diff["std"], diff["n"], int(col.get("digits", 2)), signed=True)
+    expected = (row.get("cells") or {}).get(col["key"], {}).get("expected")
+    text = format_stat(diff["mean"], diff["std"], diff["n"], int(col.get("digits", 2)), expected, signed=True)
     return text if text is not None else ("no common seed" if diff["both_run"] else "not run")
 
 

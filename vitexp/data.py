@@ -32,6 +32,7 @@ DEFAULT_DATA_CONFIG = {
 
 
 SEED_STRIDE = 1_000_003  # seeds apart: an epoch count no run reaches
+DATA_ORDER = "seed*1000003+epoch"  # a train run's ledger protocol names the order its sampler drew
 
 
 class EpochSeededSampler(RandomSampler):

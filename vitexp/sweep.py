@@ -8,7 +8,8 @@ skipped unless ``--force``, so an interrupted sweep resumes by running the same 
 run whose process is gone (``interrupted``, :func:`vitexp.results.effective_status`) is rerun. A
 row with seeds (the spec's ``seeds``, :mod:`vitexp.aggregate`) is one job per seed (``experiment=E
 seed=s``, recorded as ``E+seed=s``; a row with overrides or a name N: ``name='N+seed=${seed}'``),
-and only its seeds without a completed or running run are launched; unseeded rows go first (the
+and only its seeds without a completed or running run are launched (a seed s >= 1 trained by the
+sampler that drew ``s + epoch`` does not count: :func:`vitexp.aggregate.overlapping_order`); unseeded rows go first (the
 pretrained baselines that seeded rows load with ``run:``). Such a shared start (a row with ``seeds:
 null`` in a seeded table) counts as done only while its weights are on this machine: on a fresh
 checkout of a committed ledger it trains again, and the seeded rows load the new run. Plain unseeded rows share one multirun
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from vitexp import CONF_DIR
 from vitexp import recheck
-from vitexp.aggregate import row_seeds, seed_runs, seeded_name
+from vitexp.aggregate import overlapping_order, row_seeds, seed_runs, seeded_name
 from vitexp.results import RUN_WEIGHTS_PREFIX, default_results_dir, effective_status, iter_runs, weights_run
 from vitexp.rows import expand_rows, job_arguments, row_name
 from vitexp.tables import all_specs, load_spec
@@ -71,7 +72,8 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
         seeds = row_seeds(spec, row)
         bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None)
         if seeds is not None:
-            by_seed = seed_runs([{**r, "status": "completed"} for r in active], name, seeds)
+            current = [r for r in active if not overlapping_order(r)]  # older samplers' seeds run again
+            by_seed = seed_runs([{**r, "status": "completed"} for r in current], name, seeds)
             for seed in seeds:
                 target = "skip" if by_seed[seed] and not force else "launch"
                 if seeded_name(name, seed) not in bucket[target]:

@@ -139,7 +139,9 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
                           "source": paper.get("source"), "formula": paper.get("formula") if paper.get("derived") else None}
         filled.append({"label": row["label"], "experiment": name,
                        "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
-                       "seeds": seeds, "baseline": row.get("baseline"), "pending": pending[-1] if pending else None,
+                       "seeds": seeds, "baseline": row.get("baseline"),
+                       "overlapping": sorted({rs[-1]["run_id"] for rs in (by_seed or {}).values()
+                                              if rs and aggregate.overlapping_order(rs[-1])}), "pending": pending[-1] if pending else None,
                        "trained": any(r.get("kind") == "train" for r in
                                       (mine if by_seed is None else [r for rs in by_seed.values() for r in rs]))})
     aggregate.paired_cells(spec, filled)
@@ -221,6 +223,12 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if any(r["seeds"] is not None for r in rows):
         lines += ["", "Seeded rows: mean ± sample std (n seeds) over the seeds of the method's fine-tuning; "
                   "Δ: the paired difference to the row's baseline over the seeds both completed, mean ± std (n pairs)."]
+    overlapping = sorted({i for r in rows for i in r.get("overlapping") or ()})
+    if overlapping:
+        lines += ["", f"{len(overlapping)} of the seeded runs (seeds 1 and up, no `data_order` in their "
+                  "protocol) drew epoch e's order from seed + e, so each repeated an epoch of the next seed: "
+                  "their seeds are not independent and a std may be too small. `vitexp-sweep "
+                  f"{spec.get('name', 'TABLE')}` trains them again: " + ", ".join(f"`{i}`" for i in overlapping) + "."]
     run_ids = sorted({i for r in rows for c in r["cells"].values() for i in (c.get("run_ids") or [c["run_id"]]) if i})
     if run_ids:
         lines += ["", "vitexp runs (results/runs/): " + ", ".join(f"`{i}`" for i in run_ids) + "."]

@@ -29,6 +29,7 @@ from omegaconf import DictConfig
 from vitexp.build import build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir, registers_of
 from vitexp.callbacks import BestValidation, Heartbeat
 from vitexp.config import to_container, validate
+from vitexp.data import DATA_ORDER
 from vitexp.methods import Method, Stage
 from vitexp.results import atomic_write, portable_path
 from vitexp.run import owned_run, resume_checkpoint
@@ -54,7 +55,8 @@ def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tupl
     deployed = method.deploy(model)
     img_size = int(cfg.backbone.img_size)
     metrics: dict[str, Any] = {}
-    protocol: dict[str, Any] = {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes)}
+    protocol: dict[str, Any] = {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes),
+                                "data_order": DATA_ORDER}
     from vitexp.detection import detection_flops, wants_detection
 
     if wants_detection(cfg):
