@@ -177,3 +177,48 @@ def test_seeds_from_the_overlapping_sampler_are_flagged_and_trained_again(result
     rows = tables.fill(spec, list(iter_runs(results_dir)))
     assert rows[0]["cells"]["top1"]["value"] == pytest.approx(91.0) and rows[0]["overlapping"] == []
     assert "not independent" not in tables.render_markdown(spec, rows)
+
+
+def _ft(results_dir, name, seed, start, started):
+    """A completed fine-tuning of ``seed`` that loaded ``backbone.pretrained=start``."""
+    entry = LedgerEntry(name, "train", {"seed": seed, "backbone": {"pretrained": start}}, results_dir).start()
+    entry.record["started"] = started
+    entry.finish({"top1": 90.0 + seed}, {"data_order": DATA_ORDER})
+    return entry.run_id
+
+
+def _start(results_dir, tmp_path, started, finished):
+    """A completed run of the shared start ``demo`` with its weights file on this machine."""
+    weights = tmp_path / f"w-{started[:4]}.pth"
+    weights.write_bytes(b"weights")
+    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir).start()
+    entry.record["started"] = started
+    entry.finish({"top1": 1.0}, artifacts={"weights": str(weights)})
+    entry.record["finished"] = finished
+    entry._write()
+    return entry.run_id
+
+
+def test_seeds_fine_tuned_from_another_run_of_the_shared_start_train_again(results_dir, tmp_path):
+    """A row never mixes two starts: a seed that loaded an older run of its shared start (pinned, or
+    ``run:<experiment>`` resolved by time) is named under the table and launched again."""
+    from vitexp.sweep import plan
+
+    spec = {"name": "s", "title": "t", "seeds": [0, 1, 2], "columns": SPEC["columns"],
+            "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
+                     {"label": "ft", "experiment": "chunk_demo"}]}
+    old = _start(results_dir, tmp_path, "2001-01-01T00:00:00+00:00", "2001-01-01T01:00:00+00:00")
+    new = _start(results_dir, tmp_path, "2002-01-01T00:00:00+00:00", "2002-01-01T01:00:00+00:00")
+    by_time = _ft(results_dir, "chunk_demo+seed=0", 0, "run:demo", "2001-06-01T00:00:00+00:00")  # loaded `old`
+    _ft(results_dir, "chunk_demo+seed=1", 1, f"run:{new}", "2002-06-01T00:00:00+00:00")
+    _ft(results_dir, "chunk_demo+seed=2", 2, "run:demo", "2002-06-01T00:00:00+00:00")  # loaded `new`
+    runs = list(iter_runs(results_dir))
+    assert [aggregate.start_of(r, runs) for r in runs if r["experiment"] != "demo"] == [old, new, new]
+    todo = plan(spec, None, False, results_dir)["train"]
+    assert todo["seeds"] == {"chunk_demo": [0]} and "demo" in todo["skip"]
+    md = tables.render_markdown(spec, tables.fill(spec, runs))
+    assert "1 of the seeded runs fine-tuned another run" in md and f"`{by_time}`" in md.split("another run")[1]
+    for weights in tmp_path.glob("w-2002*"):  # the start's weights are gone: it and all its seeds train again
+        weights.unlink()
+    todo = plan(spec, None, False, results_dir)["train"]
+    assert todo["launch"][0] == "demo" and todo["seeds"] == {"chunk_demo": [0, 1, 2]}

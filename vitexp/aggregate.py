@@ -57,6 +57,32 @@ def overlapping_order(run: dict[str, Any]) -> bool:
             and seed >= 1 and "data_order" not in (run.get("protocol") or {}))
 
 
+def start_of(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str | None:
+    """The id of the run whose weights ``run`` loaded (``backbone.pretrained``): ``run:<run_id>`` as
+    recorded, or for ``run:<experiment>`` the newest completed train run of that experiment that had
+    finished when ``run`` started (what :func:`vitexp.results.weights_run` took then); ``None`` when
+    it loaded no run."""
+    ref = str(((run.get("config") or {}).get("backbone") or {}).get("pretrained") or "")
+    if not ref.startswith("run:"):
+        return None
+    target = ref.removeprefix("run:")
+    if any(r.get("run_id") == target for r in runs):
+        return target
+    started = run.get("started") or ""
+    earlier = [r for r in runs if r.get("kind") == "train" and r.get("status") == "completed"
+               and r.get("experiment") == target and (r.get("finished") or "") <= started]
+    return max(earlier, key=lambda r: r["finished"])["run_id"] if earlier else None
+
+
+def other_start(run: dict[str, Any], starts: dict[str, str | None], runs: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``run`` fine-tuned a run of a shared start other than the current one: ``starts`` maps
+    each shared start's experiment to the run a table shows for it (``None``: it trains again, so
+    every earlier run of it is another)."""
+    sid = start_of(run, runs)
+    exp = next((r.get("experiment") for r in runs if sid and r.get("run_id") == sid), None)
+    return exp in starts and starts[exp] != sid
+
+
 def seed_runs(runs: Iterable[dict[str, Any]], experiment: str, seeds: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
     """{seed: completed runs of that seed of ``experiment``, oldest first}."""
     out: dict[int, list[dict[str, Any]]] = {s: [] for s in seeds}

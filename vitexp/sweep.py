@@ -12,7 +12,9 @@ and only its seeds without a completed or running run are launched (a seed s >= 
 sampler that drew ``s + epoch`` does not count: :func:`vitexp.aggregate.overlapping_order`); unseeded rows go first (the
 pretrained baselines that seeded rows load with ``run:``). Such a shared start (a row with ``seeds:
 null`` in a seeded table) counts as done only while its weights are on this machine: on a fresh
-checkout of a committed ledger it trains again, and the seeded rows load the new run. Plain unseeded rows share one multirun
+checkout of a committed ledger it trains again, and the seeded rows load the new run; a seeded run
+fine-tuned from another run of its start than the current one trains again too
+(:func:`vitexp.aggregate.other_start`), so a row never mixes two starts. Plain unseeded rows share one multirun
 (``experiment=a,b,c``); a row with overrides is a job of its own.
 Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
 Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from vitexp import CONF_DIR
 from vitexp import recheck
-from vitexp.aggregate import overlapping_order, row_seeds, seed_runs, seeded_name
+from vitexp.aggregate import other_start, overlapping_order, row_seeds, seed_runs, seeded_name
 from vitexp.results import RUN_WEIGHTS_PREFIX, default_results_dir, effective_status, iter_runs, weights_run
 from vitexp.rows import expand_rows, job_arguments, row_name
 from vitexp.tables import all_specs, load_spec
@@ -58,6 +60,7 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
     one seed of a seeded row."""
     out: dict[str, dict] = {}
     runs = list(iter_runs(results_dir))
+    starts = _current_starts(spec, runs, force, results_dir)
     for row in expand_rows(spec["rows"]):
         if row.get("cited") or not row.get("experiment"):
             continue
@@ -72,7 +75,8 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
         seeds = row_seeds(spec, row)
         bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None)
         if seeds is not None:
-            current = [r for r in active if not overlapping_order(r)]  # older samplers' seeds run again
+            # runs again: a seed from the older sampler, or one fine-tuned from another run of its start
+            current = [r for r in active if not overlapping_order(r) and not other_start(r, starts, runs)]
             by_seed = seed_runs([{**r, "status": "completed"} for r in current], name, seeds)
             for seed in seeds:
                 target = "skip" if by_seed[seed] and not force else "launch"
@@ -83,14 +87,32 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
                         bucket["seeds"].setdefault(name, []).append(seed)
             continue
         done = any(r.get("experiment") == name for r in active)
-        if done and k == "train" and _shared_start(spec, row) and not _weights_here(name, results_dir):
-            print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
-                  f"not on this machine: it runs again", file=sys.stderr)
-            done = any(r.get("experiment") == name and r.get("status") == "running" for r in active)
+        if k == "train" and name in starts:
+            done = starts[name] is not None or any(r.get("experiment") == name and r.get("status") == "running"
+                                                   for r in active)
         target = "skip" if done and not force else "launch"
         if name not in bucket[target]:
             bucket[target].append(name)
     return out
+
+
+def _current_starts(spec: dict, runs: list[dict], force: bool, results_dir: Path) -> dict[str, str | None]:
+    """{shared start's name: the run its seeded rows load, or ``None`` when it trains again (no
+    completed run, ``--force``, or its weights are not on this machine): then every seeded run
+    fine-tuned from an earlier run of it trains again too, so a row never mixes two starts."""
+    starts: dict[str, str | None] = {}
+    for row in expand_rows(spec["rows"]):
+        if row.get("cited") or not row.get("experiment") or not _shared_start(spec, row):
+            continue
+        name = row_name(row)
+        done = [r for r in runs if r.get("experiment") == name and r.get("kind") == "train"
+                and r.get("status") == "completed"]
+        if done and not force and not _weights_here(name, results_dir):
+            print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
+                  f"not on this machine: it runs again, and so do the seeded rows fine-tuned from it", file=sys.stderr)
+        starts[name] = weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir)["run_id"] if (
+            done and not force and _weights_here(name, results_dir)) else None
+    return starts
 
 
 def _shared_start(spec: dict, row: dict) -> bool:

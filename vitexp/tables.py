@@ -111,6 +111,10 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
     runs = list(runs)
     # an eval entry re-tests a training run's weights under its name (vitexp-eval): it checks a cell, never fills one
     completed = [r for r in runs if r.get("status") == "completed" and r.get("kind") != "eval"]
+    starts = {row_name(r): next((x["run_id"] for x in reversed(completed) if x.get("kind") == "train"
+                                 and x.get("experiment") == row_name(r)), None)
+              for r in expand_rows(spec["rows"]) if r.get("experiment") and spec.get("seeds")
+              and "seeds" in r and r["seeds"] is None}  # the shared starts and the run each shows
     filled = []
     for row in expand_rows(spec["rows"]):
         name = row_name(row)
@@ -141,7 +145,9 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
                        "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
                        "seeds": seeds, "baseline": row.get("baseline"),
                        "overlapping": sorted({rs[-1]["run_id"] for rs in (by_seed or {}).values()
-                                              if rs and aggregate.overlapping_order(rs[-1])}), "pending": pending[-1] if pending else None,
+                                              if rs and aggregate.overlapping_order(rs[-1])}),
+                       "other_start": sorted({rs[-1]["run_id"] for rs in (by_seed or {}).values()
+                                              if rs and aggregate.other_start(rs[-1], starts, completed)}), "pending": pending[-1] if pending else None,
                        "trained": any(r.get("kind") == "train" for r in
                                       (mine if by_seed is None else [r for rs in by_seed.values() for r in rs]))})
     aggregate.paired_cells(spec, filled)
@@ -229,6 +235,11 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
                   "protocol) drew epoch e's order from seed + e, so each repeated an epoch of the next seed: "
                   "their seeds are not independent and a std may be too small. `vitexp-sweep "
                   f"{spec.get('name', 'TABLE')}` trains them again: " + ", ".join(f"`{i}`" for i in overlapping) + "."]
+    other = sorted({i for r in rows for i in r.get("other_start") or ()})
+    if other:
+        lines += ["", f"{len(other)} of the seeded runs fine-tuned another run of their shared start than the "
+                  f"one this table shows, so they measure other weights: `vitexp-sweep {spec.get('name', 'TABLE')}` "
+                  "trains them again: " + ", ".join(f"`{i}`" for i in other) + "."]
     run_ids = sorted({i for r in rows for c in r["cells"].values() for i in (c.get("run_ids") or [c["run_id"]]) if i})
     if run_ids:
         lines += ["", "vitexp runs (results/runs/): " + ", ".join(f"`{i}`" for i in run_ids) + "."]
