@@ -222,3 +222,13 @@ def test_seeds_fine_tuned_from_another_run_of_the_shared_start_train_again(resul
         weights.unlink()
     todo = plan(spec, None, False, results_dir)["train"]
     assert todo["launch"][0] == "demo" and todo["seeds"] == {"chunk_demo": [0, 1, 2]}
+
+
+def test_only_trained_ledger_seeds_from_the_old_sampler_count_as_overlapping():
+    base = {"kind": "train", "status": "completed", "config": {"seed": 1}, "protocol": {}, "metrics": {"steps": 40}}
+    assert aggregate.overlapping_order(base)
+    assert not aggregate.overlapping_order({**base, "config": {"seed": 0}})  # seed 0: the same orders
+    assert not aggregate.overlapping_order({**base, "protocol": {"data_order": DATA_ORDER}})
+    assert not aggregate.overlapping_order({**base, "metrics": {"steps": 0}})  # k-NN only: drew no order
+    assert not aggregate.overlapping_order({k: v for k, v in base.items() if k != "protocol"})  # a W&B record
+    assert not aggregate.overlapping_order({**base, "status": "running"})

@@ -67,6 +67,25 @@ def test_ddp_sampler_keeps_the_seeds_apart():
     assert isinstance(train_sampler(range(10), 1), EpochSeededSampler)
 
 
+def test_the_training_loader_shards_by_the_process_group(monkeypatch):
+    """Under an initialised process group of 2 the data module's training loader carries the seeded
+    DistributedSampler, whose two ranks together draw the single-process order of that epoch."""
+    import torch.distributed as dist
+
+    single = train_sampler(range(40), 2)
+    single.set_epoch(3)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    shares = []
+    for rank in range(2):
+        monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+        sampler = DigitsDataModule(batch_size=8, data_config=CFG32, loader_seed=2)._loader(range(40), train=True).sampler
+        assert isinstance(sampler, DistributedSampler)
+        sampler.set_epoch(3)
+        shares.append(list(sampler))
+    assert [i for pair in zip(*shares) for i in pair] == list(single)  # DistributedSampler deals rank by rank
+
+
 def test_seed_zero_keeps_its_orders():
     """Seed 0 draws epoch e's order from generator seed e (the committed seed-0 runs stay valid)."""
     s = EpochSeededSampler(range(50), seed=0)

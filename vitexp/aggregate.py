@@ -51,16 +51,18 @@ def overlapping_order(run: dict[str, Any]) -> bool:
     """A completed training run of seed s >= 1 whose protocol lacks ``data_order``
     (:data:`vitexp.data.DATA_ORDER`): its sampler drew epoch e from ``s + e``, so its second epoch
     repeated the first of seed s + 1 and the seeds of a row were not independent. Seed 0 drew the
-    same orders under both samplers; a running run has no protocol yet and is not judged."""
+    same orders under both samplers. Not judged: a running run (no protocol yet), a record without a
+    protocol at all (a W&B run), and a run that took no training step (it drew no order)."""
     seed = run_seed(run)
     return (run.get("kind") == "train" and run.get("status") == "completed" and seed is not None
-            and seed >= 1 and "data_order" not in (run.get("protocol") or {}))
+            and seed >= 1 and isinstance(run.get("protocol"), dict) and "data_order" not in run["protocol"]
+            and (run.get("metrics") or {}).get("steps", 1) != 0)
 
 
 def start_of(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str | None:
     """The id of the run whose weights ``run`` loaded (``backbone.pretrained``): ``run:<run_id>`` as
-    recorded, or for ``run:<experiment>`` the newest completed train run of that experiment that had
-    finished when ``run`` started (what :func:`vitexp.results.weights_run` took then); ``None`` when
+    recorded, or for ``run:<experiment>`` the newest (by start, as the ledger orders runs) completed
+    train run of that experiment that had finished when ``run`` started (what :func:`vitexp.results.weights_run` took then); ``None`` when
     it loaded no run."""
     ref = str(((run.get("config") or {}).get("backbone") or {}).get("pretrained") or "")
     if not ref.startswith("run:"):
@@ -71,7 +73,7 @@ def start_of(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str | None:
     started = run.get("started") or ""
     earlier = [r for r in runs if r.get("kind") == "train" and r.get("status") == "completed"
                and r.get("experiment") == target and (r.get("finished") or "") <= started]
-    return max(earlier, key=lambda r: r["finished"])["run_id"] if earlier else None
+    return max(earlier, key=lambda r: (r.get("started") or "", r.get("run_id", "")))["run_id"] if earlier else None
 
 
 def other_start(run: dict[str, Any], starts: dict[str, str | None], runs: Sequence[dict[str, Any]]) -> bool:

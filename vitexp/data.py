@@ -57,17 +57,18 @@ class EpochSeededSampler(RandomSampler):
         yield from torch.randperm(len(self.data_source), generator=g).tolist()
 
 
-def train_sampler(dataset: Sequence, seed: int, num_replicas: int | None = None, rank: int | None = None):
+def train_sampler(dataset: Sequence, seed: int, num_replicas: int | None = None, rank: int | None = None,
+                  single: type | None = None, distributed: type = DistributedSampler):
     """The training sampler: :class:`EpochSeededSampler`, or under DDP (a process group of more than
     one, or ``num_replicas`` given) a ``DistributedSampler`` seeded with ``seed * SEED_STRIDE``, so each
     rank's share of epoch e comes from ``seed * SEED_STRIDE + e`` as on one process. Lightning keeps a
-    ``DistributedSampler`` it is given; the one it would put in its place is seeded ``seed + epoch``."""
+    ``DistributedSampler`` it is given; the one it would put in its place is seeded ``seed + epoch``.
+    ``single`` / ``distributed``: subclasses to use instead (COCO's also pass the epoch to the dataset)."""
     if num_replicas is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         num_replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     if num_replicas is not None and num_replicas > 1:
-        return DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
-                                  seed=seed * SEED_STRIDE)
-    return EpochSeededSampler(dataset, seed)
+        return distributed(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed * SEED_STRIDE)
+    return (single or EpochSeededSampler)(dataset, seed)
 
 
 class _TransformedTensorDataset(Dataset):

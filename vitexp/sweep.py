@@ -60,7 +60,7 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
     one seed of a seeded row."""
     out: dict[str, dict] = {}
     runs = list(iter_runs(results_dir))
-    starts = _current_starts(spec, runs, force, results_dir)
+    starts = _current_starts(spec, runs, force, results_dir) if kind in (None, "train") else {}
     for row in expand_rows(spec["rows"]):
         if row.get("cited") or not row.get("experiment"):
             continue
@@ -75,8 +75,9 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
         seeds = row_seeds(spec, row)
         bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None)
         if seeds is not None:
-            # runs again: a seed from the older sampler, or one fine-tuned from another run of its start
-            current = [r for r in active if not overlapping_order(r) and not other_start(r, starts, runs)]
+            # a completed training seed from the older sampler, or fine-tuned from another run of its start, runs again
+            current = [r for r in active if k != "train" or r.get("status") != "completed"
+                       or not (overlapping_order(r) or other_start(r, starts, runs))]
             by_seed = seed_runs([{**r, "status": "completed"} for r in current], name, seeds)
             for seed in seeds:
                 target = "skip" if by_seed[seed] and not force else "launch"

@@ -141,13 +141,13 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
                     value, run_id = v, r["run_id"]
             cells[key] = {"value": value, "run_id": run_id, "paper": paper.get("value"),
                           "source": paper.get("source"), "formula": paper.get("formula") if paper.get("derived") else None}
+        cited_ids = {i for c in cells.values() for i in c.get("run_ids") or ()}  # a seeded row's cited runs
+        cited = [r for rs in (by_seed or {}).values() for r in rs if r["run_id"] in cited_ids]
         filled.append({"label": row["label"], "experiment": name,
                        "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
                        "seeds": seeds, "baseline": row.get("baseline"),
-                       "overlapping": sorted({rs[-1]["run_id"] for rs in (by_seed or {}).values()
-                                              if rs and aggregate.overlapping_order(rs[-1])}),
-                       "other_start": sorted({rs[-1]["run_id"] for rs in (by_seed or {}).values()
-                                              if rs and aggregate.other_start(rs[-1], starts, completed)}), "pending": pending[-1] if pending else None,
+                       "overlapping": sorted({r["run_id"] for r in cited if aggregate.overlapping_order(r)}),
+                       "other_start": sorted({r["run_id"] for r in cited if aggregate.other_start(r, starts, completed)}), "pending": pending[-1] if pending else None,
                        "trained": any(r.get("kind") == "train" for r in
                                       (mine if by_seed is None else [r for rs in by_seed.values() for r in rs]))})
     aggregate.paired_cells(spec, filled)
@@ -193,7 +193,18 @@ def footnotes(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     notes = [f"{DERIVED_MARK} {row['label']}, {col['label']}: {_paper_text(c)[:-1]} = {c['formula']}, obtained by "
              f"arithmetic from {c['source']}."
              for row in rows for col in spec["columns"] for c in [row["cells"][col["key"]]] if c.get("formula")]
-    return notes + [str(n) for n in spec.get("notes") or []]
+    notes += [str(n) for n in spec.get("notes") or []]
+    name = spec.get("name", "TABLE")
+    overlapping = {i for r in rows for i in r.get("overlapping") or ()}
+    if overlapping:
+        notes.append(f"{len(overlapping)} of the seeded runs (seeds 1 and up, no data_order in their protocol) drew "
+                     "epoch e's order from seed + e, so each repeated an epoch of the next seed: their seeds are not "
+                     f"independent and a std may be too small; vitexp-sweep {name} trains them again.")
+    other = {i for r in rows for i in r.get("other_start") or ()}
+    if other:
+        notes.append(f"{len(other)} of the seeded runs fine-tuned another run of their shared start than the one "
+                     f"this table shows, so they measure other weights; vitexp-sweep {name} trains them again.")
+    return notes
 
 
 def _header(spec) -> list[str]:
@@ -229,17 +240,9 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if any(r["seeds"] is not None for r in rows):
         lines += ["", "Seeded rows: mean ± sample std (n seeds) over the seeds of the method's fine-tuning; "
                   "Δ: the paired difference to the row's baseline over the seeds both completed, mean ± std (n pairs)."]
-    overlapping = sorted({i for r in rows for i in r.get("overlapping") or ()})
-    if overlapping:
-        lines += ["", f"{len(overlapping)} of the seeded runs (seeds 1 and up, no `data_order` in their "
-                  "protocol) drew epoch e's order from seed + e, so each repeated an epoch of the next seed: "
-                  "their seeds are not independent and a std may be too small. `vitexp-sweep "
-                  f"{spec.get('name', 'TABLE')}` trains them again: " + ", ".join(f"`{i}`" for i in overlapping) + "."]
-    other = sorted({i for r in rows for i in r.get("other_start") or ()})
-    if other:
-        lines += ["", f"{len(other)} of the seeded runs fine-tuned another run of their shared start than the "
-                  f"one this table shows, so they measure other weights: `vitexp-sweep {spec.get('name', 'TABLE')}` "
-                  "trains them again: " + ", ".join(f"`{i}`" for i in other) + "."]
+    again = sorted({i for r in rows for key in ("overlapping", "other_start") for i in r.get(key) or ()})
+    if again:
+        lines += ["", "Runs to train again (see the notes): " + ", ".join(f"`{i}`" for i in again) + "."]
     run_ids = sorted({i for r in rows for c in r["cells"].values() for i in (c.get("run_ids") or [c["run_id"]]) if i})
     if run_ids:
         lines += ["", "vitexp runs (results/runs/): " + ", ".join(f"`{i}`" for i in run_ids) + "."]

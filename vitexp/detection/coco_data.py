@@ -23,9 +23,9 @@ from typing import Any, Mapping
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from vitexp.data import EpochSeededSampler
+from vitexp.data import EpochSeededSampler, train_sampler
 
 
 class CocoInstances(Dataset):
@@ -89,6 +89,14 @@ class _FlipEpochSampler(EpochSeededSampler):
         self.data_source.epoch = epoch
 
 
+class _FlipDistributedSampler(DistributedSampler):
+    """The training sampler under DDP (:func:`vitexp.data.train_sampler`), also telling the dataset its epoch."""
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.dataset.epoch = epoch
+
+
 class CocoDataModule(L.LightningDataModule):
     """COCO 2017 train / val (val is also the test split)."""
 
@@ -138,7 +146,8 @@ class CocoDataModule(L.LightningDataModule):
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         return DataLoader(
             dataset, batch_size=self.batch_size, collate_fn=collate_detection,
-            sampler=_FlipEpochSampler(dataset, self.loader_seed) if train else None,
+            sampler=train_sampler(dataset, self.loader_seed, single=_FlipEpochSampler,
+                                  distributed=_FlipDistributedSampler) if train else None,
             drop_last=train and len(dataset) > self.batch_size, num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             generator=torch.Generator().manual_seed(self.loader_seed + (0 if train else 1)),
