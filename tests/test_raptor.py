@@ -238,7 +238,8 @@ def test_micro_raptor_run_trains_teacher_then_surrogate_then_both_probes(make_cf
     assert {"top1", "teacher_top1", "recovered", "stage1_val_loss", "stage2_val_loss"} <= set(m)
     assert m["best_val_top1"] >= m["val_top1"] and m["teacher_best_val_top1"] >= m["teacher_val_top1"]
     assert m["recovered"] == pytest.approx(m["top1"] / m["teacher_top1"])
-    assert m["teacher_top1"] > 20 and m["top1"] > 10  # 10 classes
+    # above chance (10 classes: 10 %) by more than 3 binomial stds (1.6 points on 360 test digits)
+    assert m["teacher_top1"] > 15 and m["top1"] > 15
     assert m["heads"] == 8  # 2 blocks x 4 heads, applied over 6 layers
     entry = [e for e in ledger_entries(results_dir) if e["run_id"] == out["run_id"]][0]
     assert entry["status"] == "completed" and entry["protocol"]["registers"] == 4
