@@ -36,6 +36,11 @@ def row_seeds(spec: dict[str, Any], row: dict[str, Any]) -> list[int] | None:
     return [int(s) for s in seeds]
 
 
+def shared_start(spec: dict[str, Any], row: dict[str, Any]) -> bool:
+    """A row with ``seeds: null`` in a seeded table: the pretrained start its seeded rows load."""
+    return bool(spec.get("seeds")) and "seeds" in row and row["seeds"] is None
+
+
 def seeded_name(experiment: str, seed: int | str) -> str:
     """The ledger name of one seed of a row as vitexp-sweep launches it (``experiment=E seed=s``,
     or ``name='<name>+seed=${seed}'`` for a row with overrides)."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from vitexp import CONF_DIR
 from vitexp import recheck
-from vitexp.aggregate import other_start, overlapping_order, row_seeds, seed_runs, seeded_name
+from vitexp.aggregate import other_start, overlapping_order, row_seeds, seed_runs, seeded_name, shared_start
 from vitexp.results import RUN_WEIGHTS_PREFIX, default_results_dir, effective_status, iter_runs, weights_run
 from vitexp.rows import expand_rows, job_arguments, row_name
 from vitexp.tables import all_specs, load_spec
@@ -103,31 +103,19 @@ def _current_starts(spec: dict, runs: list[dict], force: bool, results_dir: Path
     fine-tuned from an earlier run of it trains again too, so a row never mixes two starts."""
     starts: dict[str, str | None] = {}
     for row in expand_rows(spec["rows"]):
-        if row.get("cited") or not row.get("experiment") or not _shared_start(spec, row):
+        if row.get("cited") or not row.get("experiment") or not shared_start(spec, row):
             continue
         name = row_name(row)
-        done = [r for r in runs if r.get("experiment") == name and r.get("kind") == "train"
-                and r.get("status") == "completed"]
-        if done and not force and not _weights_here(name, results_dir):
+        starts[name] = None
+        if force or not any(r.get("experiment") == name and r.get("kind") == "train"
+                            and r.get("status") == "completed" for r in runs):
+            continue
+        try:
+            starts[name] = weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir)["run_id"]
+        except FileNotFoundError:
             print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
                   f"not on this machine: it runs again, and so do the seeded rows fine-tuned from it", file=sys.stderr)
-        starts[name] = weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir)["run_id"] if (
-            done and not force and _weights_here(name, results_dir)) else None
     return starts
-
-
-def _shared_start(spec: dict, row: dict) -> bool:
-    """A row with ``seeds: null`` in a seeded table: the pretrained start its seeded rows load."""
-    return bool(spec.get("seeds")) and "seeds" in row and row["seeds"] is None
-
-
-def _weights_here(name: str, results_dir: Path) -> bool:
-    """Whether the newest completed train run of ``name`` has its weights file on this machine."""
-    try:
-        weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir)
-    except FileNotFoundError:
-        return False
-    return True
 
 
 def job_list(rows: dict) -> list[list[str]]:

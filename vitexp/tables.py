@@ -113,8 +113,7 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
     completed = [r for r in runs if r.get("status") == "completed" and r.get("kind") != "eval"]
     starts = {row_name(r): next((x["run_id"] for x in reversed(completed) if x.get("kind") == "train"
                                  and x.get("experiment") == row_name(r)), None)
-              for r in expand_rows(spec["rows"]) if r.get("experiment") and spec.get("seeds")
-              and "seeds" in r and r["seeds"] is None}  # the shared starts and the run each shows
+              for r in expand_rows(spec["rows"]) if r.get("experiment") and aggregate.shared_start(spec, r)}
     filled = []
     for row in expand_rows(spec["rows"]):
         name = row_name(row)
@@ -147,7 +146,8 @@ def fill(spec: dict[str, Any], runs: Iterable[dict[str, Any]]) -> list[dict[str,
                        "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
                        "seeds": seeds, "baseline": row.get("baseline"),
                        "overlapping": sorted({r["run_id"] for r in cited if aggregate.overlapping_order(r)}),
-                       "other_start": sorted({r["run_id"] for r in cited if aggregate.other_start(r, starts, completed)}), "pending": pending[-1] if pending else None,
+                       "other_start": sorted({r["run_id"] for r in cited if aggregate.other_start(r, starts, completed)}),
+                       "pending": pending[-1] if pending else None,
                        "trained": any(r.get("kind") == "train" for r in
                                       (mine if by_seed is None else [r for rs in by_seed.values() for r in rs]))})
     aggregate.paired_cells(spec, filled)
