@@ -137,3 +137,28 @@ def test_a_rows_overrides_set_its_family():
     assert row_identity({"experiment": "saper_micro", "overrides": ["method=probe", "budget=none"]})["family"] == "baseline"
     picked = row_identity({"experiment": "saper_micro", "overrides": ["method=saper_kd", "method.selection=random"]})
     assert picked == {"family": "heads: random", "backbone": "dinov2_micro", "dataset": "digits"}
+
+
+def test_panels_split_an_axis_and_a_panel_less_row_is_on_each():
+    """SAPER's probe and k-NN accuracies are not comparable: the spec's ``panel`` puts them on
+    separate axes of one dataset; a row without a panel (here the pretrained model, its panel
+    taken away) is on both."""
+    spec = tables.load_spec("fmnist_saper_table1")
+    assert spec["rows"][0]["panel"] == "fine-tune (linear probe)"
+    del spec["rows"][0]["panel"]
+    unseeded = [("seeds" in row and row["seeds"] is None) for row in spec["rows"]]
+    runs = [_run(i, tables.row_name(row) if once else f"{tables.row_name(row)}+seed=0",
+                 {"top1": 50.0 + i, "gflops": 0.006 + i / 1e4}, seed=None if once else 0)
+            for i, (row, once) in enumerate(zip(spec["rows"], unseeded))]
+    fig = plots.draw(spec, tables.fill(spec, runs))
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["Fashion-MNIST: fine-tune (linear probe)", "Fashion-MNIST: distill (k-NN)"]
+    drawn = {ax.get_title(): {line.get_gid().split(":", 1)[1] for line in ax.lines if (line.get_gid() or "").startswith("vitexp:")}
+             for ax in fig.axes}
+    probe, knn = drawn[titles[0]], drawn[titles[1]]
+    pretrained = spec["rows"][0]["label"]
+    assert pretrained in probe and pretrained in knn
+    assert "unpruned, linear probe (16 heads)" in probe and "unpruned, linear probe (16 heads)" not in knn
+    assert "SAPER distill (k-NN), k = 6" in knn and "SAPER distill (k-NN), k = 6" not in probe
+    assert len(probe) + len(knn) == len(spec["rows"]) + 1  # every row once, the pretrained one twice
+    plt.close(fig)

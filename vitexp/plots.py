@@ -127,12 +127,24 @@ def series_curves(rows: list[dict[str, Any]], xk: str, yk: str) -> dict[str, dic
 
 
 def plot_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The filled rows with their family, backbone, dataset and sweep (as ``series``)."""
+    """The filled rows with their family, backbone, dataset, sweep (as ``series``) and ``panel``."""
     identities = [row_identity(r) for r in spec["rows"]]
     common = Counter(i["dataset"] for i in identities if i["dataset"]).most_common(1)
     fallback = common[0][0] if common else UNKNOWN
-    return [{**row, **ident, "dataset": ident["dataset"] or fallback, "series": series}
-            for row, ident, series in zip(rows, identities, sweeps(spec["rows"]))]
+    return [{**row, **ident, "dataset": ident["dataset"] or fallback, "series": series, "panel": spec_row.get("panel")}
+            for row, spec_row, ident, series in zip(rows, spec["rows"], identities, sweeps(spec["rows"]))]
+
+
+def axis_panels(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], list[dict[str, Any]]]:
+    """The plot's axes, in the order rows first name them: one per dataset, split further by the
+    rows' ``panel`` (rows whose accuracies are not comparable, such as SAPER's linear-probe and
+    k-NN rows, go on separate axes). A row without a ``panel`` is drawn on every panel of its
+    dataset (a shared reference point), or on its dataset's own axis when no row there has one."""
+    keys = list(dict.fromkeys((r["dataset"], r.get("panel")) for r in rows)) or [(UNKNOWN, None)]
+    named = [k for k in keys if k[1] is not None]
+    keys = [k for k in keys if k[1] is not None or not any(n[0] == k[0] for n in named)]
+    return {(dataset, panel): [r for r in rows if r["dataset"] == dataset and r.get("panel") in (panel, None)]
+            for dataset, panel in keys}
 
 
 def _axis_label(col: dict[str, Any]) -> str:
@@ -242,7 +254,8 @@ def _legend_handles(rows: list[dict[str, Any]], xk: str, yk: str, style: dict[st
 
 
 def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()):
-    """The figure: one axis per dataset, the legend right of them, the notes under them."""
+    """The figure: one axis per dataset and panel (:func:`axis_panels`), the legend right of them,
+    the notes under them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,15 +264,16 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
     xk, yk = spec["plot"]["x"], spec["plot"]["y"]
     cols = {c["key"]: c for c in spec["columns"]}
     rows = plot_rows(spec, rows)
-    datasets = list(dict.fromkeys(r["dataset"] for r in rows)) or [UNKNOWN]
+    panels = axis_panels(rows)
     style = _styles(rows)
-    fig, axes = plt.subplots(1, len(datasets), figsize=(4.2 * len(datasets), 3.4), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), dpi=120, squeeze=False)
     used: set[str] = set()
-    for ax, dataset in zip(axes[0], datasets):
-        ax.set_title(DATASET_NAMES.get(dataset, dataset), fontsize=8)
+    for ax, ((dataset, panel), members) in zip(axes[0], panels.items()):
+        name = DATASET_NAMES.get(dataset, dataset)
+        ax.set_title(f"{name}: {panel}" if panel else name, fontsize=8)
         ax.set_xlabel(_axis_label(cols[xk]), fontsize=8)
         ax.set_ylabel(_axis_label(cols[yk]), fontsize=8)
-        _draw_axis(ax, [r for r in rows if r["dataset"] == dataset], xk, yk, style, used)
+        _draw_axis(ax, members, xk, yk, style, used)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle("\n".join(textwrap.wrap(spec["title"], 90)), fontsize=9)

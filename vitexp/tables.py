@@ -15,7 +15,8 @@ Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``p
 recorded under its name; a grid expands into rows), ``run``: train | flops | bench, ``cited``,
 ``seeds``, ``baseline`` (the name of the baseline row), ``series`` (rows of one sweep, drawn as a
 curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and axis where the row
-has no experiment to read them from), ``paper``: {metric: {value, source, derived, formula}});
+has no experiment to read them from), ``panel`` (the plot axis of rows whose accuracies are not
+comparable with the others', :func:`vitexp.plots.axis_panels`), ``paper``: {metric: {value, source, derived, formula}});
 ``notes`` (optional list of footnotes printed under the table, e.g. where a row's settings were
 fitted rather than read); ``protocol`` (optional, the spec's or a row's: only runs whose ledger
 ``protocol`` has these values fill it, e.g. ``{mode: compare}`` for one interleaved comparison).
