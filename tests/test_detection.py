@@ -279,3 +279,26 @@ def test_the_detect_objective_resumes_like_the_others():
     assert set(checkpoint["vitexp_rng"]) == {"torch", "numpy", "python"}
     with pytest.raises(NonFiniteLossError, match="detection loss"):
         module.check_finite(torch.tensor(float("nan")), "detection loss")
+
+
+def test_flips_follow_the_epoch_in_persistent_workers(micro_coco):
+    """The epoch reaches the loader's (persistent) worker with each index: epoch 1 flips other images
+    than epoch 0, the flips the main process draws for that epoch, not a repeat of epoch 0's."""
+    from vitexp.detection.coco_data import CocoDataModule
+
+    dm = CocoDataModule(micro_coco, num_classes=10, batch_size=4, num_workers=1, hflip=0.5, loader_seed=1)
+    dm.setup()
+    plain = {int(t["image_id"]): img for img, t in (dm.val_set.__class__(micro_coco / "train2017",
+             micro_coco / "annotations" / "instances_train2017.json")[i] for i in range(len(dm.train_set)))}
+    loader = dm.train_dataloader()
+    assert loader.persistent_workers
+    flipped = []
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        seen = {int(t["image_id"]): not torch.equal(img, plain[int(t["image_id"])])
+                for images, targets in loader for img, t in zip(images, targets)}
+        expected = {int(t["image_id"]): not torch.equal(img, plain[int(t["image_id"])])
+                    for img, t in (dm.train_set[(epoch, i)] for i in range(len(dm.train_set)))}
+        assert seen == expected, epoch
+        flipped.append({k for k, v in seen.items() if v})
+    assert flipped[0] != flipped[1] and flipped[0] and flipped[1]

@@ -13,8 +13,11 @@ Decisions:
   at one scale rule.
 - ``generate`` (the micro COCO): when the root does not exist, it is written there first by
   :func:`vitexp.detection.micro_coco.make_micro_coco` with these arguments.
-- Training flips horizontally with probability ``hflip``; val2017 is both the validation and the
-  test split (COCO's practice: results are reported on val2017).
+- Training flips horizontally with probability ``hflip``, drawn from (seed, epoch, index), so a
+  resumed run flips as the uninterrupted one. The training samplers yield ``(epoch, index)`` keys:
+  the epoch travels with each index to the loader's workers, which keep their own copy of the
+  dataset (persistent workers would otherwise flip every epoch as in the first). val2017 is both
+  the validation and the test split (COCO's practice: results are reported on val2017).
 """
 from __future__ import annotations
 
@@ -39,7 +42,6 @@ class CocoInstances(Dataset):
         self.cat_ids = sorted(self.coco.getCatIds())
         self.label_of = {c: i + 1 for i, c in enumerate(self.cat_ids)}
         self.hflip, self.seed = float(hflip), int(seed)
-        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.coco_ds)
@@ -57,14 +59,16 @@ class CocoInstances(Dataset):
         labels = torch.tensor([self.label_of[a["category_id"]] for a in anns], dtype=torch.int64)
         return {"boxes": boxes, "labels": labels, "masks": masks, "image_id": torch.tensor(image_id)}
 
-    def __getitem__(self, index: int):
+    def __getitem__(self, key: int | tuple[int, int]):
+        """``key``: an index, or an ``(epoch, index)`` pair from the training samplers."""
         from torchvision.transforms.functional import pil_to_tensor
 
+        epoch, index = key if isinstance(key, tuple) else (0, key)
         pil, _ = self.coco_ds[index]
         image = pil_to_tensor(pil.convert("RGB")).float().div_(255)
         target = self.target(index, image.shape[1], image.shape[2])
         if self.hflip > 0:  # a per-(epoch, index) draw: the same flips after a resume
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch * 7919 + index)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch * 7919 + index)
             if torch.rand((), generator=g) < self.hflip:
                 width = image.shape[2]
                 image = image.flip(-1)
@@ -82,19 +86,17 @@ def collate_detection(batch):
 
 
 class _FlipEpochSampler(EpochSeededSampler):
-    """The training sampler, also telling the dataset its epoch (for the flips)."""
+    """The training sampler, yielding ``(epoch, index)`` keys (the epoch draws the flips)."""
 
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self.data_source.epoch = epoch
+    def __iter__(self):
+        yield from ((self.epoch, i) for i in super().__iter__())
 
 
 class _FlipDistributedSampler(DistributedSampler):
-    """The training sampler under DDP (:func:`vitexp.data.train_sampler`), also telling the dataset its epoch."""
+    """The training sampler under DDP (:func:`vitexp.data.train_sampler`), yielding ``(epoch, index)`` keys."""
 
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self.dataset.epoch = epoch
+    def __iter__(self):
+        yield from ((self.epoch, i) for i in super().__iter__())
 
 
 class CocoDataModule(L.LightningDataModule):
