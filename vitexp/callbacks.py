@@ -47,3 +47,30 @@ class Heartbeat(Callback):
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._beat(trainer)
+
+
+class DataOrderMark(Callback):
+    """Records the training sampler's order (:data:`vitexp.data.DATA_ORDER`) in every checkpoint and,
+    on resume, notes a checkpoint whose epochs another order drew. A checkpoint without the mark was
+    written by the sampler that drew epoch e of seed s from ``s + e`` (:data:`PRE_MARK_ORDER`). A run
+    resumed from one is recorded without ``data_order`` (``data_order_resumed_from`` instead), so
+    :func:`vitexp.aggregate.overlapping_order` treats it as the old runs it resembles."""
+
+    KEY = "vitexp_data_order"
+    PRE_MARK_ORDER = "seed+epoch"
+
+    def __init__(self, order: str):
+        self.order = order
+        self.resumed_from: str | None = None
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[self.KEY] = self.order
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        drawn = checkpoint.get(self.KEY, self.PRE_MARK_ORDER)
+        if drawn != self.order and checkpoint.get("global_step", 0) > 0:
+            self.resumed_from = drawn
+
+    def protocol(self) -> dict[str, str]:
+        """The run's ledger protocol entry: ``data_order``, or ``data_order_resumed_from``."""
+        return {"data_order": self.order} if self.resumed_from is None else {"data_order_resumed_from": self.resumed_from}

@@ -27,7 +27,7 @@ from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
 from vitexp.build import build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir, registers_of
-from vitexp.callbacks import BestValidation, Heartbeat
+from vitexp.callbacks import BestValidation, DataOrderMark, Heartbeat
 from vitexp.config import to_container, validate
 from vitexp.data import DATA_ORDER
 from vitexp.methods import Method, Stage
@@ -55,8 +55,7 @@ def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tupl
     deployed = method.deploy(model)
     img_size = int(cfg.backbone.img_size)
     metrics: dict[str, Any] = {}
-    protocol: dict[str, Any] = {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes),
-                                "data_order": DATA_ORDER}
+    protocol: dict[str, Any] = {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes)}
     from vitexp.detection import detection_flops, wants_detection
 
     if wants_detection(cfg):
@@ -163,9 +162,10 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         stages = detection_stages(cfg, model, data_config) if wants_detection(cfg) else method.stages(model)
         metrics: dict[str, Any] = {"epochs": 0, "steps": 0}
         deployed_model = model
+        order = DataOrderMark(DATA_ORDER)
         for i, stage in enumerate(stages):
             module, trainer, fit_s = fit_stage(cfg, stage, datamodule_for, run.logger, output_dir,
-                                               [*callbacks, Heartbeat(run.ledger)], i == 0)
+                                               [*callbacks, Heartbeat(run.ledger), order], i == 0)
             metrics["epochs"] += trainer.current_epoch
             metrics["steps"] += trainer.global_step
             metrics[f"{stage.name}_fit_time_s" if stage.name != "main" else "fit_time_s"] = fit_s
@@ -190,6 +190,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
             output_dir.mkdir(parents=True, exist_ok=True)  # a run without a fit has written nothing there yet
             weights = atomic_write(output_dir / "weights.pth", lambda tmp: torch.save(deployed_model.state_dict(), tmp))
             deployed_metrics, protocol = evaluate_deployed(cfg, method, deployed_model)
+            protocol.update(order.protocol())
             metrics.update(deployed_metrics)
             metrics["wall_time_s"] = time.perf_counter() - started
             run.complete(metrics, protocol, step=metrics["steps"],
