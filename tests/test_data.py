@@ -151,3 +151,46 @@ def test_dinov2_images_are_prepared_at_the_built_resolution_with_dinov2s_crop(ma
     assert data_config["input_size"] == (3, 224, 224) and data_config["crop_pct"] == 0.875
     resize = timm_transforms(data_config, train=False).transforms[0]
     assert resize.size in (256, [256], (256,))
+
+
+def test_a_ddp_strategy_on_one_device_keeps_the_seeded_order(tmp_path):
+    """``trainer=ddp`` on a one-GPU node: Lightning runs a process group of one and puts its own
+    ``seed + epoch`` DistributedSampler in place of any other; the data module gives it the seeded
+    DistributedSampler, which it keeps, and which draws the single-process order of every epoch."""
+    import lightning as L
+    import torch.distributed as dist
+
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            sampler = trainer.train_dataloader.sampler
+            seen.append((sampler, list(sampler)))
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(3 * 32 * 32, 10)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.layer(x.flatten(1)), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    dm = DigitsDataModule(batch_size=64, data_config=CFG32, loader_seed=2, num_workers=0)
+    trainer = L.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_epochs=2, limit_train_batches=1,
+                        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Record()], default_root_dir=tmp_path)
+    try:
+        trainer.fit(Tiny(), datamodule=dm)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    single = EpochSeededSampler(range(len(dm.train_set)), seed=2)
+    assert len(seen) == 2
+    for epoch, (sampler, order) in enumerate(seen):
+        single.set_epoch(epoch)
+        assert isinstance(sampler, DistributedSampler) and sampler.seed == 2 * 1_000_003
+        assert order == list(single)

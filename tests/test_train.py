@@ -98,18 +98,22 @@ def test_resume_matches_an_uninterrupted_run(make_cfg, results_dir, tmp_path):
 
 def test_a_run_resumed_from_a_checkpoint_of_the_old_sampler_is_not_marked_independent(make_cfg, results_dir, tmp_path):
     """A checkpoint without the order mark was drawn by the ``seed + epoch`` sampler: the resumed
-    run records ``data_order_resumed_from`` instead of ``data_order``, and a seed >= 1 run so
-    recorded counts as overlapping (the sweep trains it again)."""
+    run records ``data_order_resumed_from`` instead of ``data_order``, and so does a run requeued
+    again from a checkpoint that resumed run wrote; a seed >= 1 run so recorded counts as
+    overlapping (the sweep trains it again)."""
     from vitexp.aggregate import overlapping_order
     from vitexp.callbacks import DataOrderMark
 
-    over = SMALL + ["recipe.epochs=2", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false", "seed=1"]
+    over = SMALL + ["recipe.epochs=3", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false", "seed=1"]
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(make_cfg(over, tmp_path / "split"), callbacks=[_CrashAtEpoch(1)])
     ckpt = tmp_path / "split" / "checkpoints" / "last.ckpt"
     state = torch.load(ckpt, weights_only=False)
     assert state.pop(DataOrderMark.KEY) == "seed*1000003+epoch"
     torch.save(state, ckpt)
+    with pytest.raises(RuntimeError, match="simulated crash"):  # resumed, then requeued once more
+        train(make_cfg(over + ["resume=true"], tmp_path / "split"), callbacks=[_CrashAtEpoch(2)])
+    assert torch.load(ckpt, weights_only=False)[DataOrderMark.KEY] == "seed+epoch"
     train(make_cfg(over + ["resume=true"], tmp_path / "split"))
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "completed" and entry["metrics"]["steps"] > 0

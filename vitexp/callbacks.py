@@ -64,7 +64,7 @@ class DataOrderMark(Callback):
         self.resumed_from: str | None = None
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[self.KEY] = self.order
+        checkpoint[self.KEY] = self.resumed_from or self.order  # a run once resumed from another order keeps saying so
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         drawn = checkpoint.get(self.KEY, self.PRE_MARK_ORDER)

@@ -59,14 +59,17 @@ class EpochSeededSampler(RandomSampler):
 
 def train_sampler(dataset: Sequence, seed: int, num_replicas: int | None = None, rank: int | None = None,
                   single: type | None = None, distributed: type = DistributedSampler):
-    """The training sampler: :class:`EpochSeededSampler`, or under DDP (a process group of more than
-    one, or ``num_replicas`` given) a ``DistributedSampler`` seeded with ``seed * SEED_STRIDE``, so each
-    rank's share of epoch e comes from ``seed * SEED_STRIDE + e`` as on one process. Lightning keeps a
-    ``DistributedSampler`` it is given; the one it would put in its place is seeded ``seed + epoch``.
-    ``single`` / ``distributed``: subclasses to use instead (COCO's also pass the epoch to the dataset)."""
-    if num_replicas is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+    """The training sampler: :class:`EpochSeededSampler`, or under DDP (an initialised process group,
+    a group of one included, or ``num_replicas`` > 1 given) a ``DistributedSampler`` seeded with
+    ``seed * SEED_STRIDE``, so each rank's share of epoch e comes from ``seed * SEED_STRIDE + e`` as on
+    one process (over one replica it is that order). Lightning keeps a ``DistributedSampler`` it is
+    given; under a DDP strategy it replaces any other sampler, a ``RandomSampler`` subclass on one
+    device too, with its own seeded ``seed + epoch``.
+    ``single`` / ``distributed``: subclasses to use instead (COCO's yield ``(epoch, index)`` keys)."""
+    in_group = num_replicas is None and torch.distributed.is_available() and torch.distributed.is_initialized()
+    if in_group:
         num_replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    if num_replicas is not None and num_replicas > 1:
+    if in_group or (num_replicas or 1) > 1:
         return distributed(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed * SEED_STRIDE)
     return (single or EpochSeededSampler)(dataset, seed)
 
