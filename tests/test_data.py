@@ -1,6 +1,8 @@
 """Data modules: the digits split, synthetic data, ImageFolder and CIFAR-100 from local roots."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -183,11 +185,14 @@ def test_a_ddp_strategy_on_one_device_keeps_the_seeded_order(tmp_path):
     trainer = L.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_epochs=2, limit_train_batches=1,
                         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Record()], default_root_dir=tmp_path)
+    environ = dict(os.environ)  # Lightning sets MASTER_PORT, WORLD_SIZE, LOCAL_RANK ... for its group
     try:
         trainer.fit(Tiny(), datamodule=dm)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()  # a later `vitexp-train` subprocess would otherwise think it is rank 0 of a group
+        os.environ.update(environ)
     single = EpochSeededSampler(range(len(dm.train_set)), seed=2)
     assert len(seen) == 2
     for epoch, (sampler, order) in enumerate(seen):
