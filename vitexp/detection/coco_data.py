@@ -28,7 +28,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from vitexp.data import EpochSeededSampler, train_sampler
+from vitexp.data import SEED_STRIDE, EpochSeededSampler, train_sampler
 
 
 class CocoInstances(Dataset):
@@ -68,7 +68,7 @@ class CocoInstances(Dataset):
         image = pil_to_tensor(pil.convert("RGB")).float().div_(255)
         target = self.target(index, image.shape[1], image.shape[2])
         if self.hflip > 0:  # a per-(epoch, index) draw: the same flips after a resume
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch * 7919 + index)
+            g = torch.Generator().manual_seed(self.seed * SEED_STRIDE + epoch * 7919 + index)
             if torch.rand((), generator=g) < self.hflip:
                 width = image.shape[2]
                 image = image.flip(-1)
@@ -85,18 +85,19 @@ def collate_detection(batch):
     return list(images), list(targets)
 
 
-class _FlipEpochSampler(EpochSeededSampler):
-    """The training sampler, yielding ``(epoch, index)`` keys (the epoch draws the flips)."""
+class _EpochKeys:
+    """A sampler mixin: yield ``(epoch, index)`` keys instead of indices (the epoch draws the flips)."""
 
     def __iter__(self):
         yield from ((self.epoch, i) for i in super().__iter__())
 
 
-class _FlipDistributedSampler(DistributedSampler):
-    """The training sampler under DDP (:func:`vitexp.data.train_sampler`), yielding ``(epoch, index)`` keys."""
+class _FlipEpochSampler(_EpochKeys, EpochSeededSampler):
+    """The training sampler on one process."""
 
-    def __iter__(self):
-        yield from ((self.epoch, i) for i in super().__iter__())
+
+class _FlipDistributedSampler(_EpochKeys, DistributedSampler):
+    """The training sampler under DDP (:func:`vitexp.data.train_sampler`)."""
 
 
 class CocoDataModule(L.LightningDataModule):
