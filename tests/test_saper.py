@@ -33,12 +33,16 @@ def attention_matters_model(k: int):
 
 
 def hard_gated_output(model, x: torch.Tensor) -> torch.Tensor:
-    """The gated model's output with the top-k heads by score gated 1, the others 0, the mask
-    computed here (not by the code under test)."""
-    scores = model.selector.scores.detach()
+    """The gated model's output with the top-k heads by score at their final gates (the soft top-k
+    at k and alpha_end), the others 0, the mask computed here (not by the code under test)."""
+    from vitexp.methods.lapsum import soft_topk
+
+    sel = model.selector
+    scores = sel.scores.detach()
     mask = torch.zeros_like(scores)
-    mask[scores.topk(model.selector.k).indices] = 1.0
-    for block, g in zip(model.backbone.blocks, mask.view(model.selector.depth, model.selector.heads)):
+    mask[scores.topk(sel.k).indices] = 1.0
+    gates = soft_topk(scores, float(sel.k), sel.alpha_end) * mask
+    for block, g in zip(model.backbone.blocks, gates.view(sel.depth, sel.heads)):
         block.attn.gate_values = g
     return ProbeModel.forward(model, x)  # the probe's forward with the gates set above
 
@@ -57,6 +61,29 @@ def test_deployed_model_has_k_heads_and_equals_the_hard_gated_model(k):
     x = torch.randn(3, 3, 56, 56, dtype=torch.float64)
     assert_deploys_the_top_k_heads(model, x)
     assert count_macs(model.deploy().float(), 56).gmacs < count_macs(ProbeModel(micro(), 10), 56).gmacs
+
+
+def test_kept_gates_below_one_are_folded_into_the_deployed_projection():
+    """Scores close together leave the final gates well short of 1: the deployed model equals the
+    gated model with those gates (dropped heads at 0), and a deployment with the kept heads at 1
+    (no folding) does not."""
+    model = attention_matters_model(6)
+    with torch.no_grad():
+        model.selector.scores.mul_(0.01)
+    summary = model.selector.gate_summary()
+    assert summary["kept_gate_min"] < 0.9 and summary["dropped_gate_mass"] > 0.1
+    x = torch.randn(3, 3, 56, 56, dtype=torch.float64)
+    assert_deploys_the_top_k_heads(model, x)
+    from vitexp.methods.saper.surgery import prune_probe_model
+
+    import copy
+
+    unfolded = copy.deepcopy(model)
+    for block in unfolded.backbone.blocks:
+        block.attn.gate_values = None
+    unfolded = prune_probe_model(unfolded.backbone, unfolded.kept_heads(), unfolded.head, unfolded.pool,
+                                 unfolded.attention_classes).eval()
+    assert (unfolded(x) - hard_gated_output(model.eval(), x)).abs().max() > 1e-4
 
 
 def test_deploying_the_lowest_scoring_heads_fails_the_check(monkeypatch):

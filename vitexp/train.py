@@ -5,10 +5,10 @@ the objects.
 
 ``train(cfg)`` returns ``{"metrics": ..., "ledger": path, "run_id": ...}``. Accuracies in the
 ledger are percentages. A run is one or more stages (``Method.stages``: one fit for most methods;
-RAPTOR's surrogate stages 1 and 2, then its probes), each with its own Trainer, checkpoints and
-recipe keys. A tested stage whose method deploys a different model (``Method.deploy``: SAPER's
-physically pruned heads) is tested on the deployed model (``top1``), the trained one giving
-``soft_top1``; the deployed model's weights are saved as ``<output_dir>/weights.pth`` (the ledger's
+RAPTOR's surrogate stages 1 and 2, then its probes; SAPER's select and recover), each with its own
+Trainer, checkpoints and recipe keys. A tested stage is tested on the model as deployed
+(``Method.deploy``: SAPER's physically pruned heads), a stage that trains another model (SAPER's
+soft gates, ``Stage.soft_prefix``) on that one too (``soft_top1``); the deployed model's weights are saved as ``<output_dir>/weights.pth`` (the ledger's
 ``artifacts.weights``, what ``backbone.pretrained=run:<experiment>`` loads and ``vitexp-eval``
 rebuilds with ``Method.rebuild_deployed``). The test split is evaluated with the final weights (no checkpoint selection on the test set). Under
 DDP every rank trains; torchmetrics syncs the accuracies across ranks (Lightning's
@@ -99,16 +99,14 @@ def evaluate_test_split(trainer: L.Trainer, module: L.LightningModule, datamodul
 
 def evaluate_stage(trainer: L.Trainer, module: L.LightningModule, method: Method, stage: Stage, datamodule,
                    prefix: str = "") -> dict[str, Any]:
-    """The stage's test metrics, measured on the model as deployed. When ``Method.deploy`` gives
-    another model (SAPER's physically pruned heads), the trained one is tested first as
-    ``<prefix>soft_top1`` / ``soft_top5`` (unless :meth:`Method.trains_another_model` says the two
-    compute the same: a fixed head selection), then ``module.model`` becomes the deployed model."""
+    """The stage's test metrics, measured on the model as deployed (``Method.deploy``: SAPER's
+    physically pruned heads); ``module.model`` becomes the deployed model. A stage with a
+    ``soft_prefix`` first tests the model it trained (SAPER's soft gates) as ``<soft_prefix>top1`` ...."""
     metrics: dict[str, Any] = {}
-    deployed = method.deploy(module.model) if stage.deployed else module.model
-    if deployed is not module.model and method.trains_another_model():
+    if stage.soft_prefix is not None:
         soft = evaluate_test_split(trainer, module, datamodule, prefix)
-        metrics = {f"{prefix}soft_{k[len(prefix):]}": v for k, v in soft.items()}  # soft_top1, soft_top5, soft_test_loss
-    module.model = deployed
+        metrics = {f"{stage.soft_prefix}{k[len(prefix):]}": v for k, v in soft.items()}  # soft_top1, soft_top5, ...
+    module.model = method.deploy(module.model)
     # a deployed k-NN model has no distillation target: its test_loss is None (the soft model's is soft_test_loss)
     return {**metrics, **evaluate_test_split(trainer, module, datamodule, prefix)}
 
@@ -173,7 +171,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
                 p = stage.metrics_prefix
                 val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
                 metrics.update(evaluate_stage(trainer, module, method, stage, datamodule_for(stage_config(cfg, stage)), p))
-                metrics[f"{p}val_top1"] = 100.0 * val["val/top1"] if "val/top1" in val else None
+                # validation saw the model the stage trained (the soft model when there is one)
+                metrics[f"{stage.soft_prefix or p}val_top1"] = 100.0 * val["val/top1"] if "val/top1" in val else None
                 metrics.update({f"{p}val_{k[4:]}": 100.0 * v for k, v in val.items() if k.startswith("val/ap")})
                 best = [c.best for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
                 if best:

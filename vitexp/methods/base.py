@@ -19,6 +19,9 @@ class Stage:
     - ``metrics_prefix``: the stage is tested and its accuracies are recorded as ``<prefix>top1``
       ...; ``""`` is the run's own top-1; ``None`` means no test.
     - ``deployed``: this stage's trained model is the one FLOPs and throughput measure.
+    - ``soft_prefix``: the stage trains another model than the one :meth:`Method.deploy` gives
+      (SAPER's soft gates): it is tested too, as ``<soft_prefix>top1`` ..., and its validation
+      accuracy is ``<soft_prefix>val_top1``. ``None``: the model trained is tested as deployed.
     - ``best_val``: the stage is also validated once before training, and the best ``val/top1``
       over that and every epoch is recorded as ``<prefix>best_val_top1`` (RAPTOR's probes).
     """
@@ -31,6 +34,7 @@ class Stage:
     metrics_prefix: str | None = ""
     deployed: bool = True
     best_val: bool = False
+    soft_prefix: str | None = None
 
 
 class Method(abc.ABC):
@@ -89,12 +93,6 @@ class Method(abc.ABC):
     def deploy(self, model: nn.Module) -> nn.Module:
         """The trained model as deployed (pruned parts physically removed). Default: as is."""
         return model
-
-    def trains_another_model(self) -> bool:
-        """Whether the model trained differs from the one :meth:`deploy` gives in what it computes
-        (SAPER's soft gates against its hard top-k), so the trained model's test metrics
-        (``soft_top1``) say something of their own. Default: yes when ``deploy`` returns another object."""
-        return True
 
     def rebuild_deployed(self, backbone: nn.Module, record: Mapping[str, Any]) -> nn.Module:
         """The architecture of a completed run's deployed model, for its saved weights

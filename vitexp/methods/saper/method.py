@@ -1,16 +1,35 @@
 """SAPER's Method glue: ``method=saper_ft`` (:class:`SaperHeads`) and ``method=saper_kd``
 (:class:`SaperDistill`), for every head-selection rule (``method.selection``).
 
-- ``lapsum``: the gated model (:class:`~vitexp.methods.saper.selector.HeadPrunedModel`) trains its
-  head scores with the run; deployment keeps the top-k.
-- ``random`` | ``magnitude`` | ``importance`` (:mod:`vitexp.methods.saper.selection`): the k heads
-  are chosen once, before training, and the others physically removed at once
-  (:func:`~vitexp.methods.saper.surgery.prune_probe_model`): the model that trains is already the
-  deployed one. The run's recipe then trains what ``method.trainable`` leaves (the probe in
-  fine-tune mode; the MLPs with ``mlp``; everything with ``all``). A distillation run with
-  ``trainable=scores`` has nothing left to train: it is zero epochs, then the k-NN test.
-- Either way the ledger keeps the kept heads per layer (``kept_heads``), from which
-  :meth:`SaperHeads.rebuild_deployed` rebuilds the deployed architecture for the saved weights.
+A run has SAPER's two stages ("learns a soft top-k mask over all heads and then fine-tunes or
+distills the surviving subset", ``../shared/reference.md``), each with its checkpoints under
+``checkpoints/<stage>/`` and restored on requeue:
+
+1. ``select`` (``recipe.epochs``): which k heads survive.
+   - ``lapsum``: the gated model (:class:`~vitexp.methods.saper.selector.HeadPrunedModel`) trains
+     its head scores (and the probe, or nothing more in distillation) with the rest as
+     ``method.trainable`` says (default: frozen); tested as trained as ``soft_top1``. With
+     ``method.straight_through`` the forward pass uses the deployed gates once the anneal is over
+     (:mod:`~vitexp.methods.saper.selector`).
+   - ``random`` | ``magnitude`` | ``importance`` (:mod:`vitexp.methods.saper.selection`): the k
+     heads are chosen once, before training, and the others removed at once; the stage trains what
+     ``method.trainable`` leaves on the pruned model (the probe in fine-tune mode; nothing in
+     distillation: zero epochs), so every rule ends ``select`` with a probe fitted for as long.
+   The deployed model at the end of ``select`` (top-k kept, the others physically removed) is
+   tested as ``selected_top1``.
+2. ``recover`` (``method.recover_epochs``, ``method.recover_lr``): the deployed model trains with
+   ``method.recover_trainable`` (default ``non_attention``: the heads' attention frozen, MLPs,
+   norms, embeddings and the probe trained, as SAPER reports better than adjusting the heads).
+   Fine-tune mode continues the linear probe of ``select`` on the deployed features (every rule
+   trained its probe in ``select`` for as long; a probe refitted from scratch at the recovery's lr,
+   a tenth of the selection's, ended below the selected model on digits); distillation mode trains
+   the pruned student against the unpruned frozen teacher with the same token loss. Every rule gets this identical stage: they differ only in which heads
+   survive. Its test is the run's ``top1``, of the model whose FLOPs and weights are recorded.
+   ``recover_epochs=0`` skips it (``top1`` = ``selected_top1``).
+
+The ledger keeps the kept heads per layer (``kept_heads``), from which
+:meth:`SaperHeads.rebuild_deployed` rebuilds the deployed architecture for the saved weights, and
+for LapSum how far its final gates were from 0/1 (``gate_summary``).
 """
 from __future__ import annotations
 
@@ -27,19 +46,23 @@ from vitexp.methods.saper.selection import (SELECTIONS, importance_scores, magni
 from vitexp.methods.saper.selector import HeadPrunedModel, HeadSelector
 from vitexp.methods.saper.surgery import prune_probe_model
 
-#: What trains in a SAPER run besides the head scores (method.trainable).
-TRAINABLE = ("scores", "mlp", "all")
+#: What trains in ``select`` besides the head scores (method.trainable).
+TRAINABLE = ("scores", "mlp", "non_attention", "all")
+#: What trains in ``recover`` (method.recover_trainable); the probe always trains in fine-tune mode.
+RECOVER_TRAINABLE = ("non_attention", "mlp", "all")
 
 
 def set_trainable(backbone: nn.Module, trainable: str) -> None:
     """``scores``: every backbone weight frozen; ``mlp``: only the blocks' MLPs train (attention,
-    norms, LayerScale, embeddings frozen); ``all``: every backbone weight trains."""
+    norms, LayerScale, embeddings frozen); ``non_attention``: every weight but the blocks'
+    attention (q, k, v and output projections) trains; ``all``: every backbone weight trains."""
     for p in backbone.parameters():
-        p.requires_grad_(trainable == "all")
-    if trainable == "mlp":
-        for block in backbone.blocks:
-            for p in block.mlp.parameters():
-                p.requires_grad_(True)
+        p.requires_grad_(trainable in ("all", "non_attention"))
+    for block in backbone.blocks:
+        if trainable == "mlp":
+            block.mlp.requires_grad_(True)
+        if trainable == "non_attention":
+            block.attn.requires_grad_(False)
 
 
 class SaperHeads(Method):
@@ -50,7 +73,11 @@ class SaperHeads(Method):
 
     def __init__(self, name: str = "saper_ft", alpha_start: float = 1.0, alpha_end: float = 0.01,
                  anneal_fraction: float = 0.7, trainable: str = "scores", selection: str = "lapsum",
-                 selection_seed: int = 0, importance_batches: int = 8):
+                 selection_seed: int = 0, importance_batches: int = 8, recover_epochs: int = 0,
+                 recover_lr: float | None = None, recover_trainable: str = "non_attention",
+                 straight_through: bool = False):
+        from vitexp.errors import ConfigError
+
         super().__init__(name)
         self.alpha_start, self.alpha_end = float(alpha_start), float(alpha_end)
         self.anneal_fraction = float(anneal_fraction)
@@ -58,12 +85,19 @@ class SaperHeads(Method):
         self.selection = check_choice("method.selection", selection, SELECTIONS)
         self.selection_seed, self.importance_batches = int(selection_seed), int(importance_batches)
         if self.importance_batches < 1:
-            from vitexp.errors import ConfigError
-
             raise ConfigError(f"method.importance_batches: {importance_batches} must be >= 1")
+        self.recover_epochs = int(recover_epochs)
+        if self.recover_epochs < 0:
+            raise ConfigError(f"method.recover_epochs: {recover_epochs} must be >= 0 (0: no recovery stage)")
+        self.recover_lr = None if recover_lr is None else float(recover_lr)
+        if self.recover_lr is not None and not self.recover_lr > 0:
+            raise ConfigError(f"method.recover_lr: {recover_lr} must be > 0 (null: the recipe's lr)")
+        self.recover_trainable = check_choice("method.recover_trainable", recover_trainable, RECOVER_TRAINABLE)
+        self.straight_through = bool(straight_through)
         self.kept_heads: list[list[int]] | None = None
         self.importance: torch.Tensor | None = None
         self.selection_source: str | None = None
+        self.gate_summary: dict[str, float] | None = None
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
         from vitexp.errors import ConfigError
@@ -104,7 +138,7 @@ class SaperHeads(Method):
             set_trainable(backbone, self.trainable)
             depth, heads = len(backbone.blocks), backbone.blocks[0].attn.num_heads
             selector = HeadSelector(depth, heads, int(budget["k"]), self.alpha_start, self.alpha_end,
-                                    self.anneal_fraction)
+                                    self.anneal_fraction, self.straight_through)
             head, pool = self.deployed_head(backbone)
             return HeadPrunedModel(backbone, 0, selector, head=head, pool=pool)
         self.kept_heads = top_k_heads(self.fixed_head_scores(backbone), int(budget["k"]))
@@ -116,18 +150,31 @@ class SaperHeads(Method):
         return self.student(backbone, budget)
 
     def stages(self, model: nn.Module) -> list[Stage]:
-        """One stage; zero epochs when nothing trains (fixed heads, ``trainable=scores``, no probe)."""
-        if not any(p.requires_grad for p in model.parameters()):
-            return [Stage("main", self.objective, lambda: model, {"epochs": 0}, self.module_kwargs())]
-        return super().stages(model)
+        """``select`` (zero epochs when nothing trains: fixed heads, ``trainable=scores``, no
+        probe), then ``recover`` unless ``recover_epochs`` is 0 (module docstring)."""
+        recover = self.recover_epochs > 0
+        select = Stage("select", self.objective, lambda: model,
+                       {} if any(p.requires_grad for p in model.parameters()) else {"epochs": 0},
+                       self.module_kwargs(), metrics_prefix="selected_" if recover else "",
+                       deployed=not recover, soft_prefix="soft_" if self.selection == "lapsum" else None)
+        if not recover:
+            return [select]
+        recipe = {"epochs": self.recover_epochs, **({"lr": self.recover_lr} if self.recover_lr else {})}
+        return [select, Stage("recover", self.objective, lambda: self.recovery_model(model), recipe,
+                              self.module_kwargs(), metrics_prefix="", deployed=True)]
 
-    def trains_another_model(self) -> bool:
-        """A fixed rule prunes before training: the model trained is the deployed model."""
-        return self.selection == "lapsum"
+    def recovery_model(self, selected: nn.Module) -> nn.Module:
+        """The model ``recover`` trains: the deployed model of ``selected`` (what ``select``
+        trained, its probe included) with ``recover_trainable`` set; the probe trains."""
+        deployed = self.deploy(selected)
+        set_trainable(deployed.backbone, self.recover_trainable)
+        deployed.head.requires_grad_(True)
+        return deployed
 
     def deploy(self, model: nn.Module) -> nn.Module:
         if isinstance(model, HeadPrunedModel):
             self.kept_heads = model.kept_heads()
+            self.gate_summary = model.selector.gate_summary()
             return model.deploy()
         return model
 
@@ -141,7 +188,15 @@ class SaperHeads(Method):
             out["selection_source"] = self.selection_source
         if self.importance is not None:
             out["head_importance"] = [[round(float(v), 6) for v in row] for row in self.importance]
+        if self.gate_summary is not None:
+            out["gate_summary"] = self.gate_summary
         return out
+
+    def extra_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Without ``recover`` the deployed model before recovery is the run's: ``selected_top1`` = ``top1``."""
+        if "selected_top1" in metrics or metrics.get("top1") is None:
+            return {}
+        return {"selected_top1": metrics["top1"], "selected_top5": metrics.get("top5")}
 
     #: The deployed model's features: [CLS ‖ mean patch] under SAPER's linear probe.
     feature_pool: ClassVar[str] = "cls_mean"
@@ -202,10 +257,12 @@ class SaperDistill(SaperHeads):
 
     def __init__(self, name: str = "saper_kd", alpha_start: float = 1.0, alpha_end: float = 0.01,
                  anneal_fraction: float = 0.7, trainable: str = "scores", selection: str = "lapsum",
-                 selection_seed: int = 0, importance_batches: int = 8, loss: str = "mse", knn_k: int = 20,
-                 knn_temperature: float = 0.07, knn_features: str = "cls"):
+                 selection_seed: int = 0, importance_batches: int = 8, recover_epochs: int = 0,
+                 recover_lr: float | None = None, recover_trainable: str = "non_attention",
+                 straight_through: bool = False, loss: str = "mse", knn_k: int = 20, knn_temperature: float = 0.07,
+                 knn_features: str = "cls"):
         super().__init__(name, alpha_start, alpha_end, anneal_fraction, trainable, selection, selection_seed,
-                         importance_batches)
+                         importance_batches, recover_epochs, recover_lr, recover_trainable, straight_through)
         self.loss, self.knn_k, self.knn_temperature = loss, int(knn_k), float(knn_temperature)
         self.knn_features = self.feature_pool = check_choice("method.knn_features", knn_features, POOLS)
 
@@ -219,6 +276,10 @@ class SaperDistill(SaperHeads):
 
     def deploy(self, model: nn.Module) -> nn.Module:
         return super().deploy(model.student) if isinstance(model, DistillPair) else super().deploy(model)
+
+    def recovery_model(self, selected: nn.Module) -> nn.Module:
+        """The deployed student against the unpruned, frozen teacher of ``select``."""
+        return DistillPair(super().recovery_model(selected), selected.teacher)
 
     def deployed_head(self, backbone: nn.Module) -> tuple[nn.Module, str]:
         """No head: the deployed student outputs its ``knn_features``."""

@@ -26,9 +26,11 @@ class ConstantBranch(nn.Module):
 
 
 def prune_attention_heads(attn: Attention, keep: torch.Tensor | list[int],
-                          attention_class: type[nn.Module] | None = None) -> nn.Module:
+                          attention_class: type[nn.Module] | None = None,
+                          scales: list[float] | None = None) -> nn.Module:
     """A timm ``Attention`` with only the heads in ``keep`` (indices), or a :class:`ConstantBranch`.
-    The result is an instance of ``attention_class`` (default: its own class) with no gates."""
+    The result is an instance of ``attention_class`` (default: its own class) with no gates.
+    ``scales`` (one per kept head) multiply each kept head's output-projection columns: a gate folded in."""
     keep = torch.as_tensor(keep, dtype=torch.long).flatten().cpu()
     dim = attn.qkv.in_features
     if keep.numel() == 0:
@@ -44,6 +46,9 @@ def prune_attention_heads(attn: Attention, keep: torch.Tensor | list[int],
         qkv.bias.data.copy_(attn.qkv.bias.data[rows])
     proj = nn.Linear(cols.numel(), attn.proj.out_features, bias=attn.proj.bias is not None).to(attn.proj.weight)
     proj.weight.data.copy_(attn.proj.weight.data[:, cols])
+    if scales is not None:
+        proj.weight.data.mul_(torch.as_tensor(scales, dtype=proj.weight.dtype, device=proj.weight.device)
+                              .repeat_interleave(d))
     if attn.proj.bias is not None:
         proj.bias.data.copy_(attn.proj.bias.data)
     attn.qkv, attn.proj = qkv, proj
@@ -55,12 +60,15 @@ def prune_attention_heads(attn: Attention, keep: torch.Tensor | list[int],
 
 
 def prune_probe_model(backbone: nn.Module, kept_heads: list[list[int]], head: nn.Module, pool: str,
-                      attention_classes: list[type[nn.Module]] | None = None) -> ProbeModel:
-    """``backbone`` with only ``kept_heads[l]`` in layer l, under ``head`` on ``pool`` features."""
+                      attention_classes: list[type[nn.Module]] | None = None,
+                      head_scales: list[list[float]] | None = None) -> ProbeModel:
+    """``backbone`` with only ``kept_heads[l]`` in layer l, under ``head`` on ``pool`` features;
+    ``head_scales[l]`` (one per kept head) folded into layer l's output projection."""
     if len(kept_heads) != len(backbone.blocks):
         raise ValueError(f"kept_heads lists {len(kept_heads)} layers but the backbone has {len(backbone.blocks)}")
     classes = attention_classes or [None] * len(kept_heads)
-    for block, heads, cls in zip(backbone.blocks, kept_heads, classes):
-        block.attn = prune_attention_heads(block.attn, heads, cls)
+    scales = head_scales or [None] * len(kept_heads)
+    for block, heads, cls, scale in zip(backbone.blocks, kept_heads, classes, scales):
+        block.attn = prune_attention_heads(block.attn, heads, cls, scale)
     return ProbeModel(backbone, 0, head=head, pool=pool)
 
