@@ -128,3 +128,81 @@ def test_a_usage_error_ends_with_the_invalid_line(app, capsys):
         getattr(cli, f"{app}_main")([*first, "--bogus"])
     closing = last_json(capsys.readouterr().out)
     assert exited.value.code == 2 and closing["status"] == "invalid" and "--bogus" in closing["error"]
+
+
+def _checkpoints(folder: Path) -> dict[str, Path]:
+    """Weights files a new user might pass: random bytes, an empty file, another model's keys, a
+    pickled Python object (what ``weights_only=True`` refuses)."""
+    import os
+
+    import torch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {name: folder / f"{name}.pth" for name in ("random", "empty", "wrong_keys", "pickled")}
+    files["random"].write_bytes(os.urandom(4096))
+    files["empty"].write_bytes(b"")
+    torch.save({"foo.weight": torch.zeros(3)}, files["wrong_keys"])
+    torch.save({"model": Path("a path object, not a tensor")}, files["pickled"])
+    return files
+
+
+BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file from _checkpoints
+    (["recipe.lr=abc"], "recipe.lr"),
+    (["seed=1.5"], "seed"),
+    (["method=bspf", "budget=keep_ratio", "method.keep_warmup_epochs=soon"], "method.keep_warmup_epochs"),
+    (["trainer.precision=bf17"], "trainer.precision"),
+    (["+trainer.foo=1"], "trainer.foo"),
+    (["recipe.lrr=1"], "recipe.lrr"),
+    (["~recipe.lr"], "recipe.lr"),
+    (["backbone=nope"], "backbone"),
+    (["recipe.epochs=0"], "recipe.epochs"),
+    (["backbone.pretrained={ckpt:random}"], "{ckpt:random}"),
+    (["backbone.pretrained={ckpt:empty}"], "{ckpt:empty}"),
+    (["backbone.pretrained={ckpt:wrong_keys}"], "{ckpt:wrong_keys}"),
+    (["backbone.pretrained={ckpt:pickled}"], "{ckpt:pickled}"),
+    (["trainer=gpu"], "trainer.accelerator"),
+]
+
+
+@pytest.mark.parametrize("overrides, names", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
+def test_a_bad_input_is_one_line_naming_it_and_writes_nothing(overrides, names, results_dir, tmp_path):
+    """Each bad input stops vitexp-train before anything starts: exit 2, exactly one line on stderr
+    naming the key or the file (never advising weights_only=False, nor Hydra's refused +key form),
+    the invalid closing JSON line saying the same, no ledger entry and no run folder."""
+    if overrides == ["trainer=gpu"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    files = _checkpoints(tmp_path / "ckpt")
+    fill = lambda text: re.sub(r"\{ckpt:(\w+)\}", lambda m: str(files[m.group(1)]), text)  # noqa: E731
+    (results_dir / "runs").mkdir(parents=True)
+    proc = run("vitexp-train", *map(fill, overrides), "logger=none", results_dir=results_dir, cwd=tmp_path)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and fill(names) in lines[0], proc.stderr[-2000:]
+    closing = last_json(proc.stdout)
+    assert closing["status"] == "invalid" and fill(names) in closing["error"] and "\n" not in closing["error"]
+    assert "weights_only=False" not in proc.stderr + proc.stdout and "+recipe.lrr" not in proc.stderr
+    assert list((results_dir / "runs").iterdir()) == []
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_an_unknown_key_says_how_to_see_the_valid_keys(results_dir, tmp_path):
+    proc = run("vitexp-train", "recipe.lrr=1", results_dir=results_dir, cwd=tmp_path)
+    (line,) = proc.stderr.splitlines()
+    assert "--cfg job" in line and "'lr'" in line and "'epochs'" in line
+
+
+def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, tmp_path):
+    """A run that fails inside training: exit 1, its last stderr line names the error, no
+    traceback; with VITEXP_DEBUG=1 the traceback is there too."""
+    args = ["data=synthetic", "data.noise=nan", "data.num_train=32", "recipe.batch_size=16", "recipe.epochs=1",
+            "recipe.warmup_epochs=0", "logger=none", "trainer.enable_progress_bar=false", "eval.throughput=false"]
+    proc = run("vitexp-train", *args, results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[-1].startswith("vitexp-train: failed: NonFiniteLossError: ")
+    assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr
+    debug = subprocess.run([str(BIN / "vitexp-train"), *args], capture_output=True, text=True, cwd=tmp_path,
+                           env={**cli_env(results_dir), "VITEXP_DEBUG": "1"}, timeout=300)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr

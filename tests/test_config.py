@@ -142,3 +142,77 @@ def test_plus_plus_overrides_may_override_but_not_add_a_schema_key():
         vconfig.check_overrides(vconfig.compose(["++recipe.lrr=1"]), ["++recipe.lrr=1"])
     with pytest.raises(vconfig.ConfigError, match=r"backbone.arch.x: not a key of backbone.arch .*'depth'"):
         vconfig.check_overrides(vconfig.compose(["+backbone.arch.x=1"]), ["+backbone.arch.x=1"])
+
+
+SCHEMA_GROUPS = {"backbone": "Backbone", "data": "Data", "recipe": "Recipe", "budget": "Budget", "logger": "Logger",
+                 "detector": "Detector", "bspf_spec": "BspfSpec"}
+
+
+@pytest.mark.parametrize("group", sorted(SCHEMA_GROUPS))
+def test_every_key_of_every_option_has_a_type(group):
+    """The schemas stay complete: a key added to conf/<group>/*.yaml without a type fails here."""
+    import dataclasses
+    import typing
+
+    import yaml
+
+    from vitexp import schema
+
+    def untyped(values: dict, cls, prefix: str) -> list[str]:
+        hints = typing.get_type_hints(cls)
+        out = [f"{prefix}{k}" for k in values if k not in hints and k != "defaults"]
+        for k, v in values.items():
+            if k in hints and dataclasses.is_dataclass(hints[k]) and isinstance(v, dict):
+                out += untyped(v, hints[k], f"{prefix}{k}.")
+        return out
+
+    cls = getattr(schema, SCHEMA_GROUPS[group])
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        assert untyped(yaml.safe_load(path.read_text()) or {}, cls, f"{group}.") == [], path.name
+    root = yaml.safe_load((CONF_DIR / "train.yaml").read_text())
+    assert untyped({k: v for k, v in root.items() if k != "hydra"}, schema.Config, "") == []
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["recipe.lr=abc"], "recipe.lr: 'abc' is not a float"),
+    (["recipe.epochs=2.5"], "recipe.epochs: 2.5 is not an integer"),
+    (["data.split=[a,b,c]"], "data.split: ['a', 'b', 'c'] is not a list of floats"),
+    (["backbone.arch.depth=deep"], "backbone.arch.depth: 'deep' is not an integer"),
+    (["eval.flops=maybe"], "eval.flops: 'maybe' is not true or false"),
+    (["budget=merge", "budget.r=x"], "budget.r: 'x' is not an integer or a list of integers"),
+    (["trainer.precision=bf17"], "trainer.precision: 'bf17' is not one of [64, 32, 16, 'transformer-engine'"),
+    (["+trainer.max_epochs=3"], "trainer.max_epochs: set by vitexp (set recipe.epochs)"),
+    (["+trainer.foo=3"], "trainer.foo: not an argument of lightning.Trainer"),
+    (["method=bspf", "method.keep_warmup_epochs=soon"], "method.keep_warmup_epochs: 'soon' is not a float"),
+    (["method=raptor", "method.tau_fraction=[1]"], "method.tau_fraction: [1] is not a float"),
+])
+def test_a_wrong_type_is_refused_at_composition(overrides, message):
+    """Key, value and the type expected; the method's keys typed by its class's constructor."""
+    with pytest.raises(ConfigError) as err:
+        vconfig.compose(overrides)
+    assert str(err.value).startswith(message)
+
+
+def test_method_keys_follow_the_constructor(monkeypatch):
+    """A method's keys are its ``_target_``'s constructor arguments, typed by their annotations:
+    an int where the constructor says float is accepted, null where it says ``int | None``; a key
+    the constructor lacks is refused before the run, not inside it."""
+    from vitexp import schema
+
+    cfg = vconfig.compose(["method=bspf", "method.keep_warmup_epochs=2", "bspf_spec.chunk_size=null"])
+    assert cfg.method.keep_warmup_epochs == 2 and cfg.method.chunk_size is None
+    schema._constructor_hints.cache_clear()
+    monkeypatch.setattr("vitexp.methods.bspf.BSPF.__init__", lambda self, name, chunk_size: None)
+    try:
+        with pytest.raises(ConfigError, match=r"method.chunk_layout: not an argument of vitexp.methods.bspf.BSPF"):
+            vconfig.compose(["method=bspf"])
+    finally:
+        schema._constructor_hints.cache_clear()
+
+
+def test_interpolations_are_checked_resolved_and_missing_values_left_to_validate():
+    cfg = vconfig.compose(["recipe.batch_size=32"])  # data.batch_size: ${recipe.batch_size}
+    assert cfg.data.batch_size == 32
+    vconfig.compose(["data=imagenet"])  # data.root: ??? is validate's to name
+    with pytest.raises(ConfigError, match="data.batch_size: 'x' is not an integer"):
+        vconfig.compose(["recipe.batch_size=x"])

@@ -114,3 +114,24 @@ def test_the_device_count_lightning_will_use():
     assert _device_count([0, 1], "gpu") == 2 and _device_count(2, "cpu") == 2 and _device_count("0,1", "gpu") == 2
     assert _device_count("auto", "cpu") == 1
     assert _device_count("auto", "gpu") == (torch.cuda.device_count() if torch.cuda.is_available() else 1)
+
+
+def test_a_multirun_ends_with_one_summary_line(results_dir, tmp_path):
+    """Two jobs, one failing: the other still runs, and the last line counts them by status with
+    their run ids, as the ledger records them; exit 1. No Hydra 'Error executing job' line."""
+    import json
+
+    from conftest import ledger_entries
+
+    proc = vitexp_cli("train", "-m", "data=synthetic", "data.noise=nan,0.5", "data.num_train=32", "data.num_val=16",
+                      "data.num_test=16", "recipe.batch_size=16", "recipe.epochs=1", "recipe.warmup_epochs=0",
+                      "eval.throughput=false", "eval.flops=false", "logger=none", "trainer.enable_progress_bar=false",
+                      results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    by_status = {e["status"]: e["run_id"] for e in ledger_entries(results_dir)}
+    assert (summary["status"], summary["runs"], summary["completed"], summary["failed"], summary["interrupted"]) == \
+        ("failed", 2, 1, 1, 0)
+    assert summary["run_ids"] == {"completed": [by_status["completed"]], "failed": [by_status["failed"]], "interrupted": []}
+    assert summary["multirun"].startswith(str(tmp_path / "multirun"))
+    assert "Error executing job" not in proc.stderr and "Traceback" not in proc.stderr

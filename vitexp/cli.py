@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,7 +18,7 @@ from omegaconf import DictConfig, open_dict
 
 from vitexp import CONF_DIR
 from vitexp import config as _config  # noqa: F401  (registers the resolvers conf/train.yaml uses)
-from vitexp.errors import ConfigError
+from vitexp.errors import HYDRA_FULL_ERROR_BY_VITEXP, ConfigError, debug_mode, one_line
 from vitexp.run import emit, remove_if_empty
 from vitexp.run import ArgumentParser
 
@@ -25,11 +26,22 @@ from vitexp.run import ArgumentParser
 _SUBPROCESS_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true")
 
 
+def _report(status: str, err: BaseException, prog: str, message: str | None = None, debug: bool | None = None) -> None:
+    """One line on stderr (``<prog>: invalid|failed: ...``, naming the key or the file; the
+    traceback before it only under :func:`~vitexp.errors.debug_mode`), and the closing JSON line
+    unless the run owner printed it already."""
+    message = message or one_line(err)
+    if debug_mode() if debug is None else debug:
+        traceback.print_exception(err)
+    print(f"{prog}: {status}: " + (message if status == "invalid" else f"{type(err).__name__}: {message}"),
+          file=sys.stderr)
+    if not getattr(err, "vitexp_reported", False):
+        emit({"status": status, "error": f"{type(err).__name__}: {message}", "ledger": None})
+
+
 def _invalid(err: BaseException, prog: str = "vitexp") -> None:
     """Exit 2 with the ``invalid`` closing line (unless a run owner printed it already)."""
-    print(f"{prog}: invalid: {err}", file=sys.stderr)
-    if not getattr(err, "vitexp_reported", False):
-        emit({"status": "invalid", "error": f"{type(err).__name__}: {err}", "ledger": None})
+    _report("invalid", err, prog)
     raise SystemExit(2) from None
 
 
@@ -66,17 +78,21 @@ def _refuse_ddp_in_local_multirun(cfg: DictConfig, hydra_cfg) -> None:
             "hydra.launcher.tasks_per_node=<devices> (README, 'Reproducing the tables on a GPU cluster')")
 
 
-def _hydra_app(body: Callable[[DictConfig], dict[str, Any]]) -> Callable[[DictConfig], Any]:
-    """Wrap a run body: name the run, check the overrides, exit 2 on an invalid config (the body's
-    run owner prints the closing JSON line of a run it started)."""
+def _hydra_app(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> Callable[[DictConfig], Any]:
+    """Wrap a run body: check every key's type, name the run, check the overrides; exit 2 on an
+    invalid config, 1 on a failure (the body's run owner prints the closing JSON line of a run it
+    started). In a multirun a failed job does not stop the others (:mod:`vitexp.multirun`)."""
 
     def task(cfg: DictConfig):
         from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
         from vitexp.config import check_overrides, group_choices, run_name
+        from vitexp.schema import check_types
 
         hydra_cfg = HydraConfig.get()
         try:
+            check_types(cfg)
             overrides = list(hydra_cfg.overrides.task)
             with open_dict(cfg):
                 cfg.name = run_name(cfg, group_choices(), overrides)
@@ -86,22 +102,35 @@ def _hydra_app(body: Callable[[DictConfig], dict[str, Any]]) -> Callable[[DictCo
         except ConfigError as err:
             if not getattr(err, "vitexp_reported", False):
                 remove_if_empty(Path(cfg.output_dir))
-                emit({"status": "invalid", "error": f"ConfigError: {err}", "ledger": None})
-            print(f"vitexp: invalid config: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
+            _invalid(err, prog)
+        except Exception as err:  # noqa: BLE001 - reported in one line; the traceback under VITEXP_DEBUG=1
+            _report("failed", err, prog)
+            if hydra_cfg.mode == RunMode.MULTIRUN:
+                return None
+            raise SystemExit(1) from None
         return result.get("metrics")
 
     return task
 
 
-def _run_hydra(body: Callable[[DictConfig], dict[str, Any]]) -> None:
+def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
     """Run a Hydra app; a composition error (``backbone=nope``, ``recipe.lrr=1``) also ends with
-    the JSON line. Hydra names the valid options on stderr."""
+    the JSON line, in one line (:func:`vitexp.config.composition_error`); a multirun ends with
+    its summary line (:func:`vitexp.multirun.summary`)."""
     import hydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
-    main = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_hydra_app(body))
+    from vitexp import multirun
+    from vitexp.config import composition_error
+
+    main = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_hydra_app(body, prog))
+    debug = debug_mode()
     previous = os.environ.get("HYDRA_FULL_ERROR")
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of exiting: the error reaches the JSON line
+    if previous != "1":  # Hydra raises instead of exiting: the error reaches the JSON line
+        os.environ.update({"HYDRA_FULL_ERROR": "1", HYDRA_FULL_ERROR_BY_VITEXP: "1"})
+    multirun.STARTED.clear()
+    code: Any = 0
     try:
         try:
             main()
@@ -110,18 +139,25 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]]) -> None:
     except BrokenPipeError:  # the reader left (vitexp-train --help | head): nothing more can be printed
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor flushed at exit
         raise SystemExit(1) from None
-    except Exception as err:
-        if getattr(err, "vitexp_reported", False):
-            raise
-        cause = f" ({err.__cause__})" if err.__cause__ and str(err.__cause__) not in str(err) else ""
-        print(f"vitexp: {err}{cause}", file=sys.stderr)
-        emit({"status": "invalid", "error": f"{type(err).__name__}: {err}{cause}", "ledger": None})
-        raise SystemExit(2) from None
+    except SystemExit as exit_:
+        code = exit_.code
+    except Exception as err:  # noqa: BLE001 - Hydra's own: composition, a launcher
+        invalid = isinstance(err, (HydraException, OmegaConfBaseException))
+        _report("invalid" if invalid else "failed", err, prog, composition_error(err, prog) if invalid else None, debug)
+        code = 2 if invalid else 1
     finally:
-        if previous is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = previous
+        if previous != "1":
+            os.environ.pop(HYDRA_FULL_ERROR_BY_VITEXP, None)
+            if previous is None:
+                os.environ.pop("HYDRA_FULL_ERROR", None)
+            else:
+                os.environ["HYDRA_FULL_ERROR"] = previous
+    closing = multirun.summary(stopped_invalid=code == 2)
+    if closing is not None:
+        emit(closing)
+        code = code or (1 if closing["status"] != "completed" else 0)
+    if code:
+        raise SystemExit(code)
 
 
 def _train_body(cfg: DictConfig) -> dict[str, Any]:
@@ -144,24 +180,23 @@ def _bench_body(cfg: DictConfig) -> dict[str, Any]:
 
 def train_main() -> None:
     """Train, test and record one run (or a multirun with -m)."""
-    _run_hydra(_train_body)
+    _run_hydra(_train_body, "vitexp-train")
 
 
 def flops_main() -> None:
     """Count params and FLOPs of a configured model (no training)."""
-    _run_hydra(_flops_body)
+    _run_hydra(_flops_body, "vitexp-flops")
 
 
 def bench_main() -> None:
     """Throughput of a method against its backbone, or Lightning's step overhead."""
-    _run_hydra(_bench_body)
+    _run_hydra(_bench_body, "vitexp-bench")
 
 
-def _exit_failed(err: BaseException) -> None:
-    """A run owner already printed the closing line: exit 1 without a second one."""
-    if not getattr(err, "vitexp_reported", False):
-        emit({"status": "failed", "error": f"{type(err).__name__}: {err}", "ledger": None})
-    raise SystemExit(1) from err
+def _exit_failed(err: BaseException, prog: str) -> None:
+    """Exit 1 with one line on stderr and the ``failed`` closing line (unless a run owner printed it)."""
+    _report("failed", err, prog)
+    raise SystemExit(1) from None
 
 
 def eval_main(argv: list[str] | None = None) -> None:
@@ -183,34 +218,34 @@ def eval_main(argv: list[str] | None = None) -> None:
     except (ConfigError, FileNotFoundError, ValueError, HydraException, OmegaConfBaseException) as err:
         _invalid(err, "vitexp-eval")  # an unknown run, option or key: nothing ran
     except Exception as err:
-        _exit_failed(err)
+        _exit_failed(err, "vitexp-eval")
     try:
         evaluate(cfg, record, args.weights)
     except ConfigError as err:
         _invalid(err, "vitexp-eval")
     except Exception as err:
-        _exit_failed(err)
+        _exit_failed(err, "vitexp-eval")
 
 
-def _closing_line_on_error(main: Callable[[list[str] | None], int], argv: list[str] | None) -> None:
+def _closing_line_on_error(main: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> None:
     """Run a non-Hydra app's ``main``; an error it does not report itself still ends with the JSON line."""
     try:
         code = main(argv)
     except Exception as err:
-        _exit_failed(err)
+        _exit_failed(err, prog)
     raise SystemExit(code)
 
 
 def sweep_main(argv: list[str] | None = None) -> None:
     from vitexp.sweep import main
 
-    _closing_line_on_error(main, argv)
+    _closing_line_on_error(main, argv, "vitexp-sweep")
 
 
 def tables_main(argv: list[str] | None = None) -> None:
     from vitexp.tables import main
 
-    _closing_line_on_error(main, argv)
+    _closing_line_on_error(main, argv, "vitexp-tables")
 
 
 def audit_main(argv: list[str] | None = None) -> None:
@@ -245,7 +280,7 @@ def audit_main(argv: list[str] | None = None) -> None:
     try:
         run_audit(args, args.results_dir or default_results_dir())
     except Exception as err:
-        _exit_failed(err)
+        _exit_failed(err, "vitexp-audit")
 
 
 def analyze_main(argv: list[str] | None = None) -> None:
@@ -285,7 +320,7 @@ def analyze_main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         _invalid(err, "vitexp-analyze")
     except Exception as err:
-        _exit_failed(err)
+        _exit_failed(err, "vitexp-analyze")
 
 
 def _analyze_config(args):

@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, open_dict
 
 from vitexp.config import to_container, validate
-from vitexp.errors import ConfigError
+from vitexp.errors import ConfigError, one_line
 from vitexp.results import atomic_write, portable_path
 from vitexp.run import owned_run
 
@@ -70,7 +70,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     with owned_run(cfg.name, "bench", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
         if cfg.bench.mode not in ("throughput", "overhead"):
             raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of ('throughput', 'overhead')")
-        method = validate(cfg, need_data=cfg.bench.mode == "overhead")
+        method = validate(cfg, need_data=cfg.bench.mode == "overhead", need_trainer=False)
         run.start(to_container(cfg))
         import torch
 
@@ -155,7 +155,7 @@ def run_analyze(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
     if args.analysis in ("tokens", "heads"):
         return _run_report(cfg, args, record, analysis_dir)
     with owned_run(cfg.name, "analyze", cfg.results_dir, analysis_dir, cfg.logger) as run:
-        validate(cfg)
+        validate(cfg, need_trainer=False)
         run.start({**to_container(cfg), "analysis": vars(args)})
         model = build_configured_backbone(cfg).eval()
         datamodule = build_datamodule(cfg, data_config_for(cfg, model))
@@ -194,7 +194,7 @@ def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
     from vitexp.analysis import reports
 
     with owned_run(cfg.name, "analyze", cfg.results_dir, analysis_dir, cfg.logger) as run:
-        validate(cfg)
+        validate(cfg, need_trainer=False)
         reports.check_request(cfg, args.analysis, record)
         extra = {"analyzes": record["run_id"]} if record else {}
         run.start({**to_container(cfg), "analysis": vars(args), **extra})
@@ -292,7 +292,7 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                   f"on {os.cpu_count()} CPUs")
     except Exception as err:  # each owner marked its entry failed; one closing line names them
         started = [r for r in runs.values() if r.ledger is not None] if "runs" in locals() else []
-        emit({"status": "failed", "error": f"{type(err).__name__}: {err}",
+        emit({"status": "failed", "error": f"{type(err).__name__}: {one_line(err)}",
               "ledger": [str(r.ledger.path) for r in started], "run_id": [r.ledger.run_id for r in started]})
         err.vitexp_reported = True
         raise

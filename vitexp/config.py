@@ -1,10 +1,14 @@
 """Config composition helpers and validation.
 
 Hydra composes ``conf/train.yaml`` in struct mode, so an unknown key (``recipe.lrr=1``) and an
-unknown group option (``backbone=nope``) already fail at composition, Hydra naming the valid
-options. Hydra's suggested way round, ``+recipe.lrr=1``, would add the key silently:
-:func:`check_overrides` refuses an added key in vitexp's own groups, listing the group's keys. :func:`validate` then checks values and cross-group constraints (ranges, the budget
-against the backbone's architecture facts) before any model is built or ledger entry written.
+unknown group option (``backbone=nope``) already fail at composition; :func:`composition_error`
+puts Hydra's message on one line, and for an unknown key names the group's keys and how to see
+every key. Hydra's suggested way round, ``+recipe.lrr=1``, would add the key silently:
+:func:`check_overrides` refuses an added key in vitexp's own groups, listing the group's keys, and
+a removed one (``~recipe.lr``). Every key's type is checked next (:mod:`vitexp.schema`), then
+:func:`validate` checks values and cross-group constraints (ranges, the budget against the
+backbone's architecture facts, the checkpoint and the accelerator on this machine) before any
+model is built or ledger entry written.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp import CONF_DIR, PROJECT_ROOT
-from vitexp.errors import ConfigError
+from vitexp.errors import ConfigError, one_line
 
 if not OmegaConf.has_resolver("vitexp_root"):
     OmegaConf.register_new_resolver("vitexp_root", lambda: str(PROJECT_ROOT))
@@ -68,15 +72,20 @@ OBJECTIVE_CHOICES = ("auto", "detect")
 
 def compose(overrides: Iterable[str] = (), config_name: str = "train",
             return_hydra_config: bool = False) -> DictConfig:
-    """Compose the real config tree (as tests and tools do), without Hydra's runtime."""
+    """Compose the real config tree (as tests and tools do), without Hydra's runtime; every key
+    checked against its type (:func:`vitexp.schema.check_types`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from vitexp.schema import check_types
+
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides),
-                             return_hydra_config=return_hydra_config)
+        cfg = hydra_compose(config_name=config_name, overrides=list(overrides),
+                            return_hydra_config=return_hydra_config)
+    check_types(cfg)
+    return cfg
 
 
 def _check(cond: bool, key: str, msg: str) -> None:
@@ -105,9 +114,14 @@ def _compose_beside_hydra(overrides: list[str]) -> DictConfig:
 def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
     """Refuse ``+group.key=value``, and ``++group.key=value`` where the key did not exist, that adds
     a key to one of :data:`SCHEMA_GROUPS` (a misspelt key would otherwise be accepted and ignored),
-    naming the valid keys where it was added."""
+    naming the valid keys where it was added; and ``~group.key``, which removes a key the code
+    reads."""
     overrides = list(overrides)
     for ov in overrides:
+        removed = ov.lstrip("~").split("=", 1)[0]
+        if ov.startswith("~") and removed.partition(".")[0] in SCHEMA_GROUPS and "." in removed:
+            raise ConfigError(f"{removed}: a key of {removed.partition('.')[0]} cannot be removed ('{ov}'); "
+                              f"set its value instead ({removed}=...)")
         if not ov.startswith("+"):
             continue
         key = ov.lstrip("+").split("=", 1)[0]
@@ -129,12 +143,32 @@ def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
                           f"valid keys: {valid}")
 
 
-def validate(cfg: DictConfig, need_data: bool = True, method=None):
+def composition_error(err: BaseException, prog: str) -> str:
+    """Hydra's composition error in one line (:func:`vitexp.errors.one_line`). An unknown key
+    names its group's keys and how to see every key, instead of Hydra's ``+group.key=...``, which
+    :func:`check_overrides` refuses for vitexp's groups."""
+    cause = err.__cause__
+    key = getattr(cause, "full_key", None)
+    if not key or "not in struct" not in str(cause):
+        return one_line(err)
+    parent_key = key.rpartition(".")[0]
+    parent = getattr(cause, "parent_node", None)
+    keys = sorted(k for k in parent.keys() if k != "hydra") if isinstance(parent, DictConfig) else []
+    trainer = " (+trainer.<arg>=... adds a lightning.Trainer argument)" if parent_key == "trainer" else ""
+    return (f"{key}: not a key of {parent_key or 'the config'}; its keys: {keys}; "
+            f"`{prog} --cfg job` prints every key with its value{trainer}")
+
+
+def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer: bool | None = None):
     """Check values and cross-group constraints; raise :class:`ConfigError` naming the key.
     Returns the method (``method`` when the caller built it, else built here once), so the run
     does not build it a second time.
 
-    ``need_data=False`` (vitexp-flops, vitexp-bench) skips the dataset's location."""
+    ``need_data=False`` (vitexp-flops, vitexp-bench) skips the dataset's location;
+    ``need_trainer`` (default: ``need_data``) checks that this machine has the trainer's
+    accelerator. A ``backbone.pretrained`` file is opened and loaded into the backbone
+    (:mod:`vitexp.checkpoints`)."""
+    from vitexp.checkpoints import check_accelerator, check_backbone_weights, check_file
     from vitexp.methods import method_from_config
     from vitexp.run import resume_mode
 
@@ -161,8 +195,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None):
                 weights = bb.pretrained
         except FileNotFoundError as err:
             raise ConfigError(f"backbone.pretrained: {err}") from None
-        _check(Path(str(weights)).expanduser().is_file(), "backbone.pretrained",
-               f"checkpoint file not found: {weights}")
+        check_file(weights, "backbone.pretrained")
 
     data = cfg.data
     _check(not OmegaConf.is_missing(data, "num_classes"), "data.num_classes", "required (data.num_classes=N)")
@@ -182,6 +215,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None):
     r = cfg.recipe
     _check(int(r.epochs) >= 1, "recipe.epochs", f"{r.epochs} must be >= 1")
     _check(int(r.batch_size) >= 1, "recipe.batch_size", f"{r.batch_size} must be >= 1")
+    _check(int(data.get("num_workers", 0)) >= 0, "data.num_workers", f"{data.get('num_workers')} must be >= 0")
     _check(float(r.lr) > 0, "recipe.lr", f"{r.lr} must be > 0")
     _check(0 <= float(r.warmup_epochs) < int(r.epochs), "recipe.warmup_epochs",
            f"{r.warmup_epochs} must be in [0, recipe.epochs={r.epochs})")
@@ -204,6 +238,10 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None):
         _check_bspf_spec(cfg)
     method = method or method_from_config(cfg.method)
     method.validate_budget(cfg.budget, {**arch, "img_size": int(bb.img_size)})
+    if bb.pretrained:
+        check_backbone_weights(cfg, weights)
+    if need_data if need_trainer is None else need_trainer:
+        check_accelerator(cfg.trainer)
     return method
 
 

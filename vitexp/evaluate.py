@@ -38,6 +38,7 @@ def find_run(run: str, results_dir: Path) -> dict[str, Any]:
 def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, dict[str, Any]]:
     """The run's config with ``overrides``, its results folder this machine's; and its ledger record."""
     from vitexp.config import compose
+    from vitexp.schema import check_types
 
     results_dir = default_results_dir()
     record = find_run(run, results_dir)
@@ -64,6 +65,7 @@ def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, di
             valid = sorted(cfg[group].keys()) if isinstance(cfg.get(group), DictConfig) else sorted(cfg.keys())
             raise ConfigError(f"{key}: not a key of run {record['run_id']}'s config; valid keys: {valid}")
         OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=False)
+    check_types(cfg)
     return cfg, record
 
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from vitexp.errors import ConfigError
+from vitexp.errors import ConfigError, one_line
 from vitexp.results import LedgerEntry, atomic_write_json
 
 RUN_MARKER = "run.json"
@@ -229,7 +229,8 @@ class Run:
             self.ledger.fail(err, **({"output_dir": self.output_dir} if self.output_dir else {}))
         finish(self._logger, failed=True)
         ledger = str(self.ledger.path) if self.ledger else None
-        return {"status": "invalid" if invalid else "failed", "error": f"{type(err).__name__}: {err}", "ledger": ledger}
+        return {"status": "invalid" if invalid else "failed", "error": f"{type(err).__name__}: {one_line(err)}",
+                "ledger": ledger}
 
 
 @contextmanager

@@ -1,0 +1,99 @@
+"""What a run needs from this machine, checked before it starts: its weights files and its accelerator.
+
+A weights file (``backbone.pretrained``, a run's ``weights.pth``, ``vitexp-eval --weights``) is
+opened by :func:`check_file` (it exists, is not empty, and ``torch.load(weights_only=True)`` reads
+it) and the configured backbone is then built with it by :func:`check_backbone_weights` (timm's
+own loading, its key filters and its strict key check), so a file that would fail inside the run
+fails before its ledger entry and run folder exist. Every failure is a
+:class:`~vitexp.errors.CheckpointError`: one line naming the file and what is wrong.
+
+Decisions:
+- vitexp loads weights with ``weights_only=True`` only. A file that needs ``weights_only=False``
+  (one holding pickled Python objects) is refused, and the message says how to save the state dict
+  instead; it never advises ``weights_only=False``, which runs whatever code the file holds.
+- The backbone is built once more for the check (a few seconds for ViT-B on a CPU, once per run
+  with weights): the run builds its own after seeding, so the checked model cannot be reused
+  without changing the random initialisation of the layers the checkpoint does not cover.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from vitexp.errors import CheckpointError, ConfigError, join_lines, one_line
+
+
+def check_file(path: str | Path, key: str) -> Any:
+    """The object ``torch.load(path, weights_only=True)`` reads, or :class:`CheckpointError` naming
+    ``key`` and the file: missing, a folder, empty, truncated, not a torch file, or holding Python
+    objects beyond tensors and containers."""
+    import pickle
+
+    import torch
+
+    file = Path(str(path)).expanduser()
+    if not file.exists():
+        raise CheckpointError(f"{key}: checkpoint file not found: {file}")
+    if not file.is_file():
+        raise CheckpointError(f"{key}: {file} is a folder, not a checkpoint file")
+    if file.stat().st_size == 0:
+        raise CheckpointError(f"{key}: {file} is empty (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the unpickler's protocol warning on a file that is no checkpoint
+            state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=False)
+    except EOFError:
+        raise CheckpointError(f"{key}: {file} is truncated (it ends before the checkpoint does)") from None
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        if found:
+            raise CheckpointError(
+                f"{key}: {file} holds a pickled Python object ({found.group(1)}) that vitexp does not load; "
+                "save the weights alone: torch.save(model.state_dict(), path)") from None
+        reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+        why = reason.group(1).strip().splitlines()[0] if reason else type(err).__name__
+        raise CheckpointError(f"{key}: {file} is not a PyTorch checkpoint ({why})") from None
+    except Exception as err:  # noqa: BLE001 - a zip or pickle that is no checkpoint
+        raise CheckpointError(f"{key}: {file} is not a PyTorch checkpoint ({type(err).__name__}: "
+                              f"{one_line(err)[:200]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{key}: {file} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def check_backbone_weights(cfg: DictConfig, weights: str | Path) -> None:
+    """Build the configured backbone with ``weights`` (already through :func:`check_file`) as the
+    run will; a checkpoint that does not load into it is a :class:`CheckpointError`."""
+    from vitexp.build import build_configured_backbone
+    from vitexp.models import CheckpointMismatchError
+
+    try:
+        build_configured_backbone(cfg)
+    except CheckpointMismatchError as err:
+        raise CheckpointError(f"backbone.pretrained: {join_lines(str(err))}") from None
+    except Exception as err:  # noqa: BLE001 - a timm key filter that meets another model's keys
+        from vitexp.models import build_backbone
+
+        build_backbone({**cfg.backbone, "pretrained": None}, num_classes=int(cfg.data.num_classes))  # not the weights: raises
+        raise CheckpointError(f"backbone.pretrained: {weights} does not load into {cfg.backbone.timm_name} "
+                              f"({type(err).__name__}: {one_line(err)[:300]})") from None
+
+
+def check_accelerator(trainer: Any) -> None:
+    """``trainer.accelerator=gpu`` (or ``cuda``) on a machine without a CUDA GPU, or more GPUs in
+    ``trainer.devices`` than it has: a :class:`ConfigError` now, not Lightning's inside the run."""
+    import torch
+
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator not in ("gpu", "cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"trainer.accelerator={accelerator}: this machine has no CUDA GPU "
+                          "(torch.cuda.is_available() is false); run with trainer=cpu, or on a GPU machine")
+    devices = trainer.get("devices", 1)
+    if isinstance(devices, int) and devices > torch.cuda.device_count():
+        raise ConfigError(f"trainer.devices={devices}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")

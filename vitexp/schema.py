@@ -1,0 +1,371 @@
+"""Typed schemas of the config groups, checked when a config is composed.
+
+Every key of the composed config has a type: the groups whose keys are vitexp's own (``backbone``,
+``data``, ``recipe``, ``budget``, ``logger``, ``detector``, ``bspf_spec``, ``eval``, ``bench``
+and the top-level keys) in the dataclasses below; ``method`` and ``trainer`` from the constructor
+their keys are passed to (the method's ``_target_`` class, ``lightning.Trainer``), so a key a
+method adds is typed as soon as its ``__init__`` declares it, and no second list goes stale.
+:func:`check_types` reads every key the config holds, interpolations resolved, against its type
+and raises :class:`~vitexp.errors.ConfigError` naming the key, the value and the type expected
+(``recipe.lr: 'abc' is not a float``); the Hydra apps, :func:`vitexp.config.compose` and
+``vitexp-eval`` call it before anything is written. Ranges and rules across keys stay in
+:func:`vitexp.config.validate`.
+
+Decisions:
+- The dataclasses are not registered in Hydra's ConfigStore as the groups' base configs. The
+  options of a group hold different keys (``data=digits`` has ``split``, ``data=imagenet`` has
+  ``root``), and a structured config adds every field it declares to every option and converts
+  values to its types (``warmup_epochs: 2`` becomes ``2.0``): the config each run records, and the
+  fingerprint resume compares, would change for every run. Here the schema only reads: an option
+  keeps its own keys and values.
+- The check is strict about Python types, as the code reading the values is: an integer where a
+  float is expected is a float; a float, a string or a boolean where an integer is expected is not;
+  ``true``/``false`` only for a boolean. A ``Literal`` annotation is a list of choices.
+- ``???`` (a value the user must give) and an interpolation that does not resolve are left to
+  :func:`vitexp.config.validate`, which names what to set.
+- A key the constructor does not take (``trainer.foo``, a method key its class lacks) is refused
+  here: it would fail inside the run, after its ledger entry. So are the ``lightning.Trainer``
+  arguments vitexp sets itself (``max_epochs`` comes from ``recipe.epochs``).
+"""
+from __future__ import annotations
+
+import collections.abc as cabc
+import dataclasses
+import functools
+import inspect
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Union
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from vitexp.errors import ConfigError
+
+
+@dataclass
+class Arch:
+    """``backbone.arch``: the architecture facts budgets are validated against."""
+    depth: int
+    num_heads: int
+    embed_dim: int
+    patch_size: int
+    num_prefix_tokens: int
+    family: Optional[str]
+
+
+@dataclass
+class Backbone:
+    name: str
+    timm_name: str
+    img_size: int
+    img_size_kwarg: bool
+    crop_pct: Optional[float]
+    pretrained: Optional[str]
+    drop_path_rate: Optional[float]
+    kwargs: Dict[str, Any]
+    arch: Arch
+
+
+@dataclass
+class Data:
+    _target_: str
+    name: str
+    root: Optional[str]
+    package: Optional[str]
+    num_classes: int
+    batch_size: int
+    num_workers: int
+    split: List[float]
+    split_seed: int
+    val_fraction: float
+    val_size: int
+    train_dir: str
+    val_dir: str
+    test_dir: Optional[str]
+    augment: bool
+    auto_augment: Optional[str]
+    random_erase: float
+    hflip: float
+    translate: int
+    generate: Optional[Dict[str, Any]]
+    num_train: int
+    num_val: int
+    num_test: int
+    noise: float
+    seed: int
+
+
+@dataclass
+class Recipe:
+    name: str
+    epochs: int
+    batch_size: int
+    opt: str
+    lr: float
+    lr_base_batch: Optional[int]
+    weight_decay: float
+    momentum: Optional[float]
+    sched: str
+    warmup_epochs: float
+    warmup_steps: int
+    warmup_lr: float
+    min_lr: float
+    decay_epochs: List[float]
+    decay_rate: float
+    label_smoothing: float
+    mixup: float
+    cutmix: float
+    auto_augment: Optional[str]
+    random_erase: float
+    drop_path: float
+    grad_clip: Optional[float]
+
+
+@dataclass
+class Budget:
+    kind: str
+    keep_ratio: float
+    k: int
+    r: Union[int, List[int]]
+
+
+@dataclass
+class Logger:
+    kind: str
+    project: str
+    entity: Optional[str]
+    mode: Optional[str]
+    tags: List[str]
+    group: Optional[str]
+    init_timeout: float
+
+
+@dataclass
+class Detector:
+    name: str
+    stages: Optional[List[int]]
+    fpn_channels: int
+    anchor_scale: float
+    freeze_bn: Union[bool, Literal["auto"]]
+    min_size: int
+    max_size: int
+    rpn_pre_nms_top_n_test: int
+    rpn_post_nms_top_n_test: int
+    detections_per_img: int
+    flops_size: List[int]
+    box_representation: int
+    mask_layers: List[int]
+    box_batch_size_per_image: int
+
+
+@dataclass
+class BspfSpec:
+    chunk_size: Optional[int]
+    prune_layers: List[int]
+
+
+@dataclass
+class Eval:
+    flops: bool
+    throughput: bool
+    throughput_batch: Optional[int]
+    throughput_iters: int
+
+
+@dataclass
+class Bench:
+    mode: str
+    device: str
+    amp: Optional[bool]
+    batch_size: Optional[int]
+    rounds: int
+    iters: int
+    warmup: int
+    steps: int
+    compare: List[str]
+
+
+@dataclass
+class Config:
+    """``conf/train.yaml`` composed; ``method`` and ``trainer`` are typed by their constructors."""
+    name: str
+    seed: int
+    objective: str
+    resume: Union[bool, str]
+    output_dir: str
+    results_dir: str
+    eval: Eval
+    bench: Bench
+    backbone: Backbone
+    bspf_spec: BspfSpec
+    data: Data
+    recipe: Recipe
+    budget: Budget
+    logger: Logger
+    detector: Detector
+
+
+#: ``lightning.Trainer`` arguments vitexp sets itself, and the key that says what to set instead.
+TRAINER_SET_BY_VITEXP = {"max_epochs": "recipe.epochs", "gradient_clip_val": "recipe.grad_clip",
+                         "default_root_dir": "hydra.run.dir", "logger": "logger=wandb|csv|none",
+                         "callbacks": None, "plugins": None}
+
+_SKIP = object()  # ??? or an interpolation that does not resolve: validate's to name
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` for the first key whose value does not have its schema's type
+    (module docstring). The ``hydra`` node is not checked."""
+    values = _plain(cfg)
+    if not isinstance(values, dict):
+        return
+    values.pop("hydra", None)
+    method, trainer = values.pop("method", None), values.pop("trainer", None)
+    _check_mapping(values, _hints(Config), "", owner=None)
+    if isinstance(method, dict):
+        target = method.get("_target_")
+        if isinstance(target, str):
+            params, open_ = _constructor_hints(target, "method._target_")
+            _check_mapping({k: v for k, v in method.items() if not k.startswith("_")}, params, "method.",
+                           owner=None if open_ else target)
+    if isinstance(trainer, dict):
+        for key, instead in TRAINER_SET_BY_VITEXP.items():
+            if key in trainer:
+                raise ConfigError(f"trainer.{key}: set by vitexp" + (f" (set {instead})" if instead else ""))
+        params, open_ = _constructor_hints("lightning.Trainer", "trainer")
+        params = {k: v for k, v in params.items() if k not in TRAINER_SET_BY_VITEXP}
+        _check_mapping(trainer, params, "trainer.", owner=None if open_ else "lightning.Trainer")
+
+
+def _plain(node: Any) -> Any:
+    """``node`` as plain Python, interpolations resolved, ``???`` and unresolvable values :data:`_SKIP`."""
+    if isinstance(node, DictConfig):
+        out = {}
+        for key in node.keys():
+            if OmegaConf.is_missing(node, key):
+                out[key] = _SKIP
+                continue
+            try:
+                out[key] = _plain(node[key])
+            except Exception:  # noqa: BLE001 - an interpolation that does not resolve: validate names it
+                out[key] = _SKIP
+        return out
+    if isinstance(node, ListConfig):
+        try:
+            return [_plain(v) for v in node]
+        except Exception:  # noqa: BLE001
+            return _SKIP
+    return node
+
+
+def _hints(schema: type) -> dict[str, Any]:
+    return typing.get_type_hints(schema)
+
+
+@functools.lru_cache(maxsize=None)
+def _constructor_hints(target: str, key: str) -> tuple[dict[str, Any], bool]:
+    """{argument: annotation} of ``target``'s constructor (``Any`` where it has none), and whether
+    it takes any keyword (``**kwargs``)."""
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(target)
+    except Exception as err:  # noqa: BLE001 - a misspelt _target_
+        raise ConfigError(f"{key}: cannot import {target!r} ({type(err).__name__})") from None
+    init: Callable = cls.__init__
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: that argument is unchecked
+        hints = {}
+    params = inspect.signature(init).parameters
+    named = {n: hints.get(n, Any) for n, p in params.items()
+             if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: str, owner: str | None) -> None:
+    for key, value in values.items():
+        if value is _SKIP:
+            continue
+        if key not in hints:
+            if owner is not None:
+                raise ConfigError(f"{prefix}{key}: not an argument of {owner}; its arguments: {sorted(hints)}")
+            continue  # a key no schema knows: Hydra's struct mode and check_overrides refuse unknown keys
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation) and isinstance(value, Mapping):
+            _check_mapping(value, _hints(annotation), f"{prefix}{key}.", owner=None)
+        elif _contains_skip(value):
+            continue
+        elif not conforms(value, annotation):
+            raise ConfigError(f"{prefix}{key}: {value!r} is not {describe(annotation)}")
+
+
+def _contains_skip(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_contains_skip(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_contains_skip(v) for v in value)
+    return value is _SKIP
+
+
+def _is_union(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (Union, types.UnionType)
+
+
+def conforms(value: Any, annotation: Any) -> bool:
+    """Whether a plain config value has type ``annotation`` (module docstring: strict types)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return True
+    if annotation is type(None):
+        return value is None
+    if _is_union(annotation):
+        return any(conforms(value, a) for a in args)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin in (list, tuple, cabc.Sequence) or annotation in (list, tuple):
+        item = args[0] if args else Any
+        return isinstance(value, (list, tuple)) and all(conforms(v, item) for v in value)
+    if origin in (dict, cabc.Mapping) or annotation in (dict, Mapping) or dataclasses.is_dataclass(annotation):
+        item = args[1] if len(args) == 2 else Any
+        return isinstance(value, Mapping) and all(conforms(v, item) for v in value.values())
+    if isinstance(annotation, type):  # a class a config cannot hold (an Accelerator): never the config's value
+        return isinstance(value, annotation)
+    return True  # a TypeVar or a string annotation: unchecked
+
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a float", str: "a string", type(None): "null"}
+_PLURALS = {bool: "booleans", int: "integers", float: "floats", str: "strings"}
+
+
+def describe(annotation: Any) -> str:
+    """The type ``annotation`` in words, as an error message says what was expected."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in _NAMES:
+        return _NAMES[annotation]
+    if _is_union(annotation) or origin is Literal:
+        members = args if _is_union(annotation) else (annotation,)
+        choices, others = [], []
+        for a in members:  # every Literal of a union in one "one of [...]"
+            if typing.get_origin(a) is Literal:
+                choices += list(typing.get_args(a))
+            elif a is not type(None):
+                others.append(describe(a))
+        nullable = ["null"] if type(None) in members else []
+        return " or ".join(([f"one of {choices}"] if choices else []) + others + nullable)
+    if origin in (list, tuple, cabc.Sequence) or annotation in (list, tuple):
+        item = args[0] if args else Any
+        return f"a list of {_PLURALS.get(item, 'items')}" if item in _PLURALS or item is Any \
+            else f"a list of items each {describe(item)}"
+    if origin in (dict, cabc.Mapping) or annotation in (dict, Mapping) or dataclasses.is_dataclass(annotation):
+        return "a mapping"
+    return getattr(annotation, "__name__", str(annotation))
