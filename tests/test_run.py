@@ -332,3 +332,28 @@ def test_a_resumed_run_may_pin_a_newer_run_of_its_teacher_but_not_another_teache
 
     assert config_fingerprint(config("a1")) == config_fingerprint(config("a2"))
     assert config_fingerprint(config("a1")) != config_fingerprint(config("b1"))
+
+
+def test_wandb_shows_the_ledgers_top1_in_a_group_with_tags(make_cfg, results_dir, tmp_path, monkeypatch):
+    """An offline W&B run logs test/top1 in % (the ledger's value, not torchmetrics' fraction), is
+    in its experiment's group and is tagged with its backbone, method and budget."""
+    import wandb
+    from wandb.sdk.wandb_run import Run
+
+    from vitexp.train import train
+
+    inits, logged = [], {}
+    real_init, real_log = wandb.init, Run.log
+    monkeypatch.setattr(wandb, "init", lambda **kw: (inits.append(kw), real_init(**kw))[1])
+    monkeypatch.setattr(Run, "log", lambda self, data, *a, **kw: (logged.update(data), real_log(self, data, *a, **kw))[1])
+    cfg = make_cfg(["data=synthetic", "data.noise=0.1", "data.num_train=32", "data.num_val=16", "data.num_test=64",
+                    "recipe.batch_size=16", "recipe.epochs=1", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false",
+                    "trainer.enable_progress_bar=false", "logger=wandb"], tmp_path / "wandb_run")
+    result = train(cfg)
+    (entry,) = ledger_entries(results_dir)
+    assert entry["metrics"]["top1"] == result["metrics"]["top1"] > 1.0  # a fraction would be at most 1
+    assert logged["test/top1"] == pytest.approx(entry["metrics"]["top1"])
+    assert logged["val/top1"] == pytest.approx(entry["metrics"]["val_top1"])
+    (init,) = inits
+    assert init["group"] == "demo"
+    assert {"backbone=vit_micro", "method=baseline", "budget=none"} <= set(init["tags"])

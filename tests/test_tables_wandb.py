@@ -1,31 +1,69 @@
-"""vitexp-tables --wandb: runs read through wandb.Api, each table and its plot logged back to W&B."""
+"""vitexp-tables and W&B: runs read through wandb.Api, each table and its plot logged back to W&B;
+``--log-wandb`` logs the local ledger's tables, offline too."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from vitexp import tables
 
 
-def test_tables_wandb_logs_each_table_and_plot(monkeypatch, tmp_path, capsys):
+@pytest.fixture
+def logged(monkeypatch) -> dict:
+    """What vitexp-tables logs to W&B: every ``run.log`` call's data, and ``wandb.init``'s arguments."""
+    import wandb
+
+    seen: dict = {"init": None, "data": {}}
+    real_init = wandb.init
+
+    def init(**kwargs):
+        seen["init"] = kwargs
+        run = real_init(**kwargs)
+        original = run.log
+        run.log = lambda data, **kw: (seen["data"].update(data), original(data, **kw))
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    return seen
+
+
+def _assert_demo_table(data: dict, top1: str) -> None:
+    import wandb
+
+    table = data["demo/table"]
+    assert isinstance(table, wandb.Table) and table.columns[:2] == ["row", "experiment"]
+    assert any(top1 in [str(c) for c in row] for row in table.data)
+    assert isinstance(data["demo/plot"], wandb.Image)
+
+
+def test_tables_wandb_logs_each_table_and_plot(monkeypatch, tmp_path, capsys, logged):
     import wandb
 
     runs = [SimpleNamespace(id="r1", name="demo", config={"name": "demo"}, state="finished", job_type="train",
                             summary={"top1": 95.0, "gmacs": 0.0226}, created_at="2026-01-01", url="u1")]
     monkeypatch.setattr(wandb, "Api", lambda: SimpleNamespace(runs=lambda path: runs))
-    logged: dict = {}
-    real_init = wandb.init
-
-    def init(**kwargs):
-        run = real_init(mode="offline", dir=str(tmp_path), **kwargs)
-        original = run.log
-        run.log = lambda data, **kw: (logged.update(data), original(data, **kw))
-        return run
-
-    monkeypatch.setattr(wandb, "init", init)
     assert tables.main(["demo", "--wandb", "me/vitexp", "--out", str(tmp_path / "tables")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == "completed"
-    table = logged["demo/table"]
-    assert isinstance(table, wandb.Table) and table.columns[:2] == ["row", "experiment"]
-    assert any("95.0" in [str(c) for c in row] for row in table.data)
-    assert isinstance(logged["demo/plot"], wandb.Image)
+    assert (logged["init"]["entity"], logged["init"]["project"]) == ("me", "vitexp")
+    _assert_demo_table(logged["data"], "95.0")
+
+
+def test_log_wandb_logs_the_local_ledger_offline(monkeypatch, tmp_path, capsys, logged):
+    """No W&B login, WANDB_MODE=offline: the tables of the local ledger go to an offline W&B run of
+    the project runs log to, which the closing line names for ``wandb sync``."""
+    results = tmp_path / "results"
+    (results / "runs").mkdir(parents=True)
+    (results / "runs" / "r1.json").write_text(json.dumps({
+        "run_id": "r1", "experiment": "demo", "status": "completed", "kind": "train", "started": "2026-01-01T00:00:00",
+        "config": {"name": "demo"}, "metrics": {"top1": 93.25, "gmacs": 0.0226}}))
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert tables.main(["demo", "--log-wandb", "--results-dir", str(results)]) == 0
+    closing = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert logged["init"]["project"] == "vitexp" and logged["init"]["mode"] == "offline"
+    _assert_demo_table(logged["data"], "93.25")
+    assert closing["wandb"].startswith(f"offline:{results / 'wandb'}")
+    assert Path(closing["wandb"].removeprefix("offline:")).parent.name.startswith("offline-run-")

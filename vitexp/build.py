@@ -94,11 +94,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 class PercentProgressBar(TQDMProgressBar):
-    """Lightning's bar with accuracies (``*top1``, ``*top5``) shown in % as the ledger records them."""
+    """Lightning's bar with accuracies (``val/top1`` ..., :func:`vitexp.logging_utils.logged_fraction`)
+    shown in % as the ledger records them."""
 
     def get_metrics(self, trainer, pl_module) -> dict[str, Any]:
+        from vitexp.logging_utils import logged_fraction
+
         items = super().get_metrics(trainer, pl_module)
-        return {k: (f"{100 * float(v):.2f}%" if k.endswith(("top1", "top5")) and isinstance(v, (int, float)) else v)
+        return {k: (f"{100 * float(v):.2f}%" if logged_fraction(k) and isinstance(v, (int, float)) else v)
                 for k, v in items.items()}
 
 

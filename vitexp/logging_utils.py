@@ -1,15 +1,84 @@
 """Loggers: W&B by default (online when logged in, offline otherwise; never waits on the
-network), Lightning's CSVLogger, or none."""
+network), Lightning's CSVLogger, or none.
+
+W&B as users read it:
+- One unit per metric: the LightningModules log accuracies as torchmetrics computes them
+  (fractions; callbacks and :mod:`vitexp.train` read those), and every logger built here writes
+  ``<split>/top1``, ``top5`` and a detector's ``ap*`` in % (:func:`in_percent`), as the ledger, the
+  closing JSON line and the progress bar show them.
+- Every run is in a group: ``logger.group`` (vitexp-sweep sets the table's name), else its
+  experiment (the run's name before any ``+override``, so seeds and variants of one experiment sit
+  together); tagged ``backbone=<name>``, ``method=<name>`` and ``budget=<kind>[:<value>]`` besides
+  ``logger.tags``.
+"""
 from __future__ import annotations
 
+import functools
 import logging
 import netrc
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
+
+#: Prefixes of the metrics the LightningModules log (accuracies among them as fractions).
+LOGGED_SPLITS = ("train/", "val/", "test/")
+
+
+def logged_fraction(key: str) -> bool:
+    """A LightningModule's accuracy key (``val/top1``, ``test/top5``, ``val/ap_box``): a fraction
+    that loggers, like the ledger, show in %."""
+    name = key.rpartition("/")[2]
+    return key.startswith(LOGGED_SPLITS) and (re.fullmatch(r"top\d+", name) is not None or name.startswith("ap"))
+
+
+def in_percent(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """``metrics`` with every :func:`logged_fraction` in %."""
+    return {k: 100.0 * float(v) if logged_fraction(k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            else v for k, v in metrics.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def percent_logger(base: type) -> type:
+    """``base`` (a Lightning logger class) writing accuracies in % (:func:`in_percent`)."""
+
+    class PercentLogger(base):
+        def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+            super().log_metrics(in_percent(metrics), step)
+
+    PercentLogger.__name__ = PercentLogger.__qualname__ = f"Percent{base.__name__}"
+    PercentLogger.__module__ = __name__  # found by pickle through the module's __getattr__
+    return PercentLogger
+
+
+def __getattr__(name: str) -> type:
+    """``PercentWandbLogger`` / ``PercentCSVLogger`` by name (a pickled logger finds its class)."""
+    if name.startswith("Percent") and name.endswith("Logger"):
+        from lightning.pytorch import loggers
+
+        return percent_logger(getattr(loggers, name[len("Percent"):]))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def run_group(name: str) -> str:
+    """A run's W&B group when ``logger.group`` is unset: its experiment (the name before ``+``)."""
+    return name.split("+", 1)[0]
+
+
+def run_tags(config: Mapping[str, Any] | None) -> list[str]:
+    """``backbone=<name>``, ``method=<name>``, ``budget=<kind>[:<value>]`` of a run's config (W&B
+    allows 64 characters a tag)."""
+    config = config or {}
+    tags = [f"{group}={(config.get(group) or {}).get('name')}" for group in ("backbone", "method")
+            if (config.get(group) or {}).get("name")]
+    budget = dict(config.get("budget") or {})
+    if budget.get("kind"):
+        values = [str(v) for k, v in budget.items() if k != "kind"]
+        tags.append(f"budget={budget['kind']}" + (f":{','.join(values)}" if values else ""))
+    return [t[:64] for t in tags]
 
 
 def wandb_logged_in() -> bool:
@@ -38,7 +107,7 @@ def build_logger(cfg: Mapping[str, Any], name: str, save_dir: Path, config: dict
                  job_type: str = "train", run_id: str | None = None):
     """A Lightning logger for ``cfg`` (the ``logger`` group), or ``False`` for none. ``run_id``:
     the W&B run id, resumed with ``resume="allow"`` (a requeued job continues its own W&B run);
-    ``logger.group`` and ``logger.tags`` group a sweep's runs by table."""
+    grouped and tagged as the module docstring says."""
     kind = cfg["kind"]
     if kind == "none":
         return False
@@ -46,27 +115,35 @@ def build_logger(cfg: Mapping[str, Any], name: str, save_dir: Path, config: dict
     if kind == "csv":
         from lightning.pytorch.loggers import CSVLogger
 
-        return CSVLogger(str(save_dir), name="csv", version="")
+        return percent_logger(CSVLogger)(str(save_dir), name="csv", version="")
     if kind != "wandb":
         raise ValueError(f"logger.kind={kind!r}: valid kinds are wandb, csv, none")
     import wandb
     from lightning.pytorch.loggers import WandbLogger
 
     mode = wandb_mode(cfg.get("mode"))
+    tags = list(dict.fromkeys([*(cfg.get("tags") or []), *run_tags(config)]))
     kwargs = dict(project=cfg.get("project", "vitexp"), entity=cfg.get("entity"), name=name,
-                  save_dir=str(save_dir), tags=list(cfg.get("tags") or []), job_type=job_type,
-                  group=cfg.get("group"), config=config)
+                  save_dir=str(save_dir), tags=tags, job_type=job_type,
+                  group=cfg.get("group") or run_group(name), config=config)
     if run_id:
         kwargs.update(id=run_id, resume="allow")
     settings = wandb.Settings(init_timeout=float(cfg.get("init_timeout", 30)), silent=True)
-    logger = WandbLogger(mode=mode, settings=settings, **kwargs)
+    logger = percent_logger(WandbLogger)(mode=mode, settings=settings, **kwargs)
     if mode == "online":
         try:
             _ = logger.experiment  # start now, so a failure falls back before training
         except Exception as err:  # network down, auth refused, timeout
             log.warning("W&B online start failed (%s); continuing offline", err)
-            logger = WandbLogger(mode="offline", settings=settings, **kwargs)
+            logger = percent_logger(WandbLogger)(mode="offline", settings=settings, **kwargs)
     return logger
+
+
+def run_url(run) -> str | None:
+    """A W&B run's URL, or ``offline:<its folder>`` (what ``wandb sync`` uploads)."""
+    if getattr(run, "offline", False):
+        return f"offline:{getattr(run, 'dir', '')}"
+    return getattr(run, "url", None)
 
 
 def wandb_url(logger) -> str | None:
@@ -74,13 +151,44 @@ def wandb_url(logger) -> str | None:
         from lightning.pytorch.loggers import WandbLogger
 
         if isinstance(logger, WandbLogger):
-            run = logger.experiment
-            if getattr(run, "offline", False):
-                return f"offline:{getattr(run, 'dir', '')}"
-            return getattr(run, "url", None)
+            return run_url(logger.experiment)
     except Exception:  # pragma: no cover - a broken W&B never fails a run
         return None
     return None
+
+
+def default_project() -> str:
+    """``$WANDB_PROJECT``, else the project of ``conf/logger/wandb.yaml`` (where runs log)."""
+    import yaml
+
+    from vitexp import CONF_DIR
+
+    return os.environ.get("WANDB_PROJECT") or yaml.safe_load((CONF_DIR / "logger" / "wandb.yaml").read_text())["project"]
+
+
+def log_tables(written: Mapping[str, Mapping[str, str]], path: str | None, save_dir: Path) -> str | None:
+    """Each table (its CSV, as a ``wandb.Table``) and its plot (``wandb.Image``) into one W&B run
+    (job type ``tables``) of ``[ENTITY/]PROJECT`` (default: :func:`default_project`), online when
+    logged in and offline otherwise (:func:`wandb_mode`; the run folder goes under ``save_dir``,
+    ``$WANDB_DIR`` wins). Returns :func:`run_url`."""
+    import csv
+
+    import wandb
+
+    entity, _, project = (path or "").rpartition("/")
+    run = wandb.init(entity=entity or None, project=project or default_project(), job_type="tables", name="tables",
+                     mode=wandb_mode(None), dir=os.environ.get("WANDB_DIR") or str(save_dir))
+    try:
+        for name, files in written.items():
+            with open(files["csv"], newline="") as fh:
+                rows = list(csv.reader(fh))
+            logged: dict[str, Any] = {f"{name}/table": wandb.Table(columns=rows[0], data=rows[1:])}
+            if "png" in files:
+                logged[f"{name}/plot"] = wandb.Image(files["png"])
+            run.log(logged)
+        return run_url(run)
+    finally:
+        run.finish()
 
 
 def log_final(logger, metrics: Mapping[str, Any], step: int | None = None) -> None:

@@ -44,6 +44,7 @@ from typing import Any, Iterable
 import yaml
 
 from vitexp import SWEEPS_DIR, aggregate
+from vitexp.logging_utils import log_tables
 from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
 from vitexp.provenance import DERIVED_MARK, provenance_errors
 from vitexp.rows import check_rows, expand_rows, row_name
@@ -311,32 +312,17 @@ def write_table(spec: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path)
     return written
 
 
-def log_to_wandb(path: str, written: dict[str, dict[str, str]]) -> None:
-    """Each table (its CSV, as a ``wandb.Table``) and its plot into one W&B run of ``ENTITY/PROJECT``
-    (job type ``tables``)."""
-    import wandb
-
-    entity, _, project = path.rpartition("/")
-    run = wandb.init(entity=entity or None, project=project, job_type="tables", name="tables")
-    try:
-        for name, files in written.items():
-            with open(files["csv"], newline="") as fh:
-                rows = list(csv.reader(fh))
-            logged: dict[str, Any] = {f"{name}/table": wandb.Table(columns=rows[0], data=rows[1:])}
-            if "png" in files:
-                logged[f"{name}/plot"] = wandb.Image(files["png"])
-            run.log(logged)
-    finally:
-        run.finish()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(
         prog="vitexp-tables",
         description="Join the ledger with the table specs in sweeps/ and write results/tables/<table>.{md,tex,csv,png}.",
     )
     parser.add_argument("tables", nargs="*", help=f"table names (default: all of {all_specs()})")
-    parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read runs through wandb.Api() instead of the ledger")
+    parser.add_argument("--wandb", metavar="ENTITY/PROJECT",
+                        help="read runs through wandb.Api() instead of the ledger (and log the tables there)")
+    parser.add_argument("--log-wandb", metavar="[ENTITY/]PROJECT", nargs="?", const="",
+                        help="log each table (wandb.Table) and its plot to W&B: to PROJECT, else --wandb's, else the "
+                             "project runs log to (conf/logger/wandb.yaml); offline unless logged in (wandb sync uploads it)")
     parser.add_argument("--results-dir", type=Path, default=None, help="ledger root (default: $VITEXP_RESULTS or results/)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <results-dir>/tables)")
     args = parser.parse_args(argv)
@@ -358,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     for spec in specs:
         written[spec["name"]] = write_table(spec, runs, out_dir)
         print(render_markdown(spec, fill(spec, runs)))
-    if args.wandb:
-        log_to_wandb(args.wandb, written)
+    logs = args.log_wandb is not None or bool(args.wandb)
+    url = log_tables(written, args.log_wandb or args.wandb, results_dir) if logs else None
     print(json.dumps({"status": "completed", "tables": written, "runs_read": len(runs),
-                      "source": args.wandb or str(results_dir / "runs")}))
+                      "source": args.wandb or str(results_dir / "runs"), "wandb": url}))
     return 0
