@@ -90,3 +90,52 @@ def test_eval_reads_the_runs_portable_paths_as_paths_on_this_machine(make_cfg, r
     assert (stored["data"]["root"], stored["backbone"]["pretrained"]) == ("data/micro_coco", "outputs/teacher/weights.pth")
     cfg, _ = eval_config(entry.run_id)
     assert cfg.data.root == str(ROOT / "data" / "micro_coco") and cfg.backbone.pretrained == str(weights)
+
+
+def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, results_dir, tmp_path, capsys,
+                                                                    monkeypatch):
+    """A run logged to W&B (offline here) logs its deployed weights as a model artifact, which its
+    offline run keeps for ``wandb sync``, and its ledger entry names it. ``vitexp-eval <artifact>``
+    on a machine with neither the run's entry nor its weights (W&B's API stubbed with what the run
+    logged) rebuilds the model from the record the artifact carries and gives the run's top-1."""
+    import shutil
+    from types import SimpleNamespace
+
+    import wandb
+    from wandb.sdk.wandb_run import Run
+
+    from vitexp.results import local_path
+    from vitexp.train import train
+
+    logged = {}
+    real_log_artifact = Run.log_artifact
+    monkeypatch.setattr(Run, "log_artifact", lambda self, artifact, *a, **kw: (
+        logged.update({artifact.name: artifact}), real_log_artifact(self, artifact, *a, **kw))[1])
+    trained = train(make_cfg(TINY + ["logger=wandb"], tmp_path / "run"))
+    (entry,) = ledger_entries(results_dir)
+    reference = entry["artifacts"]["wandb_model"]
+    name = f"weights-{trained['run_id']}"
+    assert reference == f"vitexp/{name}:latest"  # offline: no entity until synced
+    artifact = logged[name]
+    assert artifact.type == "model" and list(artifact.manifest.entries) == ["weights.pth"]
+    assert artifact.metadata["run_id"] == trained["run_id"] and artifact.metadata["metrics"]["top1"] == trained["metrics"]["top1"]
+    offline_run = local_path(entry["wandb_url"].removeprefix("offline:"), results_dir).parent
+    assert name.encode() in next(offline_run.glob("run-*.wandb")).read_bytes()  # kept for wandb sync
+
+    weights = tmp_path / "downloaded.pth"
+    shutil.copy(tmp_path / "run" / "weights.pth", weights)
+    shutil.rmtree(tmp_path / "run")
+    monkeypatch.setenv("VITEXP_RESULTS", str(tmp_path / "elsewhere"))
+
+    def download(root):
+        Path(root).mkdir(parents=True)
+        shutil.copy(weights, Path(root) / "weights.pth")
+        return root
+
+    stored = SimpleNamespace(name=f"{name}:v0", metadata=artifact.metadata, download=download)
+    monkeypatch.setattr(wandb, "Api", lambda: SimpleNamespace(artifact=lambda ref, type=None: stored if ref == reference
+                                                              else pytest.fail(f"asked for {ref}")))
+    result = run_eval(capsys, reference, "logger=none", "trainer.enable_progress_bar=false")
+    assert result["status"] == "completed" and result["evaluates"] == trained["run_id"]
+    assert result["metrics"]["top1"] == pytest.approx(trained["metrics"]["top1"], abs=1e-9)
+    assert [e["kind"] for e in ledger_entries(tmp_path / "elsewhere")] == ["eval"]

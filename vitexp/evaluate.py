@@ -7,6 +7,12 @@ and tested on the run's test split by the same LightningModule and :func:`vitexp
 the run used, so ``top1`` equals the ledger's for the same weights and data. The result is a
 ledger entry of kind ``eval`` naming the run it evaluates (``evaluates``).
 
+The run is named by its id, its experiment (the newest completed run), or the W&B model artifact
+its weights were logged as (``artifacts.wandb_model``, :func:`vitexp.logging_utils.log_model`):
+the artifact carries the run's ledger record, so a machine that did not train the run, and holds
+neither its entry nor its weights, evaluates it. A run in the local ledger whose weights are not on
+this machine takes them from its artifact.
+
 Overrides: ``key=value`` on the run's config (``data.root=/datasets/imagenet``), or
 ``group=option`` for the groups that say where and how it runs (``logger``, ``trainer``), composed
 from ``conf/<group>/<option>.yaml``. A key the run's config does not have is refused.
@@ -19,6 +25,7 @@ from typing import Any, Iterable
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp.errors import ConfigError
+from vitexp.logging_utils import fetch_model
 from vitexp.results import RUN_WEIGHTS_PREFIX, completed_runs, default_results_dir, local_path, portable_path
 
 #: Groups an evaluation may swap whole (where and how it runs, not what the model is).
@@ -27,8 +34,17 @@ SWAPPABLE_GROUPS = ("logger", "trainer")
 PATH_KEYS = ("data.root", "backbone.pretrained")
 
 
+#: Where W&B model artifacts are downloaded to (``<results>/wandb/``, which git ignores).
+ARTIFACTS_SUBDIR = Path("wandb") / "artifacts"
+
+
 def find_run(run: str, results_dir: Path) -> dict[str, Any]:
-    """The completed train run with id ``run``, else the newest completed run of experiment ``run``."""
+    """The completed train run with id ``run``, else the newest completed run of experiment ``run``;
+    or, ``run`` a W&B model artifact reference (``[[ENTITY/]PROJECT/]NAME:ALIAS``, as the ledger's
+    ``artifacts.wandb_model`` names it, so never a run id or an experiment), the ledger record the
+    artifact carries, its weights downloaded: a run trained on another machine."""
+    if ":" in run:
+        return fetch_model(run, results_dir / ARTIFACTS_SUBDIR)
     runs = [r for r in completed_runs(kind="train", results_dir=results_dir) if run in (r["run_id"], r["experiment"])]
     if not runs:
         raise FileNotFoundError(f"no completed train run with id or experiment {run!r} in {results_dir / 'runs'}")
@@ -81,7 +97,10 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
 
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
         method = validate(cfg)
-        path = Path(weights) if weights else local_path((record.get("artifacts") or {}).get("weights"), cfg.results_dir)
+        artifacts = record.get("artifacts") or {}
+        path = Path(weights) if weights else local_path(artifacts.get("weights"), cfg.results_dir)
+        if not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model"):  # trained elsewhere
+            path = Path(fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"]["weights"])
         if path is None or not path.is_file():
             raise FileNotFoundError(f"run {record['run_id']}: its weights {path} are not on this machine; pass --weights "
                                     f"(weights.pth or checkpoints/last.ckpt of that run) or rerun it")

@@ -157,6 +157,58 @@ def wandb_url(logger) -> str | None:
     return None
 
 
+#: W&B's longest artifact name.
+ARTIFACT_NAME_MAX = 128
+
+
+def model_artifact_name(run_id: str) -> str:
+    """``weights-<run_id>``, shortened to W&B's limit keeping the run id's random suffix."""
+    name = f"weights-{run_id}"
+    return name if len(name) <= ARTIFACT_NAME_MAX else name[:ARTIFACT_NAME_MAX - 7] + "-" + run_id[-6:]
+
+
+def log_model(logger, weights: Path, run_id: str, metadata: Mapping[str, Any]) -> str | None:
+    """``weights`` as the W&B model artifact :func:`model_artifact_name` (file ``weights.pth``,
+    ``metadata``: the run's ledger record) of the logger's run; an offline run keeps it for
+    ``wandb sync``. Returns its reference ``[ENTITY/]PROJECT/NAME:latest`` (no entity offline: the
+    default one when synced), or ``None`` without a W&B logger or when W&B fails (never the run)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    if not isinstance(logger, WandbLogger):
+        return None
+    try:
+        import wandb
+
+        run = logger.experiment
+        artifact = wandb.Artifact(model_artifact_name(run_id), type="model", metadata=dict(metadata))
+        artifact.add_file(str(weights), name="weights.pth")
+        run.log_artifact(artifact, aliases=["latest"])
+        entity = None if getattr(run, "offline", False) else run.entity
+        return "/".join(p for p in (entity, run.project, f"{artifact.name}:latest") if p)
+    except Exception as err:  # pragma: no cover - a broken W&B never fails a finished run
+        log.warning("W&B model artifact of %s failed: %s", run_id, err)
+        return None
+
+
+def fetch_model(reference: str, root: Path) -> dict[str, Any]:
+    """The ledger record a W&B model artifact (:func:`log_model`) carries, with ``artifacts.weights``
+    the ``weights.pth`` downloaded under ``root``. Raises ``FileNotFoundError`` in one line when W&B
+    cannot give it (no login, an offline run not yet synced, no such artifact)."""
+    import wandb
+
+    try:
+        artifact = wandb.Api().artifact(reference, type="model")
+        folder = Path(artifact.download(root=str(root / artifact.name.replace(":", "-"))))
+    except Exception as err:  # noqa: BLE001 - W&B's own errors, many lines
+        from vitexp.errors import one_line
+
+        raise FileNotFoundError(f"W&B artifact {reference}: {type(err).__name__}: {one_line(err)[:300]} (wandb login; "
+                                "an offline run's artifacts reach W&B with `wandb sync <run dir>/wandb/offline-run-*`)") from None
+    record = dict(artifact.metadata)
+    record["artifacts"] = {**(record.get("artifacts") or {}), "weights": str(folder / "weights.pth")}
+    return record
+
+
 def default_project() -> str:
     """``$WANDB_PROJECT``, else the project of ``conf/logger/wandb.yaml`` (where runs log)."""
     import yaml

@@ -212,12 +212,30 @@ class Run:
             log_final(self.logger, c["metrics"], step=c["step"])
             if self.output_dir is not None:
                 c["record"].setdefault("output_dir", self.output_dir)
+            self._log_weights(c)
             path = self.ledger.finish(c["metrics"], c["protocol"], wandb_url=wandb_url(self.logger), **c["record"])
         except BaseException:
             finish(self._logger, failed=True)
             raise
         finish(self._logger)
         return {**result, "ledger": str(path), "run_id": self.ledger.run_id}
+
+    def _log_weights(self, c: dict[str, Any]) -> None:
+        """A run that saved weights (``artifacts.weights``) logs them as a W&B model artifact, its
+        metadata the ledger record as it closes (what ``vitexp-eval`` needs on another machine); the
+        ledger records its reference as ``artifacts.wandb_model``."""
+        from vitexp.logging_utils import log_model
+        from vitexp.results import local_path, portable_paths
+
+        artifacts = dict(c["record"].get("artifacts") or {})
+        if not artifacts.get("weights") or not self.logger:
+            return
+        record = {**self.ledger.record, "status": "completed", "metrics": c["metrics"], "protocol": c["protocol"],
+                  **c["record"]}
+        metadata = json.loads(json.dumps(portable_paths(record, self.results_dir), default=str))
+        reference = log_model(self.logger, local_path(artifacts["weights"], self.results_dir), self.ledger.run_id, metadata)
+        if reference:
+            c["record"]["artifacts"] = {**artifacts, "wandb_model": reference}
 
     def _fail(self, err: BaseException) -> dict[str, Any]:
         from vitexp.logging_utils import finish
