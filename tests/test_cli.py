@@ -81,10 +81,14 @@ def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path):
     assert sorted(e["experiment"] for e in entries) == ["deit_small_baseline", "deit_tiny_baseline", "demo"]
     again = last_json(run("vitexp-sweep", "demo", "--kind", "flops", "logger=none", "--dry-run",
                           results_dir=results_dir, cwd=tmp_path).stdout)
-    assert again["launched"] == {} and len(again["skipped"]["flops"]) == 3
+    assert again["status"] == "dry_run" and again["would_launch"] == {} and len(again["skipped"]["flops"]) == 3
+    assert "launched" not in again and again["commands"] == []
     forced = last_json(run("vitexp-sweep", "demo", "--kind", "flops", "--force", "--dry-run",
                            results_dir=results_dir, cwd=tmp_path).stdout)
-    assert len(forced["launched"]["flops"]) == 3
+    assert forced["status"] == "dry_run" and len(forced["would_launch"]["flops"]) == 3
+    (command,) = forced["commands"]
+    assert "vitexp-flops -m experiment=demo,deit_tiny_baseline,deit_small_baseline" in command
+    assert len(ledger_entries(results_dir)) == 3  # nothing ran
     tables = run("vitexp-tables", "demo", results_dir=results_dir, cwd=tmp_path)
     assert tables.returncode == 0
     md = re.sub(r" +", " ", (results_dir / "tables" / "demo.md").read_text())  # tabulate pads columns

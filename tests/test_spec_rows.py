@@ -202,7 +202,7 @@ def test_sweep_dry_run_launches_an_override_rows_missing_seeds_with_its_override
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["skipped"]["flops"] == [f"{name}+seed=0"]
-    assert summary["launched"]["flops"] == [f"{name}+seed=1", f"{name}+seed=2"]
+    assert summary["status"] == "dry_run" and summary["would_launch"]["flops"] == [f"{name}+seed=1", f"{name}+seed=2"]
     assert (f"-m experiment=bspf_demo budget.keep_ratio=0.7 name='{name}+seed=${{seed}}' seed=1,2 "
             "++logger.group=override_rows") in err
     from vitexp.config import compose, run_name  # what such a job records: Hydra parses the quoted name
@@ -231,4 +231,4 @@ def test_sweep_runs_an_override_row_and_the_table_finds_its_seeds(tmp_path, resu
     capsys.readouterr()
     assert main([str(spec), "--dry-run", "logger=none"]) == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert again["launched"] == {} and len(again["skipped"]["flops"]) == 2
+    assert again["would_launch"] == {} and len(again["skipped"]["flops"]) == 2

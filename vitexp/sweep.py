@@ -34,6 +34,7 @@ from pathlib import Path
 from vitexp import CONF_DIR
 from vitexp import recheck
 from vitexp.aggregate import other_start, overlapping_order, row_seeds, seed_runs, seeded_name, shared_start
+from vitexp.errors import one_line
 from vitexp.results import RUN_WEIGHTS_PREFIX, default_results_dir, effective_status, iter_runs, weights_run
 from vitexp.rows import expand_rows, job_arguments, row_name
 from vitexp.tables import all_specs, load_spec
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                              "every completed training run the table cites and compare its top-1")
     parser.add_argument("--tolerance", type=float, default=recheck.DEFAULT_TOLERANCE,
                         help="--kind eval: the largest |re-evaluated - ledger| top-1 (points) that agrees")
-    parser.add_argument("--dry-run", action="store_true", help="print the commands without running them")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run nothing: the closing line says dry_run and lists what would run (would_launch, commands)")
     args = parser.parse_intermixed_args(argv)
     try:
         spec = load_spec(args.table)
@@ -185,28 +187,31 @@ def main(argv: list[str] | None = None) -> int:
             return _recheck(spec, results_dir, args)
         todo = plan(spec, args.kind, args.force, results_dir)
     except (FileNotFoundError, ValueError) as err:
-        print(f"vitexp-sweep: {err}", file=sys.stderr)
-        print(json.dumps({"status": "invalid", "error": str(err), "ledger": None}))
+        print(f"vitexp-sweep: {one_line(err)}", file=sys.stderr)
+        print(json.dumps({"status": "invalid", "error": one_line(err), "ledger": None}))
         return 2
-    summary = {"table": spec["name"], "launched": {}, "skipped": {}, "returncodes": {}}
-    status = 0
+    launch, skipped, commands = {}, {}, []
     for kind, rows in todo.items():
-        summary["skipped"][kind] = rows["skip"]
+        skipped[kind] = rows["skip"]
         for exp in rows["skip"]:
             print(f"vitexp-sweep: {exp} ({kind}) has a completed or running run; skipped (--force reruns it)", file=sys.stderr)
-        if not rows["launch"]:
-            continue
-        jobs = job_list(rows)
-        grouping = [f"++logger.group={spec['name']}", f"++logger.tags=[{spec['name']}]"]  # ++: any logger group
-        summary["launched"][kind] = rows["launch"]
-        for job in jobs:
-            cmd = [_script(APPS[kind]), "-m", *job, *grouping, *args.overrides]
-            print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
-            if args.dry_run:
-                continue
-            rc = subprocess.run(cmd).returncode
-            summary["returncodes"][kind] = summary["returncodes"].get(kind) or rc
-            status = status or rc
+        if rows["launch"]:
+            launch[kind] = rows["launch"]
+            grouping = [f"++logger.group={spec['name']}", f"++logger.tags=[{spec['name']}]"]  # ++: any logger group
+            commands += [(kind, [_script(APPS[kind]), "-m", *job, *grouping, *args.overrides]) for job in job_list(rows)]
+    if args.dry_run:  # nothing ran: what would run, and the commands that would run it
+        for _, cmd in commands:
+            print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr)
+        print(json.dumps({"table": spec["name"], "status": "dry_run", "would_launch": launch, "skipped": skipped,
+                          "commands": [" ".join(cmd) for _, cmd in commands]}))
+        return 0
+    summary = {"table": spec["name"], "launched": launch, "skipped": skipped, "returncodes": {}}
+    status = 0
+    for kind, cmd in commands:
+        print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr, flush=True)
+        rc = subprocess.run(cmd).returncode
+        summary["returncodes"][kind] = summary["returncodes"].get(kind) or rc
+        status = status or rc
     summary["status"] = "completed" if status == 0 else "failed"
     print(json.dumps(summary))
     return status
