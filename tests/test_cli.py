@@ -130,8 +130,11 @@ def test_a_usage_error_ends_with_the_invalid_line(app, capsys):
     with pytest.raises(SystemExit) as exited:
         first = {"eval": ["r1"], "sweep": ["demo"], "tables": [], "audit": ["bspf"], "analyze": ["tokens"]}[app]
         getattr(cli, f"{app}_main")([*first, "--bogus"])
-    closing = last_json(capsys.readouterr().out)
+    out = capsys.readouterr()
+    closing = last_json(out.out)
     assert exited.value.code == 2 and closing["status"] == "invalid" and "--bogus" in closing["error"]
+    (line,) = out.err.splitlines()  # one line, as every error: no usage block
+    assert "--bogus" in line and "--help" in line
 
 
 def _checkpoints(folder: Path) -> dict[str, Path]:

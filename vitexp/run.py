@@ -93,12 +93,11 @@ def config_fingerprint(config: Mapping[str, Any]) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """``argparse`` whose usage errors (an unknown option, a missing argument) also end with the
-    ``invalid`` closing line and exit 2, as every vitexp command does."""
+    """``argparse`` whose usage errors (an unknown option, a missing argument) are one line on
+    stderr, as every vitexp error, and end with the ``invalid`` closing line and exit 2."""
 
     def error(self, message: str):
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"{self.prog}: invalid: {message} ({self.prog} --help lists the arguments)", file=sys.stderr)
         emit({"status": "invalid", "error": f"{self.prog}: {message}", "ledger": None})
         raise SystemExit(2)
 

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             return _recheck(spec, results_dir, args)
         todo = plan(spec, args.kind, args.force, results_dir)
     except (FileNotFoundError, ValueError) as err:
-        print(f"vitexp-sweep: {one_line(err)}", file=sys.stderr)
+        print(f"vitexp-sweep: invalid: {one_line(err)}", file=sys.stderr)
         print(json.dumps({"status": "invalid", "error": one_line(err), "ledger": None}))
         return 2
     launch, skipped, commands = {}, {}, []

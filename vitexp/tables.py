@@ -44,6 +44,7 @@ from typing import Any, Iterable
 import yaml
 
 from vitexp import SWEEPS_DIR, aggregate
+from vitexp.errors import one_line
 from vitexp.logging_utils import log_tables
 from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
 from vitexp.provenance import DERIVED_MARK, provenance_errors
@@ -331,14 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         specs = [load_spec(t) for t in (args.tables or all_specs())]
     except (FileNotFoundError, ValueError) as err:
-        print(f"vitexp-tables: {err}", file=sys.stderr)
-        print(json.dumps({"status": "invalid", "error": str(err), "ledger": None}))
+        print(f"vitexp-tables: invalid: {one_line(err)}", file=sys.stderr)
+        print(json.dumps({"status": "invalid", "error": one_line(err), "ledger": None}))
         return 2
     try:
         runs = wandb_runs(args.wandb) if args.wandb else list(iter_runs(results_dir))
     except Exception as err:  # no W&B login, no network, no such project
-        print(f"vitexp-tables: reading W&B runs of {args.wandb} failed: {err}", file=sys.stderr)
-        print(json.dumps({"status": "failed", "error": f"W&B {args.wandb}: {type(err).__name__}: {err}"}))
+        print(f"vitexp-tables: failed: reading W&B runs of {args.wandb}: {one_line(err)}", file=sys.stderr)
+        print(json.dumps({"status": "failed", "error": f"W&B {args.wandb}: {type(err).__name__}: {one_line(err)}"}))
         return 1
     written = {}
     for spec in specs:
