@@ -3,18 +3,34 @@
 Decisions:
 - Weights come only from a local file: ``pretrained`` is a path or null. A missing file is a
   ``FileNotFoundError`` naming the path; a file whose keys do not fit the model is a
-  ``CheckpointMismatchError`` naming the missing and unexpected keys.
-- timm does the loading (``pretrained_cfg_overlay=dict(file=path)``), so its checkpoint
-  filters apply: position embeddings are resized, the classifier is dropped when the class
-  count differs, and ``state_dict`` / ``model`` / ``state_dict_ema`` wrappers are unwrapped.
+  ``CheckpointMismatchError`` naming the file, the keys the model expected and did not find, and
+  the keys it did not expect (:func:`load_checkpoint`).
+- The file is read as timm reads it (``timm.models.load_state_dict``): ``state_dict_ema`` before
+  ``state_dict`` / ``model``, a ``module.`` prefix stripped, an ``args`` Namespace allowed beside
+  them; then it goes through the ``checkpoint_filter_fn`` of the model's module, the function
+  timm's own loading uses (key conversions, position embeddings resized to the model's grid).
+- The classifier: when the class count differs from the pretrained config's, classifier tensors
+  that do not fit are dropped and re-initialised (timm's rule), and ones that fit are loaded (a
+  checkpoint trained for this class count). Every other key must be in the file, and nothing
+  else may be: timm alone loads without strictness whenever the class count differs, which let
+  any file "load".
+- Layouts timm's filters do not convert: SHViT's original releases (:mod:`.shvit`). A DINOv2 hub
+  checkpoint gets the hub's position-table interpolation (:mod:`.dinov2`), and a timm MetaFormer
+  (CaFormer) the official head LayerNorm eps (:func:`.caformer.official_head_eps`).
+- timm's adaptation of the first convolution to another ``in_chans`` is not applied (vitexp's
+  data always have 3 channels): such a checkpoint is refused with the size mismatch named.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
 import timm
 import torch.nn as nn
+
+from vitexp.models import dinov2, shvit
+from vitexp.models.caformer import official_head_eps
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -31,13 +47,53 @@ class CheckpointMismatchError(RuntimeError):
         super().__init__(msg)
 
 
-def _checkpoint_key_diff(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
+def _read_checkpoint(path: str) -> dict[str, Any]:
+    """The state dict timm loads from ``path`` (wrappers unwrapped, EMA first, ``module.`` stripped)."""
     from timm.models import load_state_dict
 
-    state = load_state_dict(path)
-    own = set(model.state_dict())
-    theirs = set(state)
-    return sorted(own - theirs), sorted(theirs - own)
+    return load_state_dict(path)
+
+
+def _filtered(model: nn.Module, state: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """``state`` through the ``checkpoint_filter_fn`` of the model's module (timm's and vitexp's
+    architectures define one, and their create functions load through it); unchanged without one.
+    A filter that cannot read the file (it looks up keys the model does not have) is a mismatch."""
+    fn = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
+    if fn is None:
+        return dict(state)
+    try:
+        return fn(dict(state), model)
+    except (KeyError, AttributeError, TypeError, IndexError) as err:
+        own = set(model.state_dict())
+        raise CheckpointMismatchError(path, sorted(own - set(state)), sorted(set(state) - own),
+                                      f"the model's checkpoint filter failed: {err!r}") from err
+
+
+def _classifier_keys(model: nn.Module) -> frozenset[str]:
+    names = model.pretrained_cfg.get("classifier") or ()
+    names = (names,) if isinstance(names, str) else tuple(names)
+    return frozenset(f"{n}.{p}" for n in names for p in ("weight", "bias"))
+
+
+def load_checkpoint(model: nn.Module, path: str, num_classes: int) -> None:
+    """Load ``path`` into ``model`` by the rules of the module docstring."""
+    raw = _read_checkpoint(path)
+    state = shvit.original_to_timm(raw, model) if shvit.is_original_checkpoint(raw, model) else raw
+    state = _filtered(model, state, path)
+    own = model.state_dict()
+    exempt = _classifier_keys(model) if num_classes != model.pretrained_cfg.get("num_classes") else frozenset()
+    state = {k: v for k, v in state.items() if not (k in exempt and (k not in own or v.shape != own[k].shape))}
+    missing = sorted(set(own) - set(state) - exempt)
+    unexpected = sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise CheckpointMismatchError(path, missing, unexpected)
+    sizes = [f"{k}: file {tuple(v.shape)}, model {tuple(own[k].shape)}" for k, v in state.items()
+             if hasattr(v, "shape") and v.shape != own[k].shape]
+    if sizes:
+        raise CheckpointMismatchError(path, [], [], f"size mismatch for {'; '.join(sizes[:5])}")
+    model.load_state_dict(state, strict=False)
+    if dinov2.is_hub_checkpoint(raw) and getattr(model, "pos_embed", None) is not None:
+        dinov2.load_hub_pos_embed(model, raw)
 
 
 def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
@@ -54,25 +110,12 @@ def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     if cfg.get("drop_path_rate") is not None:
         kwargs["drop_path_rate"] = float(cfg["drop_path_rate"])
     path = cfg.get("pretrained")
-    if not path:
-        return timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes,
-                                 pretrained_cfg_overlay=overlay or None, **kwargs)
-
-    file = Path(str(path)).expanduser()
-    if not file.is_file():
+    file = Path(str(path)).expanduser() if path else None
+    if file is not None and not file.is_file():
         raise FileNotFoundError(f"backbone.pretrained: checkpoint file not found: {file}")
-    try:
-        return timm.create_model(
-            cfg["timm_name"],
-            pretrained=True,
-            pretrained_cfg_overlay=dict(file=str(file), hf_hub_id=None, url=None, **overlay),
-            num_classes=num_classes,
-            **kwargs,
-        )
-    except RuntimeError as err:  # strict load_state_dict failure: name the keys
-        if "state_dict" not in str(err) and "size mismatch" not in str(err):
-            raise
-        bare = timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes,
-                                 pretrained_cfg_overlay=overlay or None, **kwargs)
-        missing, unexpected = _checkpoint_key_diff(bare, str(file))
-        raise CheckpointMismatchError(str(file), missing, unexpected, str(err)) from err
+    model = timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes,
+                              pretrained_cfg_overlay=overlay or None, **kwargs)
+    if file is not None:
+        load_checkpoint(model, str(file), num_classes)
+    official_head_eps(model)
+    return model

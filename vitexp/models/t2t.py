@@ -9,7 +9,11 @@
   - A Transformer token block has a single head, MLP ratio 1, and a skip connection from v.
 - Backbone: a fixed sinusoidal position embedding, pre-norm blocks with qkv
   without bias and MLP ratio 3, and a CLS head after the final norm. The blocks are timm's
-  ``Block``, with an attention that honours ``qk_scale``.
+  ``Block``, with an attention that honours ``qk_scale``, and every LayerNorm has the official
+  ``nn.LayerNorm``'s eps 1e-5 (timm's ``Block`` default, 1e-6, moved full-size T2T-ViT-14's
+  logits by about 1e-5, 5e-6 of their largest, on seeded weights).
+- The Performer's random features are computed in at least float32 (the official code casts to
+  float32; vitexp keeps float64 in float64, so the model can be checked in float64).
 - The fixed tables (``w``, ``pos_embed``) are persistent buffers under the official keys (official
   ``nn.Parameter(requires_grad=False)``): checkpoints load, every parameter gets a gradient, and
   ``vitexp.flops.count_params`` still counts them, as the official parameter count does.
@@ -42,6 +46,11 @@ from vitexp.models._common import (
 )
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """The official ``x.float()`` for half and float32 inputs; float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class TokenPerformer(nn.Module):
     """Single-head Performer token block (official ``Token_performer``): FAVOR+ positive random
     features, m = 0.5 × 64 = 32, from a frozen orthogonal matrix."""
@@ -62,14 +71,14 @@ class TokenPerformer(nn.Module):
 
     def prm_exp(self, x: torch.Tensor) -> torch.Tensor:
         xd = (x * x).sum(dim=-1, keepdim=True) / 2
-        wtx = torch.einsum("bti,mi->btm", x.float(), self.w)
+        wtx = torch.einsum("bti,mi->btm", _at_least_float32(x), self.w)
         return torch.exp(wtx - xd) / math.sqrt(self.m)
 
     def single_attn(self, x: torch.Tensor) -> torch.Tensor:
         k, q, v = torch.split(self.kqv(x), self.emb, dim=-1)
         kp, qp = self.prm_exp(k), self.prm_exp(q)
         d = torch.einsum("bti,bi->bt", qp, kp.sum(dim=1)).unsqueeze(dim=2)
-        kptv = torch.einsum("bin,bim->bnm", v.float(), kp)
+        kptv = torch.einsum("bin,bim->bnm", _at_least_float32(v), kp)
         y = torch.einsum("bti,bni->btn", qp, kptv) / (d + self.epsilon)
         return v + self.dp(self.proj(y))
 
@@ -172,7 +181,7 @@ class T2TViT(ClsTokenViT):
         self.blocks = nn.ModuleList()
         for i in range(depth):
             block = Block(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=drop_rate,
-                          drop_path=dpr[i])
+                          drop_path=dpr[i], norm_layer=nn.LayerNorm)  # eps 1e-5, the official nn.LayerNorm
             block.attn.__class__ = ScaledAttention
             block.attn.gate_values = None
             if qk_scale is not None:

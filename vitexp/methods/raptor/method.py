@@ -12,6 +12,7 @@ from vitexp.methods.base import Method, Stage, require_vit
 from vitexp.methods.probe import ProbeModel
 from vitexp.methods.raptor.distill import RaptorDistill
 from vitexp.methods.raptor.phases import distance_matrix_from_data, even_phases, phases_for_blocks
+from vitexp.methods.raptor.reference import ReferenceSurrogate, phases_from_thresholds, read_surrogate
 from vitexp.methods.raptor.surrogate import MLP_KINDS, RaptorSurrogate
 
 
@@ -58,7 +59,11 @@ class Raptor(Method):
     starts them from Meta's reg4 linear head), else from a fresh Linear. Each is evaluated once
     before training as well as after every epoch, and records the best of those validation
     accuracies (``best_val_top1``, RAPTOR's reported number) beside the final model's test
-    accuracy (``top1``)."""
+    accuracy (``top1``).
+
+    ``surrogate`` starts the blocks from the reference code's files (:mod:`.reference`): a stage-2
+    ``Raptor`` file, whose thresholds give the phases, or one stage-1 ``Block`` file per phase.
+    With ``stage1_epochs=0 stage2_epochs=0`` the run probes the reference's surrogate as it is."""
 
     objective: ClassVar[str] = "raptor"
     budget_kinds: ClassVar[tuple[str, ...]] = ("blocks",)
@@ -68,8 +73,10 @@ class Raptor(Method):
                  stage2_epochs: int = 1, tau_fraction: float = 0.25, stage2_targets: str = "all_layers",
                  cache_dir: str | None = None, probe: Mapping[str, Any] | None = None,
                  teacher_probe: bool = True, teacher_probe_run: str | None = None, mlp: str = "swiglu",
-                 probe_head: str | None = None):
+                 probe_head: str | None = None, surrogate: str | Sequence[str] | None = None):
         super().__init__(name)
+        self.surrogate = surrogate if surrogate is None or isinstance(surrogate, str) else [str(p) for p in surrogate]
+        self._reference: ReferenceSurrogate | None = None
         self.probe_head = probe_head
         self._initial_head: nn.Linear | None = None
         self.mlp = mlp
@@ -114,13 +121,43 @@ class Raptor(Method):
             raise ConfigError(f"method.probe: unknown recipe keys {unknown}; valid keys are {sorted(PROBE_RECIPE_KEYS)}")
         if not 0 <= self.tau_fraction <= 1:
             raise ConfigError(f"method.tau_fraction: {self.tau_fraction} must be in [0, 1]")
+        if self.surrogate:
+            self._check_reference(k, depth, arch)
         if self.probe_head and not Path(self.probe_head).expanduser().is_file():
             raise ConfigError(f"method.probe_head: no linear-head checkpoint at {self.probe_head} (a state dict with "
                               "weight (classes, 2 x embed_dim) and bias, e.g. Meta's dinov2_vitb14_reg4_linear_head.pth)")
 
+    def reference(self) -> ReferenceSurrogate | None:
+        """The ``surrogate`` files' blocks (read once), or None."""
+        if self.surrogate and self._reference is None:
+            self._reference = read_surrogate(self.surrogate)
+        return self._reference
+
+    def _check_reference(self, k: int, depth: int, arch: Mapping[str, Any]) -> None:
+        """The reference blocks fit the budget, the MLP and (with thresholds) the phases."""
+        from vitexp.errors import ConfigError
+
+        try:
+            ref = self.reference()
+            phases = phases_from_thresholds(ref.thresholds, depth) if ref.thresholds is not None else None
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(str(err)) from None
+        if len(ref.blocks) != k:
+            raise ConfigError(f"method.surrogate: {ref.paths} hold {len(ref.blocks)} blocks, budget.k={k}")
+        for key, theirs in (("embed_dim", ref.dim), ("num_heads", ref.heads)):
+            if theirs is not None and key in arch and int(arch[key]) != theirs:
+                raise ConfigError(f"method.surrogate: the reference blocks have {key}={theirs}, the teacher "
+                                  f"{arch[key]} (backbone.arch.{key})")
+        if ref.mlp != self.mlp:
+            raise ConfigError(f"method.surrogate: the reference blocks have a {ref.mlp} MLP, method.mlp={self.mlp}")
+        if phases is not None and self.phases is not None and phases != self.phases:
+            raise ConfigError(f"method.phases={self.phases} differ from the phases of {ref.paths} ({phases}, from its "
+                              f"thresholds {ref.thresholds})")
+
     def prepare(self, backbone: nn.Module, datamodule: Any) -> None:
         """Phases from the teacher's layer distance matrix over ``phase_images`` training images."""
-        if self.phases is not None or datamodule is None:
+        ref = self.reference()
+        if self.phases is not None or datamodule is None or (ref is not None and ref.thresholds is not None):
             return
         datamodule.setup("fit")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # before Lightning places the model
@@ -130,6 +167,13 @@ class Raptor(Method):
 
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
         k, depth = int(budget["k"]), len(backbone.blocks)
+        ref = self.reference()
+        if ref is not None:
+            self._check_reference(k, depth, {"embed_dim": backbone.embed_dim,
+                                             "num_heads": backbone.blocks[0].attn.num_heads})
+            if ref.thresholds is not None:
+                self.phases = phases_from_thresholds(ref.thresholds, depth)
+                self.phases_source = f"thresholds {ref.thresholds} of the reference surrogate {Path(ref.paths[0]).name}"
         if self.phases is None and self.distance is not None:
             self.phases = phases_for_blocks(self.distance, k, self.min_phase_size)
             self.phases_source = f"max-cut of the layer distance matrix over {self.phase_images} training images"
@@ -141,12 +185,17 @@ class Raptor(Method):
         if self.probe_head:  # read now: a wrong file fails before any training
             self._initial_head = load_linear_head(self.probe_head, 2 * teacher.embed_dim, self._num_classes)
         teacher.reset_classifier(0)
-        return RaptorDistill(teacher, RaptorSurrogate(teacher, phases, self.mlp), self.cache_dir, self.tau_fraction,
-                             self.stage2_targets)
+        surrogate = RaptorSurrogate(teacher, phases, self.mlp)
+        if ref is not None:
+            for block, state in zip(surrogate.blocks, ref.blocks):
+                block.load_state_dict(state, strict=True)
+        return RaptorDistill(teacher, surrogate, self.cache_dir, self.tau_fraction, self.stage2_targets)
 
     def record(self) -> dict[str, Any]:
         """What the ledger keeps of the method's data-dependent choices."""
         out: dict[str, Any] = {"phases": self.phases, "phases_source": self.phases_source}
+        if self.surrogate:
+            out["surrogate_files"] = [Path(p).name for p in self.reference().paths]  # no machine paths in the ledger
         if self.distance is not None:
             out["distance_matrix"] = [[round(float(v), 6) for v in row] for row in self.distance]
         return out

@@ -1,0 +1,162 @@
+"""RAPTOR surrogates saved by the reference code (KempnerInstitute/raptor) loaded into vitexp's
+:class:`~vitexp.methods.raptor.surrogate.RaptorBlock` (``method.surrogate``).
+
+What the reference saves: its ``trainer.py`` writes whole modules with ``torch.save(model)``, a
+stage-1 run one ``block.Block``, a stage-2 run a ``raptor.Raptor`` holding ``blocks`` and
+``thresholds``; the patch embedding, final norm and linear head stay the DINOv2 teacher's (its
+probe wrappers take them from ``torch.hub``), as in vitexp. The files are read with torch's
+weights-only unpickler: the reference's classes are admitted under their pickled names as
+attribute-only stand-ins (:class:`_Pickled`), so no reference code is needed or run. A file that
+holds the state dict of either module loads too.
+
+Key map (``block.Block`` -> ``RaptorBlock``): ``attn.in_proj_{weight,bias}`` -> ``attn.qkv.*``
+(``nn.MultiheadAttention`` packs q, k, v in timm's order, scale head_dim^-0.5), ``attn.out_proj.*``
+-> ``attn.proj.*``, ``mlp.0.*`` / ``mlp.2.*`` -> ``mlp.fc1.*`` / ``mlp.fc2.*``, ``t_proj.{0,2}.*`` ->
+``gate.{0,2}.*``; ``norm{1,2}.*`` and ``ls{1,2}.gamma`` keep their names. ``mlp.0`` of width 2·hidden
+is the SwiGLU MLP (``--swiglu``), of width hidden the GELU one. A block saved without
+``--t_scale`` (no ``t_proj``) is refused: vitexp's block always has the gates.
+
+Thresholds -> phases: the reference's ``Raptor.forward(x, t, t_integer)`` runs block i for the
+first threshold with t_integer <= thresholds[i] (the last block above them all), t being the
+1-based layer index, so block i covers the 0-based layers thresholds[i-1] .. thresholds[i] − 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+#: reference key -> RaptorBlock key (the names that differ)
+KEY_MAP = {
+    "attn.in_proj_weight": "attn.qkv.weight", "attn.in_proj_bias": "attn.qkv.bias",
+    "attn.out_proj.weight": "attn.proj.weight", "attn.out_proj.bias": "attn.proj.bias",
+    "mlp.0.weight": "mlp.fc1.weight", "mlp.0.bias": "mlp.fc1.bias",
+    "mlp.2.weight": "mlp.fc2.weight", "mlp.2.bias": "mlp.fc2.bias",
+    "t_proj.0.weight": "gate.0.weight", "t_proj.0.bias": "gate.0.bias",
+    "t_proj.2.weight": "gate.2.weight", "t_proj.2.bias": "gate.2.bias",
+}
+#: reference keys loaded under their own name
+SAME_KEYS = ("norm1.weight", "norm1.bias", "ls1.gamma", "norm2.weight", "norm2.bias", "ls2.gamma")
+BLOCK_KEYS = tuple(KEY_MAP) + SAME_KEYS
+
+
+class _Pickled(nn.Module):
+    """Stand-in for a reference class: unpickling restores its attributes (submodules,
+    parameters, ``thresholds``), which is all the loader reads."""
+
+
+#: The reference's classes as ``trainer.py`` pickles them (its modules are ``block`` and ``raptor``
+#: when run from ``raptor/``; ``raptor.block`` / ``raptor.raptor`` when imported as a package).
+_REFERENCE_CLASSES = [f"{m}.{c}" for m in ("block", "raptor.block") for c in ("Block", "LayerScale", "SwiGLU")] + [
+    "raptor.Raptor", "raptor.raptor.Raptor"]
+_TORCH_CLASSES = [nn.LayerNorm, nn.MultiheadAttention, nn.modules.linear.NonDynamicallyQuantizableLinear, nn.Linear,
+                  nn.Sequential, nn.ModuleList, nn.SiLU, nn.GELU, nn.Identity, nn.Dropout, set]
+
+
+@dataclass
+class ReferenceSurrogate:
+    """Blocks read from reference files: each a ``RaptorBlock`` state dict, their MLP kind, their
+    attention heads (read from a pickled module; None from a state dict, which does not hold
+    them), and the stage-2 thresholds (None for stage-1 block files)."""
+
+    blocks: list[dict[str, torch.Tensor]]
+    mlp: str
+    heads: int | None
+    thresholds: list[int] | None
+    paths: list[str]
+
+    @property
+    def dim(self) -> int:
+        return int(self.blocks[0]["norm1.weight"].shape[0])
+
+
+def _torch_load(path: Path) -> Any:
+    allowed = [(_Pickled, name) for name in _REFERENCE_CLASSES] + _TORCH_CLASSES
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _expected(path: Path, found: Sequence[str]) -> ValueError:
+    return ValueError(
+        f"method.surrogate={path}: not a RAPTOR reference file. Expected a torch.save'd block.Block or "
+        f"raptor.Raptor (KempnerInstitute/raptor trainer.py), or the state dict of one: a block's keys are "
+        f"{list(BLOCK_KEYS)} (a Raptor's the same under 'blocks.<i>.'); found {list(found)[:12]}")
+
+
+def block_state(reference: Mapping[str, torch.Tensor], path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """One reference block's state dict -> (``RaptorBlock`` state dict, MLP kind)."""
+    missing = [k for k in BLOCK_KEYS if k not in reference]
+    extra = [k for k in reference if k not in BLOCK_KEYS]
+    if missing or extra:
+        raise ValueError(f"method.surrogate={path}: a reference block needs the keys {list(BLOCK_KEYS)}; "
+                         f"missing {missing}, unexpected {extra}"
+                         + (" (a block trained without --t_scale has no gates; vitexp's block needs them)"
+                            if any(k.startswith("t_proj") for k in missing) else ""))
+    state = {KEY_MAP.get(k, k): v for k, v in reference.items()}
+    hidden = state["mlp.fc2.weight"].shape[1]
+    mlp = "swiglu" if state["mlp.fc1.weight"].shape[0] == 2 * hidden else "gelu"
+    return state, mlp
+
+
+def read_reference(path: str | Path) -> ReferenceSurrogate:
+    """One file's blocks."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"method.surrogate: no RAPTOR reference file at {path}")
+    try:
+        obj = _torch_load(path)
+    except Exception as err:  # noqa: BLE001  (an unpickling error names the class it met)
+        raise ValueError(f"method.surrogate={path}: cannot read it as a RAPTOR reference file ({err})"[:800]) from err
+    thresholds, heads = None, set()
+    if isinstance(obj, nn.Module):
+        thresholds = list(getattr(obj, "thresholds", None) or []) or None
+        heads = {m.num_heads for m in obj.modules() if isinstance(m, nn.MultiheadAttention)}
+        obj = obj.state_dict()
+    if not isinstance(obj, Mapping):
+        raise _expected(path, [type(obj).__name__])
+    if any(k.startswith("blocks.") for k in obj):
+        count = 1 + max(int(k.split(".")[1]) for k in obj if k.startswith("blocks."))
+        parts = [{k[len(f"blocks.{i}."):]: v for k, v in obj.items() if k.startswith(f"blocks.{i}.")}
+                 for i in range(count)]
+    else:
+        parts = [dict(obj)]
+    if not parts or not any(parts[0]):
+        raise _expected(path, list(obj))
+    blocks, kinds = zip(*(block_state(p, path) for p in parts))
+    if len(set(kinds)) > 1 or len(heads) > 1:
+        raise ValueError(f"method.surrogate={path}: blocks with different MLPs {kinds} or heads {sorted(heads)}")
+    if thresholds is not None and len(thresholds) != len(blocks) - 1:
+        raise ValueError(f"method.surrogate={path}: {len(blocks)} blocks need {len(blocks) - 1} thresholds, "
+                         f"the file has {thresholds}")
+    return ReferenceSurrogate(list(blocks), kinds[0], heads.pop() if heads else None, thresholds, [str(path)])
+
+
+def read_surrogate(paths: str | Path | Sequence[str | Path]) -> ReferenceSurrogate:
+    """``method.surrogate``: one stage-2 ``Raptor`` file (its blocks and thresholds), or stage-1
+    ``Block`` files, one per phase in order (``trainer.py --bp1 --bp2 ...``)."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    files = [read_reference(p) for p in paths]
+    if len(files) == 1:
+        return files[0]
+    whole = [f.paths[0] for f in files if f.thresholds is not None]
+    if whole:
+        raise ValueError(f"method.surrogate: {whole} hold whole RAPTOR surrogates; give one alone, "
+                         "or one block file per phase")
+    kinds, heads = {f.mlp for f in files}, {f.heads for f in files} - {None}
+    if len(kinds) > 1 or len(heads) > 1:
+        raise ValueError(f"method.surrogate: the files {paths} hold blocks with different MLPs {sorted(kinds)} "
+                         f"or heads {sorted(heads)}")
+    return ReferenceSurrogate([b for f in files for b in f.blocks], kinds.pop(), heads.pop() if heads else None,
+                              None, [str(p) for p in paths])
+
+
+def phases_from_thresholds(thresholds: Sequence[int], depth: int) -> list[list[int]]:
+    """The reference's thresholds (1-based, block i runs t ≤ thresholds[i]) -> 0-based phases."""
+    bounds = [0, *(int(t) for t in thresholds), depth]
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"RAPTOR thresholds {list(thresholds)} do not split a teacher of depth {depth} "
+                         "into non-empty phases")
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
