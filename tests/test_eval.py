@@ -139,3 +139,29 @@ def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, re
     assert result["status"] == "completed" and result["evaluates"] == trained["run_id"]
     assert result["metrics"]["top1"] == pytest.approx(trained["metrics"]["top1"], abs=1e-9)
     assert [e["kind"] for e in ledger_entries(tmp_path / "elsewhere")] == ["eval"]
+
+
+def test_bad_weights_are_refused_before_the_eval_entry(make_cfg, results_dir, tmp_path, capsys):
+    """--weights that are empty, random bytes or another model's: exit 2, one line naming the file,
+    no eval entry (the training run's entry is the only one)."""
+    import os
+
+    import torch
+
+    from vitexp.train import train
+
+    train(make_cfg(TINY, tmp_path / "run"))
+    bad = {"empty": b"", "random": os.urandom(2048)}
+    for name, content in bad.items():
+        (tmp_path / f"{name}.pth").write_bytes(content)
+    torch.save({"foo.weight": torch.zeros(2)}, tmp_path / "other.pth")
+    for name in (*bad, "other"):
+        file = tmp_path / f"{name}.pth"
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            run_eval(capsys, "demo", "logger=none", "--weights", str(file))
+        out = capsys.readouterr()
+        (line,) = out.err.splitlines()
+        assert exit_.value.code == 2 and str(file) in line and "weights_only=False" not in line
+        assert json.loads(out.out.strip().splitlines()[-1])["status"] == "invalid"
+        assert [e["kind"] for e in ledger_entries(results_dir)] == ["train"]

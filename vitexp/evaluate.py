@@ -13,6 +13,10 @@ the artifact carries the run's ledger record, so a machine that did not train th
 neither its entry nor its weights, evaluates it. A run in the local ledger whose weights are not on
 this machine takes them from its artifact.
 
+The weights are checked, the model rebuilt and the weights loaded before the eval's ledger entry is
+written: a file that is missing, empty, no checkpoint or another model's is an invalid command
+(exit 2, :class:`~vitexp.errors.CheckpointError` naming the file), not a failed evaluation.
+
 Overrides: ``key=value`` on the run's config (``data.root=/datasets/imagenet``), or
 ``group=option`` for the groups that say where and how it runs (``logger``, ``trainer``), composed
 from ``conf/<group>/<option>.yaml``. A key the run's config does not have is refused.
@@ -24,7 +28,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from vitexp.errors import ConfigError
+from vitexp.errors import CheckpointError, ConfigError, join_lines
 from vitexp.logging_utils import fetch_model
 from vitexp.results import RUN_WEIGHTS_PREFIX, completed_runs, default_results_dir, local_path, portable_path
 
@@ -90,6 +94,7 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
     import lightning as L
 
     from vitexp.build import build_backbone_and_method, load_weights
+    from vitexp.checkpoints import check_file
     from vitexp.config import to_container, validate
     from vitexp.methods import Method
     from vitexp.run import owned_run
@@ -104,7 +109,8 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
         if path is None or not path.is_file():
             raise FileNotFoundError(f"run {record['run_id']}: its weights {path} are not on this machine; pass --weights "
                                     f"(weights.pth or checkpoints/last.ckpt of that run) or rerun it")
-        run.start({**to_container(cfg), "evaluates": record["run_id"]})
+        key = "--weights" if weights else f"run {record['run_id']}'s weights"
+        check_file(path, key)
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         backbone, method, data_config = build_backbone_and_method(cfg, method)
         datamodule_for = datamodule_cache(data_config)
@@ -114,7 +120,12 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
         if type(method).rebuild_deployed is not Method.rebuild_deployed:  # the run saved a deployed model of its own shape
             fresh, _, _ = build_backbone_and_method(cfg, method)
             module.model = method.rebuild_deployed(fresh, record)
-        module.model.load_state_dict(load_weights(path))
+        try:
+            module.model.load_state_dict(load_weights(path))
+        except (RuntimeError, KeyError) as err:  # keys or shapes of another model: before the ledger entry
+            raise CheckpointError(f"{key}: {path} does not fit the model of run {record['run_id']} "
+                                  f"({join_lines(str(err))[:300]})") from None
+        run.start({**to_container(cfg), "evaluates": record["run_id"]})
         t = cfg.trainer
         trainer = L.Trainer(accelerator=t.accelerator, devices=1, precision=t.precision, logger=False,
                             enable_checkpointing=False, enable_progress_bar=bool(t.enable_progress_bar),
