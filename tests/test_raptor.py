@@ -517,3 +517,38 @@ def test_probe_records_the_best_validation_top1_including_the_evaluation_before_
     assert [(fn, step) for fn, step, _ in log.events] == [("validate", 0), ("fit", 4), ("fit", 8)]
     assert m["best_val_top1"] == pytest.approx(100 * max(v for _, _, v in log.events))
     assert m["val_top1"] == pytest.approx(100 * log.events[-1][2]) and "top1" in m
+
+
+def test_raptor_distils_on_the_evaluation_transforms_and_probes_on_the_augmentations(make_cfg, tmp_path):
+    """Stages 1-2 see the training images as the evaluation transforms give them (RAPTOR's
+    precomputed activations), the probes the augmented ones; method.distill_augment=true distils on
+    the augmentations too. digits with data.augment=true: an affine-jittered image never equals its
+    evaluation tensor."""
+    from lightning.pytorch.callbacks import Callback
+
+    from conftest import QUIET
+    from vitexp.train import train
+
+    class Batches(Callback):
+        def __init__(self):
+            self.seen: dict[str, list[torch.Tensor]] = {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            kind = type(pl_module).__name__
+            self.seen.setdefault(kind, []).append(batch[0].detach().clone())
+            self.bank = trainer.datamodule.train_eval_dataloader()
+
+    def fraction_of_evaluation_tensors(batches, bank) -> float:
+        evaluated = torch.cat([x for x, _ in bank]).flatten(1)
+        rows = torch.cat(batches).flatten(1)
+        return float((torch.cdist(rows, evaluated, compute_mode="donot_use_mm_for_euclid_dist").min(dim=1).values < 1e-6).float().mean())
+
+    base = QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "recipe=raptor", "data=digits",
+                    "data.augment=true", "recipe.batch_size=64", "recipe.epochs=1", "recipe.warmup_steps=1",
+                    "method.probe.epochs=1", "method.probe.batch_size=64", "method.phase_images=32",
+                    "method.teacher_probe=false", "eval.throughput=false", "trainer.limit_train_batches=2"]
+    for augment, expected in (("false", 1.0), ("true", 0.0)):
+        seen = Batches()
+        train(make_cfg(base + [f"method.distill_augment={augment}"], tmp_path / augment), callbacks=[seen])
+        assert fraction_of_evaluation_tensors(seen.seen["RaptorStageModule"], seen.bank) == expected
+        assert fraction_of_evaluation_tensors(seen.seen["ClassifyModule"], seen.bank) == 0.0

@@ -214,3 +214,26 @@ def test_bspf_trains_on_digits_on_each_micro_backbone(backbone, make_cfg, result
     metrics = train(cfg)["metrics"]
     assert metrics["steps"] == 4 and 0 <= metrics["top1"] <= 100
     assert ledger_entries(results_dir)[0]["status"] == "completed"
+
+
+def test_best_validation_top1_and_its_epoch_are_recorded(make_cfg, results_dir):
+    """``best_val_top1`` is the largest of the epochs' ``val/top1`` and ``best_val_epoch`` the
+    epochs trained when it was reached (the first of a tie), checked against what the epochs logged."""
+
+    class ValAccuracies(Callback):
+        def __init__(self):
+            self.values: list[float] = []
+
+        def on_validation_end(self, trainer, pl_module):
+            if not trainer.sanity_checking:
+                self.values.append(float(trainer.callback_metrics["val/top1"]))
+
+    seen = ValAccuracies()
+    cfg = make_cfg(SMALL + ["data.num_train=64", "data.num_val=32", "recipe.epochs=4", "recipe.lr=0.05",
+                            "recipe.warmup_epochs=0", "trainer.num_sanity_val_steps=0"])
+    metrics = train(cfg, callbacks=[seen])["metrics"]
+    assert len(seen.values) == 4 and len(set(seen.values)) > 1
+    best = max(seen.values)
+    assert metrics["best_val_top1"] == pytest.approx(100.0 * best)
+    assert metrics["best_val_epoch"] == seen.values.index(best) + 1
+    assert metrics["val_top1"] == pytest.approx(100.0 * seen.values[-1])

@@ -9,25 +9,31 @@ from lightning.pytorch.callbacks import Callback
 
 class BestValidation(Callback):
     """The largest value of ``key`` (a synced metric in ``trainer.callback_metrics``) over every
-    validation run the trainer makes: a ``trainer.validate`` before the fit, then each epoch's.
-    Sanity checks do not count. The value travels with checkpoints, so a resumed stage reports
-    the same best."""
+    validation run the trainer makes (a ``trainer.validate`` before the fit, when there is one,
+    then each epoch's), and ``best_epoch``, the training epochs done when it was reached (0: before
+    training; the first value wins a tie). Sanity checks do not count. Both travel with
+    checkpoints, so a resumed stage reports the same best."""
 
     def __init__(self, key: str = "val/top1"):
         self.key = key
         self.best: float | None = None
+        self.best_epoch: int | None = None
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from lightning.pytorch.trainer.states import TrainerFn
+
         if trainer.sanity_checking or self.key not in trainer.callback_metrics:
             return
         value = float(trainer.callback_metrics[self.key])
-        self.best = value if self.best is None else max(self.best, value)
+        if self.best is None or value > self.best:
+            self.best = value
+            self.best_epoch = 0 if trainer.state.fn == TrainerFn.VALIDATING else trainer.current_epoch + 1
 
     def state_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "best": self.best}
+        return {"key": self.key, "best": self.best, "best_epoch": self.best_epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.best = state_dict["best"]
+        self.best, self.best_epoch = state_dict["best"], state_dict.get("best_epoch")
 
 
 class Heartbeat(Callback):

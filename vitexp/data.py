@@ -121,7 +121,15 @@ class VitexpDataModule(L.LightningDataModule):
             generator=generator,
         )
 
+    #: Whether :meth:`train_dataloader` applies the training augmentations (a stage may train on
+    #: the evaluation transforms instead: RAPTOR's distillation, as its precomputed activations).
+    train_augment: bool = True
+
     def train_dataloader(self) -> DataLoader:
+        """The training split in the training order (:func:`train_sampler`), with its augmentations,
+        or with the evaluation transforms while ``train_augment`` is False."""
+        if not self.train_augment and self.train_eval_set is not None:
+            return self._loader(self.train_eval_set, train=True)
         return self._loader(self.train_set, train=True)
 
     def train_eval_dataloader(self, rank: int = 0, world_size: int = 1) -> DataLoader:

@@ -115,14 +115,19 @@ def fit_stage(cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir:
               first: bool) -> tuple[L.LightningModule, L.Trainer, float]:
     scfg = stage_config(cfg, stage)
     module = stage_module(cfg, stage)
-    best = [BestValidation("val/top1")] if stage.best_val else []
+    best = [BestValidation("val/top1")]
     trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best], stage=stage.name)
     start = time.perf_counter()
     if int(scfg.recipe.epochs) > 0:  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
         ckpt = resume_checkpoint(cfg.resume, checkpoint_dir(output_dir, stage.name) / "last.ckpt", first=first)
-        if best and ckpt is None:  # the evaluation before the first epoch (RAPTOR's probes count it)
-            trainer.validate(module, datamodule=datamodule_for(scfg), verbose=False)
-        trainer.fit(module, datamodule=datamodule_for(scfg), ckpt_path=ckpt)
+        datamodule = datamodule_for(scfg)
+        if stage.best_val and ckpt is None:  # the evaluation before the first epoch (RAPTOR's probes count it)
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+        datamodule.train_augment = stage.augment
+        try:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
+        finally:
+            datamodule.train_augment = True
     return module, trainer, time.perf_counter() - start
 
 
@@ -174,9 +179,10 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
                 # validation saw the model the stage trained (the soft model when there is one)
                 metrics[f"{stage.soft_prefix or p}val_top1"] = 100.0 * val["val/top1"] if "val/top1" in val else None
                 metrics.update({f"{p}val_{k[4:]}": 100.0 * v for k, v in val.items() if k.startswith("val/ap")})
-                best = [c.best for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
-                if best:
-                    metrics[f"{p}best_val_top1"] = 100.0 * best[0]
+                best = [c for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
+                if best:  # the best validation top-1 of the model the stage trained, and after how many epochs
+                    metrics[f"{stage.soft_prefix or p}best_val_top1"] = 100.0 * best[0].best
+                    metrics[f"{stage.soft_prefix or p}best_val_epoch"] = best[0].best_epoch
             elif "val/loss" in trainer.callback_metrics:
                 metrics[f"{stage.name}_val_loss"] = float(trainer.callback_metrics["val/loss"])
             if stage.deployed:

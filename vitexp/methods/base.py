@@ -19,11 +19,14 @@ class Stage:
     - ``metrics_prefix``: the stage is tested and its accuracies are recorded as ``<prefix>top1``
       ...; ``""`` is the run's own top-1; ``None`` means no test.
     - ``deployed``: this stage's trained model is the one FLOPs and throughput measure.
+    - ``augment``: the stage trains on the training augmentations; False: on the evaluation
+      transforms of the training images, in the same order (RAPTOR's distillation).
     - ``soft_prefix``: the stage trains another model than the one :meth:`Method.deploy` gives
       (SAPER's soft gates): it is tested too, as ``<soft_prefix>top1`` ..., and its validation
       accuracy is ``<soft_prefix>val_top1``. ``None``: the model trained is tested as deployed.
-    - ``best_val``: the stage is also validated once before training, and the best ``val/top1``
-      over that and every epoch is recorded as ``<prefix>best_val_top1`` (RAPTOR's probes).
+    - ``best_val``: the stage is also validated once before training (RAPTOR's probes). Every
+      tested stage records its best ``val/top1`` over its validations as ``<prefix>best_val_top1``
+      and the epochs trained when it was reached as ``<prefix>best_val_epoch``.
     """
 
     name: str
@@ -35,6 +38,7 @@ class Stage:
     deployed: bool = True
     best_val: bool = False
     soft_prefix: str | None = None
+    augment: bool = True
 
 
 class Method(abc.ABC):

@@ -50,7 +50,9 @@ class Raptor(Method):
     """``method=raptor``: a k-block recurrent surrogate of the (frozen) backbone; ``budget=blocks``.
 
     A run has four stages: stage 1 and stage 2 (``objective=raptor``; a stage of 0 epochs is
-    skipped, and with both at 0 the probe sees the surrogate at initialisation), then the linear probe on
+    skipped, and with both at 0 the probe sees the surrogate at initialisation; they distil on the
+    training images under the evaluation transforms, as RAPTOR's precomputed teacher activations,
+    unless ``method.distill_augment``), then the linear probe on
     the frozen surrogate (the run's top-1) and on the frozen teacher (``teacher_top1``), each with
     the ``method.probe`` recipe keys. ``method.teacher_probe_run`` names a completed probe run of
     the same teacher and data to take ``teacher_top1`` from instead.
@@ -73,8 +75,10 @@ class Raptor(Method):
                  stage2_epochs: int = 1, tau_fraction: float = 0.25, stage2_targets: str = "all_layers",
                  cache_dir: str | None = None, probe: Mapping[str, Any] | None = None,
                  teacher_probe: bool = True, teacher_probe_run: str | None = None, mlp: str = "swiglu",
-                 probe_head: str | None = None, surrogate: str | Sequence[str] | None = None):
+                 probe_head: str | None = None, surrogate: str | Sequence[str] | None = None,
+                 distill_augment: bool = False):
         super().__init__(name)
+        self.distill_augment = bool(distill_augment)
         self.surrogate = surrogate if surrogate is None or isinstance(surrogate, str) else [str(p) for p in surrogate]
         self._reference: ReferenceSurrogate | None = None
         self.probe_head = probe_head
@@ -248,10 +252,10 @@ class Raptor(Method):
         stages = []
         if self.stage1_epochs > 0:
             stages.append(Stage("stage1", "raptor", lambda: model, {"epochs": self.stage1_epochs},
-                                {"stage": 1}, metrics_prefix=None, deployed=False))
+                                {"stage": 1}, metrics_prefix=None, deployed=False, augment=self.distill_augment))
         if self.stage2_epochs > 0:
             stages.append(Stage("stage2", "raptor", lambda: model, {"epochs": self.stage2_epochs},
-                                {"stage": 2}, metrics_prefix=None, deployed=False))
+                                {"stage": 2}, metrics_prefix=None, deployed=False, augment=self.distill_augment))
         stages.append(Stage("probe", "classify", surrogate_probe, self.probe, metrics_prefix="", deployed=True,
                             best_val=True))
         if self.teacher_probe and not self.teacher_probe_run:
