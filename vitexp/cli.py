@@ -4,7 +4,11 @@ take plain arguments.
 
 Every command ends its standard output with one line of JSON: the run's metrics and the ledger
 path, ``{"status": "invalid", ...}`` (exit code 2) for a config or command line that cannot run,
-Hydra's composition errors included, and ``{"status": "failed", ...}`` (exit code 1) when it fails.
+Hydra's composition errors included, and ``{"status": "failed", ...}`` (exit code 1) when it fails;
+a Hydra multirun ends with its summary line (:mod:`vitexp.multirun`). Every error is also one line
+on stderr, ``<prog>: invalid|failed: ...`` naming the key or the file
+(:func:`vitexp.errors.one_line`); the traceback only under ``VITEXP_DEBUG=1`` or the user's
+``HYDRA_FULL_ERROR=1``.
 """
 from __future__ import annotations
 

@@ -238,10 +238,10 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
         _check_bspf_spec(cfg)
     method = method or method_from_config(cfg.method)
     method.validate_budget(cfg.budget, {**arch, "img_size": int(bb.img_size)})
-    if bb.pretrained:
-        check_backbone_weights(cfg, weights)
     if need_data if need_trainer is None else need_trainer:
         check_accelerator(cfg.trainer)
+    if bb.pretrained:  # last: it builds the backbone
+        check_backbone_weights(cfg, weights)
     return method
 
 
