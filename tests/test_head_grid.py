@@ -53,7 +53,7 @@ def test_analyze_heads_draws_the_runs_kept_heads_and_scores(make_cfg, results_di
     assert [tuple(c) for c in entry["marked"]["scores"]] == expected
     assert [tuple(c) for c in entry["marked"]["clusters"]] == expected
     assert entry["analyzes"] == run["run_id"] and entry["scores_agree_with_kept"] is True
-    scores = checkpoint_scores(tmp_path / "saper" / "checkpoints" / "last.ckpt")
+    scores = checkpoint_scores(tmp_path / "saper" / "checkpoints" / "select" / "last.ckpt")
     assert scores is not None and entry["head_scores"] == pytest.approx(scores.tolist(), abs=1e-6)
     assert len(entry["head_clusters"]) == 16 and len(entry["figures"]) == 2
     for figure in entry["figures"]:

@@ -5,8 +5,9 @@ with the kept heads marked, beside the same grid coloured by the head clusters o
 - **Kept heads**: the ledger entry's ``kept_heads`` (what deployment kept: the top-k scores over
   the whole model, vitexp/methods/saper).
 - **Scores**: the deployed weights hold no scores (the selector is removed at deployment), so they
-  are read from the run's Lightning checkpoint (``<output_dir>/checkpoints/last.ckpt``, the key
-  ending in ``selector.scores``: the final scores, as the run ends on its last epoch). Without
+  are read from the select stage's Lightning checkpoint (``<output_dir>/checkpoints/select/last.ckpt``;
+  ``checkpoints/last.ckpt`` for a run from before the two stages), the key ending in
+  ``selector.scores``: the final scores, as the stage ends on its last epoch. Without
   that file the left grid shows the kept heads only, and says so.
 """
 from __future__ import annotations

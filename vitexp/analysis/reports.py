@@ -109,7 +109,9 @@ def head_report(cfg: DictConfig, record: dict[str, Any], args: argparse.Namespac
     backbone = build_configured_backbone(cfg).eval()
     heads = int(backbone.blocks[0].attn.num_heads)
     output_dir = local_path(record.get("output_dir"), cfg.results_dir)
-    checkpoint = output_dir / "checkpoints" / "last.ckpt" if output_dir else None
+    # the select stage's checkpoint holds the scores (a run before the two stages: checkpoints/last.ckpt)
+    checkpoint = next((c for c in (output_dir / "checkpoints" / "select" / "last.ckpt",
+                                   output_dir / "checkpoints" / "last.ckpt") if c.is_file()), None) if output_dir else None
     scores = checkpoint_scores(checkpoint)
     mask = kept_mask(kept, heads)
     agree = None
