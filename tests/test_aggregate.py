@@ -12,6 +12,7 @@ import pytest
 
 from vitexp import aggregate, tables
 from vitexp.data import DATA_ORDER
+from vitexp.ledger import Ledger
 from vitexp.results import LedgerEntry, iter_runs
 
 SPEC = {
@@ -213,7 +214,8 @@ def test_seeds_fine_tuned_from_another_run_of_the_shared_start_train_again(resul
     _ft(results_dir, "chunk_demo+seed=1", 1, f"run:{new}", "2002-06-01T00:00:00+00:00")
     _ft(results_dir, "chunk_demo+seed=2", 2, "run:demo", "2002-06-01T00:00:00+00:00")  # loaded `new`
     runs = list(iter_runs(results_dir))
-    assert [aggregate.start_of(r, runs) for r in runs if r["experiment"] != "demo"] == [old, new, new]
+    ledger = Ledger.of(runs)
+    assert [ledger.start_of(r) for r in runs if r["experiment"] != "demo"] == [old, new, new]
     todo = plan(spec, None, False, results_dir)["train"]
     assert todo["seeds"] == {"chunk_demo": [0]} and "demo" in todo["skip"]
     md = tables.render_markdown(spec, tables.fill(spec, runs))

@@ -70,6 +70,34 @@ def test_missing_dataset_root_and_checkpoint_are_named(tmp_path):
         validate(vconfig.compose(["backbone=deit_small", f"backbone.pretrained={ckpt}"]))
 
 
+def test_use_ema_is_a_typed_backbone_key_added_with_plus_plus(tmp_path):
+    """``++backbone.use_ema=true`` (no backbone file writes the key: absent is false) is accepted,
+    typed and reaches the loader: the EMA weights of the file are the ones built; without it the
+    file's ``state_dict``. A non-boolean value is refused naming the key."""
+    import argparse
+
+    import timm
+    import torch
+
+    from vitexp.build import build_configured_backbone
+    from vitexp.config import check_overrides
+
+    torch.manual_seed(0)
+    plain, ema = (timm.create_model("t2t_vit_micro", num_classes=10).state_dict() for _ in range(2))
+    path = tmp_path / "t2t_vit_micro.pth.tar"
+    torch.save({"state_dict": plain, "state_dict_ema": ema, "args": argparse.Namespace(model_ema=True)}, path)
+    base = ["backbone=t2t_vit_micro", f"backbone.pretrained={path}", "data.num_classes=10"]
+    for overrides, expected in ((base, plain), ([*base, "++backbone.use_ema=true"], ema)):
+        cfg = vconfig.compose(overrides)
+        check_overrides(cfg, overrides)
+        validate(cfg, need_data=False)
+        built = build_configured_backbone(cfg).state_dict()
+        assert all(torch.equal(built[k], v) for k, v in expected.items())
+    assert vconfig.compose(base).backbone.get("use_ema") is None  # not in the file: fingerprints unchanged
+    with pytest.raises(ConfigError, match="backbone.use_ema"):
+        vconfig.compose([*base, "++backbone.use_ema=maybe"])
+
+
 def test_budget_kind_is_checked_against_the_method():
     cfg = vconfig.compose([])
     cfg.budget.kind = "heads"
@@ -114,11 +142,19 @@ def test_run_name_marks_command_line_changes_of_an_experiment():
     same = dict(choices, backbone="vit_micro")
     assert run_name(cfg, same, ["logger=none", "trainer=gpu", "data.root=/x"]) == "demo"
     assert run_name(cfg, same, ["recipe.lr=0.1"]) == "demo+recipe.lr=0.1"
+    # a change the old names missed: anything but logging, paths and the like (vitexp.ledger.fingerprint.EXCLUDED)
+    assert run_name(cfg, same, ["trainer.limit_train_batches=1", "trainer.enable_progress_bar=false",
+                                "logger.group=t"]) == "demo+trainer.limit_train_batches=1"
+    assert run_name(cfg, dict(same, trainer="gpu"), ["trainer=gpu"]) == "demo+trainer=gpu"  # another precision
+    assert run_name(cfg, same, ["backbone.pretrained=/x.pth"]) == "demo+backbone.pretrained=/x.pth"
     # choices of the experiment's own file are not changes
     exp = {"experiment": "deit_small_baseline", "backbone": "deit_small", "data": "imagenet",
-           "recipe": "deit_finetune", "method": "baseline", "budget": "none", "trainer": "ddp"}
+           "recipe": "deit_finetune", "method": "baseline", "budget": "none", "trainer": "gpu"}
     cfg2 = vconfig.compose(["experiment=deit_small_baseline"])
-    assert run_name(cfg2, exp, ["experiment=deit_small_baseline", "trainer=ddp"]) == "deit_small_baseline"
+    assert run_name(cfg2, exp, ["experiment=deit_small_baseline", "trainer=gpu"]) == "deit_small_baseline"
+    # DDP over several devices is another configuration (the global batch): vitexp-tables is given it as the sweep was
+    assert run_name(cfg2, dict(exp, trainer="ddp"), ["experiment=deit_small_baseline", "trainer=ddp"]) == \
+        "deit_small_baseline+trainer=ddp"
 
 
 def test_slurm_launcher_config_composes_with_the_trainer():

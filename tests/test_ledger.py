@@ -66,11 +66,31 @@ def test_concurrent_writers_all_land(results_dir):
     assert not [p for p in os.listdir(results_dir / "runs") if p.endswith(".tmp")]
 
 
-def test_unreadable_files_are_skipped(results_dir):
+def test_a_broken_file_is_an_error_that_names_it_never_skipped(results_dir):
+    """A file that does not parse (a truncated copy) or breaks the schema is kept aside with what is
+    wrong, and a whole-ledger read raises naming it (it used to be skipped in silence)."""
+    from vitexp.ledger import Ledger, LedgerError
+
     (results_dir / "runs").mkdir(parents=True)
     (results_dir / "runs" / "broken.json").write_text("{not json")
+    (results_dir / "runs" / "wrong.json").write_text(json.dumps({"run_id": "wrong", "experiment": "demo",
+                                                                  "status": "done", "kind": "train"}))
     LedgerEntry("demo", "flops", {}, results_dir).start().finish({"gmacs": 1.0})
-    assert [r["experiment"] for r in iter_runs(results_dir)] == ["demo"]
+    ledger = Ledger.load(results_dir)
+    assert [r["experiment"] for r in ledger] == ["demo"]
+    assert {b.path: b.problem for b in ledger.broken} == {
+        "runs/broken.json": "not JSON (Expecting property name enclosed in double quotes at line 1, column 2: "
+                            "a truncated copy or a merge conflict?)",
+        "runs/wrong.json": "status 'done' is not one of ['running', 'completed', 'failed', 'interrupted']"}
+    with pytest.raises(LedgerError, match="2 broken ledger entries.*runs/broken.json: not JSON.*runs/wrong.json"):
+        list(iter_runs(results_dir))
+    # wrong.json says it is demo's; broken.json could be anyone's; a truncated run file names its experiment
+    (results_dir / "runs" / "20260101-000000-train-fmnist_x-seed-1-abc123.json").write_text('{"run_id": "2026')
+    ledger = Ledger.load(results_dir)
+    assert [b.path for b in ledger.broken_for(["other"])] == ["runs/broken.json"]
+    assert [b.path for b in ledger.broken_for(["demo+seed=1"])] == ["runs/broken.json", "runs/wrong.json"]
+    assert [b.path for b in ledger.broken_for(["fmnist_x"])] == [
+        "runs/20260101-000000-train-fmnist_x-seed-1-abc123.json", "runs/broken.json"]
 
 
 def _strings(value):
@@ -131,7 +151,7 @@ def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(mak
     without scanning the ledger again."""
     import torch
 
-    import vitexp.results
+    import vitexp.ledger
     from vitexp.build import build_configured_backbone
     from vitexp.config import validate
 
@@ -140,7 +160,7 @@ def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(mak
     cfg = make_cfg(["backbone=vit_micro", "data=synthetic", "logger=none"])
     torch.save(build_configured_backbone(cfg).state_dict(), weights)
     (results_dir / "runs").mkdir(parents=True, exist_ok=True)
-    for run_id, started in (("old", "2026-01-01T00:00:00+00:00"), ("new", "2026-01-02T00:00:00+00:00")):
+    for run_id, started in (("old", "2026-01-01T00:00:00+00:00"), ("new", "2026-01-02T00:00:00+00:00")):  # by hand
         (results_dir / "runs" / f"{run_id}.json").write_text(json.dumps({
             "run_id": run_id, "experiment": "teacher", "status": "completed", "kind": "train", "started": started,
             "artifacts": {"weights": str(weights)}}))
@@ -148,7 +168,7 @@ def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(mak
     validate(cfg, need_data=False)
     assert cfg.backbone.pretrained == "run:new"
     scans = []
-    original = vitexp.results.completed_runs
-    monkeypatch.setattr(vitexp.results, "completed_runs", lambda *a, **k: scans.append(1) or original(*a, **k))
+    original = vitexp.ledger.Ledger.load
+    monkeypatch.setattr(vitexp.ledger.Ledger, "load", lambda *a, **k: scans.append(1) or original(*a, **k))
     build_configured_backbone(cfg)
     assert scans == []

@@ -338,8 +338,10 @@ def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg,
     from vitexp.methods import method_from_config
     from vitexp.results import LedgerEntry
 
-    def teacher_probe_from_ledger(method, cfg):
-        method.lookup(cfg)
+    def teacher_probe_from_ledger(method, cfg):  # as the run resolves what the method needs: it never reads storage
+        from vitexp.train import resolve_needs
+
+        method.lookup(cfg, resolve_needs(method, cfg.results_dir))
         return method.extra_metrics({})
 
     probe = LedgerEntry("probe_micro", "train", {"backbone": {"name": "dinov2_micro_reg"}, "data": {"name": "digits"}},

@@ -140,6 +140,7 @@ def test_a_protocol_filter_keeps_a_row_on_the_runs_of_that_protocol():
 
 
 def test_seeded_row_trained_without_an_optional_metric_says_na(results_dir):
+    from vitexp.data import DATA_ORDER
     from vitexp.results import iter_runs
 
     spec = {"name": "seeded_na", "title": "t", "seeds": [0, 1],
@@ -148,10 +149,11 @@ def test_seeded_row_trained_without_an_optional_metric_says_na(results_dir):
                         {"key": "gmacs", "label": "GMACs", "unit": "GMACs", "digits": 1}],
             "rows": [{"label": "Probe", "experiment": "probe"}, {"label": "Pruned", "experiment": "pruned"},
                      {"label": "Missing", "experiment": "missing"}]}
-    for seed in (0, 1):
-        LedgerEntry(f"probe+seed={seed}", "train", {"seed": seed}, results_dir).start().finish({"top1": 80.0 + seed})
+    for seed in (0, 1):  # runs of today's sampler (data_order): no stale mark
+        LedgerEntry(f"probe+seed={seed}", "train", {"seed": seed}, results_dir).start().finish(
+            {"top1": 80.0 + seed}, {"data_order": DATA_ORDER})
         LedgerEntry(f"pruned+seed={seed}", "train", {"seed": seed}, results_dir).start().finish(
-            {"top1": 60.0, "soft_top1": 70.0})
+            {"top1": 60.0, "soft_top1": 70.0}, {"data_order": DATA_ORDER})
     md = re.sub(r" +", " ", tables.render_markdown(spec, tables.fill(spec, list(iter_runs(results_dir)))))
     assert "| Probe | 80.5 ± 0.7 (2) | — | n/a | — | not run | — |" in md  # only an optional column says n/a
     assert "| Pruned | 60.0 ± 0.0 (2) | — | 70.0 ± 0.0 (2) | — | not run | — |" in md

@@ -5,8 +5,8 @@ per row (a row's ``seeds: null`` means one unseeded run of the experiment as con
 shared pretrained baseline that the other rows load). A seeded row's runs are the completed runs
 of its name (the experiment, or :func:`vitexp.rows.row_name` for a row with overrides) whose
 ``config.seed`` is one of its seeds, recorded under that name or under the name ``vitexp-sweep``
-gives them (``<name>+seed=<s>``); for each seed the newest
-such run with the metric counts.
+gives them (``<name>+seed=<s>``), found by :meth:`vitexp.ledger.Ledger.row_runs`; for each seed
+the newest such run of each kind with the row's metrics counts (:func:`chosen`).
 
 Decisions:
 - The spread is the sample standard deviation (``ddof=1``); with one seed there is none.
@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-SEED_NAME = "{experiment}+seed={seed}"
+from vitexp.ledger.index import SEED_NAME, run_seed, seeded_name  # noqa: F401 (the aggregate API too)
+from vitexp.ledger.marks import old_order
 
 
 def row_seeds(spec: dict[str, Any], row: dict[str, Any]) -> list[int] | None:
@@ -41,17 +42,6 @@ def shared_start(spec: dict[str, Any], row: dict[str, Any]) -> bool:
     return bool(spec.get("seeds")) and "seeds" in row and row["seeds"] is None
 
 
-def seeded_name(experiment: str, seed: int | str) -> str:
-    """The ledger name of one seed of a row as vitexp-sweep launches it (``experiment=E seed=s``,
-    or ``name='<name>+seed=${seed}'`` for a row with overrides)."""
-    return SEED_NAME.format(experiment=experiment, seed=seed)
-
-
-def run_seed(run: dict[str, Any]) -> int | None:
-    seed = (run.get("config") or {}).get("seed")
-    return int(seed) if isinstance(seed, (int, float)) else None
-
-
 def overlapping_order(run: dict[str, Any]) -> bool:
     """A completed training run of seed s >= 1 whose protocol lacks ``data_order``
     (:data:`vitexp.data.DATA_ORDER`): its sampler drew epoch e from ``s + e``, so its second epoch
@@ -59,47 +49,29 @@ def overlapping_order(run: dict[str, Any]) -> bool:
     same orders under both samplers. Not judged: a running run (no protocol yet), a record without a
     protocol at all (a W&B run), and a run that took no training step (it drew no order)."""
     seed = run_seed(run)
-    return (run.get("kind") == "train" and run.get("status") == "completed" and seed is not None
-            and seed >= 1 and isinstance(run.get("protocol"), dict) and "data_order" not in run["protocol"]
-            and (run.get("metrics") or {}).get("steps", 1) != 0)
+    return old_order(run) and seed is not None and seed >= 1
 
 
-def start_of(run: dict[str, Any], runs: Sequence[dict[str, Any]]) -> str | None:
-    """The id of the run whose weights ``run`` loaded (``backbone.pretrained``): ``run:<run_id>`` as
-    recorded, or for ``run:<experiment>`` the newest (by start, as the ledger orders runs) completed
-    train run of that experiment that had finished when ``run`` started (what :func:`vitexp.results.weights_run` took then); ``None`` when
-    it loaded no run."""
-    ref = str(((run.get("config") or {}).get("backbone") or {}).get("pretrained") or "")
-    if not ref.startswith("run:"):
-        return None
-    target = ref.removeprefix("run:")
-    if any(r.get("run_id") == target for r in runs):
-        return target
-    started = run.get("started") or ""
-    earlier = [r for r in runs if r.get("kind") == "train" and r.get("status") == "completed"
-               and r.get("experiment") == target and (r.get("finished") or "") <= started]
-    return max(earlier, key=lambda r: (r.get("started") or "", r.get("run_id", "")))["run_id"] if earlier else None
-
-
-def other_start(run: dict[str, Any], starts: dict[str, str | None], runs: Sequence[dict[str, Any]]) -> bool:
+def other_start(run: dict[str, Any], starts: Mapping[str, str | None], ledger) -> bool:
     """Whether ``run`` fine-tuned a run of a shared start other than the current one: ``starts`` maps
-    each shared start's experiment to the run a table shows for it (``None``: it trains again, so
-    every earlier run of it is another)."""
-    sid = start_of(run, runs)
-    exp = next((r.get("experiment") for r in runs if sid and r.get("run_id") == sid), None)
+    each shared start's name to the run a table shows for it (``None``: it trains again, so every
+    earlier run of it is another); ``ledger``: a :class:`vitexp.ledger.Ledger` (its start index)."""
+    sid = ledger.start_of(run)
+    exp = ledger.experiment_of(sid) if sid else None
     return exp in starts and starts[exp] != sid
 
 
-def seed_runs(runs: Iterable[dict[str, Any]], experiment: str, seeds: Sequence[int]) -> dict[int, list[dict[str, Any]]]:
-    """{seed: completed runs of that seed of ``experiment``, oldest first}."""
-    out: dict[int, list[dict[str, Any]]] = {s: [] for s in seeds}
-    for r in runs:
-        seed = run_seed(r)
-        if r.get("status") != "completed" or seed not in out:
-            continue
-        if r.get("experiment") in (experiment, seeded_name(experiment, seed)):
-            out[seed].append(r)
-    return out
+def chosen(runs: Sequence[dict[str, Any]], keys: Iterable[str]) -> list[dict[str, Any]]:
+    """The runs a row's cells read, oldest first: of each kind, the newest run that records any of
+    ``keys``. A row's metrics of one kind then all come from one run (never one train run's top-1
+    beside another's throughput); a FLOPs count and a benchmark of the row are runs of their own."""
+    keys = tuple(keys)
+    newest: dict[str, dict[str, Any]] = {}
+    for r in runs:  # oldest first: the newest of each kind wins
+        if any((r.get("metrics") or {}).get(k) is not None for k in keys):
+            newest[r.get("kind", "")] = r
+    picked = {id(r) for r in newest.values()}
+    return [r for r in runs if id(r) in picked]
 
 
 def per_seed_values(runs_by_seed: dict[int, list[dict[str, Any]]], key: str) -> dict[int, tuple[float, str]]:

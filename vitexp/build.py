@@ -29,10 +29,10 @@ def load_weights(path: str | Path) -> dict[str, Any]:
 
 def build_configured_backbone(cfg: DictConfig) -> nn.Module:
     """The ``backbone`` group's model with the data's class count, its weights resolved by
-    :func:`vitexp.results.resolve_weights` (a path, or ``run:<experiment>``). A vitexp Lightning
+    :func:`vitexp.ledger.resolve_weights` (a path, or ``run:<experiment>``). A vitexp Lightning
     checkpoint (``checkpoints/last.ckpt``) loads through :func:`load_weights`."""
     from vitexp.models import CheckpointMismatchError
-    from vitexp.results import resolve_weights
+    from vitexp.ledger import resolve_weights
 
     weights = resolve_weights(cfg.backbone.get("pretrained"), cfg.results_dir)
     lightning_ckpt = bool(weights) and str(weights).endswith(".ckpt")
@@ -84,11 +84,11 @@ def registers_of(cfg: DictConfig) -> int:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's torch checkpoints written through :func:`vitexp.results.atomic_write`: a job
+    """Lightning's torch checkpoints written through :func:`vitexp.ledger.atomic_write`: a job
     killed while saving keeps the previous ``last.ckpt`` whole (what ``resume=auto`` continues from)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
-        from vitexp.results import atomic_write
+        from vitexp.ledger import atomic_write
 
         atomic_write(path, lambda tmp: super(AtomicCheckpointIO, self).save_checkpoint(checkpoint, tmp, storage_options))
 

@@ -37,7 +37,7 @@ class BestValidation(Callback):
 
 
 class Heartbeat(Callback):
-    """Beats the run's ledger entry (:meth:`vitexp.results.LedgerEntry.beat`) after every training
+    """Beats the run's ledger entry (:meth:`vitexp.ledger.LedgerEntry.beat`) after every training
     epoch and validation, on rank zero: a running entry from a cluster node stays "running" while
     it beats and reads as interrupted once it stops."""
 

@@ -259,7 +259,7 @@ def audit_main(argv: list[str] | None = None) -> None:
 
     from vitexp.analysis import audit_saper
     from vitexp.commands import run_audit
-    from vitexp.results import default_results_dir
+    from vitexp.ledger import default_results_dir
 
     parser = ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
     parser.add_argument("paper", choices=("bspf", "saper", "raptor"), help="which paper's claims to audit")

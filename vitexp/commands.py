@@ -11,7 +11,7 @@ from omegaconf import DictConfig, open_dict
 
 from vitexp.config import to_container, validate
 from vitexp.errors import ConfigError, one_line
-from vitexp.results import atomic_write, portable_path
+from vitexp.ledger import atomic_write, portable_path
 from vitexp.run import owned_run
 
 

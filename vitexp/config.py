@@ -60,8 +60,6 @@ if not OmegaConf.has_resolver("vitexp_job"):  # ${vitexp_job:trainer.num_nodes} 
 
 #: Groups whose choice defines what a run is (a change renames the run).
 IDENTITY_GROUPS = ("backbone", "method", "budget", "data", "recipe")
-#: Overrides that change where or how a run executes, not what it is.
-NON_IDENTITY_KEYS = ("backbone.pretrained", "data.root", "data.num_workers")
 LOGGER_KINDS = ("wandb", "csv", "none")
 #: Groups whose keys are vitexp's schema: ``+group.key=...`` may not add to them. (``trainer``
 #: keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
@@ -181,7 +179,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
     _check(int(bb.img_size) > 0 and int(bb.img_size) % int(arch.patch_size) == 0, "backbone.img_size",
            f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}")
     if bb.pretrained:
-        from vitexp.results import RUN_WEIGHTS_PREFIX, local_path, weights_run
+        from vitexp.ledger import RUN_WEIGHTS_PREFIX, LedgerError, local_path, weights_run
 
         try:
             if str(bb.pretrained).startswith(RUN_WEIGHTS_PREFIX):
@@ -193,7 +191,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
                 weights = local_path(run["artifacts"]["weights"], cfg.results_dir)
             else:
                 weights = bb.pretrained
-        except FileNotFoundError as err:
+        except (FileNotFoundError, LedgerError) as err:
             raise ConfigError(f"backbone.pretrained: {err}") from None
         check_file(weights, "backbone.pretrained")
 
@@ -266,11 +264,17 @@ def group_choices(cfg: DictConfig | None = None) -> dict[str, str]:
 
 
 def run_name(cfg: DictConfig, choices: dict[str, str], overrides: Iterable[str]) -> str:
-    """The name a run is recorded under: its experiment's name, or, when the command line
-    changed what the experiment is (a group choice or a key of an identity group),
-    ``"<experiment>+<override>,..."``, so a ledger row never claims an experiment it did not run."""
+    """The name a run is recorded under: its experiment's name, or, when the command line changed
+    anything that changes what the run measures (a group choice other than the experiment file's,
+    or any key but those :data:`vitexp.ledger.fingerprint.EXCLUDED` lists: logging, paths, the
+    accelerator, the progress bar), ``"<experiment>+<override>,..."``, so a ledger name never claims
+    an experiment it did not run (``demo+trainer.limit_train_batches=1``). An explicit ``name=``
+    is kept as given."""
+    from vitexp.ledger.fingerprint import excluded
+
     experiment = choices.get("experiment")
-    if not experiment:
+    overrides = list(overrides)
+    if not experiment or any(ov.split("=", 1)[0].lstrip("+~") == "name" for ov in overrides):
         return str(cfg.name)
     pinned_choices = experiment_choices(experiment)
     changes = []
@@ -279,13 +283,11 @@ def run_name(cfg: DictConfig, choices: dict[str, str], overrides: Iterable[str])
             changes.append(f"{group}={choices[group]}")
     for ov in overrides:
         key = ov.split("=", 1)[0].lstrip("+~")
-        if "/" in key or key in IDENTITY_GROUPS or key in ("experiment", "name"):
+        if "/" in key or key in IDENTITY_GROUPS or key == "experiment" or excluded(key):
             continue
-        if key.split(".")[0] in IDENTITY_GROUPS + ("seed", "objective", "detector", "bspf_spec") \
-                and key not in NON_IDENTITY_KEYS:  # bspf_spec: another backbone's BSPF defaults change the method
-            changes.append(ov.lstrip("+~"))
-    if any(ov.split("=", 1)[0] == "name" for ov in overrides):
-        return str(cfg.name)
+        if "." not in key and key in choices and pinned_choices.get(key) == choices[key]:
+            continue  # the experiment file's own choice (experiment=deit_small_baseline trainer=ddp)
+        changes.append(ov.lstrip("+~"))
     return str(cfg.name) + ("+" + ",".join(changes) if changes else "")
 
 

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp.errors import CheckpointError, ConfigError, join_lines
 from vitexp.logging_utils import fetch_model
-from vitexp.results import RUN_WEIGHTS_PREFIX, completed_runs, default_results_dir, local_path, portable_path
+from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, load_entry, local_path, portable_path
 
 #: Groups an evaluation may swap whole (where and how it runs, not what the model is).
 SWAPPABLE_GROUPS = ("logger", "trainer")
@@ -49,10 +49,15 @@ def find_run(run: str, results_dir: Path) -> dict[str, Any]:
     artifact carries, its weights downloaded: a run trained on another machine."""
     if ":" in run:
         return fetch_model(run, results_dir / ARTIFACTS_SUBDIR)
-    runs = [r for r in completed_runs(kind="train", results_dir=results_dir) if run in (r["run_id"], r["experiment"])]
-    if not runs:
+    pinned = load_entry(run, results_dir)  # a run id: that one entry, no scan of the ledger
+    if pinned is not None and pinned.get("status") == "completed" and pinned.get("kind") == "train":
+        return pinned
+    ledger = Ledger.load(results_dir)
+    ledger.check([run])
+    found = ledger.newest(run, "train")
+    if found is None:
         raise FileNotFoundError(f"no completed train run with id or experiment {run!r} in {results_dir / 'runs'}")
-    return runs[-1]
+    return found
 
 
 def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, dict[str, Any]]:

@@ -9,7 +9,8 @@ that sweep folder and that were written since (a resumed run's reopened entry in
 Decisions:
 - The ledger, not the launcher's return values, is the source: SLURM jobs run in other processes
   on other machines, and a job SIGKILLed by the scheduler returns nothing; its ``running`` entry
-  reads as ``interrupted`` (:func:`vitexp.results.effective_status`).
+  reads as ``interrupted`` (:func:`vitexp.ledger.effective_status`). A broken entry of the ledger
+  is not one of the multirun's (those it wrote are whole: atomic writes).
 - A job that fails does not stop the others (each has its own ledger entry and closing line); the
   multirun exits 1 when any failed or was interrupted. A job whose config is invalid stops the
   multirun as before (exit 2: the other jobs are most likely invalid too).
@@ -46,14 +47,14 @@ def _touched(record: dict[str, Any]) -> _dt.datetime | None:
 
 def summary(stopped_invalid: bool = False) -> dict[str, Any] | None:
     """The multirun's closing line (``None`` when this process launched no multirun)."""
-    from vitexp.results import effective_status, iter_runs, portable_path
+    from vitexp.ledger import Ledger, effective_status, portable_path
 
     if not STARTED:
         return None
     results_dir, since = STARTED["results_dir"], STARTED["since"]
     where = portable_path(STARTED["sweep_dir"], results_dir).rstrip("/") + "/"
     run_ids: dict[str, list[str]] = {status: [] for status in COUNTED}
-    for record in iter_runs(results_dir):
+    for record in Ledger.load(results_dir):
         touched = _touched(record)
         output_dir = record.get("output_dir") or (record.get("config") or {}).get("output_dir") or ""
         if str(output_dir).startswith(where) and touched is not None and touched >= since:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from vitexp.aggregate import per_seed_values, row_seeds, seed_runs
-from vitexp.results import iter_runs
-from vitexp.rows import expand_rows, row_name
+from vitexp.aggregate import per_seed_values
+from vitexp.ledger import Ledger
+from vitexp.rows import expand_rows, row_query
 
 #: points of top-1; one image of a 10,000-image test set
 DEFAULT_TOLERANCE = 0.01
@@ -36,34 +36,30 @@ def training_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
             if not row.get("cited") and row.get("experiment") and row.get("run", "train") == "train"]
 
 
-def _completed_training(results_dir: Path) -> list[dict[str, Any]]:
-    return [r for r in iter_runs(results_dir) if r.get("kind") == "train" and r.get("status") == "completed"]
-
-
-def _row_runs(spec: dict[str, Any], runs: list[dict[str, Any]]) -> list[tuple[str, dict[Any, list[dict[str, Any]]]]]:
-    """[(row name, {seed (None for an unseeded row): its completed runs, oldest first})] per training
-    row, the runs found as :mod:`vitexp.aggregate` finds them."""
+def _row_runs(spec: dict[str, Any], ledger: Ledger) -> list[tuple[str, dict[Any, list[dict[str, Any]]]]]:
+    """[(row name, {seed (None for an unseeded row): its completed training runs, oldest first})]
+    per training row, found as :func:`vitexp.tables.fill` finds them (:meth:`vitexp.ledger.Ledger.row_runs`)."""
     out = []
     for row in training_rows(spec):
-        name, seeds = row_name(row), row_seeds(spec, row)
-        by_seed = {None: [r for r in runs if r.get("experiment") == name]} if seeds is None \
-            else seed_runs(runs, name, seeds)
-        out.append((name, by_seed))
+        query = row_query(spec, row)
+        found = ledger.row_runs(query)
+        out.append((query.name, {s: [r for r in rs if r["kind"] == "train" and r["status"] == "completed"]
+                                 for s, rs in found.items()}))
     return out
 
 
-def not_checkable(spec: dict[str, Any], results_dir: Path) -> list[str]:
+def not_checkable(spec: dict[str, Any], results_dir: Path, ledger: Ledger | None = None) -> list[str]:
     """Completed training runs of the spec's training rows that record no ``top1`` (detectors)."""
-    found = [r["run_id"] for _, by_seed in _row_runs(spec, _completed_training(results_dir))
+    found = [r["run_id"] for _, by_seed in _row_runs(spec, ledger or Ledger.load(results_dir))
              for rs in by_seed.values() for r in rs if _top1(r) is None]
     return list(dict.fromkeys(found))
 
 
-def cited_runs(spec: dict[str, Any], results_dir: Path) -> list[dict[str, Any]]:
+def cited_runs(spec: dict[str, Any], results_dir: Path, ledger: Ledger | None = None) -> list[dict[str, Any]]:
     """[{"row": name, "seed": seed or None, "run_id": id, "top1": ledger top1}] for every training row
     of the spec, in row order; rows and seeds without a completed run are left out."""
     out: list[dict[str, Any]] = []
-    for name, by_seed in _row_runs(spec, _completed_training(results_dir)):
+    for name, by_seed in _row_runs(spec, ledger or Ledger.load(results_dir)):
         picked = [(s, v, rid) for s, (v, rid) in per_seed_values(by_seed, "top1").items()]  # newest per seed
         for seed, top1, run_id in sorted(picked, key=lambda p: (p[0] is not None, p[0] or 0)):
             if not any(c["run_id"] == run_id for c in out):  # a row shared by two labels is evaluated once
@@ -76,12 +72,12 @@ def _top1(run: dict[str, Any]) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def evaluations(results_dir: Path, before: set[str] = frozenset()) -> dict[str, dict[str, Any]]:
+def evaluations(results_dir: Path, before: set[str] = frozenset(), ledger: Ledger | None = None) -> dict[str, dict[str, Any]]:
     """{train run_id: its newest completed eval entry}; an entry not in ``before`` (run ids) is newer
     than every entry in it (start times have a resolution of one second)."""
     out: dict[str, dict[str, Any]] = {}
-    entries = [r for r in iter_runs(results_dir)  # oldest first: the newest wins
-               if r.get("kind") == "eval" and r.get("status") == "completed" and r.get("evaluates")]
+    entries = [r for r in (ledger or Ledger.load(results_dir))  # oldest first: the newest wins
+               if r["kind"] == "eval" and r["status"] == "completed" and r.get("evaluates")]
     for r in sorted(entries, key=lambda r: r["run_id"] not in before):  # stable: keeps the time order
         out[r["evaluates"]] = r
     return out
@@ -89,8 +85,9 @@ def evaluations(results_dir: Path, before: set[str] = frozenset()) -> dict[str, 
 
 def to_evaluate(spec: dict[str, Any], results_dir: Path, force: bool = False) -> list[str]:
     """The cited runs without a completed eval entry (every cited run with ``force``)."""
-    done = evaluations(results_dir)
-    return [c["run_id"] for c in cited_runs(spec, results_dir) if force or c["run_id"] not in done]
+    ledger = Ledger.load(results_dir)
+    done = evaluations(results_dir, ledger=ledger)
+    return [c["run_id"] for c in cited_runs(spec, results_dir, ledger) if force or c["run_id"] not in done]
 
 
 def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], int], force: bool = False,
@@ -99,9 +96,11 @@ def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], i
     (every one with ``force``), then compare: {"runs": [{row, seed, run_id, top1, eval_top1, diff,
     eval_run_id, evaluated_now, agrees}], "disagree": [run_ids], "not_evaluated": [run_ids whose
     evaluation failed], "not_checkable": [run_ids without a top1]}."""
-    cited = cited_runs(spec, results_dir)
-    done = evaluations(results_dir)
-    before = {r["run_id"] for r in iter_runs(results_dir) if r.get("kind") == "eval"}
+    ledger = Ledger.load(results_dir)
+    ledger.check(n for n, _ in _row_runs(spec, ledger))
+    cited = cited_runs(spec, results_dir, ledger)
+    done = evaluations(results_dir, ledger=ledger)
+    before = {r["run_id"] for r in ledger if r["kind"] == "eval"}
     failed = []
     for c in cited:
         c["evaluated_now"] = force or c["run_id"] not in done
@@ -122,7 +121,7 @@ def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], i
             disagree.append(c["run_id"])
         rows.append({**c, "eval_top1": top1, "diff": diff, "eval_run_id": entry["run_id"], "agrees": agrees})
     return {"runs": rows, "disagree": disagree, "not_evaluated": missing, "tolerance": tolerance,
-            "not_checkable": not_checkable(spec, results_dir)}
+            "not_checkable": not_checkable(spec, results_dir, ledger)}
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:

@@ -17,6 +17,10 @@ ledger name of a run made from a row never depends on how the CLIs abbreviate ov
 ``backbone.pretrained=run:NAME`` all find a row's runs by that one name. A ``name`` different
 from the derived one keeps a row on the runs of an experiment file it replaced.
 
+Decision: a row's runs are those of its configuration (:meth:`vitexp.ledger.Ledger.row_runs`):
+:func:`row_query` composes the row's job as vitexp-sweep launches it (plus the overrides the sweep
+was given, ``trainer=ddp``), per seed, and the ledger matches runs by that config's fingerprint.
+
 Grid: ``grid: {variable: [values]}`` expands into one row per combination, the first variable
 outermost. A value is a scalar (the variable's value) or a mapping that sets several variables at
 once (``{mode: ft, mode_label: fine-tune}``). Every string of the row (label, overrides, name,
@@ -27,9 +31,10 @@ baseline) to the expanded row of that name.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Sequence
 
-from vitexp.aggregate import seeded_name
+from vitexp.aggregate import row_seeds, seeded_name
+from vitexp.ledger import RowQuery
 
 #: Override keys a row may not set through ``overrides`` (they are row keys of their own).
 RESERVED = ("seed", "experiment", "name")
@@ -130,3 +135,68 @@ def check_rows(rows: list[dict[str, Any]], where: str) -> None:
         what = (row["experiment"], tuple(row_overrides(row)))
         if seen.setdefault(name, what) != what:
             raise ValueError(f"{where}: rows {seen[name]} and {what} are both recorded as {name!r}; give one of them a name of its own")
+
+
+#: {job arguments: the composed, unresolved config (``None``: it does not compose today)}, per process.
+_COMPOSED: dict[tuple[str, ...], Any] = {}
+
+
+def _compose(job: tuple[str, ...]) -> Any:
+    """The job's config as Hydra composes it (unresolved), or ``None`` when it does not compose
+    today (an experiment file since removed, a key since renamed)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from vitexp import CONF_DIR
+
+    experiment = next((a.split("=", 1)[1] for a in job if a.startswith("experiment=")), None)
+    if experiment and not (CONF_DIR / "experiment" / f"{experiment}.yaml").is_file():
+        return None
+    running = GlobalHydra.instance().hydra
+    try:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose("train", overrides=list(job))
+    except Exception:  # noqa: BLE001 - a row that no longer composes is matched by name
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+        if running is not None:
+            GlobalHydra.instance().initialize(running)
+
+
+def composed_config(job: Sequence[str], seed: int | None) -> dict[str, Any] | None:
+    """The resolved config of ``job`` (Hydra arguments) with ``seed`` (``None``: its own), as a run
+    of it records it (paths and the name are excluded from fingerprints, so placeholders do)."""
+    from omegaconf import OmegaConf, open_dict
+
+    key = tuple(job)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = _compose(key)
+    if _COMPOSED[key] is None:
+        return None
+    cfg = _COMPOSED[key].copy()
+    with open_dict(cfg):
+        cfg.output_dir = "."
+        if seed is not None:
+            cfg.seed = seed
+    try:
+        out = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except Exception:  # noqa: BLE001 - an interpolation that needs a running app: matched by name
+        return None
+    out.pop("hydra", None)
+    return out
+
+
+def row_query(spec: Mapping[str, Any], row: dict[str, Any], overrides: Sequence[str] = ()) -> RowQuery | None:
+    """What the ledger needs to find the row's runs (``None`` for a row without experiment);
+    ``overrides``: those the row was swept with (the ones that change no fingerprint are dropped:
+    ``hydra/launcher=slurm``, ``data.root=...``)."""
+    name = row_name(row)
+    if name is None:
+        return None
+    from vitexp.ledger.fingerprint import excluded
+
+    changing = [ov for ov in overrides if not excluded(key := ov.split("=", 1)[0].lstrip("+~")) and "/" not in key]
+    job = (*job_arguments(row, seeded=False), *changing)
+    return RowQuery(name, row["experiment"], row_seeds(dict(spec), row), lambda seed: composed_config(job, seed))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from vitexp.errors import ConfigError, one_line
-from vitexp.results import LedgerEntry, atomic_write_json
+from vitexp.ledger import LedgerEntry, atomic_write_json
 
 RUN_MARKER = "run.json"
 RESUME_MODES = ("false", "true", "auto")
@@ -68,28 +68,21 @@ def resume_checkpoint(resume: Any, checkpoint: Path, first: bool = True) -> str 
 ATTEMPT_KEYS = ("resume", "output_dir", "results_dir")
 
 
-def _run_experiment(run_id: str, results_dir: Any) -> str:
-    """The experiment of ledger entry ``run_id`` (``run_id`` itself when there is no such entry)."""
-    from vitexp.results import local_path
-
-    entry = LedgerEntry.load(run_id, local_path(results_dir, None) if results_dir else None)
-    return entry.record.get("experiment", run_id) if entry else run_id
-
-
 def config_fingerprint(config: Mapping[str, Any]) -> str:
     """A short hash of a run's resolved config without :data:`ATTEMPT_KEYS`, with a pinned
     ``backbone.pretrained: run:<run_id>`` read as the experiment it names (each attempt pins the
     newest run anew; another experiment is another run): what makes a run folder's first attempt
-    and a resumed one the same run."""
-    import hashlib
+    and a resumed one the same run (:func:`vitexp.ledger.fingerprint.digest`, the hash run folders
+    have recorded since before fingerprints)."""
+    from vitexp.ledger import load_entry, local_path
+    from vitexp.ledger.fingerprint import digest
 
-    kept = {k: v for k, v in config.items() if k not in ATTEMPT_KEYS}
-    backbone = dict(kept.get("backbone") or {})
-    spec = str(backbone.get("pretrained") or "")
-    if spec.startswith("run:"):  # pinned anew by each attempt's validation: compare the experiment it names
-        backbone["pretrained"] = "run:" + _run_experiment(spec[4:], config.get("results_dir"))
-        kept["backbone"] = backbone
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    results_dir = local_path(config.get("results_dir"), None) if config.get("results_dir") else None
+
+    def experiment_of(run_id: str) -> str:
+        return str((load_entry(run_id, results_dir) or {}).get("experiment", run_id))
+
+    return digest(config, ATTEMPT_KEYS, experiment_of)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -224,7 +217,7 @@ class Run:
         metadata the ledger record as it closes (what ``vitexp-eval`` needs on another machine); the
         ledger records its reference as ``artifacts.wandb_model``."""
         from vitexp.logging_utils import log_model
-        from vitexp.results import local_path, portable_paths
+        from vitexp.ledger import local_path, portable_paths
 
         artifacts = dict(c["record"].get("artifacts") or {})
         if not artifacts.get("weights") or not self.logger:

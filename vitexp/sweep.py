@@ -5,7 +5,7 @@ appended and its name passed (:mod:`vitexp.rows`); a row's ``run`` says which ap
 (``train`` -> vitexp-train, ``flops`` -> vitexp-flops, ``bench`` -> vitexp-bench). Rows that
 already have a completed run of that kind under their name in the ledger, or one running now, are
 skipped unless ``--force``, so an interrupted sweep resumes by running the same command again; a
-run whose process is gone (``interrupted``, :func:`vitexp.results.effective_status`) is rerun. A
+run whose process is gone (``interrupted``, :func:`vitexp.ledger.effective_status`) is rerun. A
 row with seeds (the spec's ``seeds``, :mod:`vitexp.aggregate`) is one job per seed (``experiment=E
 seed=s``, recorded as ``E+seed=s``; a row with overrides or a name N: ``name='N+seed=${seed}'``),
 and only its seeds without a completed or running run are launched (a seed s >= 1 trained by the
@@ -30,14 +30,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from vitexp import CONF_DIR
 from vitexp import recheck
-from vitexp.aggregate import other_start, overlapping_order, row_seeds, seed_runs, seeded_name, shared_start
+from vitexp.aggregate import other_start, overlapping_order, row_seeds, seeded_name, shared_start
 from vitexp.errors import one_line
-from vitexp.results import RUN_WEIGHTS_PREFIX, default_results_dir, effective_status, iter_runs, weights_run
-from vitexp.rows import expand_rows, job_arguments, row_name
-from vitexp.tables import all_specs, load_spec
+from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, effective_status, weights_run
+from vitexp.rows import expand_rows, job_arguments, row_name, row_query
+from vitexp.tables import all_specs, load_spec, table_names
 from vitexp.run import ArgumentParser
 
 APPS = {"train": "vitexp-train", "flops": "vitexp-flops", "bench": "vitexp-bench"}
@@ -54,14 +55,17 @@ def _script(app: str) -> str:
     return found
 
 
-def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[str, dict]:
+def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides: Sequence[str] = ()) -> dict[str, dict]:
     """{kind: {"launch": [names], "skip": [names], "seeds": {row name: [seeds to launch]},
     "seeded": [names of seeded jobs], "jobs": {row name: [Hydra arguments]}} for the spec's
     runnable rows; a name is the row's (:func:`vitexp.rows.row_name`), or ``<name>+seed=<s>`` for
-    one seed of a seeded row."""
+    one seed of a seeded row. A row's runs are those of its configuration composed with
+    ``overrides`` (:meth:`vitexp.ledger.Ledger.row_runs`); a broken entry that could be one of them
+    stops the plan (:class:`vitexp.ledger.LedgerError`)."""
     out: dict[str, dict] = {}
-    runs = list(iter_runs(results_dir))
-    starts = _current_starts(spec, runs, force, results_dir) if kind in (None, "train") else {}
+    ledger = Ledger.load(results_dir)
+    ledger.check(table_names(spec))
+    starts = _current_starts(spec, ledger, force, results_dir) if kind in (None, "train") else {}
     for row in expand_rows(spec["rows"]):
         if row.get("cited") or not row.get("experiment"):
             continue
@@ -72,33 +76,33 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path) -> dict[s
         if k not in APPS:
             raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
         bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": [], "jobs": {}})
-        active = [r for r in runs if r.get("kind") == k and effective_status(r) in ("completed", "running")]
         seeds = row_seeds(spec, row)
         bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None)
+        found = ledger.row_runs(row_query(spec, row, overrides))
+        active = {seed: [r for r in rs if r["kind"] == k and effective_status(r) in ("completed", "running")]
+                  for seed, rs in found.items()}
         if seeds is not None:
-            # a completed training seed from the older sampler, or fine-tuned from another run of its start, runs again
-            current = [r for r in active if k != "train" or r.get("status") != "completed"
-                       or not (overlapping_order(r) or other_start(r, starts, runs))]
-            by_seed = seed_runs([{**r, "status": "completed"} for r in current], name, seeds)
             for seed in seeds:
-                target = "skip" if by_seed[seed] and not force else "launch"
+                # a completed training seed from the older sampler, or fine-tuned from another run of its start, runs again
+                current = [r for r in active[seed] if k != "train" or r["status"] != "completed"
+                           or not (overlapping_order(r) or other_start(r, starts, ledger))]
+                target = "skip" if current and not force else "launch"
                 if seeded_name(name, seed) not in bucket[target]:
                     bucket[target].append(seeded_name(name, seed))
                     bucket["seeded"].append(seeded_name(name, seed))
                     if target == "launch":
                         bucket["seeds"].setdefault(name, []).append(seed)
             continue
-        done = any(r.get("experiment") == name for r in active)
+        done = bool(active[None])
         if k == "train" and name in starts:
-            done = starts[name] is not None or any(r.get("experiment") == name and r.get("status") == "running"
-                                                   for r in active)
+            done = starts[name] is not None or any(r["status"] == "running" for r in active[None])
         target = "skip" if done and not force else "launch"
         if name not in bucket[target]:
             bucket[target].append(name)
     return out
 
 
-def _current_starts(spec: dict, runs: list[dict], force: bool, results_dir: Path) -> dict[str, str | None]:
+def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) -> dict[str, str | None]:
     """{shared start's name: the run its seeded rows load, or ``None`` when it trains again (no
     completed run, ``--force``, or its weights are not on this machine): then every seeded run
     fine-tuned from an earlier run of it trains again too, so a row never mixes two starts."""
@@ -108,11 +112,10 @@ def _current_starts(spec: dict, runs: list[dict], force: bool, results_dir: Path
             continue
         name = row_name(row)
         starts[name] = None
-        if force or not any(r.get("experiment") == name and r.get("kind") == "train"
-                            and r.get("status") == "completed" for r in runs):
+        if force or ledger.newest(name, "train") is None:
             continue
         try:
-            starts[name] = weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir)["run_id"]
+            starts[name] = weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir, ledger)["run_id"]
         except FileNotFoundError:
             print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
                   f"not on this machine: it runs again, and so do the seeded rows fine-tuned from it", file=sys.stderr)
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                 results_dir = Path(ov.split("=", 1)[1])
         if args.kind == "eval":
             return _recheck(spec, results_dir, args)
-        todo = plan(spec, args.kind, args.force, results_dir)
+        todo = plan(spec, args.kind, args.force, results_dir, args.overrides)
     except (FileNotFoundError, ValueError) as err:
         print(f"vitexp-sweep: invalid: {one_line(err)}", file=sys.stderr)
         print(json.dumps({"status": "invalid", "error": one_line(err), "ledger": None}))

@@ -31,7 +31,7 @@ from vitexp.callbacks import BestValidation, DataOrderMark, Heartbeat
 from vitexp.config import to_container, validate
 from vitexp.data import DATA_ORDER
 from vitexp.methods import Method, Stage
-from vitexp.results import atomic_write, portable_path
+from vitexp.ledger import atomic_write, portable_path
 from vitexp.run import owned_run, resume_checkpoint
 
 
@@ -144,6 +144,19 @@ def datamodule_cache(data_config: dict[str, Any]) -> Callable[[DictConfig], L.Li
     return datamodule_for
 
 
+def resolve_needs(method: Method, results_dir: Any) -> dict[str, dict[str, Any]]:
+    """The earlier runs the method reads (:meth:`vitexp.methods.Method.needs`), each the completed
+    train run with that id, else the newest of that experiment (``FileNotFoundError`` naming the key)."""
+    needs = method.needs()
+    if not needs:
+        return {}
+    from vitexp.ledger import Ledger
+
+    ledger = Ledger.load(results_dir)
+    ledger.check(needs.values())
+    return {key: ledger.find(ref, key) for key, ref in needs.items()}
+
+
 def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]:
     """Train, test and record one run. Raises on failure after marking the ledger entry failed."""
     import torch
@@ -157,7 +170,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         backbone, method, data_config = build_backbone_and_method(cfg, method)
         datamodule_for = datamodule_cache(data_config)
-        method.lookup(cfg)  # before training: a missing run it needs fails now
+        method.lookup(cfg, resolve_needs(method, cfg.results_dir))  # before training: a missing run fails now
         method.prepare(backbone, datamodule_for(cfg))
         model = method.apply(backbone, cfg.budget)
         from vitexp.detection import detection_stages, wants_detection

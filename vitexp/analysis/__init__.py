@@ -9,7 +9,7 @@ def save_png(fig, out: Path, title: str, dpi: int = 120) -> Path:
     """Title, tight layout (unless the figure has a layout engine), then the figure written atomically to ``out`` (PNG) and closed."""
     import matplotlib.pyplot as plt
 
-    from vitexp.results import atomic_write
+    from vitexp.ledger import atomic_write
 
     fig.suptitle(title, fontsize=8)
     if fig.get_layout_engine() is None:

@@ -54,7 +54,7 @@ def pinned_model(spec: str, results_dir: Path | None = None) -> tuple[torch.nn.M
     rebuilt from the run's recorded backbone config and class count and loaded strictly from its
     recorded weights, with what pins it (run id, experiment, weights file)."""
     from vitexp.models import build_backbone
-    from vitexp.results import local_path, weights_run
+    from vitexp.ledger import local_path, weights_run
 
     try:
         run = weights_run(spec, results_dir)
@@ -160,7 +160,7 @@ def deit_small_model(weights: str | None, results_dir: Path | None = None) -> tu
     import timm
 
     import vitexp  # noqa: F401
-    from vitexp.results import resolve_weights
+    from vitexp.ledger import resolve_weights
 
     if not weights:
         torch.manual_seed(0)
@@ -178,7 +178,7 @@ def audit(micro_run: str = MICRO_RUN, deit_small: str | None = None, images: int
     import timm
 
     import vitexp  # noqa: F401
-    from vitexp.results import completed_runs
+    from vitexp.ledger import Ledger
 
     findings: dict[str, Any] = {"micro": micro_findings(micro_run, images, results_dir)}
     deit, described = deit_small_model(deit_small, results_dir)
@@ -194,11 +194,13 @@ def audit(micro_run: str = MICRO_RUN, deit_small: str | None = None, images: int
         "bspf": _gmacs(BSPF(chunk_size=49, prune_layers=[4, 6, 9]).apply(timm.create_model("deit_small_patch16_224"), rho), 224),
     }
     top1, top1_runs = {}, {}
-    for key, exp in (("deit_small", "deit_small_baseline"), ("chunk", "chunk_deit_small"), ("bspf", "bspf_deit_small")):
-        runs = [r for r in completed_runs(experiment=exp, kind="train", results_dir=results_dir)
-                if r["metrics"].get("top1") is not None]
-        top1[key] = runs[-1]["metrics"]["top1"] if runs else None
-        top1_runs[key] = runs[-1]["run_id"] if runs else None
+    ledger = Ledger.load(results_dir)
+    pairs = (("deit_small", "deit_small_baseline"), ("chunk", "chunk_deit_small"), ("bspf", "bspf_deit_small"))
+    ledger.check([exp for _, exp in pairs])
+    for key, exp in pairs:
+        run = ledger.newest(exp, "train", lambda r: r["metrics"].get("top1") is not None)
+        top1[key] = run["metrics"]["top1"] if run else None
+        top1_runs[key] = run["run_id"] if run else None
     findings["top1"] = top1
     findings["top1_runs"] = top1_runs
     return findings

@@ -118,32 +118,34 @@ def agreement(kept: np.ndarray, clusters: np.ndarray, selections: int = 10_000, 
 def teacher_of(saper_run: dict[str, Any], results_dir: Path | None) -> str:
     """``run:<run_id>`` of the teacher a SAPER run loaded: the newest completed train run of its
     ``backbone.pretrained`` experiment that finished before the SAPER run started."""
-    from vitexp.results import RUN_WEIGHTS_PREFIX, completed_runs
+    from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger
 
     spec = str((saper_run["config"].get("backbone") or {}).get("pretrained") or "")
     if not spec.startswith(RUN_WEIGHTS_PREFIX):
         raise ValueError(f"SAPER run {saper_run['run_id']} loaded backbone.pretrained={spec!r}, not a ledger run; "
                          "give the backbone's weights with --weights PATH")
-    target = spec.removeprefix(RUN_WEIGHTS_PREFIX)
-    before = [r for r in completed_runs(kind="train", results_dir=results_dir)
-              if target in (r.get("experiment"), r.get("run_id")) and str(r.get("finished")) <= saper_run["started"]]
-    if not before:
-        raise FileNotFoundError(f"no completed train run of {target!r} finished before SAPER run {saper_run['run_id']}")
-    return RUN_WEIGHTS_PREFIX + before[-1]["run_id"]
+    ledger = Ledger.load(results_dir)
+    ledger.check([spec.removeprefix(RUN_WEIGHTS_PREFIX)])
+    start = ledger.start_of(saper_run)
+    if start is None:
+        raise FileNotFoundError(f"no completed train run of {spec.removeprefix(RUN_WEIGHTS_PREFIX)!r} finished before "
+                                f"SAPER run {saper_run['run_id']}")
+    return RUN_WEIGHTS_PREFIX + start
 
 
 def saper_record(spec: str, results_dir: Path | None) -> dict[str, Any]:
     """The ledger record of ``run:<experiment>`` (its newest completed train run with ``kept_heads``) or ``run:<run_id>``."""
-    from vitexp.results import RUN_WEIGHTS_PREFIX, completed_runs
+    from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger
 
     target = spec.removeprefix(RUN_WEIGHTS_PREFIX)
-    runs = [r for r in completed_runs(kind="train", results_dir=results_dir)
-            if target in (r.get("experiment"), r.get("run_id")) and r.get("kept_heads")]
-    if not runs:
+    ledger = Ledger.load(results_dir)
+    ledger.check([target])
+    run = ledger.newest(target, "train", lambda r: bool(r.get("kept_heads")))
+    if run is None:
         raise FileNotFoundError(f"--saper-run {spec}: no completed SAPER train run of {target!r} with kept_heads in "
                                 f"the ledger; run the table row recorded under that name first "
                                 f"(`vitexp-sweep saper_micro` runs {', '.join(r.removeprefix(RUN_WEIGHTS_PREFIX) for r in SAPER_RUNS)})")
-    return runs[-1]
+    return run
 
 
 def pruned_backbone_and_images(record: dict[str, Any], weights: str | None, images: int,
@@ -190,14 +192,16 @@ def run_findings(spec: str, weights: str | None, images: int, clusters: Sequence
 
 def raptor_findings(results_dir: Path | None) -> dict[str, Any] | None:
     """(c): the newest completed ``vitexp-audit raptor`` run's ratios, or None when there is none."""
-    from vitexp.results import completed_runs
+    from vitexp.ledger import Ledger
 
-    runs = completed_runs("raptor_audit", "audit", results_dir)
-    if not runs:
+    ledger = Ledger.load(results_dir)
+    ledger.check(["raptor_audit"])
+    run = ledger.newest("raptor_audit", "audit")
+    if run is None:
         return None
-    m = runs[-1].get("metrics") or {}
+    m = run.get("metrics") or {}
     keys = ("dinov2_gflops", "raptor_k2_gflops", "raptor_noreg_gflops", "raptor_over_dinov2_same_protocol")
-    return {"run_id": runs[-1]["run_id"], "sizes": sorted({k.split("_", 1)[0] for k in m if k.endswith(keys[0])}),
+    return {"run_id": run["run_id"], "sizes": sorted({k.split("_", 1)[0] for k in m if k.endswith(keys[0])}),
             **{k: v for k, v in m.items() if k.split("_", 1)[-1] in keys}}
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from vitexp.results import atomic_write
+from vitexp.ledger import atomic_write
 
 
 @torch.no_grad()

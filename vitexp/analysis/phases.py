@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import torch.nn as nn
 
 from vitexp.methods.raptor import distance_matrix_from_data, max_cut_phases, phases_for_blocks
-from vitexp.results import atomic_write
+from vitexp.ledger import atomic_write
 
 
 def one_based(phases: list[list[int]]) -> str:

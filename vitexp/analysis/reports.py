@@ -46,7 +46,7 @@ def token_model(cfg: DictConfig):
     """(model, method, data config, where its weights came from: ``backbone`` | ``method`` | ``none``)."""
     from vitexp.build import build_model, load_weights
     from vitexp.models import CheckpointMismatchError
-    from vitexp.results import resolve_weights
+    from vitexp.ledger import resolve_weights
 
     try:
         model, method, data_config = build_model(cfg)
@@ -97,10 +97,10 @@ def head_report(cfg: DictConfig, record: dict[str, Any], args: argparse.Namespac
     from vitexp.analysis.head_grid import checkpoint_scores, draw_head_grid, kept_mask
     from vitexp.analysis.heads import head_clusters
     from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
-    from vitexp.results import local_path
+    from vitexp.ledger import local_path
 
     from vitexp.analysis.audit_saper import teacher_of
-    from vitexp.results import RUN_WEIGHTS_PREFIX
+    from vitexp.ledger import RUN_WEIGHTS_PREFIX
 
     kept = record["kept_heads"]
     if str(cfg.backbone.get("pretrained") or "").startswith(RUN_WEIGHTS_PREFIX):  # the teacher this run loaded,

@@ -81,9 +81,16 @@ class Method(abc.ABC):
         """The fits of a run, in order. Default: one stage training ``model`` with ``objective``."""
         return [Stage("main", self.objective, lambda: model, module_kwargs=self.module_kwargs())]
 
-    def lookup(self, cfg: Mapping[str, Any]) -> None:
-        """Read what the run needs from earlier runs before any training, so a missing one fails
-        first (RAPTOR's ``teacher_probe_run``). ``cfg``: the run's config. Default: nothing."""
+    def needs(self) -> dict[str, str]:
+        """The earlier runs this run reads: {config key: run id or experiment} (RAPTOR's
+        ``method.teacher_probe_run``). The run resolves them through the ledger before any training
+        (a missing one fails first) and hands the records to :meth:`lookup`: a method never reads
+        storage. Default: none."""
+        return {}
+
+    def lookup(self, cfg: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> None:
+        """Take what the run needs from the earlier runs :meth:`needs` named, resolved to their
+        ledger records (``runs``: {config key: record}). ``cfg``: the run's config. Default: nothing."""
 
     def extra_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Metrics of this method beside the run's own, from ``metrics`` and what :meth:`lookup`

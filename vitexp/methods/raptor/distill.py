@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from vitexp.methods.raptor.surrogate import RaptorSurrogate, teacher_states
-from vitexp.results import atomic_write
+from vitexp.ledger import atomic_write
 
 #: Stage 2's token weights (RAPTOR): CLS, registers, patches.
 TOKEN_WEIGHTS = {"cls": 0.45, "registers": 0.10, "patches": 0.45}

@@ -204,21 +204,18 @@ class Raptor(Method):
             out["distance_matrix"] = [[round(float(v), 6) for v in row] for row in self.distance]
         return out
 
-    def lookup(self, cfg: Mapping[str, Any]) -> None:
-        """``teacher_top1`` from the completed run named by ``method.teacher_probe_run`` (its id or
-        experiment), which must have this run's backbone and data."""
-        from vitexp.results import completed_runs
+    def needs(self) -> dict[str, str]:
+        """``method.teacher_probe_run``, when set: the completed train run (id or experiment) to read."""
+        return {"method.teacher_probe_run": self.teacher_probe_run} if self.teacher_probe_run else {}
 
+    def lookup(self, cfg: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]) -> None:
+        """``teacher_top1`` from the run ``method.teacher_probe_run`` resolved to (``runs``), which
+        must have this run's backbone and data."""
         self.teacher_metrics: dict[str, Any] = {}
         run_id = self.teacher_probe_run
-        if not run_id:
+        run = runs.get("method.teacher_probe_run")
+        if not run_id or run is None:
             return
-        runs = [r for r in completed_runs(kind="train", results_dir=cfg["results_dir"])
-                if run_id in (r["run_id"], r["experiment"])]
-        if not runs:
-            raise FileNotFoundError(f"method.teacher_probe_run={run_id}: no completed train run with that id or "
-                                    f"experiment in {cfg['results_dir']}/runs")
-        run = runs[-1]
         for key in ("backbone", "data"):
             theirs, ours = run["config"].get(key, {}).get("name"), cfg[key]["name"]
             if theirs != ours:

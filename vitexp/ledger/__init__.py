@@ -1,0 +1,75 @@
+"""The ledger: the one reader and writer of results. Nothing outside this package opens a run's
+entry; commands, tables and methods receive records from a :class:`Ledger` or write through a
+:class:`LedgerEntry`.
+
+- :mod:`~vitexp.ledger.paths`: the results root, atomic writes, portable (relative) paths.
+- :mod:`~vitexp.ledger.schema`: what an entry holds; broken entries and :class:`LedgerError`.
+- :mod:`~vitexp.ledger.status`: ``running`` entries whose process is gone read as ``interrupted``.
+- :mod:`~vitexp.ledger.fingerprint`: the configuration a row matches runs by, and its exclusions.
+- :mod:`~vitexp.ledger.entry`: :class:`LedgerEntry`, one run's entry, its code and machine.
+- :mod:`~vitexp.ledger.sources`: a results folder, a snapshot, a W&B project.
+- :mod:`~vitexp.ledger.index`: :class:`Ledger`, every entry indexed, and the queries.
+- :mod:`~vitexp.ledger.marks`: what a table says about a cell's run (stale, busy, dirty).
+
+Decision: a command that needs a whole ledger (``vitexp-tables``) refuses to go on when an entry it
+could depend on is broken, naming the file and what is wrong (``--skip-broken`` goes on and lists the
+skipped files); a command that needs one run (``vitexp-eval``, ``run:<experiment>``) reads the
+entries it names.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vitexp.ledger.entry import LedgerEntry, environment, machine_load, new_run_id
+from vitexp.ledger.index import Ledger, RowQuery, run_seed, seeded_name
+from vitexp.ledger.paths import (atomic_write, atomic_write_json, default_results_dir, local_path, portable_path,
+                                 portable_paths, portable_text)
+from vitexp.ledger.schema import FINAL_STATUSES, KINDS, STATUSES, BrokenEntry, LedgerError
+from vitexp.ledger.status import INTERRUPTED, STALE_HOURS, effective_status
+
+RUN_WEIGHTS_PREFIX = "run:"
+
+__all__ = ["Ledger", "LedgerEntry", "LedgerError", "BrokenEntry", "RowQuery", "INTERRUPTED", "STALE_HOURS",
+           "FINAL_STATUSES", "KINDS", "STATUSES", "RUN_WEIGHTS_PREFIX", "atomic_write", "atomic_write_json",
+           "default_results_dir", "effective_status", "environment", "local_path", "machine_load", "new_run_id",
+           "portable_path", "portable_paths", "portable_text", "resolve_weights", "run_seed", "seeded_name",
+           "weights_run", "load_entry"]
+
+
+def load_entry(run_id: str, results_dir: Path | str | None = None) -> dict[str, Any] | None:
+    """The record of entry ``run_id`` (one file, no scan of the ledger), or ``None``."""
+    entry = LedgerEntry.load(run_id, results_dir)
+    return entry.record if entry else None
+
+
+def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger | None = None) -> dict[str, Any]:
+    """The ledger record behind ``run:<experiment>`` (its newest completed train run) or
+    ``run:<run_id>`` (that entry alone, read without loading the ledger), checked to have its
+    recorded ``weights`` file on this machine. ``FileNotFoundError`` says what to run;
+    :class:`LedgerError`, which broken entry of that experiment stops it."""
+    target = str(spec).removeprefix(RUN_WEIGHTS_PREFIX)
+    where = (Path(results_dir) if results_dir else default_results_dir())
+    pinned = load_entry(target, where) if ledger is None else ledger.get(target)
+    if pinned is not None:
+        run = pinned if pinned.get("status") == "completed" and pinned.get("kind") == "train" else None
+    else:  # the newest of an experiment: a broken entry of it could be the newest
+        ledger = ledger or Ledger.load(where)
+        ledger.check([target], f"{where / 'runs'} (backbone.pretrained={spec})")
+        run = ledger.newest(target, "train")
+    if run is None:
+        raise FileNotFoundError(f"backbone.pretrained={spec}: no completed train run of {target!r} in {where / 'runs'}; "
+                                f"run `vitexp-train experiment={target}` first")
+    weights = local_path((run.get("artifacts") or {}).get("weights"), where)
+    if not weights or not weights.is_file():
+        raise FileNotFoundError(f"backbone.pretrained={spec}: run {run['run_id']} recorded weights at {weights}, "
+                                f"which is not on this machine; rerun `vitexp-train experiment={target}`")
+    return run
+
+
+def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> str | None:
+    """A ``backbone.pretrained`` value as a file path: a path is returned as given;
+    ``run:<experiment>`` / ``run:<run_id>`` becomes the ``weights`` file of :func:`weights_run`."""
+    if not spec or not str(spec).startswith(RUN_WEIGHTS_PREFIX):
+        return spec
+    return str(local_path(weights_run(spec, results_dir)["artifacts"]["weights"], results_dir))

@@ -1,0 +1,222 @@
+"""Writing one run's ledger entry: :class:`LedgerEntry`, and what it records of the code and the
+machine (:func:`environment`).
+
+Decisions:
+- A run writes its entry when it starts (``running``, so a run killed by SIGKILL is visible), beats
+  it while it trains, and closes it ``completed``, ``failed`` or ``interrupted`` (SIGINT or SIGTERM:
+  :meth:`LedgerEntry.interrupt` records the signal). Every write goes through
+  :func:`vitexp.ledger.paths.atomic_write`; run ids carry a random suffix, so concurrent runs never collide.
+- A closed entry is never overwritten: closing twice raises. The one exception is a resumed run
+  (``resume=auto|true``), which reopens its own unfinished entry (:meth:`LedgerEntry.reopen`): the
+  earlier attempt moves to ``attempts`` with its times, its fit seconds per stage and how it ended;
+  an attempt whose process died without closing the entry (SIGKILL, a lost node) is closed there
+  as ``interrupted``. The run's ``fit_time_s`` is then the sum over its attempts.
+- Code provenance: ``env.git_commit`` and ``env.git_dirty`` describe the code (``vitexp/``,
+  ``conf/``, ``pyproject.toml``: :data:`CODE_PATHS`; results and specs are not code). A run from a
+  dirty tree stores ``git diff HEAD`` of those paths as ``<run folder>/code.patch`` (a run without a
+  folder: ``<results>/patches/<sha256>.patch``) and its hash in ``env.code_patch``, so the code that
+  produced a number can be rebuilt; the run's W&B code is the same patch.
+- Every entry records its ``fingerprint`` (:mod:`vitexp.ledger.fingerprint`) and the machine's load
+  when it started (``env.load``); a timing records the load it ran under in its protocol.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import traceback
+import uuid
+from pathlib import Path
+from typing import Any
+
+from vitexp import PROJECT_ROOT
+from vitexp.ledger import fingerprint as fp
+from vitexp.ledger.paths import atomic_write, atomic_write_json, default_results_dir, portable_path, portable_paths
+from vitexp.ledger.schema import FINAL_STATUSES
+from vitexp.ledger.status import INTERRUPTED, now
+
+#: What ``git_dirty`` and the stored diff cover: the code a run executes.
+CODE_PATHS = ("vitexp", "conf", "pyproject.toml")
+PATCH_NAME = "code.patch"
+
+
+def new_run_id(experiment: str, kind: str) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in experiment)
+    return f"{stamp}-{kind}-{safe}-{uuid.uuid4().hex[:6]}"
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def code_state() -> tuple[str | None, bool | None, str]:
+    """(commit, dirty, diff) of :data:`CODE_PATHS` in the checkout (``None`` outside a git checkout)."""
+    commit = (_git("rev-parse", "HEAD") or "").strip() or None
+    if commit is None:
+        return None, None, ""
+    diff = _git("diff", "HEAD", "--binary", "--", *CODE_PATHS) or ""
+    return commit, bool(diff.strip()), diff
+
+
+def keep_patch(diff: str, run_dir: Path | None, results_dir: Path) -> dict[str, Any]:
+    """Write a dirty tree's diff where the module docstring says; ``{"path", "sha256"}`` (the path portable)."""
+    digest = hashlib.sha256(diff.encode()).hexdigest()
+    path = Path(run_dir) / PATCH_NAME if run_dir else results_dir / "patches" / f"{digest[:16]}.patch"
+    if not (path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest):
+        atomic_write(path, diff)
+    return {"path": portable_path(path.resolve(), results_dir), "sha256": digest}
+
+
+def machine_load() -> dict[str, Any]:
+    """The machine's 1/5/15-minute load average, its CPU count and this process's compute threads."""
+    import torch
+
+    try:
+        loadavg = [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # not on this platform
+        loadavg = None
+    return {"loadavg": loadavg, "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
+
+
+def environment(run_dir: Path | None = None, results_dir: Path | None = None) -> dict[str, Any]:
+    """Package versions, device, the code (commit, dirty, the kept diff) and the machine's load."""
+    import importlib.metadata as md
+
+    import torch
+
+    versions = {}
+    for pkg in ("torch", "torchvision", "lightning", "timm", "hydra-core", "torchmetrics", "fvcore", "wandb"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    commit, dirty, diff = code_state()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
+    env = {"packages": versions, "python": platform.python_version(), "device": device,
+           "cpu_threads": torch.get_num_threads(), "hostname": platform.node(), "pid": os.getpid(),
+           "git_commit": commit, "git_dirty": dirty, "load": machine_load()}
+    if dirty:
+        env["code_patch"] = keep_patch(diff, run_dir, Path(results_dir) if results_dir else default_results_dir())
+    return env
+
+
+class LedgerEntry:
+    """One run's ledger file. ``start`` writes it as running; ``finish`` / ``fail`` / ``interrupt`` close it."""
+
+    def __init__(self, experiment: str, kind: str, config: dict[str, Any] | None = None,
+                 results_dir: Path | str | None = None, run_id: str | None = None, run_dir: Path | str | None = None):
+        self.dir = Path(results_dir) if results_dir else default_results_dir()
+        self.run_id = run_id or new_run_id(experiment, kind)
+        self.path = self.dir / "runs" / f"{self.run_id}.json"
+        self.run_dir = Path(run_dir) if run_dir else None
+        self.fit_times: dict[str, float] = {}
+        self.record: dict[str, Any] = {
+            "run_id": self.run_id, "experiment": experiment, "status": "running", "kind": kind,
+            "config": config or {}, "metrics": {}, "protocol": {}, "env": environment(self.run_dir, self.dir),
+            "wandb_url": None, "started": now(), "finished": None, "error": None,
+        }
+        self._fingerprint(config)
+
+    @classmethod
+    def load(cls, run_id: str, results_dir: Path | str | None = None) -> "LedgerEntry | None":
+        """The existing entry ``run_id`` (to reopen it), or None when there is no readable file."""
+        entry = cls.__new__(cls)
+        entry.dir = Path(results_dir) if results_dir else default_results_dir()
+        entry.run_id, entry.run_dir, entry.fit_times = run_id, None, {}
+        entry.path = entry.dir / "runs" / f"{run_id}.json"
+        try:
+            entry.record = json.loads(entry.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        return entry if isinstance(entry.record, dict) else None
+
+    def experiment_of(self, run_id: str) -> str:
+        """The experiment of entry ``run_id`` in this ledger (``run_id`` itself when there is none)."""
+        other = LedgerEntry.load(run_id, self.dir) if run_id and "/" not in run_id else None
+        return str(other.record.get("experiment", run_id)) if other else run_id
+
+    def reopen(self, config: dict[str, Any], run_dir: Path | str | None = None) -> "LedgerEntry":
+        """Continue this unfinished entry in a new attempt (module docstring)."""
+        if self.record["status"] == "completed":
+            raise RuntimeError(f"ledger entry {self.path} is completed; finished results are never overwritten")
+        self.run_dir = Path(run_dir) if run_dir else self.run_dir
+        previous = {k: self.record.get(k) for k in ("started", "finished", "status", "error", "signal")}
+        previous["env"] = {k: (self.record.get("env") or {}).get(k) for k in ("hostname", "pid")}
+        previous["fit_time_s"] = dict(self.record.get("attempt_fit_time_s") or {})
+        if previous["status"] == "running":  # its process died without closing it
+            previous.update(status=INTERRUPTED, finished=self.record.get("heartbeat") or self.record.get("started"),
+                            error="the process ended without closing its entry (killed)")
+        self.record["attempts"] = [*self.record.get("attempts", []), previous]
+        self._fingerprint(config)
+        self.record.update(status="running", config=config, env=environment(self.run_dir, self.dir), finished=None, error=None, signal=None,
+                           attempt_fit_time_s={})
+        self._write()
+        return self
+
+    def _fingerprint(self, config: dict[str, Any] | None) -> None:
+        """Record the config's fingerprint (none for a config that is not a composed run config)."""
+        key = fp.of_config(config, self.experiment_of)
+        if key:
+            self.record["fingerprint"] = key
+        else:
+            self.record.pop("fingerprint", None)
+
+    def previous_fit_time(self) -> dict[str, float]:
+        """{stage: seconds fitted by the earlier attempts of this run}."""
+        out: dict[str, float] = {}
+        for attempt in self.record.get("attempts") or []:
+            for stage, seconds in (attempt.get("fit_time_s") or {}).items():
+                out[stage] = out.get(stage, 0.0) + float(seconds)
+        return out
+
+    def fitting(self, stage: str, seconds: float) -> None:
+        """This attempt has fitted ``stage`` for ``seconds`` so far (written with the next beat or close)."""
+        self.fit_times[stage] = float(seconds)
+        self.record["attempt_fit_time_s"] = dict(self.fit_times)
+
+    def _write(self) -> None:
+        """Write the record, its paths made portable (:func:`vitexp.ledger.paths.portable_paths`)."""
+        self.record = portable_paths(self.record, self.dir)
+        atomic_write_json(self.path, self.record)
+
+    def beat(self) -> None:
+        """Record that the run is alive (``heartbeat``, UTC): how a running entry written on another
+        host (a cluster node) is told apart from one whose job died (:func:`vitexp.ledger.status.effective_status`)."""
+        if self.record.get("status") == "running":
+            self.record["heartbeat"] = now()
+            self._write()
+
+    def start(self) -> "LedgerEntry":
+        if self.path.exists():
+            raise FileExistsError(f"ledger entry {self.path} already exists; finished results are never overwritten")
+        self._write()
+        return self
+
+    def _close(self, status: str, **fields: Any) -> Path:
+        if self.record["status"] in FINAL_STATUSES:
+            raise RuntimeError(f"ledger entry {self.path} is already {self.record['status']}")
+        self.record.update(fields)
+        self.record["status"] = status
+        self.record["finished"] = now()
+        self._write()
+        return self.path
+
+    def finish(self, metrics: dict[str, Any], protocol: dict[str, Any] | None = None, **extra: Any) -> Path:
+        return self._close("completed", metrics=dict(metrics), protocol=dict(protocol or {}), **extra)
+
+    def fail(self, error: BaseException, **extra: Any) -> Path:
+        detail = "".join(traceback.format_exception_only(type(error), error)).strip()
+        return self._close("failed", error=detail, **extra)
+
+    def interrupt(self, signal_name: str, **extra: Any) -> Path:
+        """Close the entry ``interrupted`` by ``signal_name`` (``SIGINT``, ``SIGTERM``): not a failure
+        of the run; ``resume=auto`` continues it."""
+        return self._close(INTERRUPTED, signal=signal_name, error=f"interrupted by {signal_name}", **extra)

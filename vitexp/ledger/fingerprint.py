@@ -1,0 +1,115 @@
+"""The fingerprint of a run's configuration: what a table row matches runs by.
+
+A fingerprint is a short hash of the resolved config without the keys that do not change what a
+run measures (:data:`EXCLUDED`, the one list of them: run names (:func:`vitexp.config.run_name`),
+fingerprints and table rows all read it). Two runs with one fingerprint trained, counted or timed the
+same configuration; a run with any other change (``trainer.limit_train_batches``, another
+``backbone.pretrained``, another precision) has another fingerprint.
+
+Decisions:
+- Excluded: the run's name and where it writes (``name``, ``output_dir``, ``results_dir``,
+  ``resume``, ``evaluates``), how it logs (``logger``), where its data lies and how it is read
+  (``data.root``, ``data.num_workers``, ``data.package``), the accelerator and the progress display
+  (``trainer.accelerator``, ``trainer.enable_progress_bar``, ``trainer.enable_model_summary``,
+  ``trainer.log_every_n_steps``), which costs are measured at the end (``eval.flops``,
+  ``eval.throughput``: they add metrics, they change none) and the classes' import paths
+  (``_target_`` at any depth: a class moved by a refactor is the same method, its group's ``name``
+  says which). Kept: the seed, precision, devices, strategy, every ``limit_*_batches`` and every
+  key of the identity groups.
+- ``backbone.pretrained: run:<run_id>`` (what validation pins ``run:<experiment>`` to) is read as
+  ``run:<experiment>``: each run pins the newest run of its start anew, and which one it loaded is
+  the table's concern (:meth:`vitexp.ledger.Ledger.start_of`), not the configuration's.
+- A ledger entry stores ``fingerprint`` as ``<VERSION>:<hash>``; an entry of another version (or
+  none: entries written before fingerprints) is fingerprinted from its recorded config when needed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, Iterable, Mapping
+
+VERSION = "v1"
+RUN_PREFIX = "run:"
+#: Config keys (dotted; ``*.key`` at any depth) that do not change what a run measures.
+EXCLUDED = (
+    "name", "resume", "output_dir", "results_dir", "evaluates", "hydra", "logger",
+    "data.root", "data.num_workers", "data.package",
+    "trainer.accelerator", "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps",
+    "eval.flops", "eval.throughput",
+    "*._target_",
+)
+
+
+def excluded(key: str, exclusions: Iterable[str] = EXCLUDED) -> bool:
+    """Whether the dotted config key ``key`` (or a group it lies in) is one of ``exclusions``."""
+    parts = key.split(".")
+    for ex in exclusions:
+        if ex.startswith("*."):
+            if parts[-1] == ex[2:]:
+                return True
+        elif key == ex or key.startswith(ex + "."):
+            return True
+    return False
+
+
+def strip(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED, prefix: str = "") -> dict[str, Any]:
+    """``config`` without the keys in ``exclusions`` (at any depth)."""
+    exclusions = tuple(exclusions)
+    out = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if excluded(key, exclusions):
+            continue
+        out[k] = strip(v, exclusions, key + ".") if isinstance(v, Mapping) else v
+    return out
+
+
+def digest(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
+           experiment_of: Callable[[str], str] | None = None) -> str:
+    """A 16-hex-digit hash of ``config`` without ``exclusions``, a pinned ``backbone.pretrained:
+    run:<run_id>`` read as the experiment ``experiment_of`` names for that id."""
+    kept = strip(config, exclusions)
+    backbone = kept.get("backbone")
+    ref = str((backbone or {}).get("pretrained") or "") if isinstance(backbone, Mapping) else ""
+    if ref.startswith(RUN_PREFIX) and experiment_of is not None:
+        kept["backbone"] = {**backbone, "pretrained": RUN_PREFIX + experiment_of(ref[len(RUN_PREFIX):])}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def fingerprint(config: Mapping[str, Any], experiment_of: Callable[[str], str] | None = None) -> str:
+    """The versioned fingerprint a ledger entry stores (``v1:<hash>``)."""
+    return f"{VERSION}:{digest(config, EXCLUDED, experiment_of)}"
+
+
+#: The groups a composed vitexp config has; a config without them (an audit's arguments, a test's
+#: stub) gets no fingerprint, and its runs are matched by name.
+RUN_GROUPS = ("backbone", "method", "budget", "data", "recipe", "trainer")
+
+
+def of_config(config: Mapping[str, Any] | None, experiment_of: Callable[[str], str] | None = None) -> str | None:
+    """:func:`fingerprint` of a composed run config; ``None`` for anything else (:data:`RUN_GROUPS`)."""
+    if not config or not all(isinstance(config.get(g), Mapping) for g in RUN_GROUPS):
+        return None
+    return fingerprint(config, experiment_of)
+
+
+def of_record(record: Mapping[str, Any], experiment_of: Callable[[str], str] | None = None) -> str | None:
+    """The entry's fingerprint: as stored when of this :data:`VERSION`; recomputed from its config
+    when stored under another; ``None`` for an entry written before fingerprints (it has none)."""
+    stored = record.get("fingerprint")
+    if not stored:
+        return None
+    if str(stored).startswith(VERSION + ":"):
+        return str(stored)
+    return fingerprint(record.get("config") or {}, experiment_of)
+
+
+def leaves(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: value}`` of every leaf of ``config``."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        if isinstance(v, Mapping) and v:
+            out.update(leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

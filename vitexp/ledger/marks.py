@@ -1,0 +1,68 @@
+"""What a table says about the run behind a cell, beyond its number.
+
+- **stale** (:func:`stale`): trained under a protocol today's code no longer reproduces. One rule
+  today: a training run that took steps and whose protocol has no ``data_order`` (the sampler before
+  ``seed * 1000003 + epoch``, which drew epoch e of seed s from ``s + e``; a run resumed from such a
+  checkpoint records ``data_order_resumed_from``) with a recorded seed other than 0 (seed 0 drew the
+  same orders under both samplers). ``vitexp-train`` of today gives another number for it.
+- **busy** (:func:`busy`): a throughput timed while the machine had more runnable threads than
+  cores (the 1-minute load average above the CPU count, recorded with the timing as
+  ``protocol[...]["load"]``): the timing shared its cores. A timing recorded before loads were
+  recorded is not judged.
+- **no diff** (:func:`diff_missing`): trained from a dirty tree (``env.git_dirty``) whose diff was
+  not kept (no ``env.code_patch``): the code that produced the number cannot be rebuilt.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+STALE, BUSY, NO_DIFF = "§", "≈", "‡"
+#: Metrics of the model's cost, which the order of the training data does not change (a stale
+#: protocol marks the other metrics of a cell's run: its accuracies and losses).
+COST_PREFIXES = ("gmacs", "gflops", "macs", "flops", "params", "throughput", "heads", "latency", "speedup")
+
+
+def cost_metric(key: str) -> bool:
+    return key.startswith(COST_PREFIXES) or "throughput" in key
+#: The protocol key a training run records for the order its sampler drew (:data:`vitexp.data.DATA_ORDER`).
+ORDER_KEY = "data_order"
+
+
+def run_seed(run: Mapping[str, Any]) -> int | None:
+    seed = (run.get("config") or {}).get("seed")
+    return int(seed) if isinstance(seed, (int, float)) and not isinstance(seed, bool) else None
+
+
+def old_order(run: Mapping[str, Any]) -> bool:
+    """A completed training run that took steps and whose protocol names no ``data_order``. Not
+    judged: a running run (no protocol yet), a record without a protocol (a W&B run)."""
+    return (run.get("kind") == "train" and run.get("status") == "completed" and isinstance(run.get("protocol"), dict)
+            and ORDER_KEY not in run["protocol"] and (run.get("metrics") or {}).get("steps", 1) != 0)
+
+
+def stale(run: Mapping[str, Any]) -> bool:
+    """Trained under a protocol today's code does not reproduce (module docstring)."""
+    return old_order(run) and run_seed(run) not in (0, None)
+
+
+def load_of(run: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The machine load recorded with the run's throughput (a bench's protocol or a train run's
+    ``protocol.throughput``), or ``None``."""
+    protocol = run.get("protocol") or {}
+    for where in (protocol.get("throughput"), protocol):
+        if isinstance(where, Mapping) and isinstance(where.get("load"), Mapping):
+            return where["load"]
+    return None
+
+
+def busy(run: Mapping[str, Any]) -> bool:
+    """The run's throughput was timed on a busy machine (module docstring)."""
+    load = load_of(run)
+    if not load or not load.get("loadavg") or not load.get("cpus"):
+        return False
+    return float(load["loadavg"][0]) > float(load["cpus"])
+
+
+def diff_missing(run: Mapping[str, Any]) -> bool:
+    env = run.get("env") or {}
+    return env.get("git_dirty") is True and not env.get("code_patch")

@@ -1,0 +1,131 @@
+"""Where results live and how their paths are written: atomic writes, and paths that hold no
+machine's absolute location.
+
+Decisions:
+- Every file vitexp writes goes through :func:`atomic_write`: a temporary file beside the target,
+  fsync'ed, then ``os.replace``d over it, so a killed process never leaves half a file.
+- The results root is ``$VITEXP_RESULTS`` when set, else ``results/`` in the source checkout
+  (:func:`default_results_dir`); its ``runs/`` folder is the ledger (or a snapshot file, see
+  :mod:`vitexp.ledger.sources`).
+- A path stored in a ledger entry or a closing JSON line is relative (:func:`portable_path`): to the
+  project root when it lies inside the checkout (what the committed entries hold), else to the
+  results root, with ``..`` when it lies outside both (a run folder under ``/scratch``). No absolute
+  path of a machine is ever stored; :func:`local_path` turns a stored path back into one here.
+  Error texts get the same treatment for every absolute path they quote (:func:`portable_text`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from vitexp import PROJECT_ROOT
+
+
+def default_results_dir() -> Path:
+    """``$VITEXP_RESULTS`` if set, else ``results/`` in the source checkout."""
+    return Path(os.environ.get("VITEXP_RESULTS", PROJECT_ROOT / "results"))
+
+
+def atomic_write(path: Path | str, content: str | bytes | Callable[[str], Any]) -> Path:
+    """The one way vitexp writes a file: into a temporary file beside ``path``, fsync'ed, then
+    ``os.replace``d over it (atomic on POSIX), so a killed process never leaves half a file.
+    ``content`` is text, bytes, or a function that writes the temporary path it is given
+    (``torch.save``, ``savefig``, a Lightning checkpoint)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if not callable(content):
+                fh.write(content.encode() if isinstance(content, str) else content)
+        if callable(content):
+            content(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def json_default(obj: Any) -> Any:
+    """JSON for what ``json`` cannot write: tensors and numpy scalars by value, anything else as text."""
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
+    """``payload`` as indented JSON through :func:`atomic_write`."""
+    atomic_write(path, json.dumps(payload, indent=2, sort_keys=False, default=json_default) + "\n")
+
+
+def portable_path(path: Path | str | None, results_dir: Path | str | None = None) -> str | None:
+    """``path`` relative to the project root when it lies inside the checkout, else relative to the
+    results root (``..`` when outside it); a relative path is returned as given. ``offline:<dir>``
+    (an offline W&B run) keeps its prefix."""
+    if path is None:
+        return None
+    text = str(path)
+    prefix = ""
+    if text.startswith("offline:"):
+        prefix, text = "offline:", text[len("offline:"):]
+    p = Path(text)
+    if not p.is_absolute():
+        return prefix + text
+    results = Path(results_dir) if results_dir else default_results_dir()
+    resolved = Path(os.path.realpath(p))
+    for root in (PROJECT_ROOT, results):
+        try:
+            return prefix + str(resolved.relative_to(Path(os.path.realpath(root))))
+        except ValueError:
+            continue
+    return prefix + os.path.relpath(resolved, os.path.realpath(results))
+
+
+def portable_paths(value: Any, results_dir: Path | str | None = None) -> Any:
+    """``value`` (a ledger record, or any part of one) with every string that is an absolute path
+    made :func:`portable_path`, at any depth, and every error text made :func:`portable_text`."""
+    if isinstance(value, dict):
+        return {k: (portable_text(v, results_dir) if k == "error" and isinstance(v, str) else portable_paths(v, results_dir))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable_paths(v, results_dir) for v in value]
+    if isinstance(value, Path):
+        value = str(value)
+    if isinstance(value, str) and value.removeprefix("offline:").startswith("/"):
+        return portable_path(value, results_dir)
+    return value
+
+
+#: An absolute path quoted in a text: a slash, then characters that are not a space or a quote.
+_QUOTED_PATH = re.compile(r"(?<![\w.~:/])/[^\s'\"`,;:()\[\]{}<>]+")
+
+
+def portable_text(text: str | None, results_dir: Path | str | None = None) -> str | None:
+    """``text`` (an error message) with every absolute path it quotes made :func:`portable_path`."""
+    if not text:
+        return text
+    return _QUOTED_PATH.sub(lambda m: portable_path(m.group(0), results_dir) or m.group(0), text)
+
+
+def local_path(path: str | None, results_dir: Path | str | None = None) -> Path | None:
+    """A stored path on this machine: absolute as given, else under the project root or the
+    results root (the first that exists; the project root's when neither does)."""
+    if not path:
+        return None
+    p = Path(path)
+    if p.is_absolute():
+        return p
+    results = Path(results_dir) if results_dir else default_results_dir()
+    candidates = [PROJECT_ROOT / p, results / p]
+    found = next((c for c in candidates if c.exists()), None)
+    if found is None and str(p).startswith(".."):  # stored relative to the results root from outside it
+        return Path(os.path.normpath(results / p))
+    return found if found is not None else candidates[0]

@@ -1,0 +1,88 @@
+"""The schema of a ledger entry, checked on every entry the ledger loads.
+
+An entry (``<results>/runs/<run_id>.json``) is one JSON object. Required: ``run_id`` (the file's
+name without ``.json``), ``experiment`` (the name the run was recorded under), ``status`` (one of
+:data:`STATUSES`) and ``kind`` (one of :data:`KINDS`). Every other field is optional (entries
+written by older code lack the newer ones) but, when present, has the type :data:`FIELDS` gives:
+``config``, ``metrics``, ``protocol``, ``env`` and ``artifacts`` are objects, ``attempts`` a list
+of objects, times and ids are strings (``finished`` and ``error`` may be null), and a metric is a
+number, a list of numbers, a string, a boolean or null.
+
+Decisions:
+- A file that does not parse, or whose object breaks the schema, is a :class:`BrokenEntry`: the
+  ledger keeps it aside with the file's name and what is wrong, and never skips it in silence
+  (:class:`LedgerError`, :meth:`vitexp.ledger.Ledger.check`).
+- Unknown top-level keys are allowed: a method's record (``kept_heads``, ``phases``, ...) lives
+  beside the fixed fields.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+#: ``interrupted``: closed by a signal (SIGINT, SIGTERM), or a running attempt found dead on resume.
+STATUSES = ("running", "completed", "failed", "interrupted")
+FINAL_STATUSES = ("completed", "failed", "interrupted")
+KINDS = ("train", "flops", "bench", "eval", "audit", "analyze")
+
+_STR, _OPT_STR, _DICT, _LIST = (str,), (str, type(None)), (dict,), (list,)
+#: Optional fields and their types.
+FIELDS: dict[str, tuple[type, ...]] = {
+    "config": _DICT, "metrics": _DICT, "protocol": _DICT, "env": _DICT, "artifacts": _DICT,
+    "attempts": _LIST, "started": _STR, "finished": _OPT_STR, "heartbeat": _STR, "error": _OPT_STR,
+    "wandb_url": _OPT_STR, "wandb_id": _OPT_STR, "output_dir": _OPT_STR, "evaluates": _STR,
+    "fingerprint": _STR, "signal": _OPT_STR,
+}
+REQUIRED = ("run_id", "experiment", "status", "kind")
+_METRIC = (int, float, str, bool, list, dict, type(None))
+
+
+@dataclass(frozen=True)
+class BrokenEntry:
+    """A ledger file that could not be used: its name and what is wrong; ``record`` is what parsed
+    (``None`` when the file did not parse), so a table can tell whether it names one of its rows."""
+
+    path: str
+    problem: str
+    record: dict[str, Any] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem}"
+
+
+class LedgerError(ValueError):
+    """Broken ledger entries where a command needs a whole ledger; the message names every file
+    and what is wrong with it."""
+
+    def __init__(self, broken: Iterable[BrokenEntry], what: str = "the ledger"):
+        self.broken = list(broken)
+        names = "; ".join(str(b) for b in self.broken[:10])
+        more = f" (and {len(self.broken) - 10} more)" if len(self.broken) > 10 else ""
+        super().__init__(f"{len(self.broken)} broken ledger entr{'y' if len(self.broken) == 1 else 'ies'} in "
+                         f"{what}: {names}{more}")
+
+
+def problems(record: Any, stem: str | None = None) -> list[str]:
+    """What breaks the schema in ``record`` (empty: nothing); ``stem``: the file's name without
+    ``.json``, which must be the ``run_id``."""
+    if not isinstance(record, dict):
+        return [f"not a JSON object but {type(record).__name__}"]
+    out = [f"no {key!r}" for key in REQUIRED if key not in record]
+    for key in ("run_id", "experiment", "status", "kind"):
+        if key in record and not isinstance(record[key], str):
+            out.append(f"{key!r} is {type(record[key]).__name__}, not a string")
+    if isinstance(record.get("status"), str) and record["status"] not in STATUSES:
+        out.append(f"status {record['status']!r} is not one of {list(STATUSES)}")
+    if isinstance(record.get("kind"), str) and record["kind"] not in KINDS:
+        out.append(f"kind {record['kind']!r} is not one of {list(KINDS)}")
+    if stem is not None and isinstance(record.get("run_id"), str) and record["run_id"] != stem:
+        out.append(f"run_id {record['run_id']!r} is not the file's name {stem!r}")
+    for key, types in FIELDS.items():
+        if key in record and not isinstance(record[key], types):
+            out.append(f"{key!r} is {type(record[key]).__name__}, not {' or '.join(t.__name__ for t in types)}")
+    for key, value in (record.get("metrics") or {}).items() if isinstance(record.get("metrics"), dict) else ():
+        if not isinstance(value, _METRIC):
+            out.append(f"metric {key!r} is {type(value).__name__}")
+    if isinstance(record.get("attempts"), list) and not all(isinstance(a, dict) for a in record["attempts"]):
+        out.append("'attempts' holds something other than objects")
+    return out
