@@ -137,6 +137,30 @@ def test_a_usage_error_ends_with_the_invalid_line(app, capsys):
     assert "--bogus" in line and "--help" in line
 
 
+def test_an_official_training_checkpoint_with_args_passes_the_cli_checks(results_dir, tmp_path):
+    """A file as timm's CheckpointSaver, SHViT's main.py and the official T2T-ViT / LV-ViT scripts
+    save it (``state_dict`` with a ``module.`` prefix, ``state_dict_ema``, an ``argparse.Namespace``
+    under ``args``) passes the checks vitexp-flops runs before it starts (the weights-only load
+    allows the Namespace, then the backbone is built with the file) and the run completes."""
+    import argparse
+
+    import timm
+    import torch
+
+    import vitexp  # noqa: F401  (registers t2t_vit_micro)
+
+    state = timm.create_model("t2t_vit_micro", num_classes=10).state_dict()
+    path = tmp_path / "t2t_vit_micro.pth.tar"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}, "state_dict_ema": state,
+                "args": argparse.Namespace(model="t2t_vit_micro", lr=1e-3, model_ema=True), "epoch": 309}, path)
+    proc = run("vitexp-flops", "backbone=t2t_vit_micro", f"backbone.pretrained={path}", "logger=none",
+               results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert last_json(proc.stdout)["status"] == "completed"
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "completed" and entry["config"]["backbone"]["pretrained"]
+
+
 def _checkpoints(folder: Path) -> dict[str, Path]:
     """Weights files a new user might pass: random bytes, an empty file, another model's keys, a
     pickled Python object (what ``weights_only=True`` refuses)."""

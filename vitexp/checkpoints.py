@@ -2,21 +2,28 @@
 
 A weights file (``backbone.pretrained``, a run's ``weights.pth``, ``vitexp-eval --weights``) is
 opened by :func:`check_file` (it exists, is not empty, and ``torch.load(weights_only=True)`` reads
-it) and the configured backbone is then built with it by :func:`check_backbone_weights` (timm's
-own loading, its key filters and its strict key check), so a file that would fail inside the run
-fails before its ledger entry and run folder exist. Every failure is a
+it) and the configured backbone is then built with it by :func:`check_backbone_weights` (vitexp's
+loader, :func:`vitexp.models.factory.load_checkpoint`: the model's timm key filter, then every key
+and shape checked against the model), so a file that
+would fail inside the run fails before its ledger entry and run folder exist. Every failure is a
 :class:`~vitexp.errors.CheckpointError`: one line naming the file and what is wrong.
 
 Decisions:
 - vitexp loads weights with ``weights_only=True`` only. A file that needs ``weights_only=False``
   (one holding pickled Python objects) is refused, and the message says how to save the state dict
   instead; it never advises ``weights_only=False``, which runs whatever code the file holds.
+- One Python object is allowed in that load, as timm allows it: ``argparse.Namespace``, the
+  ``args`` entry that timm's ``CheckpointSaver``, SHViT's ``main.py`` and the official T2T-ViT and
+  LV-ViT scripts save beside the weights. It is admitted for that one load
+  (``torch.serialization.safe_globals``), not registered for the process; its contents are read
+  by the same weights-only unpickler (tensors, containers, numbers, strings).
 - The backbone is built once more for the check (a few seconds for ViT-B on a CPU, once per run
   with weights): the run builds its own after seeding, so the checked model cannot be reused
   without changing the random initialisation of the layers the checkpoint does not cover.
 """
 from __future__ import annotations
 
+import argparse
 import re
 import warnings
 from pathlib import Path
@@ -26,11 +33,14 @@ from omegaconf import DictConfig
 
 from vitexp.errors import CheckpointError, ConfigError, join_lines, one_line
 
+#: The Python objects a weights file may hold beside its tensors (module docstring).
+SAFE_GLOBALS = [argparse.Namespace]
+
 
 def check_file(path: str | Path, key: str) -> Any:
-    """The object ``torch.load(path, weights_only=True)`` reads, or :class:`CheckpointError` naming
-    ``key`` and the file: missing, a folder, empty, truncated, not a torch file, or holding Python
-    objects beyond tensors and containers."""
+    """The object ``torch.load(path, weights_only=True)`` reads (an ``argparse.Namespace`` allowed:
+    module docstring), or :class:`CheckpointError` naming ``key`` and the file: missing, a folder,
+    empty, truncated, not a torch file, or holding Python objects beyond tensors and containers."""
     import pickle
 
     import torch
@@ -43,7 +53,7 @@ def check_file(path: str | Path, key: str) -> Any:
     if file.stat().st_size == 0:
         raise CheckpointError(f"{key}: {file} is empty (0 bytes)")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), torch.serialization.safe_globals(SAFE_GLOBALS):
             warnings.simplefilter("ignore")  # the unpickler's protocol warning on a file that is no checkpoint
             state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=False)
     except EOFError:
