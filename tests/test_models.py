@@ -77,13 +77,37 @@ def test_lvvit_official_checkpoint_layout_loads_exactly(tmp_path, wrapper):
     source = timm.create_model("lvvit_micro", num_classes=10)
     path = tmp_path / "lvvit_micro.pth.tar"
     torch.save({wrapper: {f"module.{k}": v for k, v in source.state_dict().items()}, "epoch": 300}, path)
-    loaded = build_backbone({"timm_name": "lvvit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=10)
+    use_ema = wrapper == "state_dict_ema"  # a file holding only EMA weights loads them when asked to
+    loaded = build_backbone({"timm_name": "lvvit_micro", "img_size": 64, "pretrained": str(path), "use_ema": use_ema},
+                            num_classes=10)
     for k, v in source.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
     # another resolution: the position embedding is resized (4x4 -> 6x6 grid)
-    bigger = build_backbone({"timm_name": "lvvit_micro", "img_size": 96, "pretrained": str(path)}, num_classes=10)
+    bigger = build_backbone({"timm_name": "lvvit_micro", "img_size": 96, "pretrained": str(path), "use_ema": use_ema},
+                            num_classes=10)
     assert bigger.pos_embed.shape == (1, 37, 64)
     assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)
+
+
+@pytest.mark.parametrize("saved, use_ema, match", [
+    ({"state_dict_ema": "w"}, False, r"holds only EMA weights \(\['state_dict_ema'\]\).*\+\+backbone\.use_ema=true"),
+    ({"model_ema": "w", "epoch": 1}, False, r"holds only EMA weights \(\['model_ema'\]\)"),
+    ({"state_dict": "w"}, True, r"backbone\.use_ema=true: .* holds no EMA weights .*\['state_dict'\]"),
+    ("w", True, r"backbone\.use_ema=true: .* holds no EMA weights .*plain state dict"),
+], ids=["state_dict_ema alone", "model_ema alone", "use_ema without EMA weights", "use_ema on a plain state dict"])
+def test_use_ema_never_falls_back_to_other_weights(saved, use_ema, match, tmp_path):
+    """``backbone.use_ema`` picks the weights and says when the file does not hold them: EMA weights
+    alone are not loaded without it, and no EMA weights with it (one line naming the file)."""
+    from vitexp.errors import CheckpointError
+    from vitexp.models import build_backbone
+
+    state = timm.create_model("lvvit_micro", num_classes=10).state_dict()
+    path = tmp_path / "lvvit_micro.pth.tar"
+    torch.save({k: state if v == "w" else v for k, v in saved.items()} if isinstance(saved, dict) else state, path)
+    with pytest.raises(CheckpointError, match=match) as err:
+        build_backbone({"timm_name": "lvvit_micro", "img_size": 64, "pretrained": str(path), "use_ema": use_ema},
+                       num_classes=10)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
 def test_t2t_fixed_tables_are_saved_buffers_counted_as_parameters():
@@ -124,13 +148,15 @@ def test_t2t_official_checkpoint_layout_loads_exactly(tmp_path):
     source = timm.create_model("t2t_vit_micro", num_classes=10)
     path = tmp_path / "t2t_micro.pth.tar"
     torch.save({"state_dict_ema": {f"module.{k}": v for k, v in source.state_dict().items()}}, path)
-    loaded = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=10)
+    loaded = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path), "use_ema": True},
+                            num_classes=10)
     for k, v in source.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
     # another resolution at creation: the fixed table is rebuilt for the 6x6 grid, the rest loads
     from vitexp.models.t2t import sinusoid_encoding
 
-    bigger = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 96, "pretrained": str(path)}, num_classes=10)
+    bigger = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 96, "pretrained": str(path), "use_ema": True},
+                            num_classes=10)
     torch.testing.assert_close(bigger.pos_embed, sinusoid_encoding(37, 64))
     assert torch.equal(bigger.tokens_to_token.attention1.w, source.tokens_to_token.attention1.w)
     assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)

@@ -32,26 +32,34 @@ ALL = ("t2t_vit_14", "t2t_vit_t_14", "lvvit_s", "dinov2_vits14", "dinov2_vits14_
 def _checkpoint(fx: dict, path: Path, layout: str = "plain") -> Path:
     """The fixture's weights in a checkpoint layout the official training scripts write: ``plain``
     (a state dict; DINOv2's hub files, CaFormer's releases), ``state_dict`` (with a ``module.``
-    prefix, ``args`` and ``epoch`` beside it), ``ema`` (other weights under ``state_dict``, the
-    fixture's under ``state_dict_ema``, which a user evaluates) or ``model`` (SHViT's ``main.py``)."""
+    prefix, ``args`` and ``epoch`` beside it), ``beside_ema`` (the fixture's under ``state_dict``,
+    other weights under ``state_dict_ema``: what TokenLabeling's and T2T-ViT's evaluations load by
+    default), ``use_ema`` (the reverse, for ``backbone.use_ema=true``), ``model`` (SHViT's
+    ``main.py``: the fixture's under ``model``, other weights under ``model_ema``, which its
+    ``--eval`` does not load) or ``model_ema`` (the reverse, for ``backbone.use_ema=true``)."""
     state = seeded_state_dict(fx["state_dict"], fx["weight_seed"])
+    other = seeded_state_dict(fx["state_dict"], fx["weight_seed"] + 1)
     module = lambda sd: {f"module.{k}": v for k, v in sd.items()}  # noqa: E731
     args = argparse.Namespace(model=fx["architecture"], lr=1e-3, model_ema=True)
     if layout == "state_dict":
         state = {"state_dict": module(state), "args": args, "epoch": 309}
-    elif layout == "ema":
-        decoy = seeded_state_dict(fx["state_dict"], fx["weight_seed"] + 1)
-        state = {"state_dict": module(decoy), "state_dict_ema": module(state), "args": args, "epoch": 309}
+    elif layout == "beside_ema":
+        state = {"state_dict": module(state), "state_dict_ema": module(other), "args": args, "epoch": 309}
+    elif layout == "use_ema":
+        state = {"state_dict": module(other), "state_dict_ema": module(state), "args": args, "epoch": 309}
     elif layout == "model":
-        state = {"model": state, "epoch": 299, "args": args}
+        state = {"model": state, "model_ema": other, "epoch": 299, "args": args}
+    elif layout == "model_ema":
+        state = {"model": other, "model_ema": state, "epoch": 299, "args": args}
     torch.save(state, path)
     return path
 
 
-def _backbone(fx: dict, path: Path, img_size: int | None = None):
+def _backbone(fx: dict, path: Path, img_size: int | None = None, use_ema: bool = False):
     v = fx["vitexp"]
     cfg = {"timm_name": v["timm_name"], "img_size": img_size or v["img_size"], "pretrained": str(path),
-           "kwargs": v["kwargs"], **({"img_size_kwarg": v["img_size_kwarg"]} if "img_size_kwarg" in v else {})}
+           "use_ema": use_ema, "kwargs": v["kwargs"],
+           **({"img_size_kwarg": v["img_size_kwarg"]} if "img_size_kwarg" in v else {})}
     return build_backbone(cfg, num_classes=v["num_classes"]).eval()
 
 
@@ -79,22 +87,26 @@ def test_fixture_names_its_reference(name):
     assert fx["dtype"] == "float64" and 0 < fx["float32_floor"]["max_rel"] < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["plain", "state_dict", "ema"])
+@pytest.mark.parametrize("layout", ["plain", "state_dict", "beside_ema", "use_ema"])
 @pytest.mark.parametrize("name", ["t2t_vit_14", "t2t_vit_t_14", "lvvit_s"])
 def test_official_checkpoint_layouts_give_the_reference_logits(name, layout, tmp_path):
     """T2T-ViT(-t) and LV-ViT (eval logits: class head + 0.5 x max of the aux head), loaded from
-    each layout the official training scripts save; the EMA weights are the ones used."""
+    each layout the official training scripts save; as in their evaluations, ``state_dict`` is
+    loaded beside other EMA weights, and the EMA weights only with ``backbone.use_ema=true``."""
     fx = load_fixture(name)
-    model = _backbone(fx, _checkpoint(fx, tmp_path / f"{name}.pth.tar", layout))
+    model = _backbone(fx, _checkpoint(fx, tmp_path / f"{name}.pth.tar", layout), use_ema=layout == "use_ema")
     _compare(model, fx, floor=fx["float32_floor"]["max_rel"] if layout == "plain" else None)
 
 
-@pytest.mark.parametrize("name, layout", [("caformer", "plain"), ("shvit", "model")])
+@pytest.mark.parametrize("name, layout", [("caformer", "plain"), ("shvit", "model"), ("shvit", "model_ema")])
 def test_timm_ports_load_the_original_checkpoints(name, layout, tmp_path):
     """CaFormer and SHViT are timm's ports: the original code's checkpoint layout goes through
-    timm's key filter into vitexp's micro configurations of them."""
+    timm's key filter into vitexp's micro configurations of them. SHViT's ``main.py`` saves
+    ``model`` and ``model_ema``; its ``--eval`` loads ``model``, as vitexp does unless
+    ``backbone.use_ema=true``."""
     fx = load_fixture(name)
-    _compare(_backbone(fx, _checkpoint(fx, tmp_path / f"{name}.pth", layout)), fx, floor=fx["float32_floor"]["max_rel"])
+    model = _backbone(fx, _checkpoint(fx, tmp_path / f"{name}.pth", layout), use_ema=layout == "model_ema")
+    _compare(model, fx, floor=fx["float32_floor"]["max_rel"])
 
 
 @pytest.mark.parametrize("name", ["dinov2_vits14", "dinov2_vits14_reg"])

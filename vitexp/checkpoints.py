@@ -3,8 +3,8 @@
 A weights file (``backbone.pretrained``, a run's ``weights.pth``, ``vitexp-eval --weights``) is
 opened by :func:`check_file` (it exists, is not empty, and ``torch.load(weights_only=True)`` reads
 it) and the configured backbone is then built with it by :func:`check_backbone_weights` (vitexp's
-loader, :func:`vitexp.models.factory.load_checkpoint`: the model's timm key filter, then every key
-and shape checked against the model), so a file that
+loader, :func:`vitexp.models.factory.load_checkpoint`: the weights ``backbone.use_ema`` selects,
+the model's timm key filter, then every key and shape checked against the model), so a file that
 would fail inside the run fails before its ledger entry and run folder exist. Every failure is a
 :class:`~vitexp.errors.CheckpointError`: one line naming the file and what is wrong.
 
@@ -83,6 +83,8 @@ def check_backbone_weights(cfg: DictConfig, weights: str | Path) -> None:
 
     try:
         build_configured_backbone(cfg)
+    except CheckpointError:  # the loader's own one line (backbone.use_ema and the weights the file holds)
+        raise
     except CheckpointMismatchError as err:
         raise CheckpointError(f"backbone.pretrained: {join_lines(str(err))}") from None
     except Exception as err:  # noqa: BLE001 - a timm key filter that meets another model's keys

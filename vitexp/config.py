@@ -92,8 +92,9 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 
 #: Keys ``++`` may add to a group that lacks them: the W&B grouping vitexp-sweep gives every job,
-#: whatever its logger (``csv`` and ``none`` have no such keys).
-ADDABLE_KEYS = ("logger.group", "logger.tags")
+#: whatever its logger (``csv`` and ``none`` have no such keys), and ``backbone.use_ema``, which no
+#: backbone file writes (absent: false; :mod:`vitexp.models.factory` says why).
+ADDABLE_KEYS = ("logger.group", "logger.tags", "backbone.use_ema")
 
 
 def _compose_beside_hydra(overrides: list[str]) -> DictConfig:
@@ -153,6 +154,8 @@ def composition_error(err: BaseException, prog: str) -> str:
     parent = getattr(cause, "parent_node", None)
     keys = sorted(k for k in parent.keys() if k != "hydra") if isinstance(parent, DictConfig) else []
     trainer = " (+trainer.<arg>=... adds a lightning.Trainer argument)" if parent_key == "trainer" else ""
+    if key in ADDABLE_KEYS:
+        trainer = f" ({key} is added with ++{key}=...)"
     return (f"{key}: not a key of {parent_key or 'the config'}; its keys: {keys}; "
             f"`{prog} --cfg job` prints every key with its value{trainer}")
 

@@ -62,6 +62,7 @@ class Backbone:
     img_size_kwarg: bool
     crop_pct: Optional[float]
     pretrained: Optional[str]
+    use_ema: bool  # not in the backbone files (vitexp.models.factory): added with ++backbone.use_ema=true
     drop_path_rate: Optional[float]
     kwargs: Dict[str, Any]
     arch: Arch

@@ -5,9 +5,20 @@ Decisions:
   ``FileNotFoundError`` naming the path; a file whose keys do not fit the model is a
   ``CheckpointMismatchError`` naming the file, the keys the model expected and did not find, and
   the keys it did not expect (:func:`load_checkpoint`).
-- The file is read as timm reads it (``timm.models.load_state_dict``): ``state_dict_ema`` before
-  ``state_dict`` / ``model``, a ``module.`` prefix stripped, an ``args`` Namespace allowed beside
-  them; then it goes through the ``checkpoint_filter_fn`` of the model's module, the function
+- Which weights of a training checkpoint: the ones the reference evaluations load. TokenLabeling's
+  and T2T-ViT's evaluations take ``state_dict`` unless ``--use-ema`` / ``use_ema=True``, and SHViT's
+  ``main.py --eval`` takes ``model`` although the file also holds ``model_ema``; so vitexp takes
+  ``state_dict`` (else ``model``) by default, and the EMA weights (``state_dict_ema``, else
+  ``model_ema``) only with ``backbone.use_ema=true``. The flag never falls back: with it, a file
+  without EMA weights is refused; without it, a file that holds only EMA weights is refused with
+  the flag named (:func:`read_checkpoint`, a :class:`~vitexp.errors.CheckpointError`). A file that
+  is a plain state dict (no such keys) is the weights. A ``module.`` prefix is stripped (timm's
+  ``clean_state_dict``), and an ``args`` Namespace beside the weights is allowed
+  (:data:`vitexp.checkpoints.SAFE_GLOBALS`).
+- ``backbone.use_ema`` is not written in the ``conf/backbone`` files: a key there would change the
+  fingerprint of every run in the ledger, and the tables would lose them. Absent means false;
+  ``++backbone.use_ema=true`` adds it (:data:`vitexp.config.ADDABLE_KEYS`), and the schema types it.
+- The weights then go through the ``checkpoint_filter_fn`` of the model's module, the function
   timm's own loading uses (key conversions, position embeddings resized to the model's grid).
 - The classifier: when the class count differs from the pretrained config's, classifier tensors
   that do not fit are dropped and re-initialised (timm's rule), and ones that fit are loaded (a
@@ -29,8 +40,12 @@ from typing import Any, Mapping
 import timm
 import torch.nn as nn
 
+from vitexp.errors import CheckpointError
 from vitexp.models import dinov2, shvit
 from vitexp.models.caformer import official_head_eps
+
+#: Where a training checkpoint keeps its weights, in order, without and with ``backbone.use_ema``.
+WEIGHTS_KEYS = {False: ("state_dict", "model"), True: ("state_dict_ema", "model_ema")}
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -47,11 +62,28 @@ class CheckpointMismatchError(RuntimeError):
         super().__init__(msg)
 
 
-def _read_checkpoint(path: str) -> dict[str, Any]:
-    """The state dict timm loads from ``path`` (wrappers unwrapped, EMA first, ``module.`` stripped)."""
-    from timm.models import load_state_dict
+def read_checkpoint(path: str, use_ema: bool = False) -> dict[str, Any]:
+    """The state dict in ``path`` that ``use_ema`` selects (module docstring), ``module.`` stripped."""
+    import torch
+    from timm.models import clean_state_dict
 
-    return load_state_dict(path)
+    from vitexp.checkpoints import SAFE_GLOBALS
+
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(checkpoint, Mapping):
+        raise CheckpointError(f"backbone.pretrained: {path} holds a {type(checkpoint).__name__}, not a state dict")
+    held = [k for k in (*WEIGHTS_KEYS[False], *WEIGHTS_KEYS[True]) if isinstance(checkpoint.get(k), Mapping)]
+    wanted = [k for k in WEIGHTS_KEYS[use_ema] if k in held]
+    if wanted:
+        return clean_state_dict(checkpoint[wanted[0]])
+    if use_ema:
+        raise CheckpointError(f"backbone.use_ema=true: {path} holds no EMA weights (no {' or '.join(WEIGHTS_KEYS[True])}"
+                              + (f"; it holds {held}" if held else ": it is a plain state dict") + ")")
+    if held:
+        raise CheckpointError(f"backbone.pretrained: {path} holds only EMA weights ({held}); vitexp loads "
+                              f"{' or '.join(WEIGHTS_KEYS[False])} unless ++backbone.use_ema=true, which loads these")
+    return clean_state_dict(dict(checkpoint))
 
 
 def _filtered(model: nn.Module, state: Mapping[str, Any], path: str) -> dict[str, Any]:
@@ -75,9 +107,9 @@ def _classifier_keys(model: nn.Module) -> frozenset[str]:
     return frozenset(f"{n}.{p}" for n in names for p in ("weight", "bias"))
 
 
-def load_checkpoint(model: nn.Module, path: str, num_classes: int) -> None:
+def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool = False) -> None:
     """Load ``path`` into ``model`` by the rules of the module docstring."""
-    raw = _read_checkpoint(path)
+    raw = read_checkpoint(path, use_ema)
     state = shvit.original_to_timm(raw, model) if shvit.is_original_checkpoint(raw, model) else raw
     state = _filtered(model, state, path)
     own = model.state_dict()
@@ -98,7 +130,7 @@ def load_checkpoint(model: nn.Module, path: str, num_classes: int) -> None:
 
 def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     """``timm.create_model`` from a backbone config: ``timm_name``, ``img_size``, ``pretrained``,
-    ``drop_path_rate`` and free ``kwargs`` passed to the model constructor."""
+    ``use_ema`` (absent: false), ``drop_path_rate`` and free ``kwargs`` passed to the model constructor."""
     kwargs = dict(cfg.get("kwargs") or {})
     img = int(cfg["img_size"])
     overlay: dict[str, Any] = {}
@@ -116,6 +148,6 @@ def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     model = timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes,
                               pretrained_cfg_overlay=overlay or None, **kwargs)
     if file is not None:
-        load_checkpoint(model, str(file), num_classes)
+        load_checkpoint(model, str(file), num_classes, bool(cfg.get("use_ema") or False))
     official_head_eps(model)
     return model
