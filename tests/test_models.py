@@ -110,6 +110,47 @@ def test_use_ema_never_falls_back_to_other_weights(saved, use_ema, match, tmp_pa
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
+def test_deit3_original_layer_scale_keys_load_through_timms_registered_filter(tmp_path):
+    """timm's DeiT-III creates its models with ``partial(checkpoint_filter_fn, adapt_layer_scale=True)``,
+    which renames the original release's ``gamma_1`` / ``gamma_2`` to ``ls1.gamma`` / ``ls2.gamma``:
+    ``backbone.pretrained`` goes through that filter, arguments included."""
+    import re
+
+    from vitexp.models import build_backbone
+
+    kwargs = {"embed_dim": 48, "depth": 2, "num_heads": 2}
+    torch.manual_seed(0)
+    source = timm.create_model("deit3_small_patch16_224", img_size=64, num_classes=10, **kwargs).eval()
+    with torch.no_grad():
+        for name, p in source.named_parameters():
+            if name.endswith("gamma"):
+                p.uniform_(0.5, 1.5)  # away from the 1e-6 init, so a layer scale that is not loaded shows
+    original = {re.sub(r"\.ls([12])\.gamma$", r".gamma_\1", k): v for k, v in source.state_dict().items()}
+    assert "blocks.0.gamma_1" in original and "blocks.0.ls1.gamma" not in original
+    path = tmp_path / "deit_3_small_224_1k.pth"
+    torch.save({"model": original}, path)
+    loaded = build_backbone({"timm_name": "deit3_small_patch16_224", "img_size": 64, "pretrained": str(path),
+                             "kwargs": kwargs}, num_classes=10).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), source(x))
+
+
+def test_loading_weights_keeps_the_initialisation_of_what_the_file_lacks(tmp_path):
+    """The model a file loads into is created as without one (timm's filter is read as it is
+    built): under one seed, the classifier re-initialised for another class count is the one
+    ``timm.create_model`` draws."""
+    from vitexp.models import build_backbone
+
+    path = tmp_path / "t2t_micro.pth"
+    torch.save(timm.create_model("t2t_vit_micro", num_classes=10).state_dict(), path)
+    torch.manual_seed(3)
+    loaded = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=7)
+    torch.manual_seed(3)
+    fresh = timm.create_model("t2t_vit_micro", num_classes=7)
+    assert torch.equal(loaded.head.weight, fresh.head.weight) and torch.equal(loaded.head.bias, fresh.head.bias)
+
+
 def test_t2t_fixed_tables_are_saved_buffers_counted_as_parameters():
     """The position table and the Performer matrices are persistent buffers under the official
     state-dict keys, and the parameter count includes them as the official count does."""

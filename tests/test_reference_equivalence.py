@@ -217,6 +217,18 @@ def test_unknown_checkpoint_layout_names_the_file_and_the_expected_keys(name, tm
     assert "blocks.0.norm1.weight" in err.value.missing
 
 
+@pytest.mark.parametrize("source, target, key", [("dinov2_vits14_reg", "dinov2_vits14", "register_tokens"),
+                                                 ("dinov2_vits14", "dinov2_vits14_reg", "reg_token")])
+def test_dinov2_hub_file_with_other_registers_names_the_file_and_the_keys(source, target, key, tmp_path):
+    """A hub file with registers in a model without them, or the reverse: timm's filter fails on a
+    reshape of the position table (a RuntimeError), which is the file's mismatch, named."""
+    fx = load_fixture(source)
+    path = _checkpoint(fx, tmp_path / f"{source}_pretrain.pth")
+    with pytest.raises(CheckpointMismatchError, match=re.escape(str(path))) as err:
+        _backbone(load_fixture(target), path)
+    assert key in err.value.missing + err.value.unexpected
+
+
 def test_unknown_raptor_file_names_the_keys_it_expected(tmp_path):
     from vitexp.methods.raptor.reference import read_surrogate
 

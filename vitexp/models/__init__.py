@@ -1,7 +1,8 @@
 """Backbones: timm models by name, vitexp's own architectures registered with timm.
 
 Pretrained weights load only from a local file (``backbone.pretrained=/path/to/file``),
-through timm's ``pretrained_cfg_overlay=dict(file=...)``: nothing is ever downloaded.
+through :func:`vitexp.models.factory.load_checkpoint` (timm's key filter for the model, every key
+checked): nothing is ever downloaded.
 """
 from vitexp.models import caformer as _caformer  # noqa: F401  (registers caformer_micro)
 from vitexp.models import lvvit as _lvvit  # noqa: F401  (registers lvvit_s, lvvit_micro)

@@ -18,8 +18,12 @@ Decisions:
 - ``backbone.use_ema`` is not written in the ``conf/backbone`` files: a key there would change the
   fingerprint of every run in the ledger, and the tables would lose them. Absent means false;
   ``++backbone.use_ema=true`` adds it (:data:`vitexp.config.ADDABLE_KEYS`), and the schema types it.
-- The weights then go through the ``checkpoint_filter_fn`` of the model's module, the function
-  timm's own loading uses (key conversions, position embeddings resized to the model's grid).
+- The weights then go through the checkpoint filter timm's own loading would use for this model:
+  the ``pretrained_filter_fn`` its create function hands ``build_model_with_cfg``, partial
+  arguments included (DeiT-III's ``adapt_layer_scale=True``), captured as the model is built
+  (:func:`_create`); without one captured, the ``checkpoint_filter_fn`` of the model's module. The
+  filter converts keys and resizes position embeddings to the model's grid. A filter that fails on
+  the file (a key lookup, a reshape of another model's table) is a ``CheckpointMismatchError``.
 - The classifier: when the class count differs from the pretrained config's, classifier tensors
   that do not fit are dropped and re-initialised (timm's rule), and ones that fit are loaded (a
   checkpoint trained for this class count). Every other key must be in the file, and nothing
@@ -33,9 +37,10 @@ Decisions:
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import timm
 import torch.nn as nn
@@ -86,16 +91,52 @@ def read_checkpoint(path: str, use_ema: bool = False) -> dict[str, Any]:
     return clean_state_dict(dict(checkpoint))
 
 
-def _filtered(model: nn.Module, state: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """``state`` through the ``checkpoint_filter_fn`` of the model's module (timm's and vitexp's
-    architectures define one, and their create functions load through it); unchanged without one.
-    A filter that cannot read the file (it looks up keys the model does not have) is a mismatch."""
-    fn = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
+@contextlib.contextmanager
+def _capture_filter() -> Iterator[list]:
+    """Record the ``filter_fn`` a model's create function passes to timm's ``load_pretrained``
+    (called by ``build_model_with_cfg`` when ``pretrained=True``), loading nothing."""
+    from timm.models import _builder
+
+    seen: list = []
+    original = _builder.load_pretrained
+
+    def capture(model, pretrained_cfg=None, num_classes=1000, in_chans=3, filter_fn=None, *args, **kwargs):
+        seen.append(filter_fn)
+
+    _builder.load_pretrained = capture
+    try:
+        yield seen
+    finally:
+        _builder.load_pretrained = original
+
+
+def _create(name: str, num_classes: int, overlay: dict[str, Any] | None, kwargs: dict[str, Any],
+            weights: bool) -> tuple[nn.Module, Callable | None]:
+    """``timm.create_model(name)`` and, when ``weights`` are to be loaded, the checkpoint filter
+    timm's loading would apply to them (module docstring). The model is then created with
+    ``pretrained=True``, so that its create function hands its filter to ``load_pretrained``, which
+    :func:`_capture_filter` replaces for the call: nothing is downloaded or read, and the model and
+    its random initialisation are those of ``pretrained=False``."""
+    if not weights:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, pretrained_cfg_overlay=overlay,
+                                 **kwargs), None
+    with _capture_filter() as seen:
+        model = timm.create_model(name, pretrained=True, num_classes=num_classes, pretrained_cfg_overlay=overlay,
+                                  **kwargs)
+    if seen:
+        return model, seen[-1]
+    return model, getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
+
+
+def _filtered(model: nn.Module, state: Mapping[str, Any], path: str, fn: Callable | None) -> dict[str, Any]:
+    """``state`` through the model's checkpoint filter ``fn`` (:func:`_create`); unchanged without
+    one. A filter that cannot read the file (it looks up keys the model does not have, or reshapes
+    another model's tensors) is a mismatch naming the file and the keys."""
     if fn is None:
         return dict(state)
     try:
         return fn(dict(state), model)
-    except (KeyError, AttributeError, TypeError, IndexError) as err:
+    except Exception as err:  # noqa: BLE001 - whatever the filter meets in another model's file
         own = set(model.state_dict())
         raise CheckpointMismatchError(path, sorted(own - set(state)), sorted(set(state) - own),
                                       f"the model's checkpoint filter failed: {err!r}") from err
@@ -107,11 +148,13 @@ def _classifier_keys(model: nn.Module) -> frozenset[str]:
     return frozenset(f"{n}.{p}" for n in names for p in ("weight", "bias"))
 
 
-def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool = False) -> None:
-    """Load ``path`` into ``model`` by the rules of the module docstring."""
+def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool = False,
+                    filter_fn: Callable | None = None) -> None:
+    """Load ``path`` into ``model`` by the rules of the module docstring; ``filter_fn`` is the
+    model's checkpoint filter (:func:`_create`)."""
     raw = read_checkpoint(path, use_ema)
     state = shvit.original_to_timm(raw, model) if shvit.is_original_checkpoint(raw, model) else raw
-    state = _filtered(model, state, path)
+    state = _filtered(model, state, path, filter_fn)
     own = model.state_dict()
     exempt = _classifier_keys(model) if num_classes != model.pretrained_cfg.get("num_classes") else frozenset()
     state = {k: v for k, v in state.items() if not (k in exempt and (k not in own or v.shape != own[k].shape))}
@@ -145,9 +188,8 @@ def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     file = Path(str(path)).expanduser() if path else None
     if file is not None and not file.is_file():
         raise FileNotFoundError(f"backbone.pretrained: checkpoint file not found: {file}")
-    model = timm.create_model(cfg["timm_name"], pretrained=False, num_classes=num_classes,
-                              pretrained_cfg_overlay=overlay or None, **kwargs)
+    model, filter_fn = _create(cfg["timm_name"], num_classes, overlay or None, kwargs, weights=file is not None)
     if file is not None:
-        load_checkpoint(model, str(file), num_classes, bool(cfg.get("use_ema") or False))
+        load_checkpoint(model, str(file), num_classes, bool(cfg.get("use_ema") or False), filter_fn)
     official_head_eps(model)
     return model
