@@ -554,3 +554,85 @@ def test_raptor_distils_on_the_evaluation_transforms_and_probes_on_the_augmentat
         train(make_cfg(base + [f"method.distill_augment={augment}"], tmp_path / augment), callbacks=[seen])
         assert fraction_of_evaluation_tensors(seen.seen["RaptorStageModule"], seen.bank) == expected
         assert fraction_of_evaluation_tensors(seen.seen["ClassifyModule"], seen.bank) == 0.0
+
+
+# -- the reference code's files (method.surrogate) -------------------------------------------------
+#: The micro teacher of the reference fixture (tests/fixtures/reference/raptor.json): width 16, 2 heads, depth 4.
+REFERENCE_ARCH = {"depth": 4, "num_heads": 2, "embed_dim": 16, "patch_size": 14, "num_prefix_tokens": 5}
+
+
+def _reference_files():
+    from pathlib import Path
+
+    return Path(__file__).parent / "fixtures" / "reference"
+
+
+def _reference_block_state(mlp_ratio: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A reference ``block.Block`` state dict (the reference's key names) of width 16 at ``mlp_ratio``."""
+    from vitexp.methods.raptor.reference import KEY_MAP
+    from vitexp.methods.raptor.surrogate import RaptorBlock
+
+    torch.manual_seed(seed)
+    ours = RaptorBlock(16, 2, mlp_ratio=mlp_ratio).state_dict()
+    back = {v: k for k, v in KEY_MAP.items()}
+    return {back.get(k, k): v for k, v in ours.items()}
+
+
+def test_a_reference_file_with_another_mlp_width_is_refused_naming_the_file(tmp_path):
+    """A reference block built with another mlp_ratio (build_config's, 4 by default) is refused when
+    the config is validated, in one line naming the file and both widths; it no longer passes and
+    fails in apply with a raw size mismatch after the run's ledger entry."""
+    from vitexp.methods.raptor import Raptor
+
+    path = tmp_path / "block_mlp2.pt"
+    torch.save(_reference_block_state(mlp_ratio=2.0), path)
+    method = Raptor(surrogate=str(path), phases=[[0, 1, 2, 3]])
+    with pytest.raises(ConfigError, match="MLP hidden width is 32") as err:
+        method.validate_budget({"kind": "blocks", "k": 1}, REFERENCE_ARCH)
+    message = str(err.value)
+    assert str(path) in message and "64" in message and "\n" not in message
+    torch.save(_reference_block_state(mlp_ratio=4.0), path)  # the reference's default: accepted
+    Raptor(surrogate=str(path), phases=[[0, 1, 2, 3]]).validate_budget({"kind": "blocks", "k": 1}, REFERENCE_ARCH)
+
+
+def test_a_file_holding_another_class_is_not_a_reference_file_in_one_line(tmp_path):
+    """A pickled module of another class: one line naming the file, the class met and what a
+    reference file is; torch's advice to load with weights_only=False is not passed on."""
+    from vitexp.methods.raptor import Raptor
+    from vitexp.methods.raptor.reference import read_surrogate
+
+    path = tmp_path / "conv.pt"
+    torch.save(torch.nn.Conv2d(1, 1, 1), path)
+    with pytest.raises(ValueError) as err:
+        read_surrogate(path)
+    message = str(err.value)
+    assert str(path) in message and "torch.nn.modules.conv.Conv2d" in message
+    assert "KempnerInstitute/raptor" in message and "raptor.Raptor" in message and "block.Block" in message
+    assert "weights_only" not in message and "\n" not in message
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a torch file" * 16)
+    with pytest.raises(ConfigError) as err:
+        Raptor(surrogate=str(junk)).validate_budget({"kind": "blocks", "k": 2}, REFERENCE_ARCH)
+    assert str(junk) in str(err.value) and "weights_only" not in str(err.value) and "\n" not in str(err.value)
+
+
+def test_reference_files_without_thresholds_require_method_phases(tmp_path):
+    """Stage-1 Block files, or a Raptor saved as a state dict, do not say which layers each block
+    was trained for: without method.phases the config is refused naming the key (no phases from
+    data or an even split chosen silently); with it the run uses them and records method.phases."""
+    from vitexp.methods.raptor import Raptor
+    from vitexp.methods.raptor.reference import _torch_load
+
+    block = str(_reference_files() / "raptor_block.pt")
+    whole = tmp_path / "raptor_state_dict.pt"
+    torch.save(_torch_load(_reference_files() / "raptor_surrogate.pt").state_dict(), whole)
+    budget = {"kind": "blocks", "k": 2}
+    for surrogate in ([block, block], str(whole)):
+        with pytest.raises(ConfigError, match=r"method\.phases: required .*hold no thresholds"):
+            Raptor(surrogate=surrogate).validate_budget(budget, REFERENCE_ARCH)
+    method = Raptor(surrogate=[block, block], phases=[[0, 1], [2, 3]], stage1_epochs=0, stage2_epochs=0)
+    method.validate_budget(budget, REFERENCE_ARCH)
+    teacher = timm.create_model("vit_micro_patch14_dinov2", embed_dim=16, num_heads=2, depth=4, reg_tokens=4,
+                                num_classes=10)
+    model = method.apply(teacher, budget)
+    assert model.surrogate.phases == [[0, 1], [2, 3]] and method.record()["phases_source"] == "method.phases"

@@ -13,7 +13,7 @@ from vitexp.methods.probe import ProbeModel
 from vitexp.methods.raptor.distill import RaptorDistill
 from vitexp.methods.raptor.phases import distance_matrix_from_data, even_phases, phases_for_blocks
 from vitexp.methods.raptor.reference import ReferenceSurrogate, phases_from_thresholds, read_surrogate
-from vitexp.methods.raptor.surrogate import MLP_KINDS, RaptorSurrogate
+from vitexp.methods.raptor.surrogate import MLP_KINDS, RaptorBlock, RaptorSurrogate
 
 
 #: Recipe keys ``method.probe`` may set for the probe stages.
@@ -65,6 +65,10 @@ class Raptor(Method):
 
     ``surrogate`` starts the blocks from the reference code's files (:mod:`.reference`): a stage-2
     ``Raptor`` file, whose thresholds give the phases, or one stage-1 ``Block`` file per phase.
+    Files without thresholds (stage-1 files, a ``Raptor`` saved as a state dict) require
+    ``phases``: the layers each block was trained for are not in them, and phases from data or an
+    even split would silently run the blocks on other layers. Every tensor of the files must have
+    the size of vitexp's block (MLP hidden width 4 x dim), checked with the config.
     With ``stage1_epochs=0 stage2_epochs=0`` the run probes the reference's surrogate as it is."""
 
     objective: ClassVar[str] = "raptor"
@@ -154,9 +158,26 @@ class Raptor(Method):
                                   f"{arch[key]} (backbone.arch.{key})")
         if ref.mlp != self.mlp:
             raise ConfigError(f"method.surrogate: the reference blocks have a {ref.mlp} MLP, method.mlp={self.mlp}")
+        with torch.device("meta"):  # the block this run builds, shapes only
+            shapes = {k: tuple(v.shape) for k, v in RaptorBlock(ref.dim, 1, mlp=self.mlp).state_dict().items()}
+        for state, source in zip(ref.blocks, ref.sources):
+            hidden, ours = state["mlp.fc2.weight"].shape[1], shapes["mlp.fc2.weight"][1]
+            if hidden != ours:
+                raise ConfigError(f"method.surrogate={source}: its blocks' MLP hidden width is {hidden} (mlp_ratio "
+                                  f"{hidden / ref.dim:g}); vitexp's RAPTOR block has {ours} (mlp_ratio 4, the "
+                                  f"reference's default) at width {ref.dim}")
+            sizes = [f"{k} {tuple(v.shape)}, vitexp's {shapes[k]}" for k, v in state.items() if tuple(v.shape) != shapes[k]]
+            if sizes:
+                raise ConfigError(f"method.surrogate={source}: tensors of another size than vitexp's RAPTOR block: "
+                                  f"{'; '.join(sizes[:3])}")
         if phases is not None and self.phases is not None and phases != self.phases:
             raise ConfigError(f"method.phases={self.phases} differ from the phases of {ref.paths} ({phases}, from its "
                               f"thresholds {ref.thresholds})")
+        if ref.thresholds is None and self.phases is None:
+            raise ConfigError(f"method.phases: required with method.surrogate={[Path(p).name for p in ref.paths]}, "
+                              "which hold no thresholds (stage-1 Block files, or a Raptor saved as a state dict): set "
+                              "it to the 0-based layers each block was trained for (a stage-1 run with --start_layer s "
+                              f"--end_layer e: s .. e-1), e.g. {even_phases(depth, k)}")
 
     def prepare(self, backbone: nn.Module, datamodule: Any) -> None:
         """Phases from the teacher's layer distance matrix over ``phase_images`` training images."""

@@ -7,7 +7,9 @@ stage-1 run one ``block.Block``, a stage-2 run a ``raptor.Raptor`` holding ``blo
 probe wrappers take them from ``torch.hub``), as in vitexp. The files are read with torch's
 weights-only unpickler: the reference's classes are admitted under their pickled names as
 attribute-only stand-ins (:class:`_Pickled`), so no reference code is needed or run. A file that
-holds the state dict of either module loads too.
+holds the state dict of either module loads too. A file holding any other class is refused in
+one line naming the class it met and what was expected; torch's own message (which suggests
+``weights_only=False``, never an option in vitexp) is not passed on.
 
 Key map (``block.Block`` -> ``RaptorBlock``): ``attn.in_proj_{weight,bias}`` -> ``attn.qkv.*``
 (``nn.MultiheadAttention`` packs q, k, v in timm's order, scale head_dim^-0.5), ``attn.out_proj.*``
@@ -19,9 +21,15 @@ is the SwiGLU MLP (``--swiglu``), of width hidden the GELU one. A block saved wi
 Thresholds -> phases: the reference's ``Raptor.forward(x, t, t_integer)`` runs block i for the
 first threshold with t_integer <= thresholds[i] (the last block above them all), t being the
 1-based layer index, so block i covers the 0-based layers thresholds[i-1] .. thresholds[i] − 1.
+Stage-1 ``Block`` files, and a ``Raptor`` saved as a state dict, hold no thresholds: the layers
+each block was trained for are not in the file, so the method requires ``method.phases`` with them
+(:meth:`vitexp.methods.raptor.Raptor.validate_budget`) rather than choosing phases the blocks were
+not trained on.
 """
 from __future__ import annotations
 
+import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -60,13 +68,15 @@ _TORCH_CLASSES = [nn.LayerNorm, nn.MultiheadAttention, nn.modules.linear.NonDyna
 class ReferenceSurrogate:
     """Blocks read from reference files: each a ``RaptorBlock`` state dict, their MLP kind, their
     attention heads (read from a pickled module; None from a state dict, which does not hold
-    them), and the stage-2 thresholds (None for stage-1 block files)."""
+    them), the stage-2 thresholds (None for stage-1 block files and state dicts), the files given
+    and the file each block came from."""
 
     blocks: list[dict[str, torch.Tensor]]
     mlp: str
     heads: int | None
     thresholds: list[int] | None
     paths: list[str]
+    sources: list[str]
 
     @property
     def dim(self) -> int:
@@ -77,6 +87,31 @@ def _torch_load(path: Path) -> Any:
     allowed = [(_Pickled, name) for name in _REFERENCE_CLASSES] + _TORCH_CLASSES
     with torch.serialization.safe_globals(allowed):
         return torch.load(path, map_location="cpu", weights_only=True)
+
+
+#: What a reference file must hold, in the words of the errors.
+EXPECTED = ("a stage-2 raptor.Raptor or a stage-1 block.Block saved by KempnerInstitute/raptor's trainer.py "
+            "(torch.save of the module), or the state dict of one")
+
+
+def _unreadable(path: Path, err: BaseException) -> ValueError:
+    """One line for a file the weights-only unpickler refuses: the class it met, or why it is no
+    torch file; never torch's advice to load with ``weights_only=False``."""
+    text = str(err)
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    if found:
+        return ValueError(f"method.surrogate={path}: holds a pickled {found.group(1)}, not a RAPTOR reference "
+                          f"file; expected {EXPECTED}")
+    if isinstance(err, EOFError):
+        why = "it ends before the checkpoint does"
+    elif isinstance(err, pickle.UnpicklingError):
+        reason = re.search(r"WeightsUnpickler error:\s*(.+)", text)
+        why = reason.group(1).strip() if reason else type(err).__name__
+    else:
+        why = f"{type(err).__name__}: {text.strip().splitlines()[0][:200] if text.strip() else ''}"
+    if "weights_only" in why:
+        why = type(err).__name__
+    return ValueError(f"method.surrogate={path}: not a PyTorch file vitexp can read ({why}); expected {EXPECTED}")
 
 
 def _expected(path: Path, found: Sequence[str]) -> ValueError:
@@ -109,7 +144,7 @@ def read_reference(path: str | Path) -> ReferenceSurrogate:
     try:
         obj = _torch_load(path)
     except Exception as err:  # noqa: BLE001  (an unpickling error names the class it met)
-        raise ValueError(f"method.surrogate={path}: cannot read it as a RAPTOR reference file ({err})"[:800]) from err
+        raise _unreadable(path, err) from None
     thresholds, heads = None, set()
     if isinstance(obj, nn.Module):
         thresholds = list(getattr(obj, "thresholds", None) or []) or None
@@ -131,7 +166,8 @@ def read_reference(path: str | Path) -> ReferenceSurrogate:
     if thresholds is not None and len(thresholds) != len(blocks) - 1:
         raise ValueError(f"method.surrogate={path}: {len(blocks)} blocks need {len(blocks) - 1} thresholds, "
                          f"the file has {thresholds}")
-    return ReferenceSurrogate(list(blocks), kinds[0], heads.pop() if heads else None, thresholds, [str(path)])
+    return ReferenceSurrogate(list(blocks), kinds[0], heads.pop() if heads else None, thresholds, [str(path)],
+                              [str(path)] * len(blocks))
 
 
 def read_surrogate(paths: str | Path | Sequence[str | Path]) -> ReferenceSurrogate:
@@ -150,7 +186,7 @@ def read_surrogate(paths: str | Path | Sequence[str | Path]) -> ReferenceSurroga
         raise ValueError(f"method.surrogate: the files {paths} hold blocks with different MLPs {sorted(kinds)} "
                          f"or heads {sorted(heads)}")
     return ReferenceSurrogate([b for f in files for b in f.blocks], kinds.pop(), heads.pop() if heads else None,
-                              None, [str(p) for p in paths])
+                              None, [str(p) for p in paths], [s for f in files for s in f.sources])
 
 
 def phases_from_thresholds(thresholds: Sequence[int], depth: int) -> list[list[int]]:
