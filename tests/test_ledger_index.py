@@ -195,3 +195,47 @@ def test_no_code_outside_the_ledger_opens_run_files():
     offenders = [str(p.relative_to(PROJECT_ROOT)) for p in (PROJECT_ROOT / "vitexp").rglob("*.py")
                  if "ledger" not in p.parts and pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_a_dirty_tree_keeps_its_diff_beside_the_run_and_its_hash_in_the_entry(results_dir, tmp_path, monkeypatch):
+    import hashlib
+
+    import vitexp.ledger.entry as entry_module
+
+    diff = "diff --git a/vitexp/x.py b/vitexp/x.py\n+changed = True\n"
+    monkeypatch.setattr(entry_module, "code_state", lambda: ("abc123", True, diff))
+    run_dir = results_dir / "outputs" / "r1"
+    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir, run_dir=run_dir).start()
+    patch = entry.record["env"]["code_patch"]
+    assert patch == {"path": "outputs/r1/code.patch", "sha256": hashlib.sha256(diff.encode()).hexdigest()}
+    assert (run_dir / "code.patch").read_text() == diff
+    elsewhere = LedgerEntry("demo", "bench", {}, results_dir).start()  # no run folder: kept by its hash
+    assert (results_dir / elsewhere.record["env"]["code_patch"]["path"]).read_text() == diff
+
+
+def _marked(results_dir, **changes) -> dict:
+    entry = LedgerEntry("demo", "train", {"seed": 42}, results_dir).start()
+    entry.finish({"top1": 95.3, "gmacs": 0.023, "throughput": 643.0, "steps": 40},
+                 changes.pop("protocol", {"data_order": "seed*1000003+epoch"}))
+    entry.record["env"].update(changes)
+    entry._write()
+    (row,) = tables.fill(DEMO_COST, Ledger.load(results_dir))
+    return {k: c["marks"] for k, c in row["cells"].items()}, tables.render_markdown(DEMO_COST, [row])
+
+
+DEMO_COST = {**DEMO, "columns": [*DEMO["columns"], {"key": "gmacs", "label": "GMACs", "digits": 3}]}
+
+
+def test_cells_of_a_stale_protocol_a_busy_machine_and_a_lost_diff_are_marked(results_dir, tmp_path):
+    """§: a training without data_order at seed 42 (today's sampler draws other orders) marks its
+    accuracies, not its costs; ≈: a throughput timed with the load average above the CPU count;
+    ‡: a dirty tree whose diff was not kept marks every cell of the run."""
+    clean = {"git_dirty": False}
+    assert _marked(results_dir / "a", **clean)[0] == {"top1": "", "throughput": "", "gmacs": ""}
+    marks, md = _marked(results_dir / "b", protocol={}, **clean)
+    assert marks == {"top1": "§", "throughput": "", "gmacs": ""} and "| 95.3 § |" in md.replace("  ", "")
+    assert "§ trained under a protocol today's code no longer reproduces" in md
+    busy = {"data_order": "seed*1000003+epoch", "throughput": {"load": {"loadavg": [3.8, 3.5, 3.2], "cpus": 2}}}
+    assert _marked(results_dir / "c", protocol=busy, **clean)[0] == {"top1": "", "throughput": "≈", "gmacs": ""}
+    marks, md = _marked(results_dir / "d", git_dirty=True, code_patch=None)
+    assert marks == {"top1": "‡", "throughput": "‡", "gmacs": "‡"} and "‡ trained from a dirty tree" in md

@@ -55,7 +55,7 @@ def test_resume_auto_after_sigkill_continues_the_same_entry_and_wandb_run(tmp_pa
     assert again.returncode == 0, again.stderr[-3000:]
     (entry,) = ledger_entries(split_results)
     assert entry["run_id"] == killed["run_id"] and entry["status"] == "completed"
-    assert len(entry["attempts"]) == 1 and entry["attempts"][0]["status"] == "running"
+    assert len(entry["attempts"]) == 1 and entry["attempts"][0]["status"] == "interrupted"  # closed on resume
     for key in ("top1", "top5", "test_loss", "steps"):
         assert entry["metrics"][key] == pytest.approx(expected[key], rel=1e-6), key
     wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
@@ -187,7 +187,7 @@ def test_a_training_run_beats_its_entry(make_cfg, results_dir, tmp_path):
 
     with unittest.mock.patch.object(vitexp.results.LedgerEntry, "beat", counting):
         result = train(make_cfg(SMALL_RUN + QUIET[:1], tmp_path / "beat"))
-    entry = json.loads(open(result["ledger"]).read())
+    entry = json.loads((results_dir / result["ledger"]).read_text())  # relative to the results root
     assert beats and set(beats) == {"running"} and "heartbeat" in entry
     assert entry["heartbeat"] >= entry["started"]
 
@@ -357,3 +357,121 @@ def test_wandb_shows_the_ledgers_top1_in_a_group_with_tags(make_cfg, results_dir
     (init,) = inits
     assert init["group"] == "demo"
     assert {"backbone=vit_micro", "method=baseline", "budget=none"} <= set(init["tags"])
+
+
+class _SignalAtEpoch:
+    """A callback that sends this process ``signum`` at the start of ``epoch`` (Ctrl-C, a scheduler's SIGTERM)."""
+
+    def __new__(cls, epoch: int, signum: int):
+        import os
+
+        from lightning.pytorch.callbacks import Callback
+
+        class Send(Callback):
+            def on_train_epoch_start(self, trainer, pl_module):
+                if trainer.current_epoch == epoch:
+                    os.kill(os.getpid(), signum)
+
+        return Send()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_interrupts_the_entry_and_the_resumed_run_sums_its_attempts(make_cfg, results_dir, tmp_path, signum):
+    """SIGINT and SIGTERM close the entry ``interrupted`` with the signal (they used to read
+    ``failed``, "SystemExit: 1"); exit 128 + the signal; resume=auto continues it, and its
+    fit_time_s is the sum of both attempts' (each kept under attempts)."""
+    from vitexp.train import train
+
+    over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
+        "resume=auto", "recipe.epochs=3", "data.num_train=32", "data.num_test=16"]
+    cfg = make_cfg(over, tmp_path / "split")
+    with pytest.raises(SystemExit) as stopped:
+        train(cfg, callbacks=[_SignalAtEpoch(1, signum)])
+    assert stopped.value.code == 128 + signum
+    (entry,) = ledger_entries(results_dir)
+    name = signal.Signals(signum).name
+    assert entry["status"] == "interrupted" and entry["signal"] == name and entry["error"] == f"interrupted by {name}"
+    first = entry["attempt_fit_time_s"]["main"]
+    assert first > 0
+    resumed = train(make_cfg(over, tmp_path / "split"))
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "completed" and entry["attempts"][0]["status"] == "interrupted"
+    assert entry["attempts"][0]["fit_time_s"] == {"main": first}
+    assert resumed["metrics"]["fit_time_s"] == pytest.approx(first + entry["attempt_fit_time_s"]["main"])
+    assert signal.getsignal(signal.SIGINT) is not None  # the handlers are restored
+
+
+def test_an_attempt_killed_without_closing_its_entry_is_closed_interrupted_on_resume(results_dir):
+    from vitexp.ledger import LedgerEntry
+
+    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir).start()
+    entry.fitting("main", 12.5)
+    entry.beat()  # then SIGKILL: the entry stays running
+    again = LedgerEntry.load(entry.run_id, results_dir).reopen({"seed": 0})
+    (attempt,) = again.record["attempts"]
+    assert attempt["status"] == "interrupted" and "killed" in attempt["error"]
+    assert attempt["fit_time_s"] == {"main": 12.5} and attempt["finished"] == entry.record["heartbeat"]
+    assert again.previous_fit_time() == {"main": 12.5}
+
+
+def test_a_run_folder_is_owned_by_one_live_process(tmp_path):
+    import os
+    import platform
+
+    from vitexp.errors import ConfigError
+    from vitexp.runlock import RunFolderLock
+
+    folder = tmp_path / "run"
+    first = RunFolderLock(folder).acquire()
+    assert json.loads((folder / "run.lock").read_text())["pid"] == os.getpid()
+    other = dead_pid()
+    (folder / "run.lock").write_text(json.dumps({"host": platform.node(), "pid": other}))  # a killed owner: stale
+    RunFolderLock(folder).acquire().release()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (folder / "run.lock").write_text(json.dumps({"host": platform.node(), "pid": alive.pid, "since": "now"}))
+        with pytest.raises(ConfigError, match=f"in use by process {alive.pid}"):
+            RunFolderLock(folder).acquire()
+    finally:
+        alive.kill()
+        alive.wait()
+    first.release()
+
+
+def test_two_identical_commands_on_one_folder_never_share_a_run(tmp_path):
+    """Two identical vitexp-train commands started together on the same run folder (as two started
+    in the same second share Hydra's default one) with resume=auto: two completed entries, or one
+    completed and one refused with exit 2; never both exiting 0 on one entry."""
+    results = tmp_path / "results"
+    cmd = [*train_cmd(tmp_path / "same", "logger=none", "recipe.epochs=2", "data.num_train=32", "data.num_val=16",
+                      "data.num_test=16")]
+    procs = [subprocess.Popen(cmd, env=cli_env(results), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    completed = [e for e in ledger_entries(results) if e["status"] == "completed"]
+    assert codes in ([0, 0], [0, 2]), [o[1][-2000:] for o in outs]
+    assert len(completed) == (2 if codes == [0, 0] else 1) and len(ledger_entries(results)) == len(completed)
+    if codes == [0, 2]:
+        refused = next(last_json(o[0]) for p, o in zip(procs, outs) if p.returncode == 2)
+        assert refused["status"] == "invalid" and "is in use by process" in refused["error"]
+
+
+def test_a_run_folder_outside_the_repository_leaves_no_absolute_path(make_cfg, results_dir, tmp_path, capsys):
+    """Neither the entry nor the closing line holds an absolute path of this machine: the run folder
+    (outside the repository and the results root), the ledger field, an error's text."""
+    from vitexp import PROJECT_ROOT
+    from vitexp.commands import run_flops
+    from vitexp.ledger import LedgerEntry
+
+    elsewhere = tmp_path / "scratch" / "me" / "run1"
+    run_flops(make_cfg(["experiment=demo", "logger=csv"], output_dir=elsewhere))
+    closing = capsys.readouterr().out.strip().splitlines()[-1]
+    failed = LedgerEntry("demo", "train", {}, results_dir).start()
+    failed.fail(FileNotFoundError(f"[Errno 2] No such file or directory: '{elsewhere}/weights.pth'"))
+    texts = [closing] + [p.read_text() for p in (results_dir / "runs").glob("*.json")]
+    for text in texts:
+        assert str(tmp_path) not in text and str(PROJECT_ROOT) not in text, text[:2000]
+    entry = json.loads(next(t for t in texts[1:] if '"flops"' in t))
+    assert entry["output_dir"] == "../scratch/me/run1" and json.loads(closing)["ledger"].startswith("runs/")
+    assert "'../scratch/me/run1/weights.pth'" in failed.record["error"]

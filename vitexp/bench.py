@@ -7,6 +7,9 @@
   synchronises CUDA and runs its own warm-up) with the process's thread count.
 - Protocol (:func:`throughput_protocol`): on a GPU the field's, batch 256 under bf16 autocast; on
   the CPU batch 64 in fp32. ``bench.batch_size`` / ``bench.amp`` set to a value override it.
+- Every timing records the machine's load when it started (``load``: the 1/5/15-minute load
+  average, the CPU count and this process's threads); a table marks a throughput timed while the
+  load average exceeded the CPU count (:mod:`vitexp.ledger.marks`).
 - :func:`lightning_overhead`: seconds per training step of the same model on the same batches,
   in a plain PyTorch loop and under ``lightning.Trainer``; the overhead is their ratio − 1.
 """
@@ -68,6 +71,9 @@ def compare_throughput(models: Mapping[str, nn.Module], batch_size: int | None, 
     ``batch_size`` / ``amp`` None: the device's protocol (:func:`throughput_protocol`)."""
     from tqdm.auto import tqdm
 
+    from vitexp.ledger import machine_load
+
+    load = machine_load()  # before the timing: the load the timing ran under (vitexp.ledger.marks.busy)
     was_training = {k: m.training for k, m in models.items()}
     for m in models.values():
         m.eval()
@@ -101,6 +107,7 @@ def compare_throughput(models: Mapping[str, nn.Module], batch_size: int | None, 
             "precision": "bf16 autocast" if amp else "fp32",
             "threads": torch.get_num_threads(),
             "timer": "torch.utils.benchmark.Timer.timeit, median over rounds",
+            "load": load,
         }
         for name, s in samples.items()
     }

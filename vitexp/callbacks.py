@@ -39,13 +39,32 @@ class BestValidation(Callback):
 class Heartbeat(Callback):
     """Beats the run's ledger entry (:meth:`vitexp.ledger.LedgerEntry.beat`) after every training
     epoch and validation, on rank zero: a running entry from a cluster node stays "running" while
-    it beats and reads as interrupted once it stops."""
+    it beats and reads as interrupted once it stops. Each beat also records how long this attempt
+    has fitted ``stage`` (:meth:`vitexp.ledger.LedgerEntry.fitting`), so an attempt that is killed
+    leaves its fit time for the resumed run's sum."""
 
-    def __init__(self, entry: Any):
-        self.entry = entry
+    def __init__(self, entry: Any, stage: str = "main"):
+        self.entry, self.stage = entry, stage
+        self.started: float | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import time
+
+        self.started = time.perf_counter()
+
+    def _clock(self) -> None:
+        import time
+
+        if self.entry is not None and self.started is not None:
+            self.entry.fitting(self.stage, time.perf_counter() - self.started)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._clock()
 
     def _beat(self, trainer: L.Trainer) -> None:
         if self.entry is not None and trainer.is_global_zero and not trainer.sanity_checking:
+            self._clock()
             self.entry.beat()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

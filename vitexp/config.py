@@ -50,7 +50,10 @@ def _hydra_run_name(*, _root_: Any) -> str:
         return str(name)
     hc = HydraConfig.get()
     choices = {k: v for k, v in hc.runtime.choices.items() if v is not None}
-    return run_name(OmegaConf.create({"name": str(name)}), choices, list(hc.overrides.task)).replace("/", "_")
+    from vitexp.ledger.entry import short_name
+
+    name = run_name(OmegaConf.create({"name": str(name)}), choices, list(hc.overrides.task))
+    return short_name(name.replace("/", "_"), limit=120, keep="-_+=.,[]")
 
 
 if not OmegaConf.has_resolver("vitexp_name"):

@@ -243,6 +243,18 @@ def log_tables(written: Mapping[str, Mapping[str, str]], path: str | None, save_
         run.finish()
 
 
+def log_code_patch(logger, patch: Path | None) -> None:
+    """A dirty tree's diff (the ledger's ``env.code_patch``) as the W&B run's code: the run's code is
+    its commit plus this patch. Nothing for another logger; a failing W&B never fails a run."""
+    try:
+        from lightning.pytorch.loggers import WandbLogger
+
+        if isinstance(logger, WandbLogger) and patch is not None and patch.is_file():
+            logger.experiment.log_code(root=str(patch.parent), include_fn=lambda path, *_: Path(path).name == patch.name)
+    except Exception as err:  # pragma: no cover - W&B's own trouble
+        log.warning("W&B: the code patch was not logged (%s)", err)
+
+
 def log_final(logger, metrics: Mapping[str, Any], step: int | None = None) -> None:
     """Final metrics to the logger (and to the W&B run summary)."""
     if not logger:

@@ -8,7 +8,14 @@ JSON line from start to last line, for every command (train, eval, flops, bench,
 - ``run.complete(metrics, protocol, ...)`` says what the entry closes with. Leaving the block
   normally closes it ``completed``; an exception closes it ``failed`` (a :class:`ConfigError`
   before ``start``: ``invalid``, nothing written, no empty output folder left).
-- On every exit rank zero prints one line of JSON, the last line of standard output.
+- On every exit rank zero prints one line of JSON, the last line of standard output; its paths
+  (``ledger``, those in an error) are relative to the results root, as the ledger's.
+- SIGINT (Ctrl-C) and SIGTERM close the entry ``interrupted`` with the signal (not ``failed``):
+  :func:`owned_run` notes the signal before Lightning turns it into ``SystemExit(1)``; the
+  process exits 128 + the signal's number. ``resume=auto`` continues such a run, and a resumed
+  run's ``fit_time_s`` sums its attempts (:class:`vitexp.ledger.LedgerEntry`).
+- A run folder is owned by one live process (:mod:`vitexp.runlock`): a second process started on
+  the same folder is refused (exit 2) before it reads the folder's ``run.json``.
 
 ``resume``: ``false`` starts fresh; ``true`` continues from ``checkpoints/last.ckpt`` and fails
 when there is none; ``auto`` continues when there is one and starts fresh otherwise (what a
@@ -19,14 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
+import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from vitexp.errors import ConfigError, one_line
-from vitexp.ledger import LedgerEntry, atomic_write_json
+from vitexp.ledger import LedgerEntry, atomic_write_json, portable_path, portable_text
 
 RUN_MARKER = "run.json"
 RESUME_MODES = ("false", "true", "auto")
@@ -133,6 +142,8 @@ class Run:
         self.config: dict[str, Any] = {}
         self._logger: Any = None
         self._closing: dict[str, Any] | None = None
+        self.lock = None
+        self.signal: str | None = None
 
     # -- opening ----------------------------------------------------------------------------------
     def start(self, config: dict[str, Any]) -> "Run":
@@ -140,20 +151,25 @@ class Run:
         self.config = config
         if not self.rank_zero:
             return self
+        if self.output_dir is not None:
+            from vitexp.runlock import RunFolderLock
+
+            self.lock = RunFolderLock(self.output_dir).acquire()  # before run.json: never another process's run
         marker = self.output_dir / RUN_MARKER if self.output_dir and self.resumable else None
         previous = json.loads(marker.read_text()) if marker and marker.is_file() else {}
         if self.resume != "false" and previous.get("run_id"):
             self._check_same_run(previous, marker)
             entry = LedgerEntry.load(previous["run_id"], self.results_dir)
             if entry is not None and entry.record.get("status") != "completed":
-                self.ledger, self.wandb_id = entry.reopen(config), previous.get("wandb_id")
+                self.ledger, self.wandb_id = entry.reopen(config, self.output_dir), previous.get("wandb_id")
         if self.ledger is None:
-            self.ledger = LedgerEntry(self.name, self.kind, config, self.results_dir).start()
+            self.ledger = LedgerEntry(self.name, self.kind, config, self.results_dir, run_dir=self.output_dir).start()
             self.wandb_id = uuid.uuid4().hex[:8]  # W&B's id format: 8 characters [0-9a-z]
             if marker:
                 atomic_write_json(marker, {"run_id": self.ledger.run_id, "wandb_id": self.wandb_id, "name": self.name,
                                            "config_sha": config_fingerprint(config)})
         self.ledger.record["wandb_id"] = self.wandb_id
+        self.ledger.on_beat = self.lock.touch if self.lock else None
         return self
 
     def _check_same_run(self, previous: Mapping[str, Any], marker: Path) -> None:
@@ -181,7 +197,17 @@ class Run:
                 save_dir = self.output_dir or self.results_dir / self.kind
                 self._logger = build_logger(self.logger_cfg, self.name, save_dir, self.config,
                                             job_type=self.job_type, run_id=self.wandb_id)
+                self._log_code()
         return self._logger
+
+    def _log_code(self) -> None:
+        """A run from a dirty tree logs its kept diff as the W&B run's code."""
+        from vitexp.ledger import local_path
+        from vitexp.logging_utils import log_code_patch
+
+        patch = ((self.ledger.record.get("env") or {}).get("code_patch") or {}).get("path") if self.ledger else None
+        if patch:
+            log_code_patch(self._logger, local_path(patch, self.results_dir))
 
     # -- closing ----------------------------------------------------------------------------------
     def complete(self, metrics: Mapping[str, Any], protocol: Mapping[str, Any] | None = None,
@@ -210,7 +236,7 @@ class Run:
             finish(self._logger, failed=True)
             raise
         finish(self._logger)
-        return {**result, "ledger": str(path), "run_id": self.ledger.run_id}
+        return {**result, "ledger": portable_path(path, self.results_dir), "run_id": self.ledger.run_id}
 
     def _log_weights(self, c: dict[str, Any]) -> None:
         """A run that saved weights (``artifacts.weights``) logs them as a W&B model artifact, its
@@ -233,14 +259,21 @@ class Run:
         from vitexp.logging_utils import finish
 
         invalid = isinstance(err, ConfigError) and self.ledger is None
+        signame = self.signal or ("SIGINT" if isinstance(err, KeyboardInterrupt) else None)
+        extra = {"output_dir": self.output_dir} if self.output_dir else {}
         if invalid:
             remove_if_empty(self.output_dir)
         elif self.ledger is not None and self.ledger.record["status"] == "running":
-            self.ledger.fail(err, **({"output_dir": self.output_dir} if self.output_dir else {}))
+            if signame:
+                self.ledger.interrupt(signame, **extra)
+            else:
+                self.ledger.fail(err, **extra)
         finish(self._logger, failed=True)
-        ledger = str(self.ledger.path) if self.ledger else None
-        return {"status": "invalid" if invalid else "failed", "error": f"{type(err).__name__}: {one_line(err)}",
-                "ledger": ledger}
+        ledger = portable_path(self.ledger.path, self.results_dir) if self.ledger else None
+        if signame:
+            return {"status": "interrupted", "signal": signame, "error": f"interrupted by {signame}", "ledger": ledger}
+        return {"status": "invalid" if invalid else "failed",
+                "error": portable_text(f"{type(err).__name__}: {one_line(err)}", self.results_dir), "ledger": ledger}
 
 
 @contextmanager
@@ -253,6 +286,7 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
     ``emits=False``: the caller prints the closing line (one command owning several runs, such as
     ``bench.compare``, closes with one line naming them all)."""
     run = Run(name, kind, results_dir, output_dir, logger_cfg, resume, job_type, resumable)
+    restore = _catch_signals(run)
     try:
         yield run
         run.result = run._close()
@@ -264,6 +298,40 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
             err.vitexp_reported = True  # the CLI prints no second closing line
         except AttributeError:
             pass
+        if run.signal or isinstance(err, KeyboardInterrupt):
+            code = 128 + int(getattr(signal, run.signal or "SIGINT"))
+            raise SystemExit(code) from None  # the shell's convention for a process ended by a signal
         raise
+    finally:
+        restore()
+        if run.lock is not None:
+            run.lock.release()
     if run.rank_zero and emits:
         emit({"status": "completed", **run.result})
+
+
+class Interrupted(BaseException):
+    """Raised in the run's thread by SIGTERM (SIGINT raises KeyboardInterrupt, as Python's default)."""
+
+
+def _catch_signals(run: Run):
+    """Note SIGINT and SIGTERM in ``run.signal`` while the run lasts (Lightning turns them into
+    ``SystemExit(1)``; the note is what closes the entry ``interrupted``); returns the restorer."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame):
+        run.signal = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Interrupted(run.signal)
+
+    for s in previous:
+        signal.signal(s, handler)
+
+    def restore() -> None:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+    return restore

@@ -181,7 +181,9 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         order = DataOrderMark(DATA_ORDER)
         for i, stage in enumerate(stages):
             module, trainer, fit_s = fit_stage(cfg, stage, datamodule_for, run.logger, output_dir,
-                                               [*callbacks, Heartbeat(run.ledger), order], i == 0)
+                                               [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0)
+            if run.ledger is not None:
+                run.ledger.fitting(stage.name, fit_s)
             metrics["epochs"] += trainer.current_epoch
             metrics["steps"] += trainer.global_step
             metrics[f"{stage.name}_fit_time_s" if stage.name != "main" else "fit_time_s"] = fit_s
@@ -201,6 +203,9 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
             if stage.deployed:
                 deployed_model = module.model
             metrics["world_size"] = trainer.world_size
+        for stage_name, seconds in (run.ledger.previous_fit_time() if run.ledger is not None else {}).items():
+            key = "fit_time_s" if stage_name == "main" else f"{stage_name}_fit_time_s"  # a resumed run: every attempt's
+            metrics[key] = metrics.get(key, 0.0) + seconds
         if "fit_time_s" not in metrics:
             metrics["fit_time_s"] = sum(v for k, v in metrics.items() if k.endswith("_fit_time_s"))
         metrics.update(method.extra_metrics(metrics))

@@ -32,9 +32,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from vitexp import PROJECT_ROOT
 from vitexp.ledger import fingerprint as fp
-from vitexp.ledger.paths import atomic_write, atomic_write_json, default_results_dir, portable_path, portable_paths
+from vitexp.ledger.paths import PROJECT_ROOT, atomic_write, atomic_write_json, default_results_dir, portable_path, portable_paths
 from vitexp.ledger.schema import FINAL_STATUSES
 from vitexp.ledger.status import INTERRUPTED, now
 
@@ -43,10 +42,18 @@ CODE_PATHS = ("vitexp", "conf", "pyproject.toml")
 PATCH_NAME = "code.patch"
 
 
+def short_name(name: str, limit: int = 80, keep: str = "-_") -> str:
+    """``name`` with every character but letters, digits and ``keep`` made ``-``, cut to ``limit``
+    characters with a hash of the whole (a name with many overrides would pass a file name's limit)."""
+    safe = "".join(c if c.isalnum() or c in keep else "-" for c in name)
+    if len(safe) <= limit:
+        return safe
+    return f"{safe[:limit - 9]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+
+
 def new_run_id(experiment: str, kind: str) -> str:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in experiment)
-    return f"{stamp}-{kind}-{safe}-{uuid.uuid4().hex[:6]}"
+    return f"{stamp}-{kind}-{short_name(experiment)}-{uuid.uuid4().hex[:6]}"
 
 
 def _git(*args: str) -> str | None:
@@ -193,6 +200,8 @@ class LedgerEntry:
         if self.record.get("status") == "running":
             self.record["heartbeat"] = now()
             self._write()
+            if getattr(self, "on_beat", None):  # the run folder's lock, kept fresh
+                self.on_beat()
 
     def start(self) -> "LedgerEntry":
         if self.path.exists():

@@ -7,8 +7,8 @@
   same orders under both samplers). ``vitexp-train`` of today gives another number for it.
 - **busy** (:func:`busy`): a throughput timed while the machine had more runnable threads than
   cores (the 1-minute load average above the CPU count, recorded with the timing as
-  ``protocol[...]["load"]``): the timing shared its cores. A timing recorded before loads were
-  recorded is not judged.
+  ``protocol[...]["load"]``; a ``bench.compare`` entry's load average before and after): the timing
+  shared its cores. A timing recorded without a load is not judged.
 - **no diff** (:func:`diff_missing`): trained from a dirty tree (``env.git_dirty``) whose diff was
   not kept (no ``env.code_patch``): the code that produced the number cannot be rebuilt.
 """
@@ -52,6 +52,9 @@ def load_of(run: Mapping[str, Any]) -> Mapping[str, Any] | None:
     for where in (protocol.get("throughput"), protocol):
         if isinstance(where, Mapping) and isinstance(where.get("load"), Mapping):
             return where["load"]
+    before_after = protocol.get("load_average_1m_before_after")  # bench.compare before loads were recorded
+    if isinstance(before_after, list) and before_after and protocol.get("cpu_count"):
+        return {"loadavg": [max(before_after)], "cpus": protocol["cpu_count"], "threads": protocol.get("threads")}
     return None
 
 

@@ -22,7 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from vitexp import PROJECT_ROOT
+#: The source checkout (:data:`vitexp.PROJECT_ROOT`), found without importing the package (whose
+#: models import the ledger: no import cycle).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def default_results_dir() -> Path:
