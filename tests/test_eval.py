@@ -165,3 +165,29 @@ def test_bad_weights_are_refused_before_the_eval_entry(make_cfg, results_dir, tm
         assert exit_.value.code == 2 and str(file) in line and "weights_only=False" not in line
         assert json.loads(out.out.strip().splitlines()[-1])["status"] == "invalid"
         assert [e["kind"] for e in ledger_entries(results_dir)] == ["train"]
+
+
+STUDENTS = {"fine-tuned": [],  # RAPTOR: its phases chosen from the teacher's weights, on data
+            "raptor": ["experiment=raptor_micro", "data=synthetic", "recipe.epochs=1", "method.probe.epochs=1",
+                       "method.phase_images=16", "method.teacher_probe=false"]}
+
+
+@pytest.mark.parametrize("student_kind", list(STUDENTS))
+def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(student_kind, make_cfg, results_dir,
+                                                                                 tmp_path, capsys):
+    """A student trained from ``backbone.pretrained=run:<teacher>`` is evaluated from its own
+    weights alone: with the teacher's ledger entry and run folder gone (a machine that did not
+    train the teacher), ``vitexp-eval <student>`` reproduces the student's top-1."""
+    import shutil
+
+    from vitexp.train import train
+
+    backbone = ["backbone=dinov2_micro_reg"] if student_kind == "raptor" else []
+    teacher = train(make_cfg(TINY + backbone + ["name=teacher"], tmp_path / "teacher"))
+    student = train(make_cfg(TINY + backbone + STUDENTS[student_kind] + [
+        "name=student", f"backbone.pretrained=run:{teacher['run_id']}"], tmp_path / "student"))
+    (results_dir / "runs" / f"{teacher['run_id']}.json").unlink()
+    shutil.rmtree(tmp_path / "teacher")
+    result = run_eval(capsys, student["run_id"], "logger=none")
+    assert result["status"] == "completed" and result["evaluates"] == student["run_id"]
+    assert result["metrics"]["top1"] == pytest.approx(student["metrics"]["top1"], abs=1e-9)

@@ -94,6 +94,22 @@ def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, di
     return cfg, record
 
 
+def rebuild_config(cfg: DictConfig, record: dict[str, Any]) -> DictConfig:
+    """The config the deployed model is rebuilt from: ``cfg`` without the weights that only start
+    the run (``backbone.pretrained``, a teacher's file or ``run:<teacher>`` that may not be on this
+    machine; the method's own, :meth:`~vitexp.methods.Method.rebuild_overrides`), whose values the
+    run's saved weights replace, and with the data-dependent choices its ledger entry kept. The
+    eval's ledger entry records ``cfg`` as given."""
+    from vitexp.methods import method_from_config
+
+    built = cfg.copy()
+    with open_dict(built):
+        built.backbone.pretrained = None
+        for key, value in method_from_config(cfg.method).rebuild_overrides(record).items():
+            built.method[key] = value
+    return built
+
+
 def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> dict[str, Any]:
     """Rebuild, load and test (module docstring); returns the closing result of the eval run."""
     import lightning as L
@@ -106,7 +122,8 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
     from vitexp.train import datamodule_cache, evaluate_test_split, stage_config, stage_module
 
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
-        method = validate(cfg)
+        built = rebuild_config(cfg, record)
+        method = validate(built)
         artifacts = record.get("artifacts") or {}
         path = Path(weights) if weights else local_path(artifacts.get("weights"), cfg.results_dir)
         if not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model"):  # trained elsewhere
@@ -117,13 +134,13 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
         key = "--weights" if weights else f"run {record['run_id']}'s weights"
         check_file(path, key)
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-        backbone, method, data_config = build_backbone_and_method(cfg, method)
+        backbone, method, data_config = build_backbone_and_method(built, method)
         datamodule_for = datamodule_cache(data_config)
         method.prepare(backbone, datamodule_for(cfg))
         stage = [s for s in method.stages(method.apply(backbone, cfg.budget)) if s.deployed][-1]
         module = stage_module(cfg, stage)
         if type(method).rebuild_deployed is not Method.rebuild_deployed:  # the run saved a deployed model of its own shape
-            fresh, _, _ = build_backbone_and_method(cfg, method)
+            fresh, _, _ = build_backbone_and_method(built, method)
             module.model = method.rebuild_deployed(fresh, record)
         try:
             module.model.load_state_dict(load_weights(path))

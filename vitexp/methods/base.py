@@ -105,6 +105,13 @@ class Method(abc.ABC):
         """The trained model as deployed (pruned parts physically removed). Default: as is."""
         return model
 
+    def rebuild_overrides(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """``method`` keys to set when a completed run's deployed model is rebuilt for its saved
+        weights (``vitexp-eval``): files that only initialise weights the saved ones replace set to
+        None (they may not be on this machine), and data-dependent choices the ledger ``record``
+        kept (RAPTOR's phases, which the teacher's weights chose). Default: none."""
+        return {}
+
     def rebuild_deployed(self, backbone: nn.Module, record: Mapping[str, Any]) -> nn.Module:
         """The architecture of a completed run's deployed model, for its saved weights
         (``record["artifacts"]["weights"]``, loaded with ``load_state_dict``). ``backbone`` is built

@@ -216,6 +216,12 @@ class Raptor(Method):
                 block.load_state_dict(state, strict=True)
         return RaptorDistill(teacher, surrogate, self.cache_dir, self.tau_fraction, self.stage2_targets)
 
+    def rebuild_overrides(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """The run's recorded phases (chosen from the teacher's weights or the reference's
+        thresholds); no probe head or reference files: the saved weights replace what they start."""
+        phases = record.get("phases") or self.phases
+        return {"probe_head": None, "surrogate": None, "phases": [list(p) for p in phases] if phases else None}
+
     def record(self) -> dict[str, Any]:
         """What the ledger keeps of the method's data-dependent choices."""
         out: dict[str, Any] = {"phases": self.phases, "phases_source": self.phases_source}
