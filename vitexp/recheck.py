@@ -73,14 +73,8 @@ def _top1(run: dict[str, Any]) -> float | None:
 
 
 def evaluations(results_dir: Path, before: set[str] = frozenset(), ledger: Ledger | None = None) -> dict[str, dict[str, Any]]:
-    """{train run_id: its newest completed eval entry}; an entry not in ``before`` (run ids) is newer
-    than every entry in it (start times have a resolution of one second)."""
-    out: dict[str, dict[str, Any]] = {}
-    entries = [r for r in (ledger or Ledger.load(results_dir))  # oldest first: the newest wins
-               if r["kind"] == "eval" and r["status"] == "completed" and r.get("evaluates")]
-    for r in sorted(entries, key=lambda r: r["run_id"] not in before):  # stable: keeps the time order
-        out[r["evaluates"]] = r
-    return out
+    """{train run_id: its newest completed eval entry} (:meth:`vitexp.ledger.Ledger.evaluations`)."""
+    return (ledger or Ledger.load(results_dir)).evaluations(before)
 
 
 def to_evaluate(spec: dict[str, Any], results_dir: Path, force: bool = False) -> list[str]:

@@ -197,7 +197,6 @@ class Run:
                 save_dir = self.output_dir or self.results_dir / self.kind
                 self._logger = build_logger(self.logger_cfg, self.name, save_dir, self.config,
                                             job_type=self.job_type, run_id=self.wandb_id)
-                self._log_code()
         return self._logger
 
     def _log_code(self) -> None:
@@ -230,6 +229,7 @@ class Run:
             log_final(self.logger, c["metrics"], step=c["step"])
             if self.output_dir is not None:
                 c["record"].setdefault("output_dir", self.output_dir)
+            self._log_code()
             self._log_weights(c)
             path = self.ledger.finish(c["metrics"], c["protocol"], wandb_url=wandb_url(self.logger), **c["record"])
         except BaseException:

@@ -124,8 +124,14 @@ def _mark(cells: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]]) -> 
 def fill(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
     """For every row and column: vitexp's value (the newest completed run of the row's configuration
     with that metric, :meth:`vitexp.ledger.Ledger.row_runs`; of each kind one run, :func:`vitexp.aggregate.chosen`),
-    its run id, the paper's value and source. ``overrides``: those the rows were swept with."""
+    its run id, the paper's value and source. ``overrides``: those the rows were swept with. A broken
+    entry the table could depend on raises :class:`vitexp.ledger.LedgerError` unless the spec lists it
+    under ``skipped_broken`` (``vitexp-tables --skip-broken``)."""
     ledger = Ledger.of(runs)
+    skipped = set(spec.get("skipped_broken") or ())
+    unexpected = [b for b in ledger.broken_for(table_names(spec)) if str(b) not in skipped]
+    if unexpected:
+        raise LedgerError(unexpected, ledger.source)
     keys = [c["key"] for c in spec["columns"]]
     rows = expand_rows(spec["rows"])
     # an eval entry re-tests a training run's weights under its name (vitexp-eval): it checks a cell, never fills one

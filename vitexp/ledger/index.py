@@ -209,10 +209,12 @@ class Ledger:
         i = bisect.bisect_right(finished, run.get("started") or "")
         return best[i - 1][1] if i else None
 
-    def evaluations(self) -> dict[str, dict[str, Any]]:
-        """{train run id: its newest completed eval entry}."""
-        return {r["evaluates"]: r for r in self.records
-                if r["kind"] == "eval" and r["status"] == "completed" and r.get("evaluates")}
+    def evaluations(self, before: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
+        """{train run id: its newest completed eval entry}; an entry whose id is not in ``before``
+        counts as newer than every entry that is (start times have a resolution of one second)."""
+        before = set(before)
+        entries = [r for r in self.records if r["kind"] == "eval" and r["status"] == "completed" and r.get("evaluates")]
+        return {r["evaluates"]: r for r in sorted(entries, key=lambda r: r["run_id"] not in before)}  # stable
 
     # -- rows --------------------------------------------------------------------------------------
     def row_runs(self, row: RowQuery) -> dict[int | None, list[dict[str, Any]]]:
