@@ -479,7 +479,7 @@ def test_a_missing_or_misshapen_linear_head_is_a_clear_error(tmp_path, make_cfg)
     from vitexp.methods.raptor import Raptor
 
     base = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor"]
-    with pytest.raises(ConfigError, match=f"method.probe_head: no linear-head checkpoint at {tmp_path}/nope.pth"):
+    with pytest.raises(ConfigError, match=f"method.probe_head: checkpoint file not found: {tmp_path}/nope.pth"):
         validate(make_cfg(base + [f"method.probe_head={tmp_path}/nope.pth"]))
     teacher = timm.create_model("vit_micro_patch14_dinov2", num_classes=10, reg_tokens=4, depth=4)
     save_head(tmp_path / "b.pth", 1000, 2 * 768)  # Meta's ViT-B head on a 64-wide, 10-class probe

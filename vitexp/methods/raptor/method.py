@@ -21,22 +21,28 @@ PROBE_RECIPE_KEYS = frozenset({"epochs", "batch_size", "opt", "lr", "weight_deca
                                "warmup_steps", "warmup_lr", "min_lr", "grad_clip"})
 
 
-def load_linear_head(path: str | Path, in_features: int, num_classes: int) -> nn.Linear:
-    """The probe's Linear(2d → classes) from a linear-head checkpoint: a state dict with ``weight``
-    (classes, 2d) and ``bias`` (classes,), as Meta's ``dinov2_vit*14_reg4_linear_head.pth``, or a
-    saved vitexp probe (``head.weight``, ``head.bias``)."""
+def read_linear_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``weight`` (classes, 2d) and ``bias`` (classes,) of a linear-head checkpoint: a state dict
+    with ``weight`` and ``bias``, as Meta's ``dinov2_vit*14_reg4_linear_head.pth``, or a saved vitexp
+    probe (``head.weight``, ``head.bias``). The file is opened by :func:`vitexp.checkpoints.check_file`
+    (one line naming it: missing, empty, no torch file, pickled objects); a file without those keys
+    is a :class:`~vitexp.errors.CheckpointError` too."""
+    from vitexp.checkpoints import check_file
+    from vitexp.errors import CheckpointError
+
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"method.probe_head: no linear-head checkpoint at {path}")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = check_file(path, "method.probe_head")
     for prefix in ("", "head."):
-        if isinstance(state, Mapping) and {f"{prefix}weight", f"{prefix}bias"} <= set(state):
-            weight, bias = state[f"{prefix}weight"], state[f"{prefix}bias"]
-            break
-    else:
-        found = sorted(state)[:8] if isinstance(state, Mapping) else type(state).__name__
-        raise ValueError(f"method.probe_head={path}: expected a state dict with 'weight' and 'bias' (or 'head.weight' "
-                         f"and 'head.bias'); found {found}")
+        weight, bias = state.get(f"{prefix}weight"), state.get(f"{prefix}bias")
+        if isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor) and weight.dim() == 2:
+            return weight, bias
+    raise CheckpointError(f"method.probe_head: {path} is no linear head: expected a state dict with 'weight' and "
+                          f"'bias' (or 'head.weight' and 'head.bias'); found {sorted(map(str, state))[:8]}")
+
+
+def load_linear_head(path: str | Path, in_features: int, num_classes: int) -> nn.Linear:
+    """The probe's Linear(2d → classes) from a linear-head checkpoint (:func:`read_linear_head`)."""
+    weight, bias = read_linear_head(path)
     if tuple(weight.shape) != (num_classes, in_features) or tuple(bias.shape) != (num_classes,):
         raise ValueError(f"method.probe_head={path}: weight {tuple(weight.shape)} and bias {tuple(bias.shape)} do not "
                          f"fit the probe, which needs weight ({num_classes}, {in_features}) = (classes, 2 x embed_dim) "
@@ -131,9 +137,11 @@ class Raptor(Method):
             raise ConfigError(f"method.tau_fraction: {self.tau_fraction} must be in [0, 1]")
         if self.surrogate:
             self._check_reference(k, depth, arch)
-        if self.probe_head and not Path(self.probe_head).expanduser().is_file():
-            raise ConfigError(f"method.probe_head: no linear-head checkpoint at {self.probe_head} (a state dict with "
-                              "weight (classes, 2 x embed_dim) and bias, e.g. Meta's dinov2_vitb14_reg4_linear_head.pth)")
+        if self.probe_head:  # read before the run: one line naming the file (the class count is checked in apply)
+            weight, _ = read_linear_head(self.probe_head)
+            if "embed_dim" in arch and weight.shape[1] != 2 * int(arch["embed_dim"]):
+                raise ConfigError(f"method.probe_head: {self.probe_head} has weight {tuple(weight.shape)}; the probe "
+                                  f"reads [CLS, mean patch] features of 2 x embed_dim = {2 * int(arch['embed_dim'])}")
 
     def reference(self) -> ReferenceSurrogate | None:
         """The ``surrogate`` files' blocks (read once), or None."""
