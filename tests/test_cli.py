@@ -241,3 +241,14 @@ def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, t
     debug = subprocess.run([str(BIN / "vitexp-train"), *args], capture_output=True, text=True, cwd=tmp_path,
                            env={**cli_env(results_dir), "VITEXP_DEBUG": "1"}, timeout=300)
     assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize("plus", ["+", "++"])
+def test_a_key_added_to_a_mapping_of_the_schema_is_accepted(plus, results_dir, tmp_path):
+    """``backbone.kwargs`` is a mapping (``Dict[str, Any]`` in vitexp.schema): ``+backbone.kwargs.init_values=1.0``
+    adds a timm argument, as ``vitexp.config.compose`` accepts it, and reaches the model (LayerScale)."""
+    proc = run("vitexp-flops", "backbone=dinov2_micro", f"{plus}backbone.kwargs.init_values=1.0", "logger=none",
+               results_dir=results_dir, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "completed" and entry["config"]["backbone"]["kwargs"] == {"init_values": 1.0}

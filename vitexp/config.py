@@ -117,7 +117,10 @@ def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
     """Refuse ``+group.key=value``, and ``++group.key=value`` where the key did not exist, that adds
     a key to one of :data:`SCHEMA_GROUPS` (a misspelt key would otherwise be accepted and ignored),
     naming the valid keys where it was added; and ``~group.key``, which removes a key the code
-    reads."""
+    reads. A mapping whose keys the schema leaves free (``backbone.kwargs``: timm's arguments) takes
+    added keys (:func:`vitexp.schema.takes_any_key`)."""
+    from vitexp.schema import takes_any_key
+
     overrides = list(overrides)
     for ov in overrides:
         removed = ov.lstrip("~").split("=", 1)[0]
@@ -131,6 +134,8 @@ def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
         if group not in SCHEMA_GROUPS or not sub:
             continue
         parent_key, _, leaf = key.rpartition(".")
+        if takes_any_key(parent_key):  # a mapping of free keys (backbone.kwargs): adding is what it is for
+            continue
         if ov.startswith("++"):  # add-or-override: refused only when it adds
             if key in ADDABLE_KEYS:
                 continue

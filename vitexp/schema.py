@@ -239,6 +239,28 @@ def check_types(cfg: DictConfig) -> None:
         _check_mapping(trainer, params, "trainer.", owner=None if open_ else "lightning.Trainer")
 
 
+def takes_any_key(key: str) -> bool:
+    """Whether ``key`` (``backbone.kwargs``, ``data.generate``) is a mapping of the schema whose keys
+    are free (``Dict[str, ...]``, ``Any``), so ``+backbone.kwargs.init_values=1.0`` may add to it;
+    a dataclass group's keys are not (a misspelt key would be ignored)."""
+    annotation: Any = Config
+    for part in key.split("."):
+        if annotation is Any or _is_mapping(annotation) and not dataclasses.is_dataclass(annotation):
+            return True  # inside a free mapping: anything below is free too
+        if not dataclasses.is_dataclass(annotation):
+            return False  # a key the schema does not type (method, trainer), or a scalar
+        annotation = _hints(annotation).get(part)
+        if annotation is None:
+            return False
+        if _is_union(annotation):  # Optional[Dict[...]]: the mapping
+            annotation = next((a for a in typing.get_args(annotation) if a is not type(None)), annotation)
+    return annotation is Any or (_is_mapping(annotation) and not dataclasses.is_dataclass(annotation))
+
+
+def _is_mapping(annotation: Any) -> bool:
+    return typing.get_origin(annotation) in (dict, cabc.Mapping) or annotation in (dict, Mapping)
+
+
 def _plain(node: Any) -> Any:
     """``node`` as plain Python, interpolations resolved, ``???`` and unresolvable values :data:`_SKIP`."""
     if isinstance(node, DictConfig):
