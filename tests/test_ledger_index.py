@@ -109,6 +109,9 @@ def test_a_row_takes_only_runs_of_its_configuration_whatever_their_name(results_
     renamed = _entry(results_dir, "my_demo", _demo_config(), 96.0, "2026-01-03T00:00:00+00:00")
     (row,) = tables.fill(DEMO, Ledger.load(results_dir))
     assert row["cells"]["top1"]["run_id"] == renamed
+    from hydra.core.global_hydra import GlobalHydra
+
+    assert not GlobalHydra.instance().is_initialized()  # the rows' compositions leave Hydra as they found it
 
 
 def test_a_runs_recorded_fingerprint_is_its_rows(make_cfg, results_dir):

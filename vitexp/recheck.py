@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from vitexp.aggregate import per_seed_values
 from vitexp.ledger import Ledger
-from vitexp.rows import expand_rows, row_query
+from vitexp.rows import composing, expand_rows, row_query
 
 #: points of top-1; one image of a 10,000-image test set
 DEFAULT_TOLERANCE = 0.01
@@ -40,11 +40,12 @@ def _row_runs(spec: dict[str, Any], ledger: Ledger) -> list[tuple[str, dict[Any,
     """[(row name, {seed (None for an unseeded row): its completed training runs, oldest first})]
     per training row, found as :func:`vitexp.tables.fill` finds them (:meth:`vitexp.ledger.Ledger.row_runs`)."""
     out = []
-    for row in training_rows(spec):
-        query = row_query(spec, row)
-        found = ledger.row_runs(query)
-        out.append((query.name, {s: [r for r in rs if r["kind"] == "train" and r["status"] == "completed"]
-                                 for s, rs in found.items()}))
+    with composing():
+        for row in training_rows(spec):
+            query = row_query(spec, row)
+            found = ledger.row_runs(query)
+            out.append((query.name, {s: [r for r in rs if r["kind"] == "train" and r["status"] == "completed"]
+                                     for s, rs in found.items()}))
     return out
 
 

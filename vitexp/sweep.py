@@ -37,7 +37,7 @@ from vitexp import recheck
 from vitexp.aggregate import other_start, overlapping_order, row_seeds, seeded_name, shared_start
 from vitexp.errors import one_line
 from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, effective_status, weights_run
-from vitexp.rows import expand_rows, job_arguments, row_name, row_query
+from vitexp.rows import composing, expand_rows, job_arguments, row_name, row_query
 from vitexp.tables import all_specs, load_spec, table_names
 from vitexp.run import ArgumentParser
 
@@ -66,40 +66,47 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides
     ledger = Ledger.load(results_dir)
     ledger.check(table_names(spec))
     starts = _current_starts(spec, ledger, force, results_dir) if kind in (None, "train") else {}
-    for row in expand_rows(spec["rows"]):
-        if row.get("cited") or not row.get("experiment"):
-            continue
-        exp, name = row["experiment"], row_name(row)
-        if not (CONF_DIR / "experiment" / f"{exp}.yaml").is_file():
-            raise FileNotFoundError(f"row {row['label']!r}: no experiment config conf/experiment/{exp}.yaml")
-        k = kind or row.get("run", "train")
-        if k not in APPS:
-            raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
-        bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": [], "jobs": {}})
-        seeds = row_seeds(spec, row)
-        bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None)
-        found = ledger.row_runs(row_query(spec, row, overrides))
-        active = {seed: [r for r in rs if r["kind"] == k and effective_status(r) in ("completed", "running")]
-                  for seed, rs in found.items()}
-        if seeds is not None:
-            for seed in seeds:
-                # a completed training seed from the older sampler, or fine-tuned from another run of its start, runs again
-                current = [r for r in active[seed] if k != "train" or r["status"] != "completed"
-                           or not (overlapping_order(r) or other_start(r, starts, ledger))]
-                target = "skip" if current and not force else "launch"
-                if seeded_name(name, seed) not in bucket[target]:
-                    bucket[target].append(seeded_name(name, seed))
-                    bucket["seeded"].append(seeded_name(name, seed))
-                    if target == "launch":
-                        bucket["seeds"].setdefault(name, []).append(seed)
-            continue
-        done = bool(active[None])
-        if k == "train" and name in starts:
-            done = starts[name] is not None or any(r["status"] == "running" for r in active[None])
-        target = "skip" if done and not force else "launch"
-        if name not in bucket[target]:
-            bucket[target].append(name)
+    with composing():
+        for row in expand_rows(spec["rows"]):
+            _plan_row(spec, row, kind, force, overrides, ledger, starts, out)
     return out
+
+
+def _plan_row(spec: dict, row: dict, kind: str | None, force: bool, overrides: Sequence[str], ledger: Ledger,
+              starts: dict[str, str | None], out: dict[str, dict]) -> None:
+    """One row's jobs into ``out`` (:func:`plan`)."""
+    if row.get("cited") or not row.get("experiment"):
+        return
+    exp, name = row["experiment"], row_name(row)
+    if not (CONF_DIR / "experiment" / f"{exp}.yaml").is_file():
+        raise FileNotFoundError(f"row {row['label']!r}: no experiment config conf/experiment/{exp}.yaml")
+    k = kind or row.get("run", "train")
+    if k not in APPS:
+        raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
+    bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": [], "jobs": {}})
+    seeds = row_seeds(spec, row)
+    bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None)
+    found = ledger.row_runs(row_query(spec, row, overrides))
+    active = {seed: [r for r in rs if r["kind"] == k and effective_status(r) in ("completed", "running")]
+              for seed, rs in found.items()}
+    if seeds is not None:
+        for seed in seeds:
+            # a completed training seed from the older sampler, or fine-tuned from another run of its start, runs again
+            current = [r for r in active[seed] if k != "train" or r["status"] != "completed"
+                       or not (overlapping_order(r) or other_start(r, starts, ledger))]
+            target = "skip" if current and not force else "launch"
+            if seeded_name(name, seed) not in bucket[target]:
+                bucket[target].append(seeded_name(name, seed))
+                bucket["seeded"].append(seeded_name(name, seed))
+                if target == "launch":
+                    bucket["seeds"].setdefault(name, []).append(seed)
+        return
+    done = bool(active[None])
+    if k == "train" and name in starts:
+        done = starts[name] is not None or any(r["status"] == "running" for r in active[None])
+    target = "skip" if done and not force else "launch"
+    if name not in bucket[target]:
+        bucket[target].append(name)
 
 
 def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) -> dict[str, str | None]:

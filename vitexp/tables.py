@@ -48,7 +48,7 @@ from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves
 from vitexp.provenance import provenance_errors
 from vitexp.ledger import Ledger, LedgerError, atomic_write, default_results_dir, effective_status, marks, portable_path
 from vitexp.ledger.sources import write_snapshot
-from vitexp.rows import check_rows, expand_rows, row_name, row_query
+from vitexp.rows import check_rows, composing, expand_rows, row_name, row_query
 from vitexp.run import ArgumentParser
 from vitexp.render import (CITED, NO_PAPER, NOT_RECORDED, NOT_RUN, UNICODE_TEX, _body, _cell_texts,  # noqa: F401
                            _header, _missing, footnotes, mark_notes, render_csv, render_latex, render_markdown)
@@ -137,32 +137,35 @@ def fill(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overri
     # an eval entry re-tests a training run's weights under its name (vitexp-eval): it checks a cell, never fills one
     starts = {row_name(r): (ledger.newest(row_name(r), "train") or {}).get("run_id")
               for r in rows if r.get("experiment") and aggregate.shared_start(spec, r)}
-    filled = []
-    for row in rows:
-        name, query = row_name(row), row_query(spec, row, overrides)
-        wanted = row.get("protocol") or spec.get("protocol") or {}  # e.g. {mode: compare}: only such runs
-        found = ledger.row_runs(query) if query else {None: []}
-        done = {seed: [r for r in rs if r["status"] == "completed" and r["kind"] != "eval"
-                       and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())]
-                for seed, rs in found.items()}
-        by_seed = {seed: aggregate.chosen(rs, keys) for seed, rs in done.items()}
-        seeds = query.seeds if query else None
-        cells = _cells(spec, row, by_seed, seeds is not None)
-        _mark(cells, {r["run_id"]: r for rs in by_seed.values() for r in rs})
-        cited_ids = {i for c in cells.values() for i in (c.get("run_ids") or [c.get("run_id")]) if i}
-        cited = [r for rs in by_seed.values() for r in rs if r["run_id"] in cited_ids]
-        pending = [effective_status(r) for r in ledger.named(name) if r["status"] == "running"] if name else []
-        filled.append({"label": row["label"], "experiment": name,
-                       "cited": bool(row.get("cited")), "series": row.get("series"), "cells": cells,
-                       "seeds": seeds, "baseline": row.get("baseline"), "runs": cited,
-                       "overlapping": sorted({r["run_id"] for r in cited if seeds is not None
-                                              and aggregate.overlapping_order(r)}),
-                       "other_start": sorted({r["run_id"] for r in cited if seeds is not None
-                                              and aggregate.other_start(r, starts, ledger)}),
-                       "pending": pending[-1] if pending else None,
-                       "trained": any(r.get("kind") == "train" for rs in done.values() for r in rs)})
+    with composing():
+        filled = [_fill_row(spec, row, ledger, keys, starts, overrides) for row in rows]
     aggregate.paired_cells(spec, filled)
     return filled
+
+
+def _fill_row(spec: dict[str, Any], row: dict[str, Any], ledger: Ledger, keys: list[str],
+              starts: dict[str, str | None], overrides: Sequence[str]) -> dict[str, Any]:
+    """One row of :func:`fill`."""
+    name, query = row_name(row), row_query(spec, row, overrides)
+    wanted = row.get("protocol") or spec.get("protocol") or {}  # e.g. {mode: compare}: only such runs
+    found = ledger.row_runs(query) if query else {None: []}
+    done = {seed: [r for r in rs if r["status"] == "completed" and r["kind"] != "eval"
+                   and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())]
+            for seed, rs in found.items()}
+    by_seed = {seed: aggregate.chosen(rs, keys) for seed, rs in done.items()}
+    seeds = query.seeds if query else None
+    cells = _cells(spec, row, by_seed, seeds is not None)
+    _mark(cells, {r["run_id"]: r for rs in by_seed.values() for r in rs})
+    cited_ids = {i for c in cells.values() for i in (c.get("run_ids") or [c.get("run_id")]) if i}
+    cited = [r for rs in by_seed.values() for r in rs if r["run_id"] in cited_ids]
+    pending = [effective_status(r) for r in ledger.named(name) if r["status"] == "running"] if name else []
+    return {"label": row["label"], "experiment": name, "cited": bool(row.get("cited")), "series": row.get("series"),
+            "cells": cells, "seeds": seeds, "baseline": row.get("baseline"), "runs": cited,
+            "overlapping": sorted({r["run_id"] for r in cited if seeds is not None and aggregate.overlapping_order(r)}),
+            "other_start": sorted({r["run_id"] for r in cited if seeds is not None
+                                   and aggregate.other_start(r, starts, ledger)}),
+            "pending": pending[-1] if pending else None,
+            "trained": any(r.get("kind") == "train" for rs in done.values() for r in rs)}
 
 
 def write_table(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", out_dir: Path,
