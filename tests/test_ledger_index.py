@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vitexp import tables
+from vitexp import rows, tables
 from vitexp.ledger import Ledger, LedgerEntry, RowQuery
 from vitexp.rows import composed_config, row_query
 
@@ -107,6 +107,7 @@ def test_a_row_takes_only_runs_of_its_configuration_whatever_their_name(results_
     (row,) = tables.fill(DEMO, ledger)
     assert row["cells"]["top1"]["run_id"] == real and row["cells"]["throughput"]["value"] is None
     renamed = _entry(results_dir, "my_demo", _demo_config(), 96.0, "2026-01-03T00:00:00+00:00")
+    rows._COMPOSED.clear()  # composed afresh, inside the table's one Hydra initialisation
     (row,) = tables.fill(DEMO, Ledger.load(results_dir))
     assert row["cells"]["top1"]["run_id"] == renamed
     from hydra.core.global_hydra import GlobalHydra
