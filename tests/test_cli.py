@@ -33,7 +33,7 @@ def test_flops_cli_prints_params_and_gmacs(results_dir, tmp_path):
     assert result["protocol"]["resolution"] == 224 and result["protocol"]["registers"] == 0
     (entry,) = ledger_entries(results_dir)
     assert entry["kind"] == "flops" and entry["experiment"] == "deit_small_baseline"
-    assert Path(result["ledger"]) == results_dir / "runs" / f"{entry['run_id']}.json"
+    assert result["ledger"] == f"runs/{entry['run_id']}.json"  # relative to the results root: no machine path
 
 
 def test_unknown_backbone_fails_naming_choices_and_writes_nothing(results_dir, tmp_path):
@@ -195,6 +195,8 @@ BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file fr
     (["trainer=gpu"], "trainer.accelerator"),
     *[([*RAPTOR, f"method.{key}={{ckpt:{name}}}"], f"{{ckpt:{name}}}")  # RAPTOR's own files
       for key in ("probe_head", "surrogate") for name in ("random", "empty", "pickled")],
+    ([*RAPTOR, "method.probe.lr=abc"], "method.probe.lr"),  # recipe keys of the probe stages
+    ([*RAPTOR, "+method.probe.lrr=1"], "method.probe.lrr"),
 ]
 
 

@@ -207,6 +207,20 @@ class Config:
     detector: Detector
 
 
+def recipe_keys(name: str, keys: Any) -> type:
+    """A ``TypedDict`` of the ``Recipe`` keys ``keys`` (each optional), for a method argument that
+    holds recipe keys of its own stages (RAPTOR's ``method.probe``): :func:`check_types` checks its
+    values as the recipe's and refuses any other key."""
+    hints = _hints(Recipe)
+    return typing.TypedDict(name, {k: hints[k] for k in sorted(keys)}, total=False)
+
+
+def _typed_dict(annotation: Any) -> type | None:
+    """The ``TypedDict`` of ``annotation`` (``Optional`` unwrapped), else None."""
+    members = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    return next((a for a in members if typing.is_typeddict(a)), None)
+
+
 #: ``lightning.Trainer`` arguments vitexp sets itself, and the key that says what to set instead.
 TRAINER_SET_BY_VITEXP = {"max_epochs": "recipe.epochs", "gradient_clip_val": "recipe.grad_clip",
                          "default_root_dir": "hydra.run.dir", "logger": "logger=wandb|csv|none",
@@ -316,7 +330,14 @@ def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: 
                 raise ConfigError(f"{prefix}{key}: not an argument of {owner}; its arguments: {sorted(hints)}")
             continue  # a key no schema knows: Hydra's struct mode and check_overrides refuse unknown keys
         annotation = hints[key]
-        if dataclasses.is_dataclass(annotation) and isinstance(value, Mapping):
+        keys = _typed_dict(annotation)
+        if keys is not None and isinstance(value, Mapping):
+            valid = typing.get_type_hints(keys)
+            for sub in value:
+                if sub not in valid:
+                    raise ConfigError(f"{prefix}{key}.{sub}: not a key of {prefix}{key}; valid keys: {sorted(valid)}")
+            _check_mapping(value, valid, f"{prefix}{key}.", owner=None)
+        elif dataclasses.is_dataclass(annotation) and isinstance(value, Mapping):
             _check_mapping(value, _hints(annotation), f"{prefix}{key}.", owner=None)
         elif _contains_skip(value):
             continue

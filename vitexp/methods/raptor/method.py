@@ -14,11 +14,14 @@ from vitexp.methods.raptor.distill import RaptorDistill
 from vitexp.methods.raptor.phases import distance_matrix_from_data, even_phases, phases_for_blocks
 from vitexp.methods.raptor.reference import ReferenceSurrogate, phases_from_thresholds, read_surrogate
 from vitexp.methods.raptor.surrogate import MLP_KINDS, RaptorBlock, RaptorSurrogate
+from vitexp.schema import recipe_keys
 
 
 #: Recipe keys ``method.probe`` may set for the probe stages.
 PROBE_RECIPE_KEYS = frozenset({"epochs", "batch_size", "opt", "lr", "weight_decay", "sched", "warmup_epochs",
                                "warmup_steps", "warmup_lr", "min_lr", "grad_clip"})
+#: ``method.probe``'s type: those keys, typed as the recipe's (:func:`vitexp.schema.recipe_keys`).
+ProbeRecipe = recipe_keys("ProbeRecipe", PROBE_RECIPE_KEYS)
 
 
 def read_linear_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +86,7 @@ class Raptor(Method):
     def __init__(self, name: str = "raptor", phases: Sequence[Sequence[int]] | None = None,
                  phase_images: int = 256, min_phase_size: int = 2, stage1_epochs: int = 1,
                  stage2_epochs: int = 1, tau_fraction: float = 0.25, stage2_targets: str = "all_layers",
-                 cache_dir: str | None = None, probe: Mapping[str, Any] | None = None,
+                 cache_dir: str | None = None, probe: ProbeRecipe | None = None,
                  teacher_probe: bool = True, teacher_probe_run: str | None = None, mlp: str = "swiglu",
                  probe_head: str | None = None, surrogate: str | Sequence[str] | None = None,
                  distill_augment: bool = False):
