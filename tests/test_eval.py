@@ -191,3 +191,24 @@ def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(
     result = run_eval(capsys, student["run_id"], "logger=none")
     assert result["status"] == "completed" and result["evaluates"] == student["run_id"]
     assert result["metrics"]["top1"] == pytest.approx(student["metrics"]["top1"], abs=1e-9)
+
+
+def test_missing_weights_are_an_invalid_command_in_one_line(make_cfg, results_dir, tmp_path, capsys):
+    """``--weights`` naming no file, and a run whose own weights.pth is gone (no W&B artifact to
+    take it from): exit 2, one line naming the file, no eval entry."""
+    from vitexp.train import train
+
+    trained = train(make_cfg(TINY, tmp_path / "run"))
+    missing = tmp_path / "nonexistent.pth"
+    own = tmp_path / "run" / "weights.pth"
+    for args, named in ((["--weights", str(missing)], str(missing)), ([], "weights.pth")):
+        if not args:
+            own.unlink()
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            run_eval(capsys, trained["run_id"], "logger=none", *args)
+        out = capsys.readouterr()
+        (line,) = out.err.splitlines()
+        assert exit_.value.code == 2 and named in line and "vitexp-eval: invalid" in line, line
+        assert json.loads(out.out.strip().splitlines()[-1])["status"] == "invalid"
+        assert [e["kind"] for e in ledger_entries(results_dir)] == ["train"]

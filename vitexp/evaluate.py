@@ -122,17 +122,19 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
     from vitexp.train import datamodule_cache, evaluate_test_split, stage_config, stage_module
 
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
-        built = rebuild_config(cfg, record)
-        method = validate(built)
         artifacts = record.get("artifacts") or {}
-        path = Path(weights) if weights else local_path(artifacts.get("weights"), cfg.results_dir)
+        key = "--weights" if weights else f"run {record['run_id']}'s weights"
+        if weights:  # the file given, checked first: no fallback to the run's own
+            check_file(Path(weights).expanduser(), key)
+        path = Path(weights).expanduser() if weights else local_path(artifacts.get("weights"), cfg.results_dir)
         if not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model"):  # trained elsewhere
             path = Path(fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"]["weights"])
         if path is None or not path.is_file():
-            raise FileNotFoundError(f"run {record['run_id']}: its weights {path} are not on this machine; pass --weights "
-                                    f"(weights.pth or checkpoints/last.ckpt of that run) or rerun it")
-        key = "--weights" if weights else f"run {record['run_id']}'s weights"
+            raise CheckpointError(f"{key}: {path} is not on this machine; pass --weights (weights.pth or "
+                                  f"checkpoints/last.ckpt of that run) or rerun it")
         check_file(path, key)
+        built = rebuild_config(cfg, record)
+        method = validate(built)
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         backbone, method, data_config = build_backbone_and_method(built, method)
         datamodule_for = datamodule_cache(data_config)
