@@ -636,3 +636,22 @@ def test_reference_files_without_thresholds_require_method_phases(tmp_path):
                                 num_classes=10)
     model = method.apply(teacher, budget)
     assert model.surrogate.phases == [[0, 1], [2, 3]] and method.record()["phases_source"] == "method.phases"
+
+
+def test_each_probe_logs_its_own_keys_so_the_loggers_test_top1_is_the_ledgers(make_cfg, results_dir, tmp_path):
+    """The two probe stages log under their metrics prefix: the surrogate's ``test/top1`` (the
+    ledger's ``top1``, W&B's summary) is not overwritten by the teacher's, logged as
+    ``teacher_test/top1`` (``teacher_top1``)."""
+    import csv
+
+    from conftest import QUIET
+    from vitexp.train import train
+
+    out = train(make_cfg([*QUIET, "logger=csv", "backbone=dinov2_micro_reg", "method=raptor", "budget=blocks",
+                          "recipe=raptor", "data=synthetic", "recipe.epochs=1", "method.probe.epochs=1",
+                          "method.phase_images=16", "eval.throughput=false", "eval.flops=false"], tmp_path / "run"))
+    rows = list(csv.DictReader((tmp_path / "run" / "csv" / "metrics.csv").open()))
+    last = lambda key: [float(r[key]) for r in rows if r.get(key)][-1]  # noqa: E731
+    assert last("test/top1") == pytest.approx(out["metrics"]["top1"])
+    assert last("teacher_test/top1") == pytest.approx(out["metrics"]["teacher_top1"])
+    assert last("teacher_val/top1") == pytest.approx(out["metrics"]["teacher_val_top1"])

@@ -46,12 +46,26 @@ def percent_logger(base: type) -> type:
     """``base`` (a Lightning logger class) writing accuracies in % (:func:`in_percent`)."""
 
     class PercentLogger(base):
+        #: The metrics prefix of the stage being fitted (:func:`stage_keys`): ``teacher_`` logs
+        #: ``teacher_test/top1``, so the deployed stage's ``test/top1`` is the ledger's ``top1``.
+        key_prefix: str = ""
+
         def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-            super().log_metrics(in_percent(metrics), step)
+            metrics = in_percent(metrics)
+            if self.key_prefix:
+                metrics = {f"{self.key_prefix}{k}" if k.startswith(LOGGED_SPLITS) else k: v for k, v in metrics.items()}
+            super().log_metrics(metrics, step)
 
     PercentLogger.__name__ = PercentLogger.__qualname__ = f"Percent{base.__name__}"
     PercentLogger.__module__ = __name__  # found by pickle through the module's __getattr__
     return PercentLogger
+
+
+def stage_keys(logger, prefix: str | None) -> None:
+    """Log the next stage's ``train/``, ``val/`` and ``test/`` keys under its metrics ``prefix``
+    (RAPTOR's ``teacher_``; None or ``""``: as logged), as the ledger names that stage's metrics."""
+    if logger and hasattr(type(logger), "key_prefix"):
+        logger.key_prefix = prefix or ""
 
 
 def __getattr__(name: str) -> type:

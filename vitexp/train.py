@@ -32,6 +32,7 @@ from vitexp.config import to_container, validate
 from vitexp.data import DATA_ORDER
 from vitexp.methods import Method, Stage
 from vitexp.ledger import atomic_write, portable_path
+from vitexp.logging_utils import stage_keys
 from vitexp.run import owned_run, resume_checkpoint
 
 
@@ -180,6 +181,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
         deployed_model = model
         order = DataOrderMark(DATA_ORDER)
         for i, stage in enumerate(stages):
+            stage_keys(run.logger, stage.metrics_prefix)
             module, trainer, fit_s = fit_stage(cfg, stage, datamodule_for, run.logger, output_dir,
                                                [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0)
             if run.ledger is not None:
@@ -203,6 +205,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
             if stage.deployed:
                 deployed_model = module.model
             metrics["world_size"] = trainer.world_size
+        stage_keys(run.logger, None)
         for stage_name, seconds in (run.ledger.previous_fit_time() if run.ledger is not None else {}).items():
             key = "fit_time_s" if stage_name == "main" else f"{stage_name}_fit_time_s"  # a resumed run: every attempt's
             metrics[key] = metrics.get(key, 0.0) + seconds
