@@ -254,3 +254,23 @@ def test_a_key_added_to_a_mapping_of_the_schema_is_accepted(plus, results_dir, t
     assert proc.returncode == 0, proc.stderr[-2000:]
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "completed" and entry["config"]["backbone"]["kwargs"] == {"init_values": 1.0}
+
+
+def test_values_from_the_environment_and_optional_warmup_steps_are_accepted(results_dir, tmp_path):
+    """``${oc.env:SLURM_ARRAY_TASK_ID,3}`` for ``seed`` and ``${oc.env:LR,0.001}`` for ``recipe.lr`` are
+    strings that convert losslessly to the integer and float expected: accepted, and recorded as
+    those numbers (as a structured config would convert them); ``recipe.warmup_steps=null`` (no
+    step warmup) with recipe=raptor too."""
+    args = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor",
+            "seed=${oc.env:SLURM_ARRAY_TASK_ID,3}", "recipe.lr=${oc.env:LR,0.001}", "recipe.warmup_steps=null",
+            "logger=none"]
+    proc = subprocess.run([str(BIN / "vitexp-flops"), *args], capture_output=True, text=True, cwd=tmp_path,
+                          env={**cli_env(results_dir), "SLURM_ARRAY_TASK_ID": "3", "LR": "0.001"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (entry,) = ledger_entries(results_dir)
+    assert entry["config"]["seed"] == 3 and entry["config"]["recipe"]["lr"] == 0.001
+    assert entry["config"]["recipe"]["warmup_steps"] is None
+    bad = subprocess.run([str(BIN / "vitexp-flops"), "seed=${oc.env:SLURM_ARRAY_TASK_ID}", "logger=none"],
+                         capture_output=True, text=True, cwd=tmp_path,
+                         env={**cli_env(results_dir), "SLURM_ARRAY_TASK_ID": "3.5"}, timeout=300)
+    assert bad.returncode == 2 and "seed: '3.5' is not an integer" in bad.stderr

@@ -33,6 +33,7 @@ import collections.abc as cabc
 import dataclasses
 import functools
 import inspect
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ class Recipe:
     momentum: Optional[float]
     sched: str
     warmup_epochs: float
-    warmup_steps: int
+    warmup_steps: Optional[int]  # null: no step warm-up (vitexp.module reads it so)
     warmup_lr: float
     min_lr: float
     decay_epochs: List[float]
@@ -237,20 +238,27 @@ def check_types(cfg: DictConfig) -> None:
         return
     values.pop("hydra", None)
     method, trainer = values.pop("method", None), values.pop("trainer", None)
-    _check_mapping(values, _hints(Config), "", owner=None)
+    converted: dict[str, Any] = {}
+    _check_mapping(values, _hints(Config), "", owner=None, converted=converted)
     if isinstance(method, dict):
         target = method.get("_target_")
         if isinstance(target, str):
             params, open_ = _constructor_hints(target, "method._target_")
             _check_mapping({k: v for k, v in method.items() if not k.startswith("_")}, params, "method.",
-                           owner=None if open_ else target)
+                           owner=None if open_ else target, converted=converted)
     if isinstance(trainer, dict):
         for key, instead in TRAINER_SET_BY_VITEXP.items():
             if key in trainer:
                 raise ConfigError(f"trainer.{key}: set by vitexp" + (f" (set {instead})" if instead else ""))
         params, open_ = _constructor_hints("lightning.Trainer", "trainer")
         params = {k: v for k, v in params.items() if k not in TRAINER_SET_BY_VITEXP}
-        _check_mapping(trainer, params, "trainer.", owner=None if open_ else "lightning.Trainer")
+        _check_mapping(trainer, params, "trainer.", owner=None if open_ else "lightning.Trainer", converted=converted)
+    if converted:  # the numbers, as a structured config would hold them: the code reads numbers
+        from omegaconf import open_dict
+
+        with open_dict(cfg):
+            for key, value in converted.items():
+                OmegaConf.update(cfg, key, value, merge=False)
 
 
 def takes_any_key(key: str) -> bool:
@@ -321,7 +329,11 @@ def _constructor_hints(target: str, key: str) -> tuple[dict[str, Any], bool]:
     return named, any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
-def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: str, owner: str | None) -> None:
+def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: str, owner: str | None,
+                   converted: dict[str, Any] | None = None) -> None:
+    """Check ``values`` against ``hints``; a string that converts losslessly to the number expected
+    (``${oc.env:SLURM_ARRAY_TASK_ID}`` is ``'3'``) goes into ``converted`` as that number."""
+    converted = {} if converted is None else converted
     for key, value in values.items():
         if value is _SKIP:
             continue
@@ -336,13 +348,34 @@ def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: 
             for sub in value:
                 if sub not in valid:
                     raise ConfigError(f"{prefix}{key}.{sub}: not a key of {prefix}{key}; valid keys: {sorted(valid)}")
-            _check_mapping(value, valid, f"{prefix}{key}.", owner=None)
+            _check_mapping(value, valid, f"{prefix}{key}.", owner=None, converted=converted)
         elif dataclasses.is_dataclass(annotation) and isinstance(value, Mapping):
-            _check_mapping(value, _hints(annotation), f"{prefix}{key}.", owner=None)
+            _check_mapping(value, _hints(annotation), f"{prefix}{key}.", owner=None, converted=converted)
         elif _contains_skip(value):
             continue
         elif not conforms(value, annotation):
-            raise ConfigError(f"{prefix}{key}: {value!r} is not {describe(annotation)}")
+            number = _number(value, annotation)
+            if number is None:
+                raise ConfigError(f"{prefix}{key}: {value!r} is not {describe(annotation)}")
+            converted[f"{prefix}{key}"] = number
+
+
+_INT = re.compile(r"[+-]?\d+")
+_FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _number(value: Any, annotation: Any) -> int | float | None:
+    """``value``, a string, as the integer or float ``annotation`` expects when it converts
+    losslessly (``'3'`` to 3, ``'0.001'`` to 0.001; ``'3.5'`` is no integer), else None."""
+    if not isinstance(value, str):
+        return None
+    members = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
+    text = value.strip()
+    if int in members and _INT.fullmatch(text):
+        return int(text)
+    if float in members and _FLOAT.fullmatch(text):
+        return float(text)
+    return None
 
 
 def _contains_skip(value: Any) -> bool:
