@@ -39,8 +39,10 @@ def _report(status: str, err: BaseException, prog: str, message: str | None = No
         traceback.print_exception(err)
     print(f"{prog}: {status}: " + (message if status == "invalid" else f"{type(err).__name__}: {message}"),
           file=sys.stderr)
-    if not getattr(err, "vitexp_reported", False):
-        emit({"status": status, "error": f"{type(err).__name__}: {message}", "ledger": None})
+    if not getattr(err, "vitexp_reported", False):  # the line's paths relative, as the ledger's
+        from vitexp.ledger import portable_text
+
+        emit({"status": status, "error": portable_text(f"{type(err).__name__}: {message}"), "ledger": None})
 
 
 def _invalid(err: BaseException, prog: str = "vitexp") -> None:

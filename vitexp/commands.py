@@ -11,7 +11,7 @@ from omegaconf import DictConfig, open_dict
 
 from vitexp.config import to_container, validate
 from vitexp.errors import ConfigError, one_line
-from vitexp.ledger import atomic_write, portable_path
+from vitexp.ledger import atomic_write, portable_path, portable_text
 from vitexp.run import owned_run
 
 
@@ -292,8 +292,9 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                   f"on {os.cpu_count()} CPUs")
     except Exception as err:  # each owner marked its entry failed; one closing line names them
         started = [r for r in runs.values() if r.ledger is not None] if "runs" in locals() else []
-        emit({"status": "failed", "error": f"{type(err).__name__}: {one_line(err)}",
-              "ledger": [str(r.ledger.path) for r in started], "run_id": [r.ledger.run_id for r in started]})
+        emit({"status": "failed", "error": portable_text(f"{type(err).__name__}: {one_line(err)}", cfg.results_dir),
+              "ledger": [portable_path(r.ledger.path, cfg.results_dir) for r in started],
+              "run_id": [r.ledger.run_id for r in started]})
         err.vitexp_reported = True
         raise
     return {"metrics": {n: r.result["metrics"] for n, r in runs.items()},

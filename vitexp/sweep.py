@@ -36,7 +36,7 @@ from vitexp import CONF_DIR
 from vitexp import recheck
 from vitexp.aggregate import other_start, overlapping_order, row_seeds, seeded_name, shared_start
 from vitexp.errors import one_line
-from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, effective_status, weights_run
+from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, effective_status, portable_text, weights_run
 from vitexp.rows import composing, expand_rows, job_arguments, row_name, row_query
 from vitexp.tables import all_specs, load_spec, table_names
 from vitexp.run import ArgumentParser
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         todo = plan(spec, args.kind, args.force, results_dir, args.overrides)
     except (FileNotFoundError, ValueError) as err:
         print(f"vitexp-sweep: invalid: {one_line(err)}", file=sys.stderr)
-        print(json.dumps({"status": "invalid", "error": one_line(err), "ledger": None}))
+        print(json.dumps({"status": "invalid", "error": portable_text(one_line(err)), "ledger": None}))
         return 2
     launch, skipped, commands = {}, {}, []
     for kind, rows in todo.items():
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         for _, cmd in commands:
             print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr)
         print(json.dumps({"table": spec["name"], "status": "dry_run", "would_launch": launch, "skipped": skipped,
-                          "commands": [" ".join(cmd) for _, cmd in commands]}))
+                          "commands": [" ".join([APPS[kind], *cmd[1:]]) for kind, cmd in commands]}))  # no machine path
         return 0
     summary = {"table": spec["name"], "launched": launch, "skipped": skipped, "returncodes": {}}
     status = 0

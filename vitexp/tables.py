@@ -243,9 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     written = {}
     for spec in specs:
         spec = {**spec, "skipped_broken": [str(b) for b in skipped[spec["name"]]]}
-        rows = fill(spec, ledger, overrides)
-        written[spec["name"]] = _write(spec, rows, out_dir)
-        print(render_markdown(spec, rows))
+        written[spec["name"]] = write_table(spec, ledger, out_dir, overrides)
+        print(Path(written[spec["name"]]["md"]).read_text())
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
     logs = args.log_wandb is not None or bool(args.wandb)
