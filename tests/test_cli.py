@@ -188,6 +188,7 @@ BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file fr
     (["~recipe.lr"], "recipe.lr"),
     (["backbone=nope"], "backbone"),
     (["recipe.epochs=0"], "recipe.epochs"),
+    (["recipe.lr=${nope}"], "recipe.lr: ${nope} does not resolve"),  # the key, not hydra.run.dir
     (["backbone.pretrained={ckpt:random}"], "{ckpt:random}"),
     (["backbone.pretrained={ckpt:empty}"], "{ckpt:empty}"),
     (["backbone.pretrained={ckpt:wrong_keys}"], "{ckpt:wrong_keys}"),

@@ -52,8 +52,22 @@ def _hydra_run_name(*, _root_: Any) -> str:
     choices = {k: v for k, v in hc.runtime.choices.items() if v is not None}
     from vitexp.ledger.entry import short_name
 
-    name = run_name(OmegaConf.create({"name": str(name)}), choices, list(hc.overrides.task))
+    name = run_name(OmegaConf.create({"name": str(name)}), choices, task_overrides(hc))
     return short_name(name.replace("/", "_"), limit=120, keep="-_+=.,[]")
+
+
+def task_overrides(hydra_cfg: Any) -> list[str]:
+    """The command line's overrides, each resolved as Hydra's node holds them, or as typed where it
+    does not resolve (``recipe.lr=${nope}``): the run folder's name does not fail on it (an error
+    naming ``hydra.run.dir``), and :func:`vitexp.schema.check_types` names the key."""
+    task = hydra_cfg.overrides.task
+    out = []
+    for i, typed in enumerate(OmegaConf.to_container(task, resolve=False)):
+        try:
+            out.append(str(task[i]))
+        except Exception:  # noqa: BLE001 - check_types names the key
+            out.append(str(typed))
+    return out
 
 
 if not OmegaConf.has_resolver("vitexp_name"):

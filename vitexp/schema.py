@@ -21,8 +21,9 @@ Decisions:
 - The check is strict about Python types, as the code reading the values is: an integer where a
   float is expected is a float; a float, a string or a boolean where an integer is expected is not;
   ``true``/``false`` only for a boolean. A ``Literal`` annotation is a list of choices.
-- ``???`` (a value the user must give) and an interpolation that does not resolve are left to
-  :func:`vitexp.config.validate`, which names what to set.
+- ``???`` (a value the user must give), an interpolation of one, and ``${hydra:...}`` outside a
+  Hydra app are left to :func:`vitexp.config.validate`, which names what to set; any other
+  interpolation that does not resolve (``recipe.lr=${nope}``) is refused here, naming its key.
 - A key the constructor does not take (``trainer.foo``, a method key its class lacks) is refused
   here: it would fail inside the run, after its ledger entry. So are the ``lightning.Trainer``
   arguments vitexp sets itself (``max_epochs`` comes from ``recipe.epochs``).
@@ -293,8 +294,8 @@ def _plain(node: Any) -> Any:
                 continue
             try:
                 out[key] = _plain(node[key])
-            except Exception:  # noqa: BLE001 - an interpolation that does not resolve: validate names it
-                out[key] = _SKIP
+            except Exception as err:  # noqa: BLE001 - an interpolation that does not resolve
+                out[key] = _unresolved(node, key, err)
         return out
     if isinstance(node, ListConfig):
         try:
@@ -302,6 +303,28 @@ def _plain(node: Any) -> Any:
         except Exception:  # noqa: BLE001
             return _SKIP
     return node
+
+
+class Unresolved:
+    """A key whose interpolation does not resolve (``recipe.lr=${nope}``): :func:`check_types`
+    names the key, its value as written and why."""
+
+    def __init__(self, raw: Any, err: BaseException):
+        self.raw, self.err = raw, err
+
+
+def _unresolved(node: DictConfig, key: str, err: BaseException) -> Any:
+    """:class:`Unresolved`, or :data:`_SKIP` for what is validate's to name or resolves later: an
+    interpolation of a ``???`` key, and ``${hydra:...}`` outside a Hydra app (``compose``)."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        raw = node._get_node(key)._value()
+    except Exception:  # noqa: BLE001
+        raw = None
+    if isinstance(err, MissingMandatoryValue) or "${hydra:" in str(raw):
+        return _SKIP
+    return Unresolved(raw, err)
 
 
 def _hints(schema: type) -> dict[str, Any]:
@@ -337,6 +360,11 @@ def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: 
     for key, value in values.items():
         if value is _SKIP:
             continue
+        if isinstance(value, Unresolved):
+            from vitexp.errors import one_line
+
+            why = one_line(value.err).split("\n")[0]
+            raise ConfigError(f"{prefix}{key}: {value.raw} does not resolve ({why.rpartition(': ')[2] or why})")
         if key not in hints:
             if owner is not None:
                 raise ConfigError(f"{prefix}{key}: not an argument of {owner}; its arguments: {sorted(hints)}")
