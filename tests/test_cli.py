@@ -194,6 +194,9 @@ BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file fr
     (["backbone.pretrained={ckpt:wrong_keys}"], "{ckpt:wrong_keys}"),
     (["backbone.pretrained={ckpt:pickled}"], "{ckpt:pickled}"),
     (["trainer=gpu"], "trainer.accelerator"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator=tpu"),
+    (["+trainer.enable_checkpointing=false"], "trainer.enable_checkpointing: set by vitexp"),
+    (["+foo=1"], "foo: not a key of the config"),
     *[([*RAPTOR, f"method.{key}={{ckpt:{name}}}"], f"{{ckpt:{name}}}")  # RAPTOR's own files
       for key in ("probe_head", "surrogate") for name in ("random", "empty", "pickled")],
     ([*RAPTOR, "method.probe.lr=abc"], "method.probe.lr"),  # recipe keys of the probe stages
@@ -275,3 +278,15 @@ def test_values_from_the_environment_and_optional_warmup_steps_are_accepted(resu
                          capture_output=True, text=True, cwd=tmp_path,
                          env={**cli_env(results_dir), "SLURM_ARRAY_TASK_ID": "3.5"}, timeout=300)
     assert bad.returncode == 2 and "seed: '3.5' is not an integer" in bad.stderr
+
+
+def test_bench_on_a_gpu_this_machine_lacks_is_refused_before_its_entry(results_dir, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    (results_dir / "runs").mkdir(parents=True)
+    proc = run("vitexp-bench", "bench.device=cuda", "logger=none", results_dir=results_dir, cwd=tmp_path)
+    (line,) = proc.stderr.splitlines()
+    assert proc.returncode == 2 and "bench.device=cuda" in line, proc.stderr[-2000:]
+    assert list((results_dir / "runs").iterdir()) == [] and not (tmp_path / "outputs").exists()

@@ -101,6 +101,19 @@ def check_accelerator(trainer: Any) -> None:
     import torch
 
     accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator not in ("gpu", "cuda", "auto", "cpu"):  # tpu, mps, hpu, ...: Lightning's registry says
+        from lightning.pytorch.accelerators import AcceleratorRegistry
+
+        if accelerator not in AcceleratorRegistry:
+            raise ConfigError(f"trainer.accelerator={accelerator}: not one of {sorted(AcceleratorRegistry)}")
+        try:
+            available = AcceleratorRegistry[accelerator]["accelerator"].is_available()
+        except Exception:  # noqa: BLE001 - its package missing (torch_xla)
+            available = False
+        if not available:
+            raise ConfigError(f"trainer.accelerator={accelerator}: not available on this machine; "
+                              "run with trainer=cpu, or trainer=gpu on a GPU machine")
+        return
     if accelerator not in ("gpu", "cuda"):
         return
     if not torch.cuda.is_available():

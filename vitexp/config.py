@@ -127,6 +127,13 @@ def _compose_beside_hydra(overrides: list[str]) -> DictConfig:
             GlobalHydra.instance().initialize(running)
 
 
+def top_level_keys() -> set[str]:
+    """The config's top-level keys (:class:`vitexp.schema.Config`'s, ``method``, ``trainer``)."""
+    from vitexp.schema import Config, _hints
+
+    return set(_hints(Config)) | {"method", "trainer", "hydra"}
+
+
 def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
     """Refuse ``+group.key=value``, and ``++group.key=value`` where the key did not exist, that adds
     a key to one of :data:`SCHEMA_GROUPS` (a misspelt key would otherwise be accepted and ignored),
@@ -145,6 +152,10 @@ def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
             continue
         key = ov.lstrip("+").split("=", 1)[0]
         group, _, sub = key.partition(".")
+        if not sub and "/" not in key and key not in top_level_keys() and not (CONF_DIR / key).is_dir():
+            valid = sorted(k for k in cfg.keys() if k not in ("hydra", key))  # +foo=1: a key nothing reads
+            raise ConfigError(f"{key}: not a key of the config (added with '{ov[:len(ov) - len(ov.lstrip('+'))]}'); "
+                              f"its keys: {valid}")
         if group not in SCHEMA_GROUPS or not sub:
             continue
         parent_key, _, leaf = key.rpartition(".")
@@ -256,6 +267,11 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
 
     _check(cfg.bench.device in ("auto", "cpu", "cuda"), "bench.device",
            f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')")
+    if cfg.bench.device == "cuda" and need_trainer is False:  # vitexp-bench: it runs on bench.device
+        import torch
+
+        _check(torch.cuda.is_available(), "bench.device=cuda",
+               "this machine has no CUDA GPU (torch.cuda.is_available() is false); bench.device=cpu or auto")
 
     if method is None:
         _check_bspf_spec(cfg)

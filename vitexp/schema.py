@@ -226,7 +226,8 @@ def _typed_dict(annotation: Any) -> type | None:
 #: ``lightning.Trainer`` arguments vitexp sets itself, and the key that says what to set instead.
 TRAINER_SET_BY_VITEXP = {"max_epochs": "recipe.epochs", "gradient_clip_val": "recipe.grad_clip",
                          "default_root_dir": "hydra.run.dir", "logger": "logger=wandb|csv|none",
-                         "callbacks": None, "plugins": None}
+                         "callbacks": None, "plugins": None,
+                         "enable_checkpointing": None}  # vitexp's ModelCheckpoint: last.ckpt, which resume reads
 
 _SKIP = object()  # ??? or an interpolation that does not resolve: validate's to name
 
