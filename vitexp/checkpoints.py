@@ -23,7 +23,6 @@ Decisions:
 """
 from __future__ import annotations
 
-import argparse
 import re
 import warnings
 from pathlib import Path
@@ -33,8 +32,7 @@ from omegaconf import DictConfig
 
 from vitexp.errors import CheckpointError, ConfigError, join_lines, one_line
 
-#: The Python objects a weights file may hold beside its tensors (module docstring).
-SAFE_GLOBALS = [argparse.Namespace]
+from vitexp.models.factory import SAFE_GLOBALS  # the Python objects a weights file may hold beside its tensors
 
 
 def check_file(path: str | Path, key: str) -> Any:

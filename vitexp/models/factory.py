@@ -14,7 +14,7 @@ Decisions:
   the flag named (:func:`read_checkpoint`, a :class:`~vitexp.errors.CheckpointError`). A file that
   is a plain state dict (no such keys) is the weights. A ``module.`` prefix is stripped (timm's
   ``clean_state_dict``), and an ``args`` Namespace beside the weights is allowed
-  (:data:`vitexp.checkpoints.SAFE_GLOBALS`).
+  (:data:`SAFE_GLOBALS`).
 - ``backbone.use_ema`` is not written in the ``conf/backbone`` files: a key there would change the
   fingerprint of every run in the ledger, and the tables would lose them. Absent means false;
   ``++backbone.use_ema=true`` adds it (:data:`vitexp.config.ADDABLE_KEYS`), and the schema types it.
@@ -36,6 +36,8 @@ Decisions:
   data always have 3 channels): such a checkpoint is refused with the size mismatch named.
 """
 from __future__ import annotations
+
+import argparse
 
 import contextlib
 import sys
@@ -67,12 +69,15 @@ class CheckpointMismatchError(RuntimeError):
         super().__init__(msg)
 
 
+
+#: The Python objects a weights file may hold beside its tensors: the training script's ``args``
+#: (timm's CheckpointSaver, SHViT's main.py). Nothing else is unpickled.
+SAFE_GLOBALS = [argparse.Namespace]
+
 def read_checkpoint(path: str, use_ema: bool = False) -> dict[str, Any]:
     """The state dict in ``path`` that ``use_ema`` selects (module docstring), ``module.`` stripped."""
     import torch
     from timm.models import clean_state_dict
-
-    from vitexp.checkpoints import SAFE_GLOBALS
 
     with torch.serialization.safe_globals(SAFE_GLOBALS):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
