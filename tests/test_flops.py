@@ -82,6 +82,8 @@ def test_flops_of_a_saper_model_count_the_same_heads_whatever_the_global_rng(tmp
     heads leaves some layers headless, whose params differ by which layers those are."""
     import json
 
+    from vitexp.ledger.paths import local_path
+
     from vitexp.commands import run_flops
     from vitexp.config import compose
 
@@ -90,7 +92,7 @@ def test_flops_of_a_saper_model_count_the_same_heads_whatever_the_global_rng(tmp
                        "logger=none", f"results_dir={tmp_path}", f"output_dir={tmp_path}/out{global_seed}"])
         torch.manual_seed(global_seed)
         result = run_flops(cfg)
-        return result["metrics"], json.loads(open(result["ledger"]).read())["kept_heads"]
+        return result["metrics"], json.loads(local_path(result["ledger"], tmp_path).read_text())["kept_heads"]
 
     (m1, heads1), (m2, heads2) = once(1), once(2)
     assert sum(len(h) for h in heads1) == 3

@@ -197,7 +197,8 @@ class DeployedModel(Callback):
 
 
 @pytest.mark.parametrize("method, trainable", [("saper_ft", "scores"), ("saper_kd", "mlp")])
-def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trainable, make_cfg, tmp_path, capsys):
+def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trainable, make_cfg, tmp_path, capsys,
+                                                                     results_dir):
     import lightning as L
 
     from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
@@ -207,7 +208,9 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trai
     cfg = make_cfg(RUN + [f"method={method}", f"method.trainable={trainable}"], tmp_path / method)
     keep = DeployedModel()
     result = train(cfg, callbacks=[keep])
-    entry = json.loads(open(result["ledger"]).read())
+    from vitexp.ledger.paths import local_path
+
+    entry = json.loads(local_path(result["ledger"], results_dir).read_text())
     assert entry["status"] == "completed" and result["metrics"]["heads"] == 5 and result["metrics"]["steps"] > 0
     assert sum(len(h) for h in entry["kept_heads"]) == 5 and count_heads(keep.model) == 5
     assert entry["selection_source"].startswith("importance over 2 calibration batches")
@@ -239,6 +242,6 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trai
 
     torch.manual_seed(123)  # the rebuilt backbone's own weights are all overwritten
     rebuilt = method_from_config(cfg.method).rebuild_deployed(build_configured_backbone(cfg), entry)
-    rebuilt.load_state_dict(torch.load(entry["artifacts"]["weights"]), strict=True)
+    rebuilt.load_state_dict(torch.load(local_path(entry["artifacts"]["weights"], results_dir)), strict=True)
     x = torch.randn(4, 3, 56, 56)
     torch.testing.assert_close(rebuilt.eval()(x), keep.model.eval()(x), rtol=0, atol=0)

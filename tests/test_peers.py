@@ -290,7 +290,7 @@ def test_rows_of_a_series_become_one_curve_each_in_the_plot():
     from vitexp.tables import fill, load_spec, series_curves
 
     spec = load_spec("peers_deit_small")
-    runs = [{"run_id": f"r{i}", "experiment": e, "status": "completed", "metrics": {"gmacs": g, "top1": t}}
+    runs = [{"run_id": f"r{i}", "experiment": e, "status": "completed", "kind": "flops", "metrics": {"gmacs": g, "top1": t}}
             for i, (e, g, t) in enumerate([("evit_deit_small_keep07", 3.0, 79.0), ("evit_deit_small_keep05", 2.3, 78.0),
                                            ("tome_deit_small_r13", 2.7, 79.1)])]
     curves = series_curves(fill(spec, runs), "gmacs", "top1")

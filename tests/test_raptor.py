@@ -204,7 +204,7 @@ def test_teacher_cache_hits_on_the_same_images_and_misses_on_new_ones(tmp_path):
     (["budget.k=4"], r"budget.k: 4 blocks must be in \[1, 3\]"),
     (["budget=heads"], "accepts budget kinds \\['blocks'\\]"),
     (["method.phases=[[0,1,2],[4,5]]"], "method.phases"),
-    (["+method.probe.lrr=1"], "method.probe: unknown recipe keys"),  # past Hydra's struct check
+    (["+method.probe.lrr=1"], "method.probe.lrr: not a key of method.probe"),  # past Hydra's struct check
     (["backbone=caformer_micro"], "MetaFormer"),
 ])
 def test_raptor_config_errors_name_the_key(make_cfg, overrides, match):
@@ -248,7 +248,9 @@ def test_micro_raptor_run_trains_teacher_then_surrogate_then_both_probes(make_cf
     for stage in ("stage1", "stage2", "probe", "teacher_probe"):
         assert (tmp_path / "raptor" / "checkpoints" / stage / "last.ckpt").is_file()
     # the surrogate's weights: the probe model as deployed, loadable again
-    state = torch.load(entry["artifacts"]["weights"], weights_only=True)
+    from vitexp.ledger.paths import local_path
+
+    state = torch.load(local_path(entry["artifacts"]["weights"], results_dir), weights_only=True)
     assert any(k.startswith("backbone.blocks.1.gate") for k in state)
 
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 from timm.models.vision_transformer import Attention
 
 import vitexp  # noqa: F401
+from vitexp.ledger.paths import local_path
 from vitexp.flops import count_heads as head_count
 from vitexp.flops import count_macs
 from vitexp.methods.probe import ProbeModel
@@ -324,7 +325,7 @@ def test_run_reports_and_saves_the_deployed_model(method, make_cfg, results_dir,
 
     torch.manual_seed(123)  # the rebuilt backbone's own initial weights are all overwritten
     rebuilt = method_from_config(cfg.method).rebuild_deployed(build_configured_backbone(cfg), entry)
-    rebuilt.load_state_dict(torch.load(entry["artifacts"]["weights"]), strict=True)
+    rebuilt.load_state_dict(torch.load(local_path(entry["artifacts"]["weights"], results_dir)), strict=True)
     assert head_count(rebuilt) == 5
     assert all(type(b.attn) in (Attention, ConstantBranch) for b in rebuilt.backbone.blocks)
     objective = "distill" if method == "saper_kd" else "classify"

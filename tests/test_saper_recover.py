@@ -53,8 +53,10 @@ def select_checkpoint_model(cfg, output_dir):
     return method.deploy(model)
 
 
-def deployed_weights(entry):
-    return torch.load(entry["artifacts"]["weights"], map_location="cpu", weights_only=True)
+def deployed_weights(entry, results_dir):
+    from vitexp.ledger.paths import local_path
+
+    return torch.load(local_path(entry["artifacts"]["weights"], results_dir), map_location="cpu", weights_only=True)
 
 
 @pytest.mark.parametrize("selection", ["lapsum", "random"])
@@ -70,7 +72,7 @@ def test_recover_trains_the_mlps_and_the_probe_of_the_deployed_model_and_leaves_
     metrics = train(cfg)["metrics"]
     (entry,) = ledger_entries(results_dir)
     selected = select_checkpoint_model(cfg, tmp_path / "run")
-    before, after = selected.state_dict(), deployed_weights(entry)
+    before, after = selected.state_dict(), deployed_weights(entry, results_dir)
     assert before.keys() == after.keys()
     attention = [k for k in after if ".attn." in k]
     mlps = [k for k in after if ".mlp." in k]

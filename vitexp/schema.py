@@ -289,8 +289,8 @@ def _plain(node: Any) -> Any:
     if isinstance(node, DictConfig):
         out = {}
         for key in node.keys():
-            if OmegaConf.is_missing(node, key):
-                out[key] = _SKIP
+            if OmegaConf.is_missing(node, key) or "${hydra:" in str(node._get_node(key)._value()):
+                out[key] = _SKIP  # ???, or Hydra's own value (None after another compose left HydraConfig set)
                 continue
             try:
                 out[key] = _plain(node[key])
@@ -322,7 +322,8 @@ def _unresolved(node: DictConfig, key: str, err: BaseException) -> Any:
         raw = node._get_node(key)._value()
     except Exception:  # noqa: BLE001
         raw = None
-    if isinstance(err, MissingMandatoryValue) or "${hydra:" in str(raw):
+    # a missing optional group (bspf_spec/<backbone>.yaml): validate names the file to add
+    if isinstance(err, MissingMandatoryValue) or "${hydra:" in str(raw) or "${bspf_spec." in str(raw):
         return _SKIP
     return Unresolved(raw, err)
 
