@@ -46,16 +46,14 @@ def test_raptor_stages_run_under_ddp_cpu(results_dir, tmp_path):
     assert m["steps"] == 16
 
 
-def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp_path, make_cfg):
-    """The k-NN memory bank under DDP holds each training image once (301 images: a padding
-    sampler would repeat one, and a bank encoded whole on every rank would hold each twice), so a
-    fixed model (method=knn: the frozen backbone) scores the same top-1 on 2 processes as on one."""
+def _fixed_model_on_two_processes_and_one(results_dir, tmp_path, make_cfg, data: list[str]) -> tuple[dict, dict]:
+    """The metrics of a fixed model (method=knn: the frozen backbone, no training) on the synthetic
+    data ``data`` under trainer=ddp_cpu and on one process."""
     from vitexp.train import train
 
-    overrides = ["backbone=dinov2_micro", "method=knn", "budget=none", "method.knn_k=50", "method.knn_features=cls_mean",
-                 "data=synthetic", "data.num_train=301", "data.num_val=16", "data.num_test=64", "data.noise=1.5",
-                 "recipe.batch_size=32", "logger=none", "trainer.enable_progress_bar=false", "eval.flops=false",
-                 "eval.throughput=false"]
+    overrides = ["backbone=dinov2_micro", "method=knn", "budget=none", "method.knn_features=cls_mean",
+                 "data=synthetic", *data, "data.noise=1.5", "recipe.batch_size=32", "logger=none",
+                 "trainer.enable_progress_bar=false", "eval.flops=false", "eval.throughput=false"]
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "vitexp-train"), "trainer=ddp_cpu", *overrides, f"hydra.run.dir={tmp_path / 'ddp'}"],
         capture_output=True, text=True, cwd=tmp_path, env=cli_env(results_dir), timeout=600,
@@ -64,5 +62,25 @@ def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp
     single = train(make_cfg(overrides, tmp_path / "single"))["metrics"]
     ddp, one = sorted(ledger_entries(results_dir), key=lambda e: -e["metrics"]["world_size"])
     assert ddp["metrics"]["world_size"] == 2 and one["metrics"]["world_size"] == 1
+    return ddp["metrics"], single
+
+
+def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp_path, make_cfg):
+    """The k-NN memory bank under DDP holds each training image once (301 images: a padding
+    sampler would repeat one, and a bank encoded whole on every rank would hold each twice), so a
+    fixed model (method=knn: the frozen backbone) scores the same top-1 on 2 processes as on one."""
+    ddp, single = _fixed_model_on_two_processes_and_one(
+        results_dir, tmp_path, make_cfg, ["method.knn_k=50", "data.num_train=301", "data.num_val=16", "data.num_test=64"])
     assert 20 < single["top1"] < 100  # the features carry the classes (chance: 10 %), so duplicates change votes
-    assert ddp["metrics"]["top1"] == single["top1"] and ddp["metrics"]["top5"] == single["top5"]
+    assert ddp["top1"] == single["top1"] and ddp["top5"] == single["top5"]
+
+
+def test_test_split_of_seven_images_counts_each_once_under_ddp(results_dir, tmp_path, make_cfg):
+    """7 test images on 2 processes: a padding sampler (Lightning's default ``DistributedSampler``)
+    scores 8, image 0 twice, which moves top-1 from k/7 to (k ± 1)/8 unless k is 0 or 7; the
+    unpadded evaluation sampler (:func:`vitexp.data.eval_sampler`) scores each image once, as one
+    process does (seen to fail with the padding sampler: 62.5 against 57.14)."""
+    ddp, single = _fixed_model_on_two_processes_and_one(
+        results_dir, tmp_path, make_cfg, ["method.knn_k=20", "data.num_train=96", "data.num_val=5", "data.num_test=7"])
+    assert 0 < single["top1"] < 100, single["top1"]  # at 0 or 100 % a repeated image changes nothing
+    assert ddp["top1"] == single["top1"]

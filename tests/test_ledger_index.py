@@ -15,6 +15,7 @@ import pytest
 
 from vitexp import rows, tables
 from vitexp.ledger import Ledger, LedgerEntry, RowQuery
+from vitexp.ledger.fingerprint import fingerprint
 from vitexp.rows import composed_config, row_query
 
 SHARED = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 2}],
@@ -115,6 +116,56 @@ def test_a_row_takes_only_runs_of_its_configuration_whatever_their_name(results_
     assert not GlobalHydra.instance().is_initialized()  # the rows' compositions leave Hydra as they found it
 
 
+def test_a_run_from_before_a_new_default_stays_in_its_row_and_a_stray_key_keeps_it_out(results_dir, capsys, tmp_path):
+    """An option added to the configs after a run (a key today's config has and the run's lacks)
+    does not drop the run from its row; a key the run has and today's config lacks does, and
+    vitexp-tables names the run and the key."""
+    real = _entry(results_dir, "demo", _demo_config(), 95.3, "2026-01-01T00:00:00+00:00")
+    older = dict(_demo_config())
+    older["trainer"] = {k: v for k, v in older["trainer"].items() if k != "deterministic"}
+    for path in (results_dir / "runs").glob("*.json"):  # written before trainer.deterministic existed
+        record = json.loads(path.read_text())
+        record["config"], record["fingerprint"] = older, fingerprint(older)
+        path.write_text(json.dumps(record))
+    assert "deterministic" in _demo_config()["trainer"]
+    (row,) = tables.fill(DEMO, Ledger.load(results_dir))
+    assert row["cells"]["top1"]["run_id"] == real
+    stray_config = _demo_config()
+    stray_config["trainer"]["my_new_knob"] = 3
+    stray = _entry(results_dir, "demo", stray_config, 9.4, "2026-01-02T00:00:00+00:00")
+    rows._COMPOSED.clear()
+    ledger = Ledger.load(results_dir)
+    (row,) = tables.fill(DEMO, ledger)
+    assert row["cells"]["top1"]["run_id"] == real
+    assert ledger.unmatched == {"demo": {stray: ["trainer.my_new_knob"]}}
+    spec = tmp_path / "demo.yaml"
+    spec.write_text(json.dumps(DEMO))
+    assert tables.main([str(spec), "--results-dir", str(results_dir), "--out", str(tmp_path / "t")]) == 0
+    assert f"{stray} (trainer.my_new_knob)" in capsys.readouterr().err
+
+
+def test_a_comparison_bench_entry_is_a_cell_of_its_models_row(results_dir):
+    """vitexp-bench experiment=peers_throughput_cpu times each model with the comparison's bench
+    settings (bench.compare, rounds, device): its entries are cells of the models' rows, whose
+    composition has other bench settings (bench.* is not a configuration of the model)."""
+    config = copy.deepcopy(composed_config(("experiment=demo",), None))
+    config["bench"].update({"compare": ["demo"], "rounds": 3, "device": "cpu"})
+    entry = LedgerEntry("demo", "bench", config, results_dir).start()
+    entry.finish({"throughput": 123.4}, {"mode": "compare", "device": "cpu"})
+    spec = {**DEMO, "protocol": {"mode": "compare"}}
+    (row,) = tables.fill(spec, Ledger.load(results_dir))
+    assert row["cells"]["throughput"]["value"] == 123.4
+
+
+def test_a_temporary_file_of_an_atomic_write_is_not_an_entry(results_dir):
+    """atomic_write's ``.<name>.XXXX.json`` (mid-write, or left by a kill before its rename) is not
+    read as a broken entry."""
+    real = _entry(results_dir, "demo", _demo_config(), 95.3, "2026-01-01T00:00:00+00:00")
+    (results_dir / "runs" / f".{real}.json.abc123.json").write_text('{"run_id": "')
+    ledger = Ledger.load(results_dir)
+    assert not ledger.broken and [r["run_id"] for r in ledger.records] == [real]
+
+
 def test_a_runs_recorded_fingerprint_is_its_rows(make_cfg, results_dir):
     """A real run (vitexp-flops of the demo) records the fingerprint the table composes for its row."""
     from vitexp.commands import run_flops
@@ -211,10 +262,12 @@ def test_a_dirty_tree_keeps_its_diff_beside_the_run_and_its_hash_in_the_entry(re
     run_dir = results_dir / "outputs" / "r1"
     entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir, run_dir=run_dir).start()
     patch = entry.record["env"]["code_patch"]
-    assert patch == {"path": "outputs/r1/code.patch", "sha256": hashlib.sha256(diff.encode()).hexdigest()}
-    assert (run_dir / "code.patch").read_text() == diff
-    elsewhere = LedgerEntry("demo", "bench", {}, results_dir).start()  # no run folder: kept by its hash
-    assert (results_dir / elsewhere.record["env"]["code_patch"]["path"]).read_text() == diff
+    digest = hashlib.sha256(diff.encode()).hexdigest()
+    # beside the ledger (committed with the entries; run folders are not), a copy in the run folder
+    assert patch == {"path": f"patches/{digest[:16]}.patch", "sha256": digest}
+    assert (results_dir / patch["path"]).read_text() == diff and (run_dir / "code.patch").read_text() == diff
+    elsewhere = LedgerEntry("demo", "bench", {}, results_dir).start()  # no run folder: the same file
+    assert elsewhere.record["env"]["code_patch"] == patch
 
 
 def _marked(results_dir, **changes) -> dict:

@@ -74,6 +74,22 @@ def train_sampler(dataset: Sequence, seed: int, num_replicas: int | None = None,
     return (single or EpochSeededSampler)(dataset, seed)
 
 
+def eval_sampler(dataset: Sequence):
+    """The sampler of a validation or test split: none on one process (the split in order); under DDP
+    (an initialised process group of two or more) Lightning's ``UnrepeatedDistributedSampler``, which
+    gives rank r the images r, r + W, r + 2W, … and pads nothing, so every image is counted exactly
+    once whatever the world size (Lightning's default, a ``DistributedSampler``, repeats up to W − 1
+    images to even out the shards; ImageNet's 50,000 on 3 GPUs counts two twice). Lightning keeps a
+    ``DistributedSampler`` subclass it is given. Shards may differ by one batch: evaluation has no
+    gradient all-reduce, and the metrics (torchmetrics states, Lightning's epoch-level means, the k-NN
+    gather) reduce sums and counts once per epoch."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+        return UnrepeatedDistributedSampler(dataset, shuffle=False)
+    return None
+
+
 class _TransformedTensorDataset(Dataset):
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform=None):
         self.images, self.labels, self.transform = images, labels, transform
@@ -107,12 +123,13 @@ class VitexpDataModule(L.LightningDataModule):
     def img_size(self) -> int:
         return int(self.data_config["input_size"][-1])
 
-    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+    def _loader(self, dataset: Dataset, train: bool, shard: bool = True) -> DataLoader:
+        """``shard=False``: a split the caller has sharded already (the k-NN memory bank)."""
         generator = torch.Generator().manual_seed(self.loader_seed + (0 if train else 1))
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=train_sampler(dataset, self.loader_seed) if train else None,
+            sampler=train_sampler(dataset, self.loader_seed) if train else eval_sampler(dataset) if shard else None,
             shuffle=False if not train else None,
             drop_last=train and len(dataset) > self.batch_size,
             num_workers=self.num_workers,
@@ -143,7 +160,7 @@ class VitexpDataModule(L.LightningDataModule):
         if world_size > 1:
             n = len(dataset)
             dataset = Subset(dataset, range(rank * n // world_size, (rank + 1) * n // world_size))
-        return self._loader(dataset, train=False)
+        return self._loader(dataset, train=False, shard=False)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)

@@ -150,6 +150,7 @@ def _compose(job: tuple[str, ...]) -> Any:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    import vitexp.config  # noqa: F401 - registers the resolvers the configs interpolate (${vitexp_root:}, ...)
     from vitexp import CONF_DIR
 
     experiment = next((a.split("=", 1)[1] for a in job if a.startswith("experiment=")), None)

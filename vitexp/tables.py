@@ -245,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         spec = {**spec, "skipped_broken": [str(b) for b in skipped[spec["name"]]]}
         written[spec["name"]] = write_table(spec, ledger, out_dir, overrides)
         print(Path(written[spec["name"]]["md"]).read_text())
+    for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
+        shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+                               for run_id, keys in sorted(runs.items()))
+        print(f"vitexp-tables: {len(runs)} run(s) named {name} left out, their config differs from the row's in: "
+              f"{shown_runs}", file=sys.stderr)
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
     logs = args.log_wandb is not None or bool(args.wandb)

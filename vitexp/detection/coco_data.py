@@ -28,7 +28,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from vitexp.data import SEED_STRIDE, EpochSeededSampler, train_sampler
+from vitexp.data import SEED_STRIDE, EpochSeededSampler, eval_sampler, train_sampler
 
 
 class CocoInstances(Dataset):
@@ -150,7 +150,7 @@ class CocoDataModule(L.LightningDataModule):
         return DataLoader(
             dataset, batch_size=self.batch_size, collate_fn=collate_detection,
             sampler=train_sampler(dataset, self.loader_seed, single=_FlipEpochSampler,
-                                  distributed=_FlipDistributedSampler) if train else None,
+                                  distributed=_FlipDistributedSampler) if train else eval_sampler(dataset),
             drop_last=train and len(dataset) > self.batch_size, num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             generator=torch.Generator().manual_seed(self.loader_seed + (0 if train else 1)),

@@ -13,9 +13,11 @@ Decisions:
   as ``interrupted``. The run's ``fit_time_s`` is then the sum over its attempts.
 - Code provenance: ``env.git_commit`` and ``env.git_dirty`` describe the code (``vitexp/``,
   ``conf/``, ``pyproject.toml``: :data:`CODE_PATHS`; results and specs are not code). A run from a
-  dirty tree stores ``git diff HEAD`` of those paths as ``<run folder>/code.patch`` (a run without a
-  folder: ``<results>/patches/<sha256>.patch``) and its hash in ``env.code_patch``, so the code that
-  produced a number can be rebuilt; the run's W&B code is the same patch.
+  dirty tree stores ``git diff HEAD`` of those paths as ``<results>/patches/<sha256[:16]>.patch``
+  (beside the ledger, committed with its entries: run folders are not; one file per distinct
+  diff), a copy as ``<run folder>/code.patch``, and the hash and results-relative path in
+  ``env.code_patch``, so the code that produced a number can be rebuilt from a clone; the run's W&B
+  code is the same patch.
 - Every entry records its ``fingerprint`` (:mod:`vitexp.ledger.fingerprint`) and the machine's load
   when it started (``env.load``); a timing records the load it ran under in its protocol.
 """
@@ -74,12 +76,14 @@ def code_state() -> tuple[str | None, bool | None, str]:
 
 
 def keep_patch(diff: str, run_dir: Path | None, results_dir: Path) -> dict[str, Any]:
-    """Write a dirty tree's diff where the module docstring says; ``{"path", "sha256"}`` (the path portable)."""
+    """Write a dirty tree's diff where the module docstring says; ``{"path", "sha256"}`` (the path
+    of the copy beside the ledger, relative to the results root)."""
     digest = hashlib.sha256(diff.encode()).hexdigest()
-    path = Path(run_dir) / PATCH_NAME if run_dir else results_dir / "patches" / f"{digest[:16]}.patch"
-    if not (path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest):
-        atomic_write(path, diff)
-    return {"path": portable_path(path.resolve(), results_dir), "sha256": digest}
+    kept = results_dir / "patches" / f"{digest[:16]}.patch"
+    for path in (kept, Path(run_dir) / PATCH_NAME if run_dir else None):
+        if path is not None and not (path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest):
+            atomic_write(path, diff)
+    return {"path": portable_path(kept.resolve(), results_dir), "sha256": digest}
 
 
 def machine_load() -> dict[str, Any]:

@@ -12,7 +12,10 @@ Decisions:
   (``data.root``, ``data.num_workers``, ``data.package``), the accelerator and the progress display
   (``trainer.accelerator``, ``trainer.enable_progress_bar``, ``trainer.enable_model_summary``,
   ``trainer.log_every_n_steps``), which costs are measured at the end (``eval.flops``,
-  ``eval.throughput``: they add metrics, they change none) and the classes' import paths
+  ``eval.throughput`` and their settings ``eval.throughput_*``: they add metrics, they change none;
+  ``trainer.num_sanity_val_steps``: a check before training, no step, no draw from the training
+  order), how a model is timed (``bench``: a bench entry records its device, batch, precision and
+  mode in its ``protocol``, which a table row selects by; a train run never reads it) and the classes' import paths
   (``_target_`` at any depth: a class moved by a refactor is the same method, its group's ``name``
   says which). Kept: the seed, precision, devices, strategy, every ``limit_*_batches`` and every
   key of the identity groups.
@@ -21,6 +24,10 @@ Decisions:
   the table's concern (:meth:`vitexp.ledger.Ledger.start_of`), not the configuration's.
 - A ledger entry stores ``fingerprint`` as ``<VERSION>:<hash>``; an entry of another version (or
   none: entries written before fingerprints) is fingerprinted from its recorded config when needed.
+- A key that today's config has and a run's recorded config lacks (an option added since, whose
+  default is the behaviour the run had) does not separate the run from its row: besides the exact
+  hash, :func:`differences` compares the recorded leaves with today's (the ledger's row lookup).
+  A key the run has and today's config lacks, or another value, does.
 """
 from __future__ import annotations
 
@@ -28,15 +35,15 @@ import hashlib
 import json
 from typing import Any, Callable, Iterable, Mapping
 
-VERSION = "v1"
+VERSION = "v2"  # v2: bench, eval.throughput_*, trainer.num_sanity_val_steps excluded
 RUN_PREFIX = "run:"
 #: Config keys (dotted; ``*.key`` at any depth) that do not change what a run measures.
 EXCLUDED = (
     "name", "resume", "output_dir", "results_dir", "evaluates", "hydra", "logger",
     "data.root", "data.num_workers", "data.package",
     "trainer.accelerator", "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps",
-    "eval.flops", "eval.throughput",
-    "*._target_",
+    "eval.flops", "eval.throughput", "eval.throughput_batch", "eval.throughput_iters", "trainer.num_sanity_val_steps",
+    "bench", "*._target_",
 )
 
 
@@ -64,15 +71,35 @@ def strip(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED, prefi
     return out
 
 
-def digest(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
-           experiment_of: Callable[[str], str] | None = None) -> str:
-    """A 16-hex-digit hash of ``config`` without ``exclusions``, a pinned ``backbone.pretrained:
-    run:<run_id>`` read as the experiment ``experiment_of`` names for that id."""
+def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
+               experiment_of: Callable[[str], str] | None = None) -> dict[str, Any]:
+    """``config`` without ``exclusions``, a pinned ``backbone.pretrained: run:<run_id>`` read as
+    ``run:<experiment>`` (what :func:`digest` hashes)."""
     kept = strip(config, exclusions)
     backbone = kept.get("backbone")
     ref = str((backbone or {}).get("pretrained") or "") if isinstance(backbone, Mapping) else ""
     if ref.startswith(RUN_PREFIX) and experiment_of is not None:
         kept["backbone"] = {**backbone, "pretrained": RUN_PREFIX + experiment_of(ref[len(RUN_PREFIX):])}
+    return kept
+
+
+def differences(recorded: Mapping[str, Any], today: Mapping[str, Any],
+                experiment_of: Callable[[str], str] | None = None) -> list[str]:
+    """The dotted keys that separate a run's ``recorded`` config from ``today``'s composition of its
+    row: a leaf the run has with another value, or one that today's config lacks. A leaf only today's
+    config has (an option added since the run) is not a difference (module docstring)."""
+    def flat(config):
+        return {k: json.dumps(v, sort_keys=True, default=str)
+                for k, v in leaves(normalised(config, EXCLUDED, experiment_of)).items()}
+    old, new = flat(recorded), flat(today)
+    return sorted(k for k, v in old.items() if new.get(k) != v)
+
+
+def digest(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
+           experiment_of: Callable[[str], str] | None = None) -> str:
+    """A 16-hex-digit hash of ``config`` without ``exclusions``, a pinned ``backbone.pretrained:
+    run:<run_id>`` read as the experiment ``experiment_of`` names for that id."""
+    kept = normalised(config, exclusions, experiment_of)
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

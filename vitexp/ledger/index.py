@@ -88,6 +88,8 @@ class Ledger:
                 self._by_fp.setdefault(key, []).append(r)
                 self._fp_bases.add(base_of(r["experiment"]))
         self._finished: dict[str, tuple[list[str], list[tuple[str, str]]]] = {}
+        #: {row name: {run id: the config keys that keep that run under the row's name out of the row}}
+        self.unmatched: dict[str, dict[str, list[str]]] = {}
 
     # -- loading -----------------------------------------------------------------------------------
     @classmethod
@@ -230,11 +232,28 @@ class Ledger:
             legacy = self._agreeing([r for r in by_name if not r.get("fingerprint")], row, seed)
             newer = [r for r in by_name if r.get("fingerprint")]
             config = row.composed(seed) if newer or elsewhere else None
-            found = newer if config is None else self._by_fp.get(fp.fingerprint(config, self.experiment_of), [])
+            found = newer if config is None else self._matching(row.name, newer, config)
             if seed is not None:
                 found = [r for r in found if run_seed(r) == seed]
             out[seed] = sorted({id(r): r for r in [*legacy, *found]}.values(), key=lambda r: self._rank[id(r)])
         return out
+
+    def _matching(self, name: str, named: list[dict[str, Any]], config: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The runs of ``config``: every run with its fingerprint, and those of ``named`` (the row's
+        fingerprinted runs under its name) whose recorded config differs from today's only by keys
+        added since (:func:`vitexp.ledger.fingerprint.differences`). The other runs under the row's
+        name are kept in :attr:`unmatched` with the keys that separate them (``vitexp-tables`` says so)."""
+        found = list(self._by_fp.get(fp.fingerprint(config, self.experiment_of), []))
+        exact = {id(r) for r in found}
+        for r in named:
+            if id(r) in exact:
+                continue
+            keys = fp.differences(r.get("config") or {}, config, self.experiment_of)
+            if keys:
+                self.unmatched.setdefault(name, {})[r["run_id"]] = keys
+            else:
+                found.append(r)
+        return found
 
     def _checked(self, run: Mapping[str, Any]) -> tuple:
         config = fp.strip(run.get("config") or {})

@@ -38,9 +38,12 @@ def check(record: Any, where: str, stem: str | None = None) -> tuple[dict[str, A
 
 
 def read_folder(runs_dir: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
-    """Every ``*.json`` of ``runs_dir``, checked; (records, broken)."""
+    """Every ``*.json`` of ``runs_dir`` but hidden files (:func:`vitexp.ledger.paths.atomic_write`'s
+    ``.<name>.XXXX.json`` before its rename), checked; (records, broken)."""
     records, broken = [], []
     for file in sorted(runs_dir.glob("*.json")) if runs_dir.is_dir() else ():
+        if file.name.startswith("."):  # atomic_write's temporary file, mid-write or orphaned by a kill
+            continue
         where = f"{runs_dir.name}/{file.name}"
         try:
             record = json.loads(file.read_text())
