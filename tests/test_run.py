@@ -415,27 +415,46 @@ def test_an_attempt_killed_without_closing_its_entry_is_closed_interrupted_on_re
 
 
 def test_a_run_folder_is_owned_by_one_live_process(tmp_path):
-    import os
-    import platform
+    """The lock is the kernel's: another live process holding it is refused by name; a process
+    killed with SIGKILL leaves the file behind but not the lock, so the folder is free at once."""
+    import signal
 
     from vitexp.errors import ConfigError
     from vitexp.runlock import RunFolderLock
 
     folder = tmp_path / "run"
-    first = RunFolderLock(folder).acquire()
-    assert json.loads((folder / "run.lock").read_text())["pid"] == os.getpid()
-    other = dead_pid()
-    (folder / "run.lock").write_text(json.dumps({"host": platform.node(), "pid": other}))  # a killed owner: stale
-    RunFolderLock(folder).acquire().release()
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vitexp.runlock import RunFolderLock; "
+                               f"RunFolderLock({str(folder)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
     try:
-        (folder / "run.lock").write_text(json.dumps({"host": platform.node(), "pid": alive.pid, "since": "now"}))
-        with pytest.raises(ConfigError, match=f"in use by process {alive.pid}"):
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=f"in use by process {holder.pid}"):
             RunFolderLock(folder).acquire()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        assert (folder / "run.lock").exists()  # the file stays; its lock died with its process
+        mine = RunFolderLock(folder).acquire()
+        assert json.loads((folder / "run.lock").read_text())["pid"] == __import__("os").getpid()
+        assert RunFolderLock(folder).acquire().held is False  # this process's own: re-entered, not taken twice
+        mine.release()
+        RunFolderLock(folder).acquire().release()
     finally:
-        alive.kill()
-        alive.wait()
-    first.release()
+        holder.kill()
+        holder.wait()
+
+
+def test_a_folder_that_holds_a_completed_run_is_not_run_again(make_cfg, results_dir, tmp_path):
+    """resume=auto on a folder whose run completed would open a second entry that resumes from the
+    first's last checkpoint (a duplicate "completed" with no training): refused, one entry remains."""
+    from vitexp.errors import ConfigError
+    from vitexp.train import train
+
+    over = [*SMALL_RUN, *QUIET, "resume=auto", "recipe.epochs=2"]
+    train(make_cfg(over, tmp_path / "done"))
+    with pytest.raises(ConfigError, match="holds the completed run"):
+        train(make_cfg(over, tmp_path / "done"))
+    (entry,) = ledger_entries(results_dir)
+    assert entry["status"] == "completed"
 
 
 def test_two_identical_commands_on_one_folder_never_share_a_run(tmp_path):

@@ -160,7 +160,12 @@ class Run:
         if self.resume != "false" and previous.get("run_id"):
             self._check_same_run(previous, marker)
             entry = LedgerEntry.load(previous["run_id"], self.results_dir)
-            if entry is not None and entry.record.get("status") != "completed":
+            if entry is not None and entry.record.get("status") == "completed":
+                raise ConfigError(
+                    f"run folder {self.output_dir} holds the completed run {previous['run_id']}: resume={self.resume} would "
+                    "start another entry from its last checkpoint; give this run another hydra.run.dir (its weights "
+                    "and checkpoints stay where its entry points)")
+            if entry is not None:
                 self.ledger, self.wandb_id = entry.reopen(config, self.output_dir), previous.get("wandb_id")
         if self.ledger is None:
             self.ledger = LedgerEntry(self.name, self.kind, config, self.results_dir, run_dir=self.output_dir).start()

@@ -1,30 +1,38 @@
-"""One live process per run folder: ``<run folder>/run.lock`` names the host and pid that own it.
+"""One live process per run folder: ``<run folder>/run.lock``, held with ``flock``, names its owner.
 
 Two identical ``vitexp-train`` commands started in the same second share Hydra's default folder
 (``outputs/<name>/<time to the second>``); under ``resume=auto`` the second would read the first's
 ``run.json`` and continue the first's unfinished ledger entry as its own. The lock stops that: the
-first process to create the lock file (``O_CREAT | O_EXCL``, atomic) owns the folder until its run
-ends; another gets a :class:`~vitexp.errors.ConfigError` naming the owner (exit 2, nothing written),
+process that holds an exclusive ``flock`` on the lock file owns the folder until its run ends;
+another gets a :class:`~vitexp.errors.ConfigError` naming the owner (exit 2, nothing written),
 never the other's entry.
 
 Decisions:
-- A lock whose process is gone (same host: no such pid; another host: untouched for longer than
-  ``$VITEXP_STALE_HOURS``, the ledger's rule for a running entry) is stale and taken over: a run
-  killed by SIGKILL is resumed in its own folder by the same command.
+- The kernel holds the lock, not the file's existence: a process that dies (SIGKILL, OOM, a lost
+  node's NFS client lease) releases it with its file descriptors, so the same command resumes a
+  killed run in its own folder at once, and two processes can never both judge a lock stale and
+  both take it over. The file stays (unlinking it would let a waiter lock an orphaned inode) and
+  carries the owner's host and pid for the refusal message only.
+- Across hosts: on Linux NFS ``flock`` is carried by the server's byte-range locks (NFSv4, or NLM
+  on v3), so a requeued SLURM job on another node takes the folder when the first node's lock is
+  gone. Such locks drop when any descriptor of the file in the owning process closes, so the owner
+  never opens the file a second time (its own lock is recognised by :data:`_HELD`, not by reading it).
 - Only rank zero of a distributed run locks (the other ranks share its folder by design).
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 from vitexp.errors import ConfigError
-from vitexp.ledger.status import now, older_than_stale, pid_alive
+from vitexp.ledger.status import now
 
 LOCK_NAME = "run.lock"
+#: {lock path: file descriptor} of the locks this process holds (an inner run of an outer one re-enters).
+_HELD: dict[str, int] = {}
 
 
 class RunFolderLock:
@@ -35,68 +43,41 @@ class RunFolderLock:
         self.path = self.folder / LOCK_NAME
         self.held = False
 
-    def _holder(self) -> dict | None:
-        for _ in range(20):  # the owner writes its line right after creating the file
-            try:
-                return json.loads(self.path.read_text())
-            except FileNotFoundError:
-                return None
-            except (OSError, json.JSONDecodeError):
-                time.sleep(0.05)
-        return {}
-
-    def _stale(self, holder: dict) -> bool:
-        alive = pid_alive(holder.get("host"), holder.get("pid"))
-        if alive is None:  # another host (or no pid): by the lock's age
-            try:
-                stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(self.path.stat().st_mtime))
-            except FileNotFoundError:
-                return True
-            return older_than_stale(stamp)
-        return not alive
+    def _holder(self) -> dict:
+        try:
+            return json.loads(self.path.read_text() or "{}")
+        except (OSError, json.JSONDecodeError):
+            return {}
 
     def acquire(self) -> "RunFolderLock":
+        key = str(self.path.resolve())
+        if key in _HELD:
+            return self  # this process's own, held by an outer run (it releases it)
         self.folder.mkdir(parents=True, exist_ok=True)
-        mine = json.dumps({"host": platform.node(), "pid": os.getpid(), "since": now()})
-        for _ in range(5):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is None:
-                    continue  # released meanwhile
-                if holder.get("pid") == os.getpid() and holder.get("host") == platform.node():
-                    return self  # this process's own, held by an outer run (it releases it)
-                if not self._stale(holder):
-                    raise ConfigError(
-                        f"run folder {self.folder} is in use by process {holder.get('pid')} on {holder.get('host')} "
-                        f"(since {holder.get('since')}); two runs never share a folder: give this one another "
-                        "hydra.run.dir, or wait for that run to end") from None
-                try:
-                    self.path.unlink()  # stale: its process is gone
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "w") as fh:
-                fh.write(mine)
-            self.held = True
-            return self
-        raise ConfigError(f"run folder {self.folder}: could not take its lock {self.path}")
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            holder = self._holder()
+            raise ConfigError(
+                f"run folder {self.folder} is in use by process {holder.get('pid', '?')} on {holder.get('host', '?')} "
+                f"(since {holder.get('since', '?')}); two runs never share a folder: give this one another "
+                "hydra.run.dir, or wait for that run to end") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": platform.node(), "pid": os.getpid(), "since": now()}).encode(), 0)
+        _HELD[key] = fd
+        self.held = True
+        return self
 
     def touch(self) -> None:
-        """Mark the lock alive (another host judges it by its age)."""
-        if self.held:
-            try:
-                os.utime(self.path)
-            except OSError:
-                pass
+        """Kept for the heartbeat's hook: the kernel keeps the lock alive, nothing to refresh."""
 
     def release(self) -> None:
         if self.held:
-            holder = self._holder() or {}
-            if holder.get("pid") == os.getpid():
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
+            fd = _HELD.pop(str(self.path.resolve()), None)
+            if fd is not None:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
             self.held = False
