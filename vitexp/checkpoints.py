@@ -50,6 +50,14 @@ def check_file(path: str | Path, key: str) -> Any:
         raise CheckpointError(f"{key}: {file} is a folder, not a checkpoint file")
     if file.stat().st_size == 0:
         raise CheckpointError(f"{key}: {file} is empty (0 bytes)")
+    if file.suffix == ".safetensors":  # timm's hub files (vitexp.weights): tensors only by construction
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(file), device="cpu")
+        except Exception as err:  # noqa: BLE001 - truncated or not a safetensors file
+            raise CheckpointError(f"{key}: {file} is not a safetensors file ({type(err).__name__}: "
+                                  f"{one_line(err)[:200]})") from None
     try:
         with warnings.catch_warnings(), torch.serialization.safe_globals(SAFE_GLOBALS):
             warnings.simplefilter("ignore")  # the unpickler's protocol warning on a file that is no checkpoint

@@ -216,6 +216,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
            f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}")
     if bb.pretrained:
         from vitexp.ledger import RUN_WEIGHTS_PREFIX, LedgerError, local_path, weights_run
+        from vitexp.weights import is_tag, resolve as resolve_weights
 
         try:
             if str(bb.pretrained).startswith(RUN_WEIGHTS_PREFIX):
@@ -226,7 +227,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
                     bb.pretrained = RUN_WEIGHTS_PREFIX + run["run_id"]
                 weights = local_path(run["artifacts"]["weights"], cfg.results_dir)
             else:
-                weights = bb.pretrained
+                weights = resolve_weights(str(bb.pretrained)) if is_tag(bb.pretrained) else bb.pretrained
         except (FileNotFoundError, LedgerError) as err:
             raise ConfigError(f"backbone.pretrained: {err}") from None
         check_file(weights, "backbone.pretrained")

@@ -114,15 +114,35 @@ def is_plain(row: dict[str, Any]) -> bool:
     return not row_overrides(row) and row_name(row) == row["experiment"]
 
 
-def job_arguments(row: dict[str, Any], seeded: bool) -> list[str]:
+def row_weights(row: dict[str, Any]) -> str | None:
+    """The ``backbone.pretrained`` of the row's ``weights`` key (:mod:`vitexp.weights`):
+    ``weights:<tag>`` for a tag of ``conf/weights.yaml``, ``run:<row name>`` as given; ``None``
+    without the key."""
+    weights = row.get("weights")
+    if weights is None:
+        return None
+    from vitexp.weights import PREFIX, weights_map
+
+    if isinstance(weights, str) and weights.startswith("run:") and len(weights) > 4:
+        return weights
+    if not isinstance(weights, str) or weights not in weights_map():
+        raise ValueError(f"row {row.get('label')!r}: weights {weights!r} is neither run:<row name> nor a tag of "
+                         f"conf/weights.yaml ({sorted(weights_map())})")
+    return PREFIX + weights
+
+
+def job_arguments(row: dict[str, Any], seeded: bool, weights: bool = True) -> list[str]:
     """The Hydra arguments of the row's job (the seeds, for a seeded row, are the caller's):
     ``experiment=E`` for a plain unseeded row (``experiment=E seed=s`` names itself ``E+seed=s``),
-    else the base, the overrides and the row's name."""
-    if is_plain(row):
+    else the base, the overrides, the row's starting weights (``weights``: its ``weights`` key; a
+    FLOPs count or a timing loads none) and the row's name."""
+    start = row_weights(row) if weights else None
+    if is_plain(row) and start is None:
         return [f"experiment={row['experiment']}"]
     name = row_name(row)
     name = seeded_name(name, "${seed}") if seeded else name  # type: ignore[arg-type]
-    return [f"experiment={row['experiment']}", *row_overrides(row), f"name='{name}'"]
+    loads = [f"backbone.pretrained={start}"] if start else []
+    return [f"experiment={row['experiment']}", *row_overrides(row), *loads, f"name='{name}'"]
 
 
 def check_rows(rows: list[dict[str, Any]], where: str) -> None:
@@ -133,6 +153,7 @@ def check_rows(rows: list[dict[str, Any]], where: str) -> None:
         name = row_name(row)
         if name is None:
             continue
+        row_weights(row)
         what = (row["experiment"], tuple(row_overrides(row)))
         if seen.setdefault(name, what) != what:
             raise ValueError(f"{where}: rows {seen[name]} and {what} are both recorded as {name!r}; give one of them a name of its own")

@@ -37,6 +37,7 @@ from vitexp import recheck
 from vitexp.aggregate import other_start, overlapping_order, row_seeds, seeded_name, shared_start
 from vitexp.errors import one_line
 from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, effective_status, portable_text, weights_run
+from vitexp.ledger.fingerprint import WEIGHTLESS_KINDS
 from vitexp.rows import composing, expand_rows, job_arguments, row_name, row_query
 from vitexp.tables import all_specs, load_spec, table_names
 from vitexp.run import ArgumentParser
@@ -85,7 +86,7 @@ def _plan_row(spec: dict, row: dict, kind: str | None, force: bool, overrides: S
         raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
     bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": [], "jobs": {}})
     seeds = row_seeds(spec, row)
-    bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None)
+    bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None, weights=k not in WEIGHTLESS_KINDS)
     found = ledger.row_runs(row_query(spec, row, overrides))
     active = {seed: [r for r in rs if r["kind"] == k and effective_status(r) in ("completed", "running")]
               for seed, rs in found.items()}

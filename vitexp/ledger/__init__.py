@@ -69,7 +69,12 @@ def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger
 
 def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> str | None:
     """A ``backbone.pretrained`` value as a file path: a path is returned as given;
-    ``run:<experiment>`` / ``run:<run_id>`` becomes the ``weights`` file of :func:`weights_run`."""
+    ``run:<experiment>`` / ``run:<run_id>`` becomes the ``weights`` file of :func:`weights_run`;
+    ``weights:<tag>`` the file :func:`vitexp.weights.resolve` finds."""
+    from vitexp.weights import is_tag, resolve
+
+    if is_tag(spec):
+        return resolve(str(spec))
     if not spec or not str(spec).startswith(RUN_WEIGHTS_PREFIX):
         return spec
     return str(local_path(weights_run(spec, results_dir)["artifacts"]["weights"], results_dir))

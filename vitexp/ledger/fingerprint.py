@@ -84,13 +84,15 @@ def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
 
 
 def differences(recorded: Mapping[str, Any], today: Mapping[str, Any],
-                experiment_of: Callable[[str], str] | None = None) -> list[str]:
+                experiment_of: Callable[[str], str] | None = None, exclusions: Iterable[str] = EXCLUDED) -> list[str]:
     """The dotted keys that separate a run's ``recorded`` config from ``today``'s composition of its
     row: a leaf the run has with another value, or one that today's config lacks. A leaf only today's
     config has (an option added since the run) is not a difference (module docstring)."""
+    exclusions = tuple(exclusions)
+
     def flat(config):
         return {k: json.dumps(v, sort_keys=True, default=str)
-                for k, v in leaves(normalised(config, EXCLUDED, experiment_of)).items()}
+                for k, v in leaves(normalised(config, exclusions, experiment_of)).items()}
     old, new = flat(recorded), flat(today)
     return sorted(k for k, v in old.items() if new.get(k) != v)
 
@@ -106,6 +108,18 @@ def digest(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
 def fingerprint(config: Mapping[str, Any], experiment_of: Callable[[str], str] | None = None) -> str:
     """The versioned fingerprint a ledger entry stores (``v1:<hash>``)."""
     return f"{VERSION}:{digest(config, EXCLUDED, experiment_of)}"
+
+
+#: Kinds whose measurement does not depend on the weights (a FLOPs count, a timing): their runs are
+#: cells of a row whatever ``backbone.pretrained`` they had (a row that trains from ``weights:<tag>``
+#: is counted and timed without the file).
+WEIGHTLESS_KINDS = ("flops", "bench")
+WEIGHTLESS_EXCLUDED = (*EXCLUDED, "backbone.pretrained")
+
+
+def weightless(config: Mapping[str, Any]) -> str:
+    """The hash of ``config`` without ``backbone.pretrained`` (:data:`WEIGHTLESS_KINDS`)."""
+    return digest(config, WEIGHTLESS_EXCLUDED)
 
 
 #: The groups a composed vitexp config has; a config without them (an audit's arguments, a test's

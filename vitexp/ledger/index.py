@@ -82,11 +82,14 @@ class Ledger:
         self._fp_bases: set[str] = set()
         for r in self.records:
             self._by_name.setdefault(r["experiment"], []).append(r)
+        self._by_weightless: dict[str, list[dict[str, Any]]] = {}
         for r in self.records:
             key = fp.of_record(r, self.experiment_of)
             if key:
                 self._by_fp.setdefault(key, []).append(r)
                 self._fp_bases.add(base_of(r["experiment"]))
+                if r["kind"] in fp.WEIGHTLESS_KINDS:
+                    self._by_weightless.setdefault(fp.weightless(r.get("config") or {}), []).append(r)
         self._finished: dict[str, tuple[list[str], list[tuple[str, str]]]] = {}
         #: {row name: {run id: the config keys that keep that run under the row's name out of the row}}
         self.unmatched: dict[str, dict[str, list[str]]] = {}
@@ -239,16 +242,19 @@ class Ledger:
         return out
 
     def _matching(self, name: str, named: list[dict[str, Any]], config: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The runs of ``config``: every run with its fingerprint, and those of ``named`` (the row's
+        """The runs of ``config``: every run with its fingerprint (a FLOPs count or a timing: whatever its
+        ``backbone.pretrained``, :data:`vitexp.ledger.fingerprint.WEIGHTLESS_KINDS`), and those of ``named`` (the row's
         fingerprinted runs under its name) whose recorded config differs from today's only by keys
         added since (:func:`vitexp.ledger.fingerprint.differences`). The other runs under the row's
         name are kept in :attr:`unmatched` with the keys that separate them (``vitexp-tables`` says so)."""
         found = list(self._by_fp.get(fp.fingerprint(config, self.experiment_of), []))
+        found += [r for r in self._by_weightless.get(fp.weightless(config), []) if r not in found]
         exact = {id(r) for r in found}
         for r in named:
             if id(r) in exact:
                 continue
-            keys = fp.differences(r.get("config") or {}, config, self.experiment_of)
+            keys = fp.differences(r.get("config") or {}, config, self.experiment_of,
+                                  fp.WEIGHTLESS_EXCLUDED if r["kind"] in fp.WEIGHTLESS_KINDS else fp.EXCLUDED)
             if keys:
                 self.unmatched.setdefault(name, {})[r["run_id"]] = keys
             else:

@@ -79,8 +79,13 @@ def read_checkpoint(path: str, use_ema: bool = False) -> dict[str, Any]:
     import torch
     from timm.models import clean_state_dict
 
-    with torch.serialization.safe_globals(SAFE_GLOBALS):
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if str(path).endswith(".safetensors"):  # timm's hub files (vitexp.weights)
+        from safetensors.torch import load_file
+
+        checkpoint = load_file(str(path), device="cpu")
+    else:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(f"backbone.pretrained: {path} holds a {type(checkpoint).__name__}, not a state dict")
     held = [k for k in (*WEIGHTS_KEYS[False], *WEIGHTS_KEYS[True]) if isinstance(checkpoint.get(k), Mapping)]

@@ -1,0 +1,100 @@
+"""Starting weights by tag (vitexp.weights): a spec row's ``weights`` key, resolved through
+conf/weights.yaml from $VITEXP_WEIGHTS or timm's hub cache, never downloaded unless asked."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import QUIET
+from vitexp import weights as weights_module
+from vitexp.rows import job_arguments
+
+MICRO = {"vit_micro_start": {"file": "vit_micro_start.pth", "hub": None, "source": "a test's own file"},
+         "deit_small_patch16_224.fb_in1k": weights_module.weights_map()["deit_small_patch16_224.fb_in1k"]}
+
+
+@pytest.fixture
+def tags(monkeypatch):
+    monkeypatch.setattr(weights_module, "weights_map", lambda: MICRO)
+    return MICRO
+
+
+def test_a_missing_tag_names_the_file_and_every_place_looked_in(tags, monkeypatch, tmp_path):
+    monkeypatch.setenv("VITEXP_WEIGHTS", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("VITEXP_WEIGHTS_HUB", raising=False)
+    with pytest.raises(FileNotFoundError) as err:
+        weights_module.resolve("weights:deit_small_patch16_224.fb_in1k")
+    text = str(err.value)
+    assert "deit_small_patch16_224-cd65a155.pth" in text and str(tmp_path / "deit_small_patch16_224-cd65a155.pth") in text
+    assert "timm/deit_small_patch16_224.fb_in1k" in text and "VITEXP_WEIGHTS_HUB=1" in text
+    with pytest.raises(FileNotFoundError, match="not a tag of conf/weights.yaml"):
+        weights_module.resolve("weights:no_such_tag")
+
+
+def test_a_tag_resolves_in_the_weights_folder_then_in_the_hub_cache_without_a_download(tags, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("VITEXP_WEIGHTS", raising=False)
+    # timm's hub cache layout (huggingface_hub): models--<org>--<name>/snapshots/<revision>/<file>
+    repo = tmp_path / "hub" / "models--timm--deit_small_patch16_224.fb_in1k"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    cached = repo / "snapshots" / "abc123" / "model.safetensors"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"x")
+    assert weights_module.resolve("weights:deit_small_patch16_224.fb_in1k") == str(cached)
+    folder = tmp_path / "w"
+    folder.mkdir()
+    (folder / "deit_small_patch16_224-cd65a155.pth").write_bytes(b"x")
+    monkeypatch.setenv("VITEXP_WEIGHTS", str(folder))
+    assert weights_module.resolve("weights:deit_small_patch16_224.fb_in1k") == str(folder / "deit_small_patch16_224-cd65a155.pth")
+
+
+def test_a_row_trains_from_its_tag_and_is_counted_without_it(tags):
+    row = {"label": "r", "experiment": "demo", "weights": "vit_micro_start"}
+    assert job_arguments(row, seeded=False) == ["experiment=demo", "backbone.pretrained=weights:vit_micro_start", "name='demo'"]
+    assert job_arguments(row, seeded=False, weights=False) == ["experiment=demo"]
+    assert job_arguments({**row, "weights": "run:pre"}, seeded=True)[1] == "backbone.pretrained=run:pre"
+    with pytest.raises(ValueError, match="neither run:<row name> nor a tag"):
+        job_arguments({**row, "weights": "deit_small"}, seeded=False)
+
+
+def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_weights(tags, make_cfg, results_dir,
+                                                                                       tmp_path, monkeypatch):
+    """A run loads the tag's file (the recorded config keeps the tag, so a row's fingerprint does not
+    depend on the machine), fills the row's top-1, and a FLOPs count of the same row, made without
+    the weights, fills its GMACs."""
+    import torch
+
+    from vitexp import tables
+    from vitexp.commands import run_flops
+    from vitexp.ledger import Ledger
+    from vitexp.models import build_backbone
+    from vitexp.train import train
+
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    cfg = make_cfg(["experiment=demo", *QUIET], tmp_path / "probe")
+    start = build_backbone({**cfg.backbone, "pretrained": None}, num_classes=10)
+    torch.save(start.state_dict(), folder / "vit_micro_start.pth")
+    monkeypatch.setenv("VITEXP_WEIGHTS", str(folder))
+    row = {"label": "demo", "experiment": "demo", "weights": "vit_micro_start", "name": "demo_from_tag",
+           "overrides": ["recipe.epochs=2", "recipe.warmup_epochs=0", "eval.flops=false"]}
+    over = [a.replace("'", "") for a in job_arguments(row, seeded=False)] + QUIET
+    result = train(make_cfg(over, tmp_path / "run"))
+    (entry,) = [json.loads(p.read_text()) for p in (results_dir / "runs").glob("*.json")]
+    assert entry["config"]["backbone"]["pretrained"] == "weights:vit_micro_start" and "gmacs" not in entry["metrics"]
+    flops_args = [a.replace("'", "") for a in job_arguments(row, seeded=False, weights=False)]
+    assert not any(a.startswith("backbone.pretrained") for a in flops_args)
+    run_flops(make_cfg([*flops_args, "logger=none"]))
+    spec = {"name": "demo", "title": "t", "columns": [{"key": "top1", "label": "Top-1", "digits": 2},
+                                                      {"key": "gmacs", "label": "GMACs", "digits": 4}], "rows": [row]}
+    (filled,) = tables.fill(spec, Ledger.load(results_dir))
+    assert filled["cells"]["top1"]["value"] == result["metrics"]["top1"]
+    assert filled["cells"]["gmacs"]["value"] is not None  # the count made without the weights
+    monkeypatch.setenv("VITEXP_WEIGHTS", str(tmp_path / "elsewhere"))
+    from vitexp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="vit_micro_start.pth"):
+        train(make_cfg(over, tmp_path / "run2"))
