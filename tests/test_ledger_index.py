@@ -166,6 +166,25 @@ def test_a_temporary_file_of_an_atomic_write_is_not_an_entry(results_dir):
     assert not ledger.broken and [r["run_id"] for r in ledger.records] == [real]
 
 
+def test_a_pack_leaves_every_table_as_it_was_and_keeps_what_may_resume(results_dir, tmp_path, capsys):
+    """vitexp-tables --pack folds the completed entries into results/ledger/<time>.jsonl.gz and removes
+    their files; the tables written before and after are identical; an interrupted entry stays a file."""
+    _entry(results_dir, "pre", {"seed": 0}, 88.66, "2026-01-02T00:00:00+00:00")
+    _entry(results_dir, "ft+seed=0", {"seed": 0}, 80.0, "2026-01-03T00:00:00+00:00")
+    open_entry = LedgerEntry("ft+seed=0", "train", {"seed": 0}, results_dir).start()
+    open_entry.interrupt("SIGTERM")
+    spec = _spec_file(tmp_path, SHARED)
+    assert tables.main([str(spec), "--results-dir", str(results_dir), "--out", str(tmp_path / "before")]) == 0
+    assert tables.main([str(spec), "--results-dir", str(results_dir), "--out", str(tmp_path / "after"), "--pack"]) == 0
+    assert "packed 2 completed entries" in capsys.readouterr().err
+    assert [p.name for p in (results_dir / "runs").glob("*.json")] == [f"{open_entry.run_id}.json"]
+    (pack,) = (results_dir / "ledger").glob("*.jsonl.gz")
+    for suffix in ("md", "csv", "tex"):
+        assert (tmp_path / "before" / f"shared_start.{suffix}").read_bytes() == \
+            (tmp_path / "after" / f"shared_start.{suffix}").read_bytes()
+    assert len(Ledger.load(results_dir)) == 3
+
+
 def test_a_runs_recorded_fingerprint_is_its_rows(make_cfg, results_dir):
     """A real run (vitexp-flops of the demo) records the fingerprint the table composes for its row."""
     from vitexp.commands import run_flops

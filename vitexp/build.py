@@ -12,6 +12,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig
 
+from vitexp import slurm
 from vitexp.methods import Method, method_from_config
 from vitexp.models import build_backbone
 
@@ -130,6 +131,6 @@ def build_trainer(cfg: DictConfig, logger, output_dir: Path, callbacks: Iterable
         default_root_dir=str(output_dir),
         logger=logger,
         callbacks=cbs,
-        plugins=[AtomicCheckpointIO()],
+        plugins=[AtomicCheckpointIO(), *slurm.plugins()],
         **kwargs,
     )

@@ -144,6 +144,7 @@ class Run:
         self._closing: dict[str, Any] | None = None
         self.lock = None
         self.signal: str | None = None
+        self.requeued: str | None = None  # SLURM's answer to the requeue SIGUSR1 asked for (vitexp.slurm)
 
     # -- opening ----------------------------------------------------------------------------------
     def start(self, config: dict[str, Any]) -> "Run":
@@ -160,7 +161,13 @@ class Run:
         if self.resume != "false" and previous.get("run_id"):
             self._check_same_run(previous, marker)
             entry = LedgerEntry.load(previous["run_id"], self.results_dir)
-            if entry is not None and entry.record.get("status") == "completed":
+            if entry is None:
+                from vitexp.ledger.packs import packed
+
+                done = packed(Path(self.results_dir), previous["run_id"])  # completed, its file folded into a pack
+            else:
+                done = entry.record.get("status") == "completed"
+            if done:
                 raise ConfigError(
                     f"run folder {self.output_dir} holds the completed run {previous['run_id']}: resume={self.resume} would "
                     "start another entry from its last checkpoint; give this run another hydra.run.dir (its weights "
@@ -266,6 +273,8 @@ class Run:
         invalid = isinstance(err, ConfigError) and self.ledger is None
         signame = self.signal or ("SIGINT" if isinstance(err, KeyboardInterrupt) else None)
         extra = {"output_dir": self.output_dir} if self.output_dir else {}
+        if self.requeued:
+            extra["requeued"] = self.requeued
         if invalid:
             remove_if_empty(self.output_dir)
         elif self.ledger is not None and self.ledger.record["status"] == "running":
@@ -321,15 +330,25 @@ class Interrupted(BaseException):
 
 def _catch_signals(run: Run):
     """Note SIGINT and SIGTERM in ``run.signal`` while the run lasts (Lightning turns them into
-    ``SystemExit(1)``; the note is what closes the entry ``interrupted``); returns the restorer."""
+    ``SystemExit(1)``; the note is what closes the entry ``interrupted``); returns the restorer.
+    Inside a SLURM job (``$SLURM_JOB_ID``) SIGUSR1 too, SLURM's warning before the time limit
+    (``sbatch --signal=USR1@<s>``): :func:`vitexp.slurm.requeue` asks SLURM to requeue the job, and
+    the run ends ``interrupted`` as under SIGTERM; the requeued job runs the same command in the same
+    folder and ``resume=auto`` continues it (:mod:`vitexp.slurm`). SIGUSR2, submitit's signal, stays
+    submitit's (``hydra/launcher=slurm`` requeues through it)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    from vitexp import slurm
+
+    caught = (signal.SIGINT, signal.SIGTERM, *((signal.SIGUSR1,) if slurm.job_id() else ()))
+    previous = {s: signal.getsignal(s) for s in caught}
 
     def handler(signum, frame):
         run.signal = signal.Signals(signum).name
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if signum == signal.SIGUSR1 and run.rank_zero:
+            run.requeued = slurm.requeue()
         raise Interrupted(run.signal)
 
     for s in previous:

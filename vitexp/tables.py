@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="read the runs from this results root, runs folder or snapshot (.jsonl[.gz]) instead")
     parser.add_argument("--snapshot", type=Path, default=None, metavar="FILE.jsonl.gz",
                         help="also write the ledger read as one compact snapshot file (a release's results)")
+    parser.add_argument("--pack", action="store_true",
+                        help="first fold the completed entries of <results-dir>/runs/ into one compressed file "
+                             "<results-dir>/ledger/<time>.jsonl.gz and remove their files (vitexp.ledger.packs)")
     parser.add_argument("--skip-broken", action="store_true",
                         help="write tables even where a broken ledger entry could change a cell (each skipped file is "
                              "listed in the table's notes and the closing line)")
@@ -230,6 +233,16 @@ def main(argv: list[str] | None = None) -> int:
         specs = [load_spec(t) for t in ([t for t in args.tables if "=" not in t] or all_specs())]
     except (FileNotFoundError, ValueError) as err:
         return _closing("invalid", one_line(err), 2)
+    if args.pack:
+        from vitexp.ledger.packs import pack
+
+        try:
+            packed = pack(results_dir)
+        except (ValueError, FileExistsError, RuntimeError) as err:
+            return _closing("failed", f"--pack: {one_line(err)}", 1)
+        print(f"vitexp-tables: packed {packed['packed']} completed entries into "
+              f"{portable_path(Path(packed['pack']).resolve(), results_dir) if packed['pack'] else 'nothing'}; "
+              f"{packed['left']} left in runs/", file=sys.stderr)
     try:
         ledger = Ledger.wandb(args.wandb) if args.wandb else Ledger.load(args.ledger or results_dir)
     except Exception as err:  # no W&B login, no network, no such project

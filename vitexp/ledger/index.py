@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from vitexp.ledger import fingerprint as fp
 from vitexp.ledger.schema import BrokenEntry, LedgerError
-from vitexp.ledger.sources import is_snapshot, read_folder, read_snapshot, read_wandb
+from vitexp.ledger.packs import read_root
+from vitexp.ledger.sources import is_snapshot, read_snapshot, read_wandb
 
 RUN_PREFIX = fp.RUN_PREFIX
 SEED_NAME = "{name}+seed={seed}"
@@ -97,7 +98,8 @@ class Ledger:
     # -- loading -----------------------------------------------------------------------------------
     @classmethod
     def load(cls, source: Path | str | None = None) -> "Ledger":
-        """The ledger of a results root (its ``runs/``), a ``runs`` folder, or a snapshot file;
+        """The ledger of a results root (its ``runs/`` and its packs ``ledger/*.jsonl.gz``), a ``runs``
+        folder (with the packs beside it), or a snapshot file;
         default: :func:`vitexp.ledger.paths.default_results_dir`."""
         from vitexp.ledger.paths import default_results_dir
 
@@ -107,7 +109,7 @@ class Ledger:
         else:
             runs = path if path.name == "runs" or (not (path / "runs").is_dir() and any(path.glob("*.json"))) \
                 else path / "runs"
-            records, broken = read_folder(runs)
+            records, broken = read_root(runs.parent, runs)  # the packs beside runs/ too (vitexp.ledger.packs)
         return cls(records, broken, str(path))
 
     @classmethod

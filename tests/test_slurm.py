@@ -1,0 +1,81 @@
+"""The SLURM code path without a cluster: Hydra's submitit_local launcher (the code path of
+hydra/launcher=slurm) and SIGUSR1, SLURM's warning before a job's time limit, with a stand-in
+``scontrol`` on PATH (vitexp.slurm)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, ledger_entries
+
+SMALL = ["data=synthetic", "data.num_train=64", "data.num_val=16", "data.num_test=32", "recipe.batch_size=16",
+         "recipe.epochs=3", "recipe.warmup_epochs=0", "logger=none", "trainer.enable_progress_bar=false",
+         "eval.throughput=false"]
+
+
+def _train(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vitexp.cli", "train", *SMALL, "resume=auto", f"hydra.run.dir={run_dir}", *extra]
+
+
+@pytest.mark.slow
+def test_sigusr1_requeues_the_job_and_the_requeued_run_finishes_as_an_uninterrupted_one(tmp_path):
+    """(About 2 minutes of CPU.) SIGUSR1 once the first epoch's checkpoint exists: ``scontrol requeue
+    <job>`` is called, the entry closes interrupted (SIGUSR1, requeued); the same command again (what
+    SLURM's requeue runs) reopens the same entry and ends with the metrics of an uninterrupted run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol.calls"
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    whole_results, split_results = tmp_path / "whole_results", tmp_path / "split_results"
+    whole = subprocess.run(_train(tmp_path / "whole"), env=cli_env(whole_results), capture_output=True, text=True,
+                           timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = json.loads(whole.stdout.strip().splitlines()[-1])["metrics"]
+
+    env = {**cli_env(split_results), "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    run_dir = tmp_path / "split"
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    proc = subprocess.Popen(_train(run_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=300)
+    assert ckpt.exists(), "the run ended before its first checkpoint"
+    assert proc.returncode == 128 + signal.SIGUSR1, err[-3000:]
+    assert calls.read_text().split() == ["requeue", "4242"]
+    (stopped,) = ledger_entries(split_results)
+    assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGUSR1"
+    assert stopped["requeued"] == "scontrol requeue 4242"
+
+    again = subprocess.run(_train(run_dir), env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    (entry,) = ledger_entries(split_results)
+    assert entry["run_id"] == stopped["run_id"] and entry["status"] == "completed"
+    assert entry["attempts"][0]["status"] == "interrupted"
+    for key in ("top1", "top5", "test_loss", "steps"):
+        assert entry["metrics"][key] == pytest.approx(expected[key], rel=1e-6), key
+
+
+@pytest.mark.slow
+def test_two_rows_sweep_through_the_submitit_local_launcher(tmp_path):
+    """(About 2 minutes of CPU.) ``vitexp-train -m ... hydra/launcher=submitit_local``: each job runs in a
+    process of its own started by submitit, as on a cluster node, and writes its own completed entry."""
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "vitexp.cli", "train", "-m", *SMALL, "recipe.epochs=2", "seed=0,1",
+           "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    done = subprocess.run(cmd, env=cli_env(results), capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    entries = ledger_entries(results)
+    assert sorted(e["config"]["seed"] for e in entries) == [0, 1]
+    assert all(e["status"] == "completed" for e in entries)
+    assert len({e["env"]["pid"] for e in entries}) == 2 and os.getpid() not in {e["env"]["pid"] for e in entries}
+    assert list((tmp_path / "multirun").glob(".submitit/*"))  # submitit's own job folders
