@@ -1,6 +1,7 @@
 """The table plots (vitexp/plots.py) drawn from a constructed ledger: hollow paper markers and
 filled measured ones, error bars from seeds, cost-only rows as ticks, one axis per dataset,
-colour per method family, marker per backbone, sweeps joined by a line."""
+a style of its own per row (the family's hue, a shade and marker per row), sweeps joined by a line.
+tests/test_plot_styles.py draws every table's plot."""
 from __future__ import annotations
 
 import matplotlib
@@ -83,13 +84,14 @@ def test_cost_only_rows_are_ticks_on_the_cost_axis(artists):
     ax, tick = by_gid["tick-vitexp:DeiT-S cost only"]
     assert list(tick.get_xdata()) == [2.39] and list(tick.get_ydata()) == [0.0]
     assert tick.get_transform() == ax.get_xaxis_transform()  # y in axes units: on the cost axis
-    assert tick.get_marker() == "^" and to_rgba(tick.get_markerfacecolor())[3] == 1.0
+    assert tick.get_marker() == by_gid["tick-vitexp:DeiT-S cost only"][1].get_marker() != "none"  # the row's own marker
+    assert to_rgba(tick.get_markerfacecolor())[3] == 1.0
     ax, accuracy = by_gid["ytick-paper:ToMe r13"]  # a paper accuracy without its cost: on the accuracy axis, hollow
     assert list(accuracy.get_ydata()) == [79.4] and accuracy.get_transform() == ax.get_yaxis_transform()
     assert to_rgba(accuracy.get_markerfacecolor())[3] == 0.0
 
 
-def test_one_axis_per_dataset_colour_per_family_marker_per_backbone(artists):
+def test_one_axis_per_dataset_and_a_style_per_row_in_its_familys_hue(artists):
     by_gid, fig = artists
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["digits (scikit-learn)", "Fashion-MNIST", "ImageNet-1K"]
@@ -97,12 +99,14 @@ def test_one_axis_per_dataset_colour_per_family_marker_per_backbone(artists):
     assert axis_of["micro baseline"] == "digits (scikit-learn)" and axis_of["micro BSPF, seeds"] == "Fashion-MNIST"
     assert {axis_of[k] for k in ("DeiT-S cost only", "EViT 0.7", "MCTF", "ToMe r13")} == {"ImageNet-1K"}
     colour = {gid: to_rgba(line.get_markeredgecolor()) for gid, (_, line) in by_gid.items()}
-    assert colour["vitexp:EViT 0.7"] == colour["paper:EViT 0.6"] == to_rgba(plots.FAMILY_COLOURS["EViT"])
-    assert colour["vitexp:micro BSPF, seeds"] == colour["tick-vitexp:DeiT-S cost only"] != colour["vitexp:EViT 0.7"]
+    marker = {gid: line.get_marker() for gid, (_, line) in by_gid.items() if not gid.startswith("sweep")}
+    # the first row of a family has the family's hue; the next one a shade of it and another marker
+    assert colour["vitexp:EViT 0.7"] == colour["paper:EViT 0.7"] == to_rgba(plots.FAMILY_COLOURS["EViT"])
+    assert colour["paper:EViT 0.6"] != colour["paper:EViT 0.7"] and marker["paper:EViT 0.6"] != marker["paper:EViT 0.7"]
+    assert colour["vitexp:micro BSPF, seeds"] == to_rgba(plots.FAMILY_COLOURS["BSPF-ViT"])
+    assert (colour["tick-vitexp:DeiT-S cost only"], marker["tick-vitexp:DeiT-S cost only"]) != \
+        (colour["vitexp:micro BSPF, seeds"], marker["vitexp:micro BSPF, seeds"])  # BSPF-ViT twice: two styles
     assert len({colour["paper:MCTF"], colour["vitexp:EViT 0.7"], colour["vitexp:micro baseline"]}) == 3
-    marker = {gid: line.get_marker() for gid, (_, line) in by_gid.items() if not gid.startswith(("tick", "sweep"))}
-    assert marker["vitexp:micro baseline"] == marker["vitexp:micro BSPF, seeds"]  # vit_micro
-    assert marker["vitexp:EViT 0.7"] == marker["paper:MCTF"] != marker["vitexp:micro baseline"]  # deit_small
 
 
 def test_a_sweep_is_joined_by_a_line_and_the_legend_stays_short(artists):
@@ -113,9 +117,9 @@ def test_a_sweep_is_joined_by_a_line_and_the_legend_stays_short(artists):
     assert measured.get_linestyle() == "-" and by_gid[f"sweep-paper:{name}"][1].get_linestyle() == "--"
     (legend,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
     labels = [t.get_text() for t in legend.get_texts()]
-    assert {"baseline", "BSPF-ViT", "EViT", "ToMe", "MCTF", "ViT micro", "DeiT-S", "paper"} <= set(labels)
-    assert "vitexp (measured) ± 1 std over seeds" in labels
-    assert len(labels) <= 12
+    assert [row["label"] for row in SPEC["rows"]] == labels[:len(SPEC["rows"])]  # every row, by name
+    assert {"paper", "vitexp (measured) ± 1 std over seeds"} <= set(labels)
+    assert len(labels) <= len(SPEC["rows"]) + 5
 
 
 def test_a_table_of_costs_alone_is_never_an_empty_frame():
@@ -126,6 +130,7 @@ def test_a_table_of_costs_alone_is_never_an_empty_frame():
     ticks = [line for line in ax.lines if (line.get_gid() or "").startswith("tick-vitexp:")]
     assert len(ticks) == len(spec["rows"]) == 7
     assert [t.get_text() for t in ax.texts] == [row["label"] for row in spec["rows"]]  # ticks named
+    assert "not run" in ax.get_title()  # no measured accuracy: the panel says so
     plt.close(fig)
 
 

@@ -60,7 +60,7 @@ def test_phases_for_a_block_budget_recover_raptors_vit_b_partitions(sizes, matri
 
 
 def test_the_free_threshold_is_vitexps_rule_and_gives_5_phases_on_a_dinov2_b_like_matrix():
-    """What the README says of ``vitexp-analyze phases``: at the default f = 0.7 the drift inside
+    """What docs/reading-raptor.md says of ``vitexp-analyze phases``: at the default f = 0.7 the drift inside
     RAPTOR's first phase [1-4] is cut too; only a block budget gives RAPTOR's partitions."""
     from vitexp.analysis.phases import one_based
 

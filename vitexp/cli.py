@@ -81,7 +81,7 @@ def _refuse_ddp_in_local_multirun(cfg: DictConfig, hydra_cfg) -> None:
             f"trainer.strategy={cfg.trainer.strategy} with trainer.devices={devices} inside a local multirun (-m): "
             "Lightning's DDP workers re-run the command line, i.e. the whole sweep. Run each job alone "
             "(vitexp-train experiment=X trainer=ddp), or sweep through SLURM: hydra/launcher=slurm "
-            "hydra.launcher.tasks_per_node=<devices> (README, 'Reproducing the tables on a GPU cluster')")
+            "hydra.launcher.tasks_per_node=<devices> (docs/cluster.md)")
 
 
 def _hydra_app(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> Callable[[DictConfig], Any]:
@@ -182,6 +182,17 @@ def _bench_body(cfg: DictConfig) -> dict[str, Any]:
     from vitexp.commands import run_bench
 
     return run_bench(cfg)
+
+
+def _rehearse_body(cfg: DictConfig) -> dict[str, Any]:
+    from vitexp.rehearsal.app import rehearse
+
+    return rehearse(cfg)
+
+
+def rehearse_main() -> None:
+    """One row's rehearsal (``python -m vitexp.rehearsal``; ``vitexp-sweep TABLE --rehearse`` launches it)."""
+    _run_hydra(_rehearse_body, "vitexp-rehearse")
 
 
 def train_main() -> None:
@@ -357,7 +368,7 @@ def _heads_config(args):
 
 
 _APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "eval": eval_main, "sweep": sweep_main,
-         "tables": tables_main, "audit": audit_main, "analyze": analyze_main}
+         "tables": tables_main, "audit": audit_main, "analyze": analyze_main, "rehearse": rehearse_main}
 
 if __name__ == "__main__":  # python -m vitexp.cli {train,flops,bench,eval,sweep,tables,audit,analyze} [args]
     if len(sys.argv) < 2 or sys.argv[1] not in _APPS:

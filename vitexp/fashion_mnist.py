@@ -1,6 +1,6 @@
 """``data=fashion_mnist``: Fashion-MNIST from the Debian package ``dataset-fashion-mnist`` (the four
 IDX files, read by :mod:`vitexp.idx`), kept in memory as uint8 and prepared a batch at a time
-(README, "The Fashion-MNIST tier")."""
+(docs/fashion-mnist.md)."""
 from __future__ import annotations
 
 from pathlib import Path

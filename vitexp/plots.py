@@ -2,24 +2,32 @@
 accuracy) for every row that :func:`vitexp.tables.fill` filled, drawn so that methods compare.
 
 Encoding (decisions):
-- **Colour: the method family** (:data:`METHOD_FAMILIES` of the experiment's ``method`` choice,
-  a head-selection rule other than LapSum as its own family), or the spec row's ``family:`` (cited
-  rows, which have no experiment).
-- **Marker: the backbone** (the experiment's ``backbone`` choice, or the row's ``backbone:``).
+- **Every row its own style, named in the legend**: a row a table separates is a row the plot
+  separates. The hue is the method family (:data:`METHOD_FAMILIES` of the experiment's ``method``
+  choice, a head-selection rule other than LapSum as its own family, or the spec row's ``family:``
+  for cited rows); the n-th row of a family takes the n-th marker and the n-th shade of that hue
+  (:func:`row_styles`), so no two rows share colour and marker. The legend names each row by its
+  label (which names its backbone).
+- **Controls** (a spec row's ``control: true``: an untrained surrogate, a probe at initialisation)
+  are grey and hollow, with their own marker: they are drawn as what they are, not as the method.
 - **Filled: vitexp's measured value; hollow: the paper's.** A paper value derived by arithmetic
   is marked † (:data:`vitexp.provenance.DERIVED_MARK`; the footnote under the plot gives its formula).
 - **Error bars:** ±1 sample std over a seeded row's seeds (:mod:`vitexp.aggregate`).
 - **Sweep lines:** rows of one ``series:`` (the spec's), and otherwise rows whose experiment files
   differ only in their ``budget`` (keep ratio, r, k, blocks) and ``name``: a method's sweep. Solid
   through vitexp's points, dashed through the paper's, sorted by cost.
-- **Cost without accuracy** (a ``vitexp-flops`` row, or a paper that prints only GMACs): a
-  triangle on the cost axis at that cost, filled or hollow as above; an axis with nothing else
-  names its rows beside the ticks. Likewise an accuracy without its cost: a triangle on the
-  accuracy axis. No axis is left empty: one with no value says so.
+- **Cost without accuracy** (a ``vitexp-flops`` row, or a paper that prints only GMACs): the
+  row's marker on the cost axis at that cost, filled or hollow as above; an axis with nothing else
+  names its rows beside the ticks. Likewise an accuracy without its cost: its marker on the
+  accuracy axis.
+- **No panel without a measured point**: beside other panels, one with neither a measured (cost,
+  accuracy) point nor a paper value is dropped (its costs are in the table files); a panel left
+  without a measured point says "not run" in its title.
+- **Units on every axis**: the column's label with its unit's short form ("Top-1 (%)", "GMACs").
 - **One dataset per axis:** the rows' datasets (the experiment's ``data`` choice, or the row's
   ``dataset:``; a row with neither joins the table's most common dataset) each get their own
   axis, side by side.
-The legend lists families, backbones and the value kinds (outside the axes, one entry each).
+The legend (outside the axes) names every row drawn, then the value kinds.
 """
 from __future__ import annotations
 
@@ -43,17 +51,15 @@ METHOD_FAMILIES = {"baseline": "baseline", "probe": "baseline", "knn": "baseline
                    "saper_kd": "SAPER", "raptor": "RAPTOR"}
 FAMILY_COLOURS = {"baseline": "0.15", "BSPF-ViT": "tab:blue", "chunk attention": "tab:cyan", "EViT": "tab:orange",
                   "ToMe": "tab:green", "SAPER": "tab:red", "RAPTOR": "tab:purple"}
-#: Colours of the other families (cited methods, head-selection rules), in order of appearance.
-SPARE_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "tab:gray", "gold", "navy", "teal", "maroon", "lime")
-#: Backbone markers; "^" and ">" are left to the ticks of a cost or an accuracy alone.
+#: Colours of the other families (cited methods, head-selection rules), in order of appearance;
+#: no grey: grey is the controls'.
+SPARE_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "gold", "navy", "teal", "maroon", "lime", "darkkhaki")
+#: Markers of a family's rows, in order.
 MARKERS = ("o", "s", "D", "P", "X", "*", "h", "p", "d", "H", "8", "v")
-BACKBONE_NAMES = {"vit_micro": "ViT micro", "deit_tiny": "DeiT-T", "deit_small": "DeiT-S",
-                  "dinov2_vits14": "DINOv2 ViT-S/14", "dinov2_vitb14": "DINOv2 ViT-B/14",
-                  "dinov2_vits14_reg": "DINOv2 ViT-S/14 + registers", "dinov2_vitb14_reg": "DINOv2 ViT-B/14 + registers",
-                  "dinov2_micro": "DINOv2 micro", "dinov2_micro_reg": "DINOv2 micro + registers",
-                  "t2t_vit_14": "T2T-ViT-14", "t2t_vit_t_14": "T2T-ViT_t-14", "lvvit_s": "LV-ViT-S",
-                  "caformer_s18": "CAFormer-S18", "t2t_vit_micro": "T2T-ViT micro", "lvvit_micro": "LV-ViT micro",
-                  "caformer_micro": "CAFormer micro", "shvit_micro": "SHViT micro"}
+#: The n-th row of a family: its hue mixed with white (> 0) or black (< 0) by this fraction.
+SHADES = (0.0, 0.45, -0.4, 0.7, -0.6, 0.25, -0.2)
+CONTROL_COLOUR = "0.55"
+CONTROL_MARKERS = ("X", "D", "s", "P")
 DATASET_NAMES = {"imagenet": "ImageNet-1K", "cifar100": "CIFAR-100", "digits": "digits (scikit-learn)",
                  "fashion_mnist": "Fashion-MNIST", "synthetic": "synthetic", "coco": "COCO", "micro_coco": "micro COCO",
                  "imagefolder": "image folder"}
@@ -127,11 +133,13 @@ def series_curves(rows: list[dict[str, Any]], xk: str, yk: str) -> dict[str, dic
 
 
 def plot_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The filled rows with their family, backbone, dataset, sweep (as ``series``) and ``panel``."""
+    """The filled rows with their family, backbone, dataset, sweep (as ``series``), ``panel`` and
+    ``control``."""
     identities = [row_identity(r) for r in spec["rows"]]
     common = Counter(i["dataset"] for i in identities if i["dataset"]).most_common(1)
     fallback = common[0][0] if common else UNKNOWN
-    return [{**row, **ident, "dataset": ident["dataset"] or fallback, "series": series, "panel": spec_row.get("panel")}
+    return [{**row, **ident, "dataset": ident["dataset"] or fallback, "series": series, "panel": spec_row.get("panel"),
+             "control": bool(spec_row.get("control"))}
             for row, spec_row, ident, series in zip(rows, spec["rows"], identities, sweeps(spec["rows"]))]
 
 
@@ -148,23 +156,27 @@ def axis_panels(rows: list[dict[str, Any]]) -> dict[tuple[str, str | None], list
 
 
 def _axis_label(col: dict[str, Any]) -> str:
-    """Short units beside the label; long ones are spelled out in the table files."""
-    unit = col.get("unit", "")
-    return col["label"] if not unit or len(unit) > 12 or unit == col["label"] else f"{col['label']} ({unit})"
+    """The label with the unit's short form ("Top-1 (%)"; "GMACs (32 px)" on a GMACs column is
+    "GMACs"); the unit in full is in the table files."""
+    unit = str(col.get("unit", "")).split(" (")[0].split(";")[0].strip()
+    if len(unit) > 12:
+        unit = unit.split()[0]
+    return col["label"] if not unit or unit == col["label"] else f"{col['label']} ({unit})"
 
 
-def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str, dict[str, str]],
+def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str, tuple[Any, str]],
                used: set[str]) -> None:
     """One dataset's points, sweeps and cost ticks; ``used`` collects the value kinds drawn."""
     from matplotlib.ticker import MaxNLocator
 
     ticks, accuracy_ticks, used_here = [], [], set()
     for row in rows:
-        colour, marker = style["family"][row["family"]], style["backbone"][row["backbone"]]
+        colour, marker = style[row["label"]]
         x, y = row["cells"][xk], row["cells"][yk]
         if x["value"] is not None and y["value"] is not None:
             bars = ax.errorbar(x["value"], y["value"], xerr=x.get("std") or None, yerr=y.get("std") or None, fmt=marker, color=colour,
-                               mfc=colour, mec=colour, ms=6, capsize=2.5, elinewidth=1, zorder=3)
+                               mfc="none" if row.get("control") else colour, mec=colour, mew=1.5, ms=6, capsize=2.5,
+                               elinewidth=1, zorder=3)
             bars.lines[0].set_gid(f"vitexp:{row['label']}")
             used_here |= {"vitexp", "std"} if y.get("std") or x.get("std") else {"vitexp"}
         elif x["value"] is not None:
@@ -184,24 +196,24 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
             accuracy_ticks.append(("paper", y["paper"], row))
             if y.get("formula"):
                 ax.annotate(DERIVED_MARK, (0.0, y["paper"]), xycoords=ax.get_yaxis_transform(), xytext=(6, 2),
-                            textcoords="offset points", fontsize=7, color=style["family"][row["family"]])
+                            textcoords="offset points", fontsize=7, color=colour)
     for name, by_source in series_curves(rows, xk, yk).items():
-        colour = style["family"][next(r["family"] for r in rows if r["series"] == name)]
+        colour = style[next(r["label"] for r in rows if r["series"] == name)][0]
         for source, points in by_source.items():
             ax.plot(*zip(*points), color=colour, lw=1.1, ls="-" if source == "vitexp" else "--", zorder=2,
                     gid=f"sweep-{source}:{name}")
             used_here.add("sweep")
     for source, value, row in accuracy_ticks:  # an accuracy without its cost: on the accuracy axis
-        colour = style["family"][row["family"]]
-        ax.plot([0.0], [value], transform=ax.get_yaxis_transform(), marker=">", ls="none", ms=8, clip_on=False,
+        colour, marker = style[row["label"]]
+        ax.plot([0.0], [value], transform=ax.get_yaxis_transform(), marker=marker, ls="none", ms=8, clip_on=False,
                 mfc=colour if source == "vitexp" else "none", mec=colour, mew=1.2, zorder=4,
                 gid=f"ytick-{source}:{row['label']}")
         used_here.add(f"ytick_{source}")
     has_points = bool(used_here & {"vitexp", "paper", "ytick_vitexp", "ytick_paper"})
     only_ticks = bool(ticks) and not has_points
     for source, value, row in ticks:
-        colour = style["family"][row["family"]]
-        ax.plot([value], [0.0], transform=ax.get_xaxis_transform(), marker="^", ls="none", ms=8, clip_on=False,
+        colour, marker = style[row["label"]]
+        ax.plot([value], [0.0], transform=ax.get_xaxis_transform(), marker=marker, ls="none", ms=8, clip_on=False,
                 mfc=colour if source == "vitexp" else "none", mec=colour, mew=1.2, zorder=4,
                 gid=f"tick-{source}:{row['label']}")
         used_here.add(f"tick_{source}")
@@ -221,36 +233,75 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
     used |= used_here
 
 
-def _styles(rows: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
-    families = list(dict.fromkeys(r["family"] for r in rows))
+def _shade(colour: Any, fraction: float) -> tuple[float, float, float, float]:
+    """``colour`` mixed with white (fraction > 0) or black (< 0)."""
+    from matplotlib.colors import to_rgba
+
+    r, g, b, a = to_rgba(colour)
+    target = 1.0 if fraction > 0 else 0.0
+    return tuple(c + abs(fraction) * (target - c) for c in (r, g, b)) + (a,)
+
+
+def row_styles(rows: list[dict[str, Any]]) -> dict[str, tuple[tuple[float, ...], str]]:
+    """{row label: (colour, marker)}, one pair per row: the family's hue in the n-th shade with the
+    n-th marker for the n-th row of a family; controls grey. No two rows share a pair."""
+    families = list(dict.fromkeys(r["family"] for r in rows if not r.get("control")))
     spare = iter(SPARE_COLOURS * (1 + len(families) // len(SPARE_COLOURS)))
-    backbones = list(dict.fromkeys(r["backbone"] for r in rows))
-    return {"family": {f: FAMILY_COLOURS.get(f) or next(spare) for f in families},
-            "backbone": {b: MARKERS[i % len(MARKERS)] for i, b in enumerate(backbones)}}
+    hue = {f: FAMILY_COLOURS.get(f) or next(spare) for f in families}
+    members: dict[str, int] = {}
+    styles: dict[str, tuple[tuple[float, ...], str]] = {}
+    for row in rows:
+        if row["label"] in styles:
+            continue
+        family = "control" if row.get("control") else row["family"]
+        n = members[family] = members.get(family, -1) + 1
+        if row.get("control"):
+            styles[row["label"]] = (_shade(CONTROL_COLOUR, SHADES[n % len(SHADES)] / 2), CONTROL_MARKERS[n % len(CONTROL_MARKERS)])
+        else:
+            styles[row["label"]] = (_shade(hue[family], SHADES[n % len(SHADES)]), MARKERS[n % len(MARKERS)])
+    return styles
 
 
 #: Legend entries of the value kinds: (key in ``used``, label, marker, filled, line style).
 KINDS = (("vitexp", "vitexp (measured)", "o", True, "none"), ("paper", "paper", "o", False, "none"), ("sweep", "sweep (solid: vitexp, dashed: paper)", "", False, "-"),
-         ("tick_vitexp", "cost only, vitexp (no accuracy yet)", "^", True, "none"),
-         ("tick_paper", "cost only, paper", "^", False, "none"),
-         ("ytick_vitexp", "accuracy only, vitexp", ">", True, "none"),
-         ("ytick_paper", "accuracy only, paper (no cost given)", ">", False, "none"))
+         ("tick_vitexp", "on the cost axis: cost only, vitexp (no accuracy yet)", "o", True, "none"),
+         ("tick_paper", "on the cost axis: cost only, paper", "o", False, "none"),
+         ("ytick_vitexp", "on the accuracy axis: accuracy only, vitexp", "o", True, "none"),
+         ("ytick_paper", "on the accuracy axis: accuracy only, paper (no cost given)", "o", False, "none"))
 
 
-def _legend_handles(rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str, dict[str, str]], used: set[str]):
-    """Families and backbones of the rows on the plot, then the value kinds drawn."""
+def _legend_handles(rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str, tuple[Any, str]], used: set[str]):
+    """Every row on the plot by its label (in its colour and marker; hollow for a control or a row
+    with paper values only), then the value kinds drawn."""
     from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
-    drawn = [r for r in rows if any(r["cells"][k][v] is not None for k in (xk, yk) for v in ("value", "paper"))]
-    handles = [Patch(color=style["family"][f], label=f) for f in dict.fromkeys(r["family"] for r in drawn)]
-    backbones = list(dict.fromkeys(r["backbone"] for r in drawn))
-    handles += [Line2D([], [], marker=style["backbone"][b], ls="none", color="0.35", label=BACKBONE_NAMES.get(b, b))
-                for b in backbones]
+    drawn = list({r["label"]: r for r in rows
+                  if any(r["cells"][k][v] is not None for k in (xk, yk) for v in ("value", "paper"))}.values())
+    handles = []
+    for r in drawn:
+        colour, marker = style[r["label"]]
+        measured = any(r["cells"][k]["value"] is not None for k in (xk, yk))
+        label = ("control: " if r.get("control") and not r["label"].lower().startswith("control") else "") + r["label"]
+        handles.append(Line2D([], [], marker=marker, ls="none", color=colour, mec=colour, mew=1.3,
+                              mfc=colour if measured and not r.get("control") else "none",
+                              label="\n".join(textwrap.wrap(label, LEGEND_WIDTH, break_on_hyphens=False))))
     std = " ± 1 std over seeds" if "std" in used else ""
     handles += [Line2D([], [], marker=m or None, ls=ls, color="0.35", mfc="0.35" if filled else "none",
                        label=label + (std if key == "vitexp" else "")) for key, label, m, filled, ls in KINDS if key in used]
     return handles
+
+
+#: Characters per line of a row's name in the legend.
+LEGEND_WIDTH = 48
+
+
+def _measured(members: list[dict[str, Any]], xk: str, yk: str) -> bool:
+    return any(r["cells"][xk]["value"] is not None and r["cells"][yk]["value"] is not None for r in members)
+
+
+def _anything(members: list[dict[str, Any]], xk: str, yk: str) -> bool:
+    """A measured point or a paper value (cost ticks alone do not count)."""
+    return _measured(members, xk, yk) or any(r["cells"][k]["paper"] is not None for r in members for k in (xk, yk))
 
 
 def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()):
@@ -265,12 +316,17 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
     cols = {c["key"]: c for c in spec["columns"]}
     rows = plot_rows(spec, rows)
     panels = axis_panels(rows)
-    style = _styles(rows)
+    if len(panels) > 1 and any(_anything(m, xk, yk) for m in panels.values()):
+        panels = {k: m for k, m in panels.items() if _anything(m, xk, yk)}
+    style = row_styles(rows)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), dpi=120, squeeze=False)
     used: set[str] = set()
     for ax, ((dataset, panel), members) in zip(axes[0], panels.items()):
         name = DATASET_NAMES.get(dataset, dataset)
-        ax.set_title(f"{name}: {panel}" if panel else name, fontsize=8)
+        title = f"{name}: {panel}" if panel else name
+        if not _measured(members, xk, yk):
+            title += f"\n(not run: no measured {cols[yk]['label'].lower()} yet)"
+        ax.set_title(title, fontsize=8)
         ax.set_xlabel(_axis_label(cols[xk]), fontsize=8)
         ax.set_ylabel(_axis_label(cols[yk]), fontsize=8)
         _draw_axis(ax, members, xk, yk, style, used)
@@ -278,13 +334,16 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
         ax.grid(alpha=0.3)
     fig.suptitle("\n".join(textwrap.wrap(spec["title"], 90)), fontsize=9)
     fig.tight_layout()  # before the legend, which lies outside the axes; savefig's tight box takes it in
-    handles = _legend_handles(rows, xk, yk, style, used)
+    handles = _legend_handles([r for m in panels.values() for r in m], xk, yk, style, used)
+    below = -0.01
     if handles:
-        axes[0][-1].legend(handles=handles, fontsize=6.5, loc="upper left", bbox_to_anchor=(1.02, 1.0),
-                           borderaxespad=0.0, frameon=False)
-    if notes:  # under the axes, wrapped to the figure's width; savefig's tight box takes them in
+        legend = axes[0][-1].legend(handles=handles, fontsize=6.5, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                                    borderaxespad=0.0, frameon=False, ncol=2 if len(handles) > 16 else 1)
+        fig.canvas.draw()  # the legend's extent: notes go under it when it reaches below the axes
+        below = min(below, legend.get_window_extent().transformed(fig.transFigure.inverted()).y0 - 0.02)
+    if notes:  # under the axes and the legend, wrapped to the figure's width; savefig's tight box takes them in
         width = int(fig.get_size_inches()[0] * 22 + 30)
-        fig.text(0.01, -0.01, "\n".join(textwrap.fill(n, width) for n in notes), fontsize=7, ha="left", va="top")
+        fig.text(0.01, below, "\n".join(textwrap.fill(n, width) for n in notes), fontsize=7, ha="left", va="top")
     return fig
 
 

@@ -1,7 +1,9 @@
 """Provenance rules for the papers' values in table specs (``sweeps/*.yaml``; the
-README's "Reproducing the tables on a GPU cluster"): a paper cell is ``{value, source, derived, formula}``. ``source`` names the document and
-the place the number was read ("EViT README", "DeiT paper (Touvron et al. 2021), as cited in
-BSPF-ViT Table 1"); a value the paper gives only through arithmetic (a gain added to a baseline:
+docs/cluster.md): a paper cell is ``{value, source, derived, formula}``. ``source`` names the
+document and the place the number was read, the publication of the method the number belongs to,
+never a second-hand citation ("EViT README, Model Zoo", "MCTF (Lee et al., CVPR 2024), README Model
+Zoo, ...; checked against the README (...)"), and says "unchecked" where the value was not compared
+with that publication; a value the paper gives only through arithmetic (a gain added to a baseline:
 72.2 + 1.3 = 73.5) is ``derived: true`` with its ``formula``, which must evaluate to the value.
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ DERIVED_MARK = "†"
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 #: a source that shows a sum or difference of numbers ("81.5 + 0.9") describes a derived value
 _ARITHMETIC = re.compile(r"\d\s*[+−-]\s*\d")
+#: a source that shows a signed gain ("(+2.0)", "−0.4 over") describes a derived value too
+_GAIN = re.compile(r"(?<![\w.])[+−]\s*\d")
 
 
 def evaluate_formula(formula: str) -> float:
@@ -52,6 +56,6 @@ def provenance_errors(spec: dict[str, Any]) -> list[str]:
                     problems.append(f"{where}: derived without a formula")
                 elif abs(evaluate_formula(formula) - float(cell["value"])) > 1e-9 * max(1.0, abs(cell["value"])):
                     problems.append(f"{where}: formula {formula} = {evaluate_formula(formula):g}, not {cell['value']}")
-            elif _ARITHMETIC.search(str(cell.get("source") or "")):
-                problems.append(f"{where}: the source shows arithmetic; mark it derived: true with its formula")
+            elif _ARITHMETIC.search(str(cell.get("source") or "")) or _GAIN.search(str(cell.get("source") or "")):
+                problems.append(f"{where}: the source shows arithmetic or a gain; mark it derived: true with its formula")
     return problems

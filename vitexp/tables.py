@@ -18,7 +18,8 @@ curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and a
 has no experiment to read them from), ``panel`` (the plot axis of rows whose accuracies are not
 comparable with the others', :func:`vitexp.plots.axis_panels`), ``paper``: {metric: {value, source, derived, formula}});
 ``notes`` (optional list of footnotes printed under the table, e.g. where a row's settings were
-fitted rather than read); ``protocol`` (optional, the spec's or a row's: only runs whose ledger
+fitted rather than read); ``verdict`` (optional: the table's prose on the results page, numbers as
+placeholders filled from its cells, :mod:`vitexp.results_page`); ``protocol`` (optional, the spec's or a row's: only runs whose ledger
 ``protocol`` has these values fill it, e.g. ``{mode: compare}`` for one interleaved comparison).
 
 Provenance (:mod:`vitexp.provenance`): every paper value names the document and place it was read
@@ -48,6 +49,7 @@ from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves
 from vitexp.provenance import provenance_errors
 from vitexp.ledger import Ledger, LedgerError, atomic_write, default_results_dir, effective_status, marks, portable_path
 from vitexp.ledger.sources import write_snapshot
+from vitexp import results_page
 from vitexp.rows import check_rows, composing, expand_rows, row_name, row_query
 from vitexp.run import ArgumentParser
 from vitexp.render import (CITED, NO_PAPER, NOT_RECORDED, NOT_RUN, UNICODE_TEX, _body, _cell_texts,  # noqa: F401
@@ -225,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="write tables even where a broken ledger entry could change a cell (each skipped file is "
                              "listed in the table's notes and the closing line)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: <results-dir>/tables)")
+    parser.add_argument("--results-page", type=Path, default=None, metavar="PATH",
+                        help="also write the results page there (vitexp.results_page; default: docs/results.md when "
+                             "the project's own ledger is written into results/tables)")
     args = parser.parse_intermixed_args(argv)
     results_dir = args.results_dir or default_results_dir()
     out_dir = args.out or results_dir / "tables"
@@ -263,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
                                for run_id, keys in sorted(runs.items()))
         print(f"vitexp-tables: {len(runs)} run(s) named {name} left out, their config differs from the row's in: "
               f"{shown_runs}", file=sys.stderr)
+    page = args.results_page or results_page.default_page(results_dir, out_dir, bool(args.ledger or args.wandb or overrides))
+    if page:  # every spec's verdict, filled from the same ledger (vitexp.results_page)
+        results_page.write([load_spec(n) for n in all_specs()], lambda s: fill(
+            {**s, "skipped_broken": [str(b) for b in ledger.broken_for(table_names(s))]}, ledger, overrides), page, atomic_write,
+            out_dir)
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
     logs = args.log_wandb is not None or bool(args.wandb)

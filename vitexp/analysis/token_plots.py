@@ -3,9 +3,12 @@ layer (vitexp/analysis/tokens.py computes the maps).
 
 In a layer's panel:
 - a kept patch (its own token survives) shows the image as it is;
-- a fused patch is tinted with the colour of the token it is in now, and the patch anchoring
-  that token (its kept patch, if any: EViT's fused token has none) is outlined in that colour;
-- a dropped patch is blacked out;
+- a fused patch is tinted with the colour of the token it is in now and hatched (``/``) in that
+  colour, and the patch anchoring that token (its kept patch, if any: EViT's fused token has none)
+  is outlined in that colour;
+- a dropped patch is covered in red and cross-hatched.
+Decision: a removed patch is marked by a hatch, never by a dark fill, so that it cannot be
+mistaken for dark image content (Fashion-MNIST's black background, a digit's dark strokes);
 - chunk boundaries (BSPF-ViT, chunk-only) are white lines between patches of different chunks.
 Token colours cycle through matplotlib's ``tab20`` by token index, so neighbouring tokens of a
 chunk differ. The input is min–max scaled per image for display (the model saw it normalised).
@@ -22,7 +25,10 @@ from vitexp.analysis.tokens import LayerMap
 from vitexp.analysis import save_png
 
 
-LEGEND = "clear: kept; black: dropped{chunks}\ntinted: fused into the token of that colour (its kept patch outlined)"
+LEGEND = ("clear: kept; red, cross-hatched: dropped{chunks}\n"
+          "tinted and hatched: fused into the token of that colour (its kept patch outlined)")
+#: A dropped patch: a red cover with a cross-hatch (no dark fill: see the module docstring).
+DROPPED = (0.85, 0.1, 0.1)
 
 
 def display_image(image: torch.Tensor) -> np.ndarray:
@@ -53,18 +59,24 @@ def _panel(ax, img: np.ndarray, grid: tuple[int, int], token: np.ndarray | None,
     cell_h, cell_w = h / rows, w / cols
     ax.imshow(img, extent=(0, w, h, 0), interpolation="nearest")
     if token is not None:
-        palette = [c for c in plt.get_cmap("tab20").colors if max(c) - min(c) > 0.1]  # no greys: they read as digit strokes
+        # no greys (they read as image content) and no reds (they read as dropped)
+        palette = [c for c in plt.get_cmap("tab20").colors
+                   if max(c) - min(c) > 0.1 and not (c[0] > 0.8 and c[1] < 0.65 and c[2] < 0.65)]
         overlay = np.zeros((rows, cols, 4))
         anchored = {}
         for r in range(rows):
             for c in range(cols):
                 t = int(token[r, c])
+                cell = (c * cell_w, r * cell_h)
                 if t < 0:
-                    overlay[r, c] = (0, 0, 0, 0.85)
+                    overlay[r, c] = (*DROPPED, 0.45)
+                    ax.add_patch(Rectangle(cell, cell_w, cell_h, fill=False, hatch="xxx", edgecolor=DROPPED, lw=0.0))
                 elif kept[r, c]:
                     anchored[t] = (r, c)
                 else:
-                    overlay[r, c] = (*palette[t % len(palette)], 0.6)
+                    overlay[r, c] = (*palette[t % len(palette)], 0.55)
+                    ax.add_patch(Rectangle(cell, cell_w, cell_h, fill=False, hatch="///",
+                                           edgecolor=palette[t % len(palette)], lw=0.0))
         ax.imshow(overlay, extent=(0, w, h, 0), interpolation="nearest")
         absorbing = {int(t) for t in np.unique(token[(token >= 0) & ~kept])}
         for t in sorted(absorbing & anchored.keys()):

@@ -1,8 +1,7 @@
 """BSPF-ViT: block-based symmetric pruning and fusion (arXiv 2507.12125), as vitexp reads it.
 
 The paper's full text was not available; each decision is a named config key
-(``conf/method/bspf.yaml``), written down in the module that implements it and in the README's
-"Reading of the papers":
+(``conf/method/bspf.yaml``), written down in the module that implements it and in docs/reading-bspf.md:
 
 - ``layout``: which tokens form a chunk (``chunk_layout``: √Ω×√Ω windows by default, or raster
   ranges) and the chunk count (``chunk_size`` = Ω; null is one chunk, Table 8's "without chunking").

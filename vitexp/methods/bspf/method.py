@@ -81,7 +81,7 @@ class BSPF(Method):
         super().validate_budget(budget, arch)
         if arch.get("family") == "shvit" and self.symmetric:
             raise ConfigError("method.symmetric=true: shared Q/K is not implemented for SHViT's single-head "
-                              "attention (README, 'Reading of the papers', SHViT); use method.symmetric=false")
+                              "attention (docs/reading-backbones.md, SHViT); use method.symmetric=false")
         if budget["kind"] == "keep_ratio" and not 0 < float(budget["keep_ratio"]) <= 1:
             raise ConfigError(f"budget.keep_ratio: {budget['keep_ratio']} must be in (0, 1]")
         depth = int(arch["depth"])
@@ -139,7 +139,7 @@ class BSPF(Method):
         return backbone
 
     def _apply_metaformer(self, model: MetaFormer, budget: Mapping[str, Any]) -> MetaFormer:
-        """CaFormer (decision, README "Reading of the papers"): chunk attention in every attention
+        """CaFormer (decision, docs/reading-backbones.md): chunk attention in every attention
         stage (a later stage whose grid the layout cannot tile attends as one chunk); pruning and
         fusion at ``prune_layers``, counted within the first attention stage (stage 3, 14×14
         tokens at 224 px), whose grid must tile; before that stage hands its tokens to the strided

@@ -3,7 +3,7 @@
 SHViT keeps its tokens as NCHW maps. A block is a residual depthwise 3×3 convolution, a residual
 single-head attention (SHSA) on the first ``pdim`` channels (the other channels pass through to
 its 1×1 projection) and a residual FFN of 1×1 convolutions; SHSA blocks form stages 2 and 3.
-Decisions (README, "Reading of the papers", SHViT):
+Decisions (docs/reading-backbones.md, SHViT):
 
 - **Where**: every SHSA stage becomes a :class:`TokenStage`. Its blocks' attention is chunk
   attention (:class:`ChunkSHSA`); pruning and fusion happen at ``prune_layers``, counted within
