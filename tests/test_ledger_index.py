@@ -144,6 +144,31 @@ def test_a_run_from_before_a_new_default_stays_in_its_row_and_a_stray_key_keeps_
     assert f"{stray} (trainer.my_new_knob)" in capsys.readouterr().err
 
 
+def test_a_run_from_before_an_option_that_changed_what_runs_do_is_not_a_cell_of_a_row_that_sets_it(results_dir):
+    """SAPER's one-stage runs were recorded before method.recover_epochs and method.straight_through
+    (fingerprint.CHANGED_DEFAULTS: such a run had 0 and false); a row of today's two stages (2) never
+    shows them, a row that asks for no recovery does."""
+    job = ("experiment=fmnist_saper_dinov2_micro", "method=saper_ft", "budget.k=3")
+    config = copy.deepcopy(composed_config(job, 0))
+    assert config["method"]["recover_epochs"] == 2
+    for key in ("recover_epochs", "recover_lr", "recover_trainable", "straight_through"):
+        config["method"].pop(key, None)
+    old = _entry(results_dir, "saper_k3+seed=0", config, 59.3, "2026-01-01T00:00:00+00:00")
+    for path in (results_dir / "runs").glob("*.json"):  # as older code wrote it: no fingerprint
+        record = json.loads(path.read_text())
+        record.pop("fingerprint")
+        path.write_text(json.dumps(record))
+    spec = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
+            "rows": [{"label": "two stages", "experiment": "fmnist_saper_dinov2_micro", "name": "saper_k3",
+                      "overrides": ["method=saper_ft", "budget.k=3"]}]}
+    (row,) = tables.fill(spec, Ledger.load(results_dir))
+    assert row["cells"]["top1"]["value"] is None
+    spec["rows"][0]["overrides"] += ["method.recover_epochs=0", "method.straight_through=false"]
+    rows._COMPOSED.clear()
+    (row,) = tables.fill(spec, Ledger.load(results_dir))
+    assert row["cells"]["top1"]["run_ids"] == [old]
+
+
 def test_a_comparison_bench_entry_is_a_cell_of_its_models_row(results_dir):
     """vitexp-bench experiment=peers_throughput_cpu times each model with the comparison's bench
     settings (bench.compare, rounds, device): its entries are cells of the models' rows, whose

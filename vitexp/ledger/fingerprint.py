@@ -27,7 +27,8 @@ Decisions:
 - A key that today's config has and a run's recorded config lacks (an option added since, whose
   default is the behaviour the run had) does not separate the run from its row: besides the exact
   hash, :func:`differences` compares the recorded leaves with today's (the ledger's row lookup).
-  A key the run has and today's config lacks, or another value, does.
+  A key the run has and today's config lacks, or another value, does; so does an option of
+  :data:`CHANGED_DEFAULTS` (added with a default that changed what runs do) at another value.
 """
 from __future__ import annotations
 
@@ -83,18 +84,62 @@ def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
     return kept
 
 
+#: Kinds whose measurement does not depend on the weights (a FLOPs count, a timing): their runs are
+#: cells of a row whatever ``backbone.pretrained`` they had (a row that trains from ``weights:<tag>``
+#: is counted and timed without the file).
+WEIGHTLESS_KINDS = ("flops", "bench")
+WEIGHTLESS_EXCLUDED = (*EXCLUDED, "backbone.pretrained")
+
+
+#: Options added with a default that is NOT what runs before them did: {dotted key: (the methods it
+#: applies to, the value a run without the key had)}. A run recorded without such a key is read as
+#: having had that value (:func:`differences`, :func:`changed_defaults`), so that, e.g., SAPER's
+#: one-stage runs (before ``method.recover_epochs``: no recovery) never fill a two-stage row.
+CHANGED_DEFAULTS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "method.recover_epochs": (("saper_ft", "saper_kd"), 0),
+    "method.straight_through": (("saper_ft", "saper_kd"), False),
+}
+
+
+def _method_name(config: Mapping[str, Any]) -> str | None:
+    method = config.get("method")
+    return method.get("name") if isinstance(method, Mapping) else None
+
+
+def lacks_changed_default(recorded: Mapping[str, Any]) -> bool:
+    """Whether ``recorded`` (a run's config) predates an option of :data:`CHANGED_DEFAULTS` of its method."""
+    name, flat = _method_name(recorded), None
+    for key, (methods, _) in CHANGED_DEFAULTS.items():
+        if name in methods:
+            flat = flat if flat is not None else leaves(recorded)
+            if key not in flat:
+                return True
+    return False
+
+
+def changed_defaults(recorded: Mapping[str, Any], today: Mapping[str, Any]) -> list[str]:
+    """The keys of :data:`CHANGED_DEFAULTS` that ``recorded`` lacks and whose value ``today`` is
+    another than the one such a run had."""
+    name, old, new = _method_name(recorded), leaves(recorded), leaves(today)
+    return sorted(k for k, (methods, was) in CHANGED_DEFAULTS.items()
+                  if name in methods and k not in old and k in new and new[k] != was)
+
+
 def differences(recorded: Mapping[str, Any], today: Mapping[str, Any],
-                experiment_of: Callable[[str], str] | None = None, exclusions: Iterable[str] = EXCLUDED) -> list[str]:
+                experiment_of: Callable[[str], str] | None = None, weightless: bool = False) -> list[str]:
     """The dotted keys that separate a run's ``recorded`` config from ``today``'s composition of its
     row: a leaf the run has with another value, or one that today's config lacks. A leaf only today's
-    config has (an option added since the run) is not a difference (module docstring)."""
-    exclusions = tuple(exclusions)
+    config has (an option added since the run) is not a difference (module docstring).
+    ``weightless``: a FLOPs count or a timing (:data:`WEIGHTLESS_KINDS`): neither its weights nor how
+    it would train (:data:`CHANGED_DEFAULTS`) separate it."""
+    exclusions = WEIGHTLESS_EXCLUDED if weightless else EXCLUDED
 
     def flat(config):
         return {k: json.dumps(v, sort_keys=True, default=str)
                 for k, v in leaves(normalised(config, exclusions, experiment_of)).items()}
     old, new = flat(recorded), flat(today)
-    return sorted(k for k, v in old.items() if new.get(k) != v)
+    return sorted({*(k for k, v in old.items() if new.get(k) != v),
+                   *(changed_defaults(recorded, today) if not weightless else ())})
 
 
 def digest(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
@@ -110,11 +155,6 @@ def fingerprint(config: Mapping[str, Any], experiment_of: Callable[[str], str] |
     return f"{VERSION}:{digest(config, EXCLUDED, experiment_of)}"
 
 
-#: Kinds whose measurement does not depend on the weights (a FLOPs count, a timing): their runs are
-#: cells of a row whatever ``backbone.pretrained`` they had (a row that trains from ``weights:<tag>``
-#: is counted and timed without the file).
-WEIGHTLESS_KINDS = ("flops", "bench")
-WEIGHTLESS_EXCLUDED = (*EXCLUDED, "backbone.pretrained")
 
 
 def weightless(config: Mapping[str, Any]) -> str:

@@ -234,7 +234,8 @@ class Ledger:
         for seed in seeds:
             names = [row.name] if seed is None else [seeded_name(row.name, seed), row.name]
             by_name = [r for n in dict.fromkeys(names) for r in self.named(n) if seed is None or run_seed(r) == seed]
-            legacy = self._agreeing([r for r in by_name if not r.get("fingerprint")], row, seed)
+            legacy = self._agreeing(self._current_options([r for r in by_name if not r.get("fingerprint")], row, seed),
+                                    row, seed)
             newer = [r for r in by_name if r.get("fingerprint")]
             config = row.composed(seed) if newer or elsewhere else None
             found = newer if config is None else self._matching(row.name, newer, config)
@@ -255,8 +256,7 @@ class Ledger:
         for r in named:
             if id(r) in exact:
                 continue
-            keys = fp.differences(r.get("config") or {}, config, self.experiment_of,
-                                  fp.WEIGHTLESS_EXCLUDED if r["kind"] in fp.WEIGHTLESS_KINDS else fp.EXCLUDED)
+            keys = fp.differences(r.get("config") or {}, config, self.experiment_of, r["kind"] in fp.WEIGHTLESS_KINDS)
             if keys:
                 self.unmatched.setdefault(name, {})[r["run_id"]] = keys
             else:
@@ -270,6 +270,18 @@ class Ledger:
         if ref.startswith(RUN_PREFIX):
             leaves["backbone.pretrained"] = RUN_PREFIX + self.experiment_of(ref[len(RUN_PREFIX):])
         return tuple(sorted((k, repr(v)) for k, v in leaves.items() if k.startswith(LEGACY_CHECKED)))
+
+    def _current_options(self, legacy: list[dict[str, Any]], row: RowQuery, seed: int | None) -> list[dict[str, Any]]:
+        """The older runs of a row without those that predate an option of
+        :data:`vitexp.ledger.fingerprint.CHANGED_DEFAULTS` the row sets to another value (the row is
+        composed only when a run lacks such an option)."""
+        suspects = [r for r in legacy if r["kind"] not in fp.WEIGHTLESS_KINDS  # how it trains: not what it costs
+                    and fp.lacks_changed_default(r.get("config") or {})]
+        config = row.composed(seed) if suspects and row.config is not None else None
+        if config is None:
+            return legacy
+        stale = {id(r) for r in suspects if fp.changed_defaults(r.get("config") or {}, config)}
+        return [r for r in legacy if id(r) not in stale]
 
     def _agreeing(self, legacy: list[dict[str, Any]], row: RowQuery, seed: int | None) -> list[dict[str, Any]]:
         """The older runs of a row that agree with its config where they disagree with one another."""
