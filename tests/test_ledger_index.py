@@ -191,11 +191,15 @@ def test_a_temporary_file_of_an_atomic_write_is_not_an_entry(results_dir):
     assert not ledger.broken and [r["run_id"] for r in ledger.records] == [real]
 
 
-def test_a_pack_leaves_every_table_as_it_was_and_keeps_what_may_resume(results_dir, tmp_path, capsys):
+def test_a_pack_leaves_every_table_as_it_was_and_keeps_what_may_resume(results_dir, tmp_path, capsys, monkeypatch):
     """vitexp-tables --pack folds the completed entries into results/ledger/<time>.jsonl.gz and removes
     their files; the tables written before and after are identical; an interrupted entry stays a file."""
+    from vitexp.ledger import packs
+
     _entry(results_dir, "pre", {"seed": 0}, 88.66, "2026-01-02T00:00:00+00:00")
     _entry(results_dir, "ft+seed=0", {"seed": 0}, 80.0, "2026-01-03T00:00:00+00:00")
+    assert packs.pack(results_dir)["packed"] == 0  # written just now: its process may still be closing it
+    monkeypatch.setattr(packs, "SETTLED_S", 0)
     open_entry = LedgerEntry("ft+seed=0", "train", {"seed": 0}, results_dir).start()
     open_entry.interrupt("SIGTERM")
     spec = _spec_file(tmp_path, SHARED)

@@ -24,6 +24,31 @@ def _train(run_dir: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "vitexp.cli", "train", *SMALL, "resume=auto", f"hydra.run.dir={run_dir}", *extra]
 
 
+def test_a_slurm_jobs_default_folder_is_named_by_its_job_id(monkeypatch):
+    """A requeued SLURM job runs the same command: its default run folder must be the same, so it is
+    named by the job id (every task of the job shares it too); elsewhere by the start time."""
+    import re
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from vitexp import CONF_DIR, config
+
+    for var in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(config, "_STAMP", [])
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", config.run_stamp())
+    monkeypatch.setattr(config, "_STAMP", [])
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True)
+    GlobalHydra.instance().clear()
+    assert OmegaConf.select(cfg, "hydra.run.dir").endswith("/slurm-4242")
+
+
 @pytest.mark.slow
 def test_sigusr1_requeues_the_job_and_the_requeued_run_finishes_as_an_uninterrupted_one(tmp_path):
     """(About 2 minutes of CPU.) SIGUSR1 once the first epoch's checkpoint exists: ``scontrol requeue

@@ -93,6 +93,10 @@ def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_wei
     (filled,) = tables.fill(spec, Ledger.load(results_dir))
     assert filled["cells"]["top1"]["value"] == result["metrics"]["top1"]
     assert filled["cells"]["gmacs"]["value"] is not None  # the count made without the weights
+    from vitexp.evaluate import eval_config
+
+    cfg, _ = eval_config(entry["run_id"])  # vitexp-eval keeps the tag (not a path to make local)
+    assert cfg.backbone.pretrained == "weights:vit_micro_start"
     monkeypatch.setenv("VITEXP_WEIGHTS", str(tmp_path / "elsewhere"))
     from vitexp.errors import ConfigError
 

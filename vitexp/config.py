@@ -13,6 +13,7 @@ model is built or ledger entry written.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -72,6 +73,24 @@ def task_overrides(hydra_cfg: Any) -> list[str]:
 
 if not OmegaConf.has_resolver("vitexp_name"):
     OmegaConf.register_new_resolver("vitexp_name", _hydra_run_name)
+_STAMP: list[str] = []
+
+
+def run_stamp() -> str:
+    """The last part of a run's default folder (``hydra.run.dir``): ``slurm-<job id>`` inside a SLURM
+    job, the same for every task of the job and for the job after a requeue (which runs the same
+    command and must find the same folder: :mod:`vitexp.slurm`); elsewhere the process's start time
+    to the second (fixed once per process)."""
+    from vitexp import slurm
+
+    if not _STAMP:
+        job = slurm.job_id()
+        _STAMP.append(f"slurm-{job}" if job else time.strftime("%Y-%m-%d_%H-%M-%S"))
+    return _STAMP[0]
+
+
+if not OmegaConf.has_resolver("vitexp_stamp"):
+    OmegaConf.register_new_resolver("vitexp_stamp", run_stamp)
 if not OmegaConf.has_resolver("vitexp_job"):  # ${vitexp_job:trainer.num_nodes} in the hydra node
     OmegaConf.register_new_resolver("vitexp_job", lambda key, *, _root_: _job_value(key, _root_))
 

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from vitexp.errors import CheckpointError, ConfigError, join_lines
 from vitexp.logging_utils import fetch_model
 from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, load_entry, local_path, portable_path
+from vitexp.weights import PREFIX as WEIGHTS_PREFIX
 
 #: Groups an evaluation may swap whole (where and how it runs, not what the model is).
 SWAPPABLE_GROUPS = ("logger", "trainer")
@@ -70,7 +71,7 @@ def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, di
     cfg = OmegaConf.create(record["config"])
     for key in PATH_KEYS:  # stored relative to the project root or the results folder when inside one
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
-        if isinstance(value, str) and value != "???" and not value.startswith(RUN_WEIGHTS_PREFIX) \
+        if isinstance(value, str) and value != "???" and not value.startswith((RUN_WEIGHTS_PREFIX, WEIGHTS_PREFIX)) \
                 and not Path(value).expanduser().is_absolute():
             OmegaConf.update(cfg, key, str(local_path(value, results_dir)), merge=False)
     with open_dict(cfg):

@@ -144,7 +144,7 @@ class Run:
         self._closing: dict[str, Any] | None = None
         self.lock = None
         self.signal: str | None = None
-        self.requeued: str | None = None  # SLURM's answer to the requeue SIGUSR1 asked for (vitexp.slurm)
+        self.requeued: str | None = None  # the requeue SIGUSR1 asks SLURM for (vitexp.slurm)
 
     # -- opening ----------------------------------------------------------------------------------
     def start(self, config: dict[str, Any]) -> "Run":
@@ -305,7 +305,13 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
         yield run
         run.result = run._close()
     except BaseException as err:
-        payload = run._fail(err)
+        payload = run._fail(err)  # the entry is closed before SLURM's requeue kills the job
+        if run.requeued:
+            from vitexp import slurm
+
+            answer = slurm.requeue()  # every rank asks: a rank stuck in a collective cannot stop the others'
+            if answer != run.requeued:
+                print(f"vitexp: {answer}", file=sys.stderr)
         if run.rank_zero and emits:
             emit(payload)
         try:
@@ -332,8 +338,8 @@ def _catch_signals(run: Run):
     """Note SIGINT and SIGTERM in ``run.signal`` while the run lasts (Lightning turns them into
     ``SystemExit(1)``; the note is what closes the entry ``interrupted``); returns the restorer.
     Inside a SLURM job (``$SLURM_JOB_ID``) SIGUSR1 too, SLURM's warning before the time limit
-    (``sbatch --signal=USR1@<s>``): :func:`vitexp.slurm.requeue` asks SLURM to requeue the job, and
-    the run ends ``interrupted`` as under SIGTERM; the requeued job runs the same command in the same
+    (``sbatch --signal=USR1@<s>``): the run ends ``interrupted`` as under SIGTERM, its entry closed
+    first, then every rank asks SLURM to requeue the job (:func:`vitexp.slurm.requeue`); the requeued job runs the same command in the same
     folder and ``resume=auto`` continues it (:mod:`vitexp.slurm`). SIGUSR2, submitit's signal, stays
     submitit's (``hydra/launcher=slurm`` requeues through it)."""
     if threading.current_thread() is not threading.main_thread():
@@ -347,8 +353,8 @@ def _catch_signals(run: Run):
         run.signal = signal.Signals(signum).name
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        if signum == signal.SIGUSR1 and run.rank_zero:
-            run.requeued = slurm.requeue()
+        if signum == signal.SIGUSR1:
+            run.requeued = slurm.command()  # asked once the entry is closed (owned_run)
         raise Interrupted(run.signal)
 
     for s in previous:

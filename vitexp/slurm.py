@@ -1,9 +1,10 @@
 """A SLURM job's requeue before its time limit: SIGUSR1 → ``scontrol requeue $SLURM_JOB_ID``.
 
 ``sbatch --signal=USR1@120`` (or ``#SBATCH --signal=USR1@120``) warns a job two minutes before its
-time limit. Inside a job (``$SLURM_JOB_ID`` set) a vitexp run then asks SLURM to requeue the job,
-closes its ledger entry ``interrupted`` (signal ``SIGUSR1``, ``requeued``: what ``scontrol``
-answered) and exits; SLURM starts the same command again, in the same run folder, and
+time limit. Inside a job (``$SLURM_JOB_ID`` set) a vitexp run then closes its ledger entry
+``interrupted`` (signal ``SIGUSR1``, ``requeued``: the command), asks SLURM to requeue the job (every
+rank asks, so one stuck in a collective does not stop it; ``scontrol requeue`` kills the job at once,
+so the entry is closed first) and exits; SLURM starts the same command again, in the same run folder, and
 ``resume=auto`` (the default) reopens the same ledger entry and continues from
 ``checkpoints/<stage>/last.ckpt``.
 
@@ -14,6 +15,9 @@ Decisions:
   requeued run finishes with the uninterrupted run's metrics; the partial epoch is trained again.
   Lightning's own SLURM handler (which saves a mid-epoch ``hpc_ckpt`` that Lightning then resumes
   without the epoch's remaining order) is switched off: :func:`plugins`.
+- The run's default folder inside a SLURM job is ``outputs/<name>/slurm-<job id>``
+  (:func:`vitexp.config.run_stamp`), which the requeued job (same id) finds again; with
+  ``hydra.run.dir`` set, the same folder is whatever it names.
 - Hydra's submitit launcher (``hydra/launcher=slurm``) warns with SIGUSR2 and requeues through
   submitit itself; vitexp leaves SIGUSR2 to it.
 """
@@ -30,6 +34,11 @@ def job_id() -> str | None:
     if array and task:
         return f"{array}_{task}"
     return os.environ.get("SLURM_JOB_ID") or None
+
+
+def command() -> str:
+    """What :func:`requeue` runs, in words (recorded under ``requeued`` in the entry it closes)."""
+    return f"scontrol requeue {job_id()}"
 
 
 def requeue() -> str:

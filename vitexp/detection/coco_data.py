@@ -28,7 +28,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from vitexp.data import SEED_STRIDE, EpochSeededSampler, eval_sampler, train_sampler
+from vitexp.data import SEED_STRIDE, EpochSeededSampler, train_sampler
 
 
 class CocoInstances(Dataset):
@@ -147,10 +147,15 @@ class CocoDataModule(L.LightningDataModule):
         self.val_set = self.test_set = self._split("val", 0.0)
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        """Validation and test keep Lightning's padded ``DistributedSampler`` under DDP: torchmetrics'
+        ``MeanAveragePrecision`` gathers one tensor per image and needs every rank to hold as many
+        images (unequal shards abort gloo and can hang NCCL), so up to W − 1 images are scored twice
+        when the split does not divide by the world size (COCO val's 5,000 on 3 GPUs: two).
+        :func:`vitexp.data.eval_sampler` is the classification modules' exact sampler."""
         return DataLoader(
             dataset, batch_size=self.batch_size, collate_fn=collate_detection,
             sampler=train_sampler(dataset, self.loader_seed, single=_FlipEpochSampler,
-                                  distributed=_FlipDistributedSampler) if train else eval_sampler(dataset),
+                                  distributed=_FlipDistributedSampler) if train else None,
             drop_last=train and len(dataset) > self.batch_size, num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             generator=torch.Generator().manual_seed(self.loader_seed + (0 if train else 1)),

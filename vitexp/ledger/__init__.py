@@ -38,9 +38,14 @@ __all__ = ["Ledger", "LedgerEntry", "LedgerError", "BrokenEntry", "RowQuery", "I
 
 
 def load_entry(run_id: str, results_dir: Path | str | None = None) -> dict[str, Any] | None:
-    """The record of entry ``run_id`` (one file, no scan of the ledger), or ``None``."""
+    """The record of entry ``run_id`` (its file; a completed entry folded into a pack, from the packs),
+    or ``None``."""
     entry = LedgerEntry.load(run_id, results_dir)
-    return entry.record if entry else None
+    if entry is not None:
+        return entry.record
+    from vitexp.ledger.packs import packed_record
+
+    return packed_record(Path(results_dir) if results_dir else default_results_dir(), run_id)
 
 
 def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger | None = None) -> dict[str, Any]:

@@ -151,8 +151,14 @@ class LedgerEntry:
 
     def experiment_of(self, run_id: str) -> str:
         """The experiment of entry ``run_id`` in this ledger (``run_id`` itself when there is none)."""
-        other = LedgerEntry.load(run_id, self.dir) if run_id and "/" not in run_id else None
-        return str(other.record.get("experiment", run_id)) if other else run_id
+        if not run_id or "/" in run_id:
+            return run_id
+        other = LedgerEntry.load(run_id, self.dir)
+        if other is None:  # a completed entry folded into a pack
+            from vitexp.ledger.packs import packed_record
+
+            return str((packed_record(self.dir, run_id) or {}).get("experiment", run_id))
+        return str(other.record.get("experiment", run_id))
 
     def reopen(self, config: dict[str, Any], run_dir: Path | str | None = None) -> "LedgerEntry":
         """Continue this unfinished entry in a new attempt (module docstring)."""
