@@ -10,12 +10,38 @@
 #  3. throughput of BSPF-DeiT-S against DeiT-S and of RAPTOR-S against DINOv2-S-reg (bf16, batch 128);
 #  4. a short full-size SAPER ViT-B k = 24 training run on synthetic images, whose deployed model's
 #     throughput is timed on the GPU (bench.device=auto) at the end.
+# `bash scripts/gpu_check.sh rehearse` runs the rehearsal (issue 28, vitexp/rehearsal/) on the GPU instead:
+#  5. one full-size row per objective (DeiT-T fine-tune, SAPER distill with its k-NN, RAPTOR's four stages,
+#     Mask R-CNN at 1280 x 800) under DDP on one device (trainer=ddp, devices=1), the recipe's per-device
+#     batch, bf16-mixed, 3 steps per stage;
+#  6. then every row of the paper-scale tables on the GPU (trainer=gpu, the recipe's batch, bf16-mixed),
+#     table by table, until REHEARSE_BUDGET_S (default 420 s) has passed: the rows not reached are listed
+#     in each table's closing line (status partial). The GPU rehearsals already in results/runs are
+#     copied in first, so a later session skips them and goes on where this one stopped.
+#  The entries (kind rehearsal, device cuda:...) are what vitexp/cost.py measures GPU-hours from.
 # Ledger entries go to $OUT/results/runs (copied into results/runs afterwards).
 set -uo pipefail
 export PYTHONPATH="$PWD/.gpu_site:$PWD" VITEXP_RESULTS="$OUT/results" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, timm, lightning; print('torch', torch.__version__, 'timm', timm.__version__, 'lightning', lightning.__version__)"
 run() { timeout 240 python3 -m vitexp.cli "$@" logger=none 2>&1 | grep -v -i warn | tail -4 | cut -c1-1500; }
+if [ "${1:-1}" = rehearse ]; then
+  mkdir -p "$OUT/results/runs"
+  grep -l '"device": "cuda' results/runs/*-rehearsal-*.json 2>/dev/null | xargs -r cp -t "$OUT/results/runs/"
+  start=$SECONDS
+  rehearse() { python3 -m vitexp.cli sweep "$@" --rehearse --rehearse-batch 0 --rehearse-steps 3 --rehearse-timeout 300 \
+      --rehearse-dir "$OUT/rehearsal" 2>&1 | grep '^vitexp-sweep: rehearsal\|^{' | cut -c1-400; }
+  rehearse bspf_table1 --rehearse-only deit_tiny_baseline --rehearse-trainer ddp
+  rehearse saper_table1 --rehearse-only saper_kd_vits14_k6_in1k,raptor_vits14_k2_in1k --rehearse-trainer ddp
+  rehearse bspf_coco --rehearse-only maskrcnn_shvit_s4_coco --rehearse-trainer ddp
+  for table in bspf_table1 bspf_table2 bspf_coco saper_table1 bspf_table6 bspf_table7 bspf_table8 peers_deit_small saper_table2 demo; do
+    left=$(( ${REHEARSE_BUDGET_S:-420} - (SECONDS - start) ))
+    [ "$left" -gt 30 ] || { echo "budget spent: $table and later tables not started"; break; }
+    rehearse "$table" --rehearse-trainer gpu --rehearse-budget-s "$left"
+  done
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  exit 0
+fi
 if [ "${1:-1}" = 2 ]; then
   run bench experiment=bspf_deit_small bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
   run bench experiment=raptor_vits14_k2_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10

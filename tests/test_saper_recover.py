@@ -129,7 +129,13 @@ def _recovery(mode: str, selection: str):
     torch.manual_seed(0)
     model = method.apply(build_configured_backbone(cfg), cfg.budget)
     stage = method.stages(model)[-1]
-    trained = sorted(n for n, p in stage.model().named_parameters() if p.requires_grad)
+    from vitexp.methods.saper.surgery import ConstantBranch
+
+    recovered = stage.model()
+    # a layer left without heads freezes its norm1, which feeds nothing (vitexp.methods.saper.method.set_trainable):
+    # which layers those are is the selection's; counted as trained, the rules' lists compare as before
+    empty = {n.removesuffix(".attn") for n, m in recovered.named_modules() if isinstance(m, ConstantBranch)}
+    trained = sorted(n for n, p in recovered.named_parameters() if p.requires_grad or n.rsplit(".norm1.", 1)[0] in empty)
     return cfg, stage, trained
 
 

@@ -19,6 +19,7 @@ fine-tuned from another run of its start than the current one trains again too
 Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
 Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
 trainer=ddp data.root=/datasets/imagenet``.
+``--rehearse`` rehearses every row at full size instead (:mod:`vitexp.rehearsal`).
 ``--kind eval`` re-evaluates the weights of every completed training run the table cites
 (:mod:`vitexp.recheck`) and fails when a re-evaluated top-1 differs from the ledger's.
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from vitexp import CONF_DIR
-from vitexp import recheck
+from vitexp import recheck, rehearsal
 from vitexp.aggregate import other_start, overlapping_order, row_seeds, seeded_name, shared_start
 from vitexp.errors import one_line
 from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, effective_status, portable_text, weights_run
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="--kind eval: the largest |re-evaluated - ledger| top-1 (points) that agrees")
     parser.add_argument("--dry-run", action="store_true",
                         help="run nothing: the closing line says dry_run and lists what would run (would_launch, commands)")
+    rehearsal.add_arguments(parser)
     args = parser.parse_intermixed_args(argv)
     try:
         spec = load_spec(args.table)
@@ -196,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
                 results_dir = Path(ov.split("=", 1)[1])
         if args.kind == "eval":
             return _recheck(spec, results_dir, args)
+        if args.rehearse:  # vitexp.rehearsal: every row at full size, a few steps on synthetic data
+            summary = rehearsal.rehearse_table(spec, rehearsal.settings_from(args), results_dir, args.rehearse_dir,
+                                               args.overrides, args.force, args.dry_run, args.rehearse_timeout,
+                                               rehearsal.only_from(args), args.rehearse_budget_s)
+            print(json.dumps(summary))
+            return 0 if summary["status"] in ("completed", "dry_run") else 1
         todo = plan(spec, args.kind, args.force, results_dir, args.overrides)
     except (FileNotFoundError, ValueError) as err:
         print(f"vitexp-sweep: invalid: {one_line(err)}", file=sys.stderr)

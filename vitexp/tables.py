@@ -49,6 +49,7 @@ from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves
 from vitexp.provenance import provenance_errors
 from vitexp.ledger import Ledger, LedgerError, atomic_write, default_results_dir, effective_status, marks, portable_path
 from vitexp.ledger.sources import write_snapshot
+from vitexp.cost import write_cost
 from vitexp import results_page
 from vitexp.rows import check_rows, composing, expand_rows, row_name, row_query
 from vitexp.run import ArgumentParser
@@ -151,7 +152,7 @@ def _fill_row(spec: dict[str, Any], row: dict[str, Any], ledger: Ledger, keys: l
     name, query = row_name(row), row_query(spec, row, overrides)
     wanted = row.get("protocol") or spec.get("protocol") or {}  # e.g. {mode: compare}: only such runs
     found = ledger.row_runs(query) if query else {None: []}
-    done = {seed: [r for r in rs if r["status"] == "completed" and r["kind"] != "eval"
+    done = {seed: [r for r in rs if r["status"] == "completed" and r["kind"] not in ("eval", "rehearsal")
                    and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())]
             for seed, rs in found.items()}
     by_seed = {seed: aggregate.chosen(rs, keys) for seed, rs in done.items()}
@@ -263,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = {**spec, "skipped_broken": [str(b) for b in skipped[spec["name"]]]}
         written[spec["name"]] = write_table(spec, ledger, out_dir, overrides)
         print(Path(written[spec["name"]]["md"]).read_text())
+        cost = write_cost(spec, ledger, out_dir)  # GPU-hours from the rows' rehearsals (vitexp.cost)
+        if cost is not None:
+            written[spec["name"]]["cost"] = str(cost)
+            print(cost.read_text())
     for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
         shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
                                for run_id, keys in sorted(runs.items()))

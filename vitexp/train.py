@@ -158,13 +158,16 @@ def resolve_needs(method: Method, results_dir: Any) -> dict[str, dict[str, Any]]
     return {key: ledger.find(ref, key) for key, ref in needs.items()}
 
 
-def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]:
-    """Train, test and record one run. Raises on failure after marking the ledger entry failed."""
+def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "train",
+          measured: Callable[[], tuple[dict[str, Any], dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """Train, test and record one run. Raises on failure after marking the ledger entry failed.
+    ``kind``: the ledger kind (``rehearsal``: :mod:`vitexp.rehearse`, whose ``measured`` adds its
+    (metrics, protocol) to the entry on rank zero)."""
     import torch
 
     started = time.perf_counter()
     output_dir = Path(cfg.output_dir)
-    with owned_run(cfg.name, "train", cfg.results_dir, output_dir, cfg.logger, cfg.get("resume", False),
+    with owned_run(cfg.name, kind, cfg.results_dir, output_dir, cfg.logger, cfg.get("resume", False),
                    resumable=True) as run:
         method = validate(cfg)
         run.start(to_container(cfg))
@@ -219,6 +222,10 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = ()) -> dict[str, Any]
             protocol.update(order.protocol())
             metrics.update(deployed_metrics)
             metrics["wall_time_s"] = time.perf_counter() - started
+            if measured is not None:
+                extra_metrics, extra_protocol = measured()
+                metrics.update(extra_metrics)
+                protocol.update(extra_protocol)
             run.complete(metrics, protocol, step=metrics["steps"],
                          artifacts={"weights": portable_path(weights, cfg.results_dir)}, **method.record())
         else:

@@ -44,7 +44,7 @@ from vitexp.methods.probe import POOLS, ProbeModel
 from vitexp.methods.saper.selection import (SELECTIONS, importance_scores, magnitude_scores, random_scores,
                                             top_k_heads)
 from vitexp.methods.saper.selector import HeadPrunedModel, HeadSelector
-from vitexp.methods.saper.surgery import prune_probe_model
+from vitexp.methods.saper.surgery import ConstantBranch, prune_probe_model
 
 #: What trains in ``select`` besides the head scores (method.trainable).
 TRAINABLE = ("scores", "mlp", "non_attention", "all")
@@ -55,7 +55,12 @@ RECOVER_TRAINABLE = ("non_attention", "mlp", "all")
 def set_trainable(backbone: nn.Module, trainable: str) -> None:
     """``scores``: every backbone weight frozen; ``mlp``: only the blocks' MLPs train (attention,
     norms, LayerScale, embeddings frozen); ``non_attention``: every weight but the blocks'
-    attention (q, k, v and output projections) trains; ``all``: every backbone weight trains."""
+    attention (q, k, v and output projections) trains; ``all``: every backbone weight trains.
+    A deployed layer with no head left (:class:`~vitexp.methods.saper.surgery.ConstantBranch`) also
+    freezes its ``norm1``, which then feeds nothing: it could receive no gradient, and DDP (without
+    ``find_unused_parameters``) refuses a trainable parameter that gets none (found by the DDP
+    rehearsal of a full-size distill row, issue 28; on one process nothing changes: an optimizer
+    skips a parameter without gradient)."""
     for p in backbone.parameters():
         p.requires_grad_(trainable in ("all", "non_attention"))
     for block in backbone.blocks:
@@ -63,6 +68,8 @@ def set_trainable(backbone: nn.Module, trainable: str) -> None:
             block.mlp.requires_grad_(True)
         if trainable == "non_attention":
             block.attn.requires_grad_(False)
+        if isinstance(block.attn, ConstantBranch) and hasattr(block, "norm1"):
+            block.norm1.requires_grad_(False)
 
 
 class SaperHeads(Method):
