@@ -225,8 +225,28 @@ def test_detector_trains_under_bf16_autocast(experiment, make_cfg):
         assert realised and all(kept < total for kept, total in realised)
 
 
+def test_the_images_a_padded_sampler_repeats_are_emptied_before_the_metric():
+    """7 validation images on 2 ranks, batch 2: Lightning's DistributedSampler gives rank 1 the images
+    1, 3, 5 and 0 again; that last one (batch 1, position 1) is emptied, nothing on rank 0."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DistributedSampler
+
+    from vitexp.detection.module import DetectModule
+
+    def at(rank):
+        dm = SimpleNamespace(val_set=list(range(7)), test_set=list(range(7)), batch_size=2)
+        return SimpleNamespace(trainer=SimpleNamespace(world_size=2, global_rank=rank, datamodule=dm))
+
+    order = list(DistributedSampler(range(7), num_replicas=2, rank=1, shuffle=False))
+    assert order == [1, 3, 5, 0]  # the padding repeats image 0 at rank 1's fourth place
+    assert [DetectModule._padding(at(1), b, 2, "val") for b in (0, 1)] == [[], [1]]
+    assert [DetectModule._padding(at(0), b, 2, "test") for b in (0, 1)] == [[], []]
+
+
 def test_micro_detection_runs_under_ddp_gloo(results_dir, tmp_path):
-    """objective=detect in 2 DDP processes (gloo): one ledger entry with box and mask APs."""
+    """objective=detect in 2 DDP processes (gloo): one ledger entry with box and mask APs; 3 validation
+    images, so the padded sampler repeats one (emptied, and the per-image gather still lines up)."""
     import subprocess
     import sys
 
@@ -234,7 +254,7 @@ def test_micro_detection_runs_under_ddp_gloo(results_dir, tmp_path):
 
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "vitexp-train"), "experiment=micro_coco_caformer", "trainer=ddp_cpu",
-         f"data.root={tmp_path / 'coco'}", "data.generate.n_train=8", "data.generate.n_val=4", "recipe.batch_size=2",
+         f"data.root={tmp_path / 'coco'}", "data.generate.n_train=8", "data.generate.n_val=3", "recipe.batch_size=2",
          "recipe.epochs=1", "recipe.warmup_steps=1", "logger=none", "trainer.enable_progress_bar=false",
          "trainer.num_sanity_val_steps=0", f"hydra.run.dir={tmp_path / 'out'}"],
         capture_output=True, text=True, cwd=tmp_path, env=cli_env(results_dir), timeout=900,

@@ -149,9 +149,9 @@ class CocoDataModule(L.LightningDataModule):
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         """Validation and test keep Lightning's padded ``DistributedSampler`` under DDP: torchmetrics'
         ``MeanAveragePrecision`` gathers one tensor per image and needs every rank to hold as many
-        images (unequal shards abort gloo and can hang NCCL), so up to W − 1 images are scored twice
-        when the split does not divide by the world size (COCO val's 5,000 on 3 GPUs: two).
-        :func:`vitexp.data.eval_sampler` is the classification modules' exact sampler."""
+        images (unequal shards abort gloo and can hang NCCL). The up to W − 1 repeated images are
+        emptied before the metric sees them (``DetectModule._padding``), so every image counts
+        once; :func:`vitexp.data.eval_sampler` is the classification modules' unpadded sampler."""
         return DataLoader(
             dataset, batch_size=self.batch_size, collate_fn=collate_detection,
             sampler=train_sampler(dataset, self.loader_seed, single=_FlipEpochSampler,

@@ -66,16 +66,34 @@ class DetectModule(ObjectiveModule):
             self.log(f"train/{k}", v, on_step=False, on_epoch=True, sync_dist=True, batch_size=bs)
         return loss
 
-    def _eval_step(self, batch, metric) -> None:
+    def _eval_step(self, batch, batch_idx: int, metric, split: str) -> None:
         images, targets = batch
         preds, gts = to_metric_inputs(self.model(images), targets)
+        for i in self._padding(batch_idx, len(gts), split):  # scored as an image with nothing on it
+            preds[i] = {k: v[:0] for k, v in preds[i].items()}
+            gts[i] = {k: v[:0] for k, v in gts[i].items()}
         metric.update(preds, gts)
 
+    def _padding(self, batch_idx: int, count: int, split: str) -> list[int]:
+        """The positions in this batch of the images Lightning's padded ``DistributedSampler`` repeats
+        (:mod:`vitexp.detection.coco_data`): rank r's j-th image is the split's image r + jW, a repeat
+        when r + jW ≥ N. They stay in the metric (its per-image gather needs as many on every rank)
+        but with no detections and no ground truth, which adds nothing to AP, so every image counts
+        exactly once."""
+        trainer = self.trainer
+        world = int(trainer.world_size)
+        if world <= 1:
+            return []
+        dm = trainer.datamodule
+        n = len(dm.val_set if split == "val" else dm.test_set)
+        first = batch_idx * int(dm.batch_size)
+        return [i for i in range(count) if trainer.global_rank + (first + i) * world >= n]
+
     def validation_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, self.val_map)
+        self._eval_step(batch, batch_idx, self.val_map, "val")
 
     def test_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, self.test_map)
+        self._eval_step(batch, batch_idx, self.test_map, "test")
 
     def _log_map(self, split: str, metric) -> None:
         for name, value in ap_metrics(metric.compute()).items():
