@@ -167,12 +167,12 @@ class Run:
                 done = packed(Path(self.results_dir), previous["run_id"])  # completed, its file folded into a pack
             else:
                 done = entry.record.get("status") == "completed"
-            if done:
+            if done and self.resume == "auto":  # resume=true asks for exactly that: a new entry from the checkpoints
                 raise ConfigError(
-                    f"run folder {self.output_dir} holds the completed run {previous['run_id']}: resume={self.resume} would "
+                    f"run folder {self.output_dir} holds the completed run {previous['run_id']}: resume=auto would "
                     "start another entry from its last checkpoint; give this run another hydra.run.dir (its weights "
-                    "and checkpoints stay where its entry points)")
-            if entry is not None:
+                    "and checkpoints stay where its entry points), or resume=true to re-test its checkpoints")
+            if entry is not None and not done:
                 self.ledger, self.wandb_id = entry.reopen(config, self.output_dir), previous.get("wandb_id")
         if self.ledger is None:
             self.ledger = LedgerEntry(self.name, self.kind, config, self.results_dir, run_dir=self.output_dir).start()
