@@ -105,33 +105,27 @@ def row_cost(config: Mapping[str, Any], rehearsal: Mapping[str, Any]) -> dict[st
 
 def table_cost(spec: Mapping[str, Any], ledger) -> dict[str, Any]:
     """{rows: [{label, name, seeds, cost | missing}], total_gpu_hours, missing: [names], basis}."""
-    from vitexp.aggregate import row_seeds
-    from vitexp.rows import composed_config, composing, expand_rows, job_arguments, row_name
+    from vitexp.rows import composed_config, job_arguments, runnable_rows
 
     rows, total, missing, bases = [], 0.0, [], set()
-    with composing():
-        for row in expand_rows(spec["rows"]):
-            if row.get("cited") or not row.get("experiment"):
-                continue
-            name = row_name(row)
-            seeds = row_seeds(dict(spec), row)
-            n = len(seeds) if seeds else 1
-            entry = {"label": row["label"], "name": name, "runs": n}
-            rehearsal = rehearsal_of(ledger, name)
-            config = composed_config(job_arguments(row, seeded=False), None)
-            if rehearsal is None or config is None:
-                entry["missing"] = "no completed rehearsal" if rehearsal is None else "the row does not compose"
+    for row, name, seeds in runnable_rows(spec):
+        n = len(seeds) if seeds else 1
+        entry = {"label": row["label"], "name": name, "runs": n}
+        rehearsal = rehearsal_of(ledger, name)
+        config = composed_config(job_arguments(row, seeded=False), None)
+        if rehearsal is None or config is None:
+            entry["missing"] = "no completed rehearsal" if rehearsal is None else "the row does not compose"
+            missing.append(name)
+        else:
+            try:
+                entry["cost"] = row_cost(config, rehearsal)
+            except ValueError as err:
+                entry["missing"] = str(err)
                 missing.append(name)
             else:
-                try:
-                    entry["cost"] = row_cost(config, rehearsal)
-                except ValueError as err:
-                    entry["missing"] = str(err)
-                    missing.append(name)
-                else:
-                    total += n * entry["cost"]["gpu_hours"]
-                    bases.add(entry["cost"]["basis"])
-            rows.append(entry)
+                total += n * entry["cost"]["gpu_hours"]
+                bases.add(entry["cost"]["basis"])
+        rows.append(entry)
     return {"table": spec["name"], "rows": rows, "total_gpu_hours": total, "missing": missing,
             "basis": "/".join(sorted(bases)) or "none"}
 

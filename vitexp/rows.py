@@ -223,6 +223,16 @@ def composing() -> Iterator[None]:
                 hydra.initialize(running)
 
 
+def runnable_rows(spec: Mapping[str, Any]) -> Iterator[tuple[dict[str, Any], str, list[int] | None]]:
+    """(row, ledger name, seeds) of every row of ``spec`` that is a run (neither cited nor without an
+    experiment), in the spec's order, inside one Hydra initialisation (:func:`composing`)."""
+    with composing():
+        for row in expand_rows(spec["rows"]):
+            if row.get("cited") or not row.get("experiment"):
+                continue
+            yield row, row_name(row), row_seeds(dict(spec), row)
+
+
 def composed_config(job: Sequence[str], seed: int | None) -> dict[str, Any] | None:
     """The resolved config of ``job`` (Hydra arguments) with ``seed`` (``None``: its own), as a run
     of it records it (paths and the name are excluded from fingerprints, so placeholders do)."""

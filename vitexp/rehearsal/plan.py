@@ -32,8 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from vitexp.aggregate import row_seeds
-from vitexp.rows import composed_config, composing, expand_rows, job_arguments, row_name
+from vitexp.rows import composed_config, job_arguments, runnable_rows
 
 KIND = "rehearsal"
 SUFFIX = "+rehearsal"
@@ -112,20 +111,15 @@ def rehearsal_jobs(spec: Mapping[str, Any], settings: Settings, overrides: list[
     """One :class:`Job` per runnable row of ``spec`` (cited rows and rows without an experiment are
     not runs), in the spec's order; ``overrides`` are appended to every job (``results_dir=...``)."""
     jobs = []
-    with composing():
-        for row in expand_rows(spec["rows"]):
-            if row.get("cited") or not row.get("experiment"):
-                continue
-            name = row_name(row)
-            seeds = row_seeds(dict(spec), row)
-            base = [a for a in job_arguments(row, seeded=False) if not a.startswith("name=")]
-            base += [f"seed={seeds[0]}"] if seeds else []
-            config = composed_config(base, None)
-            if config is None:
-                jobs.append(Job(row["label"], f"{name}{SUFFIX}", base, None))
-                continue
-            arguments = [*base, *rehearsal_overrides(config, settings), f"name='{name}{SUFFIX}'", *overrides]
-            jobs.append(Job(row["label"], f"{name}{SUFFIX}", arguments, config))
+    for row, name, seeds in runnable_rows(spec):
+        base = [a for a in job_arguments(row, seeded=False) if not a.startswith("name=")]
+        base += [f"seed={seeds[0]}"] if seeds else []
+        config = composed_config(base, None)
+        if config is None:
+            jobs.append(Job(row["label"], f"{name}{SUFFIX}", base, None))
+            continue
+        arguments = [*base, *rehearsal_overrides(config, settings), f"name='{name}{SUFFIX}'", *overrides]
+        jobs.append(Job(row["label"], f"{name}{SUFFIX}", arguments, config))
     return [j if j.config is not None else Job(j.label, j.name, j.arguments, None, _why(j.arguments)) for j in jobs]
 
 
