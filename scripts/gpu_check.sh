@@ -16,10 +16,10 @@
 #     batch, bf16-mixed, 3 steps per stage;
 #  6. then every row of the paper-scale tables on the GPU (trainer=gpu, the recipe's batch, bf16-mixed),
 #     table by table, until REHEARSE_BUDGET_S (default 420 s) has passed: the rows not reached are listed
-#     in each table's closing line (status partial). The GPU rehearsals already in results/runs are
+#     in each table's closing line (status partial). The GPU rehearsals already in the ledger are
 #     copied in first, so a later session skips them and goes on where this one stopped.
 #  The entries (kind rehearsal, device cuda:...) are what vitexp/cost.py measures GPU-hours from.
-# Ledger entries go to $OUT/results/runs (copied into results/runs afterwards).
+# Ledger entries go to $OUT/results/runs (copy its new files into results/runs afterwards).
 set -uo pipefail
 export PYTHONPATH="$PWD/.gpu_site:$PWD" VITEXP_RESULTS="$OUT/results" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -27,7 +27,15 @@ python3 -c "import torch, timm, lightning; print('torch', torch.__version__, 'ti
 run() { timeout 240 python3 -m vitexp.cli "$@" logger=none 2>&1 | grep -v -i warn | tail -4 | cut -c1-1500; }
 if [ "${1:-1}" = rehearse ]; then
   mkdir -p "$OUT/results/runs"
-  grep -l '"device": "cuda' results/runs/*-rehearsal-*.json 2>/dev/null | xargs -r cp -t "$OUT/results/runs/"
+  python3 - "$OUT/results/ledger/gpu-rehearsals.jsonl.gz" <<'PY'  # the committed GPU rehearsals, as a pack
+import json, sys
+from pathlib import Path
+from vitexp.ledger import Ledger
+from vitexp.ledger.sources import write_snapshot
+done = [r for r in Ledger.load("results") if r["kind"] == "rehearsal" and '"device": "cuda' in json.dumps(r)]
+if done:
+    write_snapshot(done, Path(sys.argv[1]))
+PY
   start=$SECONDS
   rehearse() { python3 -m vitexp.cli sweep "$@" --rehearse --rehearse-batch 0 --rehearse-steps 3 --rehearse-timeout 300 \
       --rehearse-dir "$OUT/rehearsal" 2>&1 | grep '^vitexp-sweep: rehearsal\|^{' | cut -c1-400; }

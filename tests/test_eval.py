@@ -66,7 +66,9 @@ def test_eval_reproduces_the_committed_demo_run(make_cfg, results_dir, tmp_path,
     (same seed, same data) and must give the committed top-1, then vitexp-eval the same."""
     from vitexp.train import train
 
-    committed = json.loads(next((ROOT / "results" / "runs").glob("*-train-demo-*.json")).read_text())
+    from vitexp.ledger import Ledger
+
+    committed = Ledger.load(ROOT / "results").newest("demo")  # the run the demo table cites
     trained = train(make_cfg(QUIET + ["eval.throughput=false"], tmp_path / "demo"))
     assert trained["metrics"]["top1"] == pytest.approx(committed["metrics"]["top1"], abs=1e-6)
     result = run_eval(capsys, "demo", "logger=none")

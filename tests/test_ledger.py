@@ -133,15 +133,17 @@ def test_run_weights_resolve_to_a_file_on_this_machine(results_dir, tmp_path, mo
 
 
 def test_the_committed_ledger_holds_no_absolute_machine_path():
-    """Results move between machines: no string anywhere in results/runs/*.json is an absolute path
-    of a machine (a project checkout, a temporary or home folder)."""
+    """Results move between machines: no string anywhere in the committed ledger (results/runs/ and
+    its packs) is an absolute path of a machine (a project checkout, a temporary or home folder)."""
     import re
 
     from vitexp import PROJECT_ROOT
+    from vitexp.ledger import Ledger
 
     absolute = re.compile(r'"(offline:)?/(work|tmp|root|home|scratch|mnt|Users)/')
-    offenders = [p.name for p in sorted((PROJECT_ROOT / "results" / "runs").glob("*.json"))
-                 if absolute.search(p.read_text())]
+    ledger = Ledger.load(PROJECT_ROOT / "results")
+    assert len(ledger) > 500 and not ledger.broken
+    offenders = [r["run_id"] for r in ledger if absolute.search(json.dumps(r))]
     assert not offenders, offenders
 
 

@@ -214,6 +214,29 @@ def test_a_pack_leaves_every_table_as_it_was_and_keeps_what_may_resume(results_d
     assert len(Ledger.load(results_dir)) == 3
 
 
+def test_a_pack_keeps_each_entry_as_written_and_readable_by_the_group(results_dir, monkeypatch):
+    """A packed entry reads back exactly as its file held it, key order included at every depth
+    (the cost table lists a run's stages in the order they ran), and the pack, like every file
+    vitexp writes, has the mode the umask gives, not mkstemp's 0600."""
+    import os
+    import stat
+
+    from vitexp.ledger import packs
+
+    monkeypatch.setattr(packs, "SETTLED_S", 0)
+    old_mask = os.umask(0o022)
+    try:
+        entry = LedgerEntry("two_stage", "train", {"seed": 0, "method": {"z": 1, "a": 2}}, results_dir).start()
+        entry.finish({"top1": 1.0, "stage_times": {"select": 2.0, "recover": 1.0}})
+        written = json.loads(entry.path.read_text())
+        assert packs.pack(results_dir)["packed"] == 1
+    finally:
+        os.umask(old_mask)
+    (pack,) = packs.pack_files(results_dir)
+    assert json.dumps(Ledger.load(results_dir).get(entry.run_id)) == json.dumps(written)
+    assert stat.S_IMODE(pack.stat().st_mode) == 0o644
+
+
 def test_a_runs_recorded_fingerprint_is_its_rows(make_cfg, results_dir):
     """A real run (vitexp-flops of the demo) records the fingerprint the table composes for its row."""
     from vitexp.commands import run_flops

@@ -138,7 +138,7 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         lines += ["", "Runs to train again (see the notes): " + ", ".join(f"`{i}`" for i in again) + "."]
     run_ids = sorted({i for r in rows for c in r["cells"].values() for i in (c.get("run_ids") or [c["run_id"]]) if i})
     if run_ids:
-        lines += ["", "vitexp runs (results/runs/): " + ", ".join(f"`{i}`" for i in run_ids) + "."]
+        lines += ["", "vitexp runs (the ledger: results/runs/ and its packs results/ledger/): " + ", ".join(f"`{i}`" for i in run_ids) + "."]
     return "\n".join(lines) + "\n"
 
 

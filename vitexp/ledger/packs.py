@@ -4,7 +4,7 @@
 stages, attempts), resumes and closes. A project accumulates hundreds of them (each a file in every
 clone and in ``git status``); once completed an entry never changes again. ``vitexp-tables --pack``
 moves every completed entry of ``runs/`` into ``<root>/ledger/<time>.jsonl.gz`` (a snapshot:
-:func:`vitexp.ledger.sources.write_snapshot`, one JSON object a line, sorted, gzip'ed: about a tenth
+:func:`vitexp.ledger.sources.write_snapshot`, one JSON object a line, sorted, gzip'ed: about a thirtieth
 of the files' bytes) and removes their files; :meth:`vitexp.ledger.Ledger.load` reads the packs and
 the folder as one ledger, so tables, sweeps and ``run:<experiment>`` weights see the same runs before
 and after a pack (a test regenerates tables from both).

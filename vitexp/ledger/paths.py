@@ -32,15 +32,24 @@ def default_results_dir() -> Path:
     return Path(os.environ.get("VITEXP_RESULTS", PROJECT_ROOT / "results"))
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it, then restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path | str, content: str | bytes | Callable[[str], Any]) -> Path:
     """The one way vitexp writes a file: into a temporary file beside ``path``, fsync'ed, then
     ``os.replace``d over it (atomic on POSIX), so a killed process never leaves half a file.
     ``content`` is text, bytes, or a function that writes the temporary path it is given
-    (``torch.save``, ``savefig``, a Lightning checkpoint)."""
+    (``torch.save``, ``savefig``, a Lightning checkpoint). The file gets the mode ``open`` would give
+    it (0666 less the umask), not ``mkstemp``'s 0600, so a shared results folder stays readable."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix or ".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as fh:
             if not callable(content):
                 fh.write(content.encode() if isinstance(content, str) else content)

@@ -3,12 +3,12 @@ project; and how a snapshot is written.
 
 Decisions:
 - Results off ``main``'s history, tables on it: the run entries of a project live in the results
-  root ``$VITEXP_RESULTS`` (default ``results/`` of the checkout, which is what CI and a fresh clone
-  read today); ``main`` carries the tables and, per release, one compact snapshot of the ledger
-  (:func:`write_snapshot`: every entry, one JSON object a line, sorted by run id, gzip'ed), from
-  which ``vitexp-tables --ledger <snapshot>`` regenerates the committed tables byte for byte. A
-  team keeps its runs on a ``results`` branch checked out as a worktree (``git worktree add
-  ../vitexp-results results``; ``export VITEXP_RESULTS=../vitexp-results``) or in any folder.
+  root ``$VITEXP_RESULTS`` (default ``results/`` of the checkout), completed ones folded into
+  compressed packs (:mod:`vitexp.ledger.packs`); a release can ship one snapshot
+  (:func:`write_snapshot`: every entry exactly as written, key order kept, one JSON object a line,
+  sorted by run id, gzip'ed), from which ``vitexp-tables --ledger <snapshot>`` regenerates the
+  committed tables byte for byte. A team may keep its runs in any folder or on a ``results``
+  branch checked out as a worktree (``export VITEXP_RESULTS=../vitexp-results``).
 - Every entry is checked against :mod:`vitexp.ledger.schema` as it is read; a file that does not
   parse or breaks the schema is kept aside as a :class:`~vitexp.ledger.schema.BrokenEntry`, never
   skipped in silence.
@@ -84,7 +84,7 @@ def write_snapshot(records: Iterable[dict[str, Any]], path: Path) -> Path:
     """Write ``records`` as a snapshot (module docstring) through an atomic write."""
     from vitexp.ledger.paths import atomic_write, json_default
 
-    lines = "".join(json.dumps(r, sort_keys=True, separators=(",", ":"), default=json_default) + "\n"
+    lines = "".join(json.dumps(r, separators=(",", ":"), default=json_default) + "\n"
                     for r in sorted(records, key=lambda r: r["run_id"]))
     data = gzip.compress(lines.encode(), mtime=0) if str(path).endswith(".gz") else lines.encode()
     return atomic_write(path, data)
