@@ -52,15 +52,15 @@ PY
 fi
 if [ "${1:-1}" = 2 ]; then
   run bench experiment=bspf_deit_small bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
-  run bench experiment=raptor_vits14_k2_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
+  run bench experiment=raptor_dinov2 bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
   run train experiment=saper_dinov2 backbone=dinov2_vitb14 budget.k=24 name=saper_ft_vitb14_k24_in1k data=synthetic data.num_train=1024 data.num_val=128 data.num_test=256 \
       recipe.epochs=2 recipe.batch_size=128 eval.throughput_batch=128 bench.amp=true trainer.enable_progress_bar=false
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   exit 0
 fi
-run bench experiment=raptor_vitb14_k2_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
+run bench experiment=raptor_dinov2 backbone=dinov2_vitb14_reg bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
 run bench experiment=saper_dinov2 backbone=dinov2_vitb14 budget.k=24 name=saper_ft_vitb14_k24_in1k bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
-run train experiment=raptor_vitb14_k2_in1k data=synthetic data.num_train=2048 data.num_val=128 data.num_test=256 \
+run train experiment=raptor_dinov2 backbone=dinov2_vitb14_reg data=synthetic data.num_train=2048 data.num_val=128 data.num_test=256 \
     recipe.epochs=1 recipe.warmup_steps=8 method.probe.epochs=1 method.probe.batch_size=128 method.phase_images=128 \
     eval.throughput_batch=128 trainer.enable_progress_bar=false
 nvidia-smi --query-gpu=memory.used --format=csv,noheader

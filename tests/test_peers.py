@@ -242,6 +242,20 @@ def test_budget_errors_name_the_key():
 
 
 # -- several methods timed in one interleaved run -----------------------------------------------------------
+def test_bench_compare_takes_a_table_rows_name_composed_as_its_row():
+    """bench.compare names experiments or table rows: EViT's keep rates and ToMe's r are rows of the
+    DeiT-S specs (a base experiment + overrides), composed as the sweep composes them and recorded
+    under the row's name; a name that is neither is refused with both places named."""
+    from vitexp.commands import _compose_experiment
+
+    evit = _compose_experiment("evit_deit_small_keep05")
+    assert (evit.name, evit.budget.keep_ratio, evit.method.name) == ("evit_deit_small_keep05", 0.5, "evit")
+    assert evit.backbone.pretrained is None  # a timing loads no weights
+    assert _compose_experiment("tome_deit_small_r8").budget.r == 8
+    with pytest.raises(vconfig.ConfigError, match="neither an experiment .* nor the name of a table row"):
+        _compose_experiment("evit_deit_small_keep04")
+
+
 def test_bench_compare_times_several_experiments_together_one_entry_each(make_cfg, results_dir):
     from conftest import QUIET, ledger_entries
 

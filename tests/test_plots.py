@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_rgba
 
-from vitexp import plots, tables
+from vitexp import plots, rows, tables
 
 SPEC = {
     "name": "plots_fixture",
@@ -24,11 +24,11 @@ SPEC = {
         {"label": "micro baseline", "experiment": "demo", "paper": {}},
         {"label": "micro BSPF, seeds", "experiment": "fmnist_bspf_vit_micro", "seeds": [0, 1, 2], "paper": {}},
         {"label": "DeiT-S cost only", "experiment": "bspf_deit_small", "paper": {}},
-        {"label": "EViT 0.7", "experiment": "evit_deit_small_keep07",
+        {"label": "EViT 0.7", "experiment": "evit_deit_small", "overrides": ["budget.keep_ratio=0.7"], "name": "evit_deit_small_keep07",
          "paper": {"top1": {"value": 79.5, "source": "EViT README"}, "gmacs": {"value": 3.0, "source": "BSPF-ViT Table 1"}}},
-        {"label": "EViT 0.6", "experiment": "evit_deit_small_keep06",
+        {"label": "EViT 0.6", "experiment": "evit_deit_small", "overrides": ["budget.keep_ratio=0.6"], "name": "evit_deit_small_keep06",
          "paper": {"top1": {"value": 78.9, "source": "EViT README"}, "gmacs": {"value": 2.6, "source": "BSPF-ViT Table 1"}}},
-        {"label": "ToMe r13", "experiment": "tome_deit_small_r13", "paper": {"top1": {"value": 79.4, "source": "ToMe"}}},
+        {"label": "ToMe r13", "experiment": "tome_deit_small", "name": "tome_deit_small_r13", "paper": {"top1": {"value": 79.4, "source": "ToMe"}}},
         {"label": "MCTF", "cited": True, "family": "MCTF", "backbone": "deit_small", "dataset": "imagenet",
          "paper": {"top1": {"value": 80.1, "source": "MCTF"}, "gmacs": {"value": 2.6, "source": "MCTF"}}},
     ],
@@ -109,6 +109,15 @@ def test_one_axis_per_dataset_and_a_style_per_row_in_its_familys_hue(artists):
     assert len({colour["paper:MCTF"], colour["vitexp:EViT 0.7"], colour["vitexp:micro baseline"]}) == 3
 
 
+def test_rows_of_one_base_that_differ_only_in_budget_overrides_are_one_sweep():
+    """Table 7's keep ratios are rows of one base experiment with budget.keep_ratio overrides (and
+    the base itself at 0.5): one sweep; rows that also differ in another override are not in it."""
+    assert plots.sweeps(tables.load_spec("bspf_table7")["rows"]) == ["sweep 1"] * 7
+    base = {"label": "b", "experiment": "bspf_deit_small"}
+    other = {**base, "overrides": ["method.symmetric=true", "budget.keep_ratio=0.3"]}
+    assert plots.sweeps([base, other]) == [None, None]
+
+
 def test_a_sweep_is_joined_by_a_line_and_the_legend_stays_short(artists):
     by_gid, fig = artists
     (name,) = {g.split(":", 1)[1] for g in by_gid if g.startswith("sweep-")}
@@ -124,7 +133,7 @@ def test_a_sweep_is_joined_by_a_line_and_the_legend_stays_short(artists):
 
 def test_a_table_of_costs_alone_is_never_an_empty_frame():
     spec = tables.load_spec("bspf_table7")
-    runs = [_run(i, row["experiment"], {"gmacs": 2.0 + 0.25 * i}) for i, row in enumerate(spec["rows"])]
+    runs = [_run(i, rows.row_name(row), {"gmacs": 2.0 + 0.25 * i}) for i, row in enumerate(spec["rows"])]
     fig = plots.draw(spec, tables.fill(spec, runs))
     (ax,) = fig.axes
     ticks = [line for line in ax.lines if (line.get_gid() or "").startswith("tick-vitexp:")]

@@ -314,16 +314,16 @@ def test_resumed_raptor_run_skips_finished_stages_and_ends_with_the_same_metrics
     assert ckpt.stat().st_mtime_ns == stamp  # the probe was not trained again
 
 
-@pytest.mark.parametrize("experiment, gflops", [("raptor_vits14_k3_in1k", 16.15), ("raptor_vits14_k4_c100", 16.15)])
-def test_vitexp_flops_on_raptor_experiments(experiment, gflops, make_cfg, results_dir):
-    """What `vitexp-flops experiment=raptor_*` records: RAPTOR's setting, any k (CIFAR's 100-class
-    head is smaller than ImageNet's)."""
+@pytest.mark.parametrize("data, k, gflops", [("imagenet", 3, 16.15), ("cifar100", 4, 16.15)])
+def test_vitexp_flops_on_raptor_experiments(data, k, gflops, make_cfg, results_dir):
+    """What `vitexp-flops experiment=raptor_dinov2` records: RAPTOR's setting, any k (CIFAR's
+    100-class head is smaller than ImageNet's)."""
     from vitexp.commands import run_flops
 
-    out = run_flops(make_cfg([f"experiment={experiment}", "logger=none"]))
-    head = 2 * 2 * 384 * (1000 - 100) / 1e9 if experiment.endswith("c100") else 0.0
+    out = run_flops(make_cfg(["experiment=raptor_dinov2", f"data={data}", f"budget.k={k}", "logger=none"]))
+    head = 2 * 2 * 384 * (1000 - 100) / 1e9 if data == "cifar100" else 0.0
     assert out["metrics"]["gflops"] == pytest.approx(gflops - head, abs=0.02)
-    assert out["protocol"]["registers"] == 4 and out["metrics"]["heads"] == 6 * int(experiment.split("_k")[1][0])
+    assert out["protocol"]["registers"] == 4 and out["metrics"]["heads"] == 6 * k
 
 
 def test_swiglu_gates_with_the_first_half():

@@ -4,8 +4,8 @@ SAPER's experiment files into base experiments + grids changed no table.
 
 The fixtures were captured on the code before rows from overrides (commit 651b222):
 ``table_cells.json`` holds every spec's rendered header and cells from the committed ledger (and
-the run ids it then held), with each row's ledger name and seeds; ``saper_experiment_configs.json``
-holds the composed identity groups of the 53 SAPER experiment files the grids replace.
+the run ids it then held), with each row's ledger name and seeds; ``replaced_experiment_configs.json``
+holds the composed identity groups of the 89 experiment files grid rows replace (tests/fixtures/capture.py).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from vitexp.results import LedgerEntry, iter_runs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BEFORE = json.loads((FIXTURES / "table_cells.json").read_text())
-OLD_CONFIGS = json.loads((FIXTURES / "saper_experiment_configs.json").read_text())
+OLD_CONFIGS = json.loads((FIXTURES / "replaced_experiment_configs.json").read_text())
 
 GRID = {"label": "{arch} k={k}, {mode_label}", "experiment": "saper_dinov2", "run": "flops",
         "grid": {"mode": [{"mode": "ft", "mode_label": "fine-tune"}, {"mode": "kd", "mode_label": "distill"}],
@@ -166,8 +166,8 @@ def _needs_selection(row: dict) -> bool:
 
 
 
-def test_spec_rows_compose_the_configs_of_the_saper_experiment_files_they_replace():
-    """Every SAPER experiment file the grids replaced is a row of some spec, recorded under the
+def test_spec_rows_compose_the_configs_of_the_experiment_files_they_replace():
+    """Every experiment file the grids replaced is a row of some spec, recorded under the
     same name, whose base + overrides compose the same backbone, method, budget, data, recipe,
     trainer and seed (keys added to a group since are allowed); every other row with overrides
     composes with its overrides in place."""

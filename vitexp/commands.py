@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
+from vitexp import CONF_DIR
 from vitexp.config import to_container, validate
 from vitexp.errors import ConfigError, one_line
 from vitexp.ledger import atomic_write, portable_path, portable_text
@@ -216,16 +217,31 @@ def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
 
 
 def _compose_experiment(name: str) -> DictConfig:
-    """An experiment's config, composed beside the running Hydra app (or standalone)."""
+    """The config of experiment ``name`` (``conf/experiment/<name>.yaml``), else of the table row
+    recorded under ``name`` (a base experiment and overrides, :mod:`vitexp.rows`: EViT's keep rates
+    and ToMe's r are rows of the DeiT-S specs), composed beside the running Hydra app (or standalone)."""
     from hydra import compose as hydra_compose
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = [f"experiment={name}"]
+    overrides = [f"experiment={name}"] if (CONF_DIR / "experiment" / f"{name}.yaml").is_file() else _row_job(name)
     if GlobalHydra.instance().is_initialized():
         return hydra_compose(config_name="train", overrides=overrides)
     from vitexp.config import compose
 
     return compose(overrides)
+
+
+def _row_job(name: str) -> list[str]:
+    """The job of the table row recorded under ``name`` (unseeded, no weights: a timing needs none)."""
+    from vitexp.rows import job_arguments, row_name
+    from vitexp.tables import all_specs, load_spec
+
+    for spec in all_specs():
+        for row in load_spec(spec)["rows"]:
+            if row.get("experiment") and row_name(row) == name:
+                return job_arguments(row, seeded=False, weights=False)
+    raise ConfigError(f"bench.compare: {name!r} is neither an experiment (conf/experiment/{name}.yaml) nor the "
+                      f"name of a table row (sweeps/*.yaml)")
 
 
 def run_compare(cfg: DictConfig) -> dict[str, Any]:

@@ -14,7 +14,8 @@ Encoding (decisions):
   is marked † (:data:`vitexp.provenance.DERIVED_MARK`; the footnote under the plot gives its formula).
 - **Error bars:** ±1 sample std over a seeded row's seeds (:mod:`vitexp.aggregate`).
 - **Sweep lines:** rows of one ``series:`` (the spec's), and otherwise rows whose experiment files
-  differ only in their ``budget`` (keep ratio, r, k, blocks) and ``name``: a method's sweep. Solid
+  and overrides differ only in their budget (keep ratio, r, k, blocks: the file's ``budget`` or a
+  ``budget.*`` override) and ``name``: a method's sweep. Solid
   through vitexp's points, dashed through the paper's, sorted by cost.
 - **Cost without accuracy** (a ``vitexp-flops`` row, or a paper that prints only GMACs): the
   row's marker on the cost axis at that cost, filled or hollow as above; an axis with nothing else
@@ -74,16 +75,25 @@ def _experiment_file(experiment: str) -> dict[str, Any]:
     return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
 
 
-def sweep_key(experiment: str) -> str | None:
-    """The experiment file without its ``name`` and ``budget`` (and the budget choice): experiments
-    with equal keys differ only in their budget. ``None`` for a missing file."""
-    cfg = dict(_experiment_file(experiment))
+def sweep_key(spec_row: dict[str, Any]) -> tuple[str, str] | None:
+    """A row's experiment file and overrides without its ``name`` and budget (the budget choice,
+    ``budget:``, ``budget.*`` overrides), and that budget: rows with equal keys differ only in their
+    budget. ``None`` for a missing file."""
+    cfg = dict(_experiment_file(spec_row["experiment"]))
     if not cfg:
         return None
     cfg.pop("name", None)
-    cfg.pop("budget", None)
+    budget = dict(cfg.pop("budget", None) or {})
     cfg["defaults"] = [d for d in cfg.get("defaults") or [] if not (isinstance(d, dict) and "override /budget" in d)]
-    return json.dumps(cfg, sort_keys=True, default=str)
+    others = []
+    for override in row_overrides(spec_row):
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith("budget."):
+            budget[key[len("budget."):]] = yaml.safe_load(value)
+        elif key != "budget":
+            others.append(override)
+    cfg["overrides"] = sorted(others)
+    return json.dumps(cfg, sort_keys=True, default=str), json.dumps(budget, sort_keys=True, default=str)
 
 
 def row_identity(spec_row: dict[str, Any]) -> dict[str, str]:
@@ -108,14 +118,14 @@ def row_identity(spec_row: dict[str, Any]) -> dict[str, str]:
 def sweeps(spec_rows: list[dict[str, Any]]) -> list[str | None]:
     """Each row's sweep: its ``series``, else the shared :func:`sweep_key` of two or more rows
     whose budgets differ; ``None`` for a row in no sweep."""
-    keys = [None if r.get("series") or r.get("cited") or not r.get("experiment") else sweep_key(r["experiment"])
-            for r in spec_rows]
+    pairs = [None if r.get("series") or r.get("cited") or not r.get("experiment") else sweep_key(r)
+             for r in spec_rows]
     budgets: dict[str, set[str]] = {}
-    for r, k in zip(spec_rows, keys):
-        if k is not None:
-            budgets.setdefault(k, set()).add(json.dumps(_experiment_file(r["experiment"]).get("budget"), sort_keys=True))
+    for pair in pairs:
+        if pair is not None:
+            budgets.setdefault(pair[0], set()).add(pair[1])
     auto = {k: f"sweep {i + 1}" for i, k in enumerate(k for k, b in budgets.items() if len(b) > 1)}
-    return [r.get("series") or auto.get(k) for r, k in zip(spec_rows, keys)]
+    return [r.get("series") or (auto.get(p[0]) if p else None) for r, p in zip(spec_rows, pairs)]
 
 
 def series_curves(rows: list[dict[str, Any]], xk: str, yk: str) -> dict[str, dict[str, list[tuple[float, float]]]]:
