@@ -42,7 +42,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from vitexp import SWEEPS_DIR, aggregate
+from vitexp import SWEEPS_DIR, aggregate, protocols
 from vitexp.errors import one_line
 from vitexp.logging_utils import log_tables
 from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
@@ -64,7 +64,8 @@ def load_spec(table: str | Path) -> dict[str, Any]:
         path = SWEEPS_DIR / f"{table}.yaml"
     if not path.is_file():
         valid = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
-        raise FileNotFoundError(f"table spec {path} not found; valid tables: {valid}")
+        raise FileNotFoundError(f"table spec {portable_path(path)} not found; valid tables: {valid}; "
+                                f"verdict tables (sweeps/verdicts/): {protocols.verdict_files()}")
     spec = yaml.safe_load(path.read_text())
     spec["name"] = path.stem
     for key in ("title", "columns", "rows"):
@@ -235,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     results_dir = args.results_dir or default_results_dir()
     out_dir = args.out or results_dir / "tables"
     overrides = [t for t in args.tables if "=" in t]
+    named = [t for t in args.tables if "=" not in t]
+    verdicts = [t for t in named if t in protocols.verdict_files()] if named else protocols.verdict_files()
     try:
-        specs = [load_spec(t) for t in ([t for t in args.tables if "=" not in t] or all_specs())]
+        specs = [load_spec(t) for t in ([t for t in named if t not in verdicts] if named else all_specs())]
+        for verdict in verdicts:  # checked before anything is written
+            protocols.load(verdict)
     except (FileNotFoundError, ValueError) as err:
         return _closing("invalid", one_line(err), 2)
     if args.pack:
@@ -268,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         if cost is not None:
             written[spec["name"]]["cost"] = str(cost)
             print(cost.read_text())
+    def filled(table: str) -> list[dict]:  # a verdict's table, filled as the tables are (vitexp.protocols)
+        spec = load_spec(table)
+        skip = [str(b) for b in ledger.broken_for(table_names(spec))] if args.skip_broken else []
+        return fill({**spec, "skipped_broken": skip}, ledger, overrides)
+
+    written.update(protocols.write(verdicts, filled, out_dir, atomic_write))
     for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
         shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
                                for run_id, keys in sorted(runs.items()))

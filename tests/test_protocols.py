@@ -1,0 +1,50 @@
+"""A method's claims under several protocols (vitexp.protocols): the sign rule, the verdict only
+where protocols agree, and the committed verdict table regenerated from the committed ledger."""
+from __future__ import annotations
+
+import pytest
+
+from vitexp import PROJECT_ROOT, protocols, tables
+from vitexp.ledger import Ledger
+
+
+def _row(name: str, seeds: dict[int, float]) -> dict:
+    return {"experiment": name, "cells": {"top1": {"seeds": seeds}}}
+
+
+SPEC = {"title": "t", "key": "top1", "digits": 2,
+        "protocols": [{"label": "P1", "rows": {"full": "t1:full", "m": "t1:m"}},
+                      {"label": "P2", "rows": {"full": "t2:full", "m": "t2:m"}},
+                      {"label": "P3", "rows": {"full": "t3:full", "m": "t3:m"}}],
+        "claims": [{"label": "m beats full", "a": "m", "b": "full"}]}
+
+
+def test_the_sign_rule_and_a_verdict_only_where_the_protocols_agree():
+    assert [protocols.sign(p) for p in ([0.1, 0.2], [-0.1, -0.3], [0.2, -0.1], [])] == \
+        ["supports", "contradicts", "undecided", "not run"]
+    filled = {"t1": [_row("full", {0: 80.0, 1: 81.0, 2: 82.0}), _row("m", {0: 81.0, 1: 81.5, 2: 82.2})],
+              "t2": [_row("full", {0: 80.0, 1: 81.0}), _row("m", {0: 79.0, 1: 80.0, 2: 70.0})],
+              "t3": [_row("full", {}), _row("m", {})]}
+    (claim,) = protocols.evaluate(SPEC, filled.__getitem__)
+    assert [c["text"] for c in claim["cells"]] == ["+0.57 ± 0.40 (3)", "-1.00 ± 0.00 (2)", "not run"]
+    assert claim["verdict"] == "protocols disagree: supports under P1; contradicts under P2 (2 of 3 protocols measured)"
+    filled["t2"][1]["cells"]["top1"]["seeds"] = {0: 80.5, 1: 81.1}
+    (claim,) = protocols.evaluate(SPEC, filled.__getitem__)
+    assert claim["verdict"] == "holds under every measured protocol (2 of 3 protocols measured)"
+
+
+def test_a_reference_to_a_row_the_table_lacks_is_an_error():
+    with pytest.raises(ValueError, match="t1:m: table t1 has no row recorded as 'm'"):
+        protocols.evaluate(SPEC, lambda t: [_row("full", {0: 1.0})])
+
+
+@pytest.mark.parametrize("name", protocols.verdict_files())
+def test_every_verdict_names_rows_of_its_tables_and_regenerates_its_committed_table(name):
+    spec = protocols.load(name)
+    for proto in spec["protocols"]:
+        for ref in proto["rows"].values():
+            table, row = ref.split(":")
+            assert row in {r.get("name") or r["experiment"] for r in tables.load_spec(table)["rows"] if r.get("experiment")}, ref
+    ledger = Ledger.load(PROJECT_ROOT / "results")
+    text = protocols.render(spec, protocols.evaluate(spec, lambda t: tables.fill(tables.load_spec(t), ledger)))
+    assert text == (PROJECT_ROOT / "results" / "tables" / f"{name}.md").read_text()

@@ -1,0 +1,141 @@
+"""A method's claims under several protocols: one generated table per ``sweeps/verdicts/<name>.yaml``.
+
+A verdict file names protocols (each maps roles such as ``full``, ``bspf``, ``tome`` to a row of a
+table spec: ``<table>:<row name>``) and claims (``a`` beats ``b`` on ``key``). Each cell is the
+paired difference ``a - b`` over the seeds both rows completed (:func:`vitexp.aggregate.paired_difference`),
+mean ± sample std (n pairs), read from the same ledger and the same filled rows as the tables.
+
+Decisions:
+- A protocol *supports* a claim when every pair is above zero, *contradicts* it when every pair is
+  below, and is *undecided* otherwise (pairs of both signs, or a single pair of 0); with three seeds
+  that is the sign test's strongest answer, stated without a p-value.
+- A claim's verdict is given only where the measured protocols agree ("holds under all N measured
+  protocols", "fails under all N"); where they disagree the verdict names which protocol says what;
+  protocols not run are counted ("k of M protocols measured"), so a verdict never speaks for them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import yaml
+
+from vitexp import PROJECT_ROOT
+from vitexp.aggregate import format_stat, paired_difference
+
+VERDICTS_DIR = PROJECT_ROOT / "sweeps" / "verdicts"
+
+
+def verdict_files() -> list[str]:
+    return sorted(p.stem for p in VERDICTS_DIR.glob("*.yaml")) if VERDICTS_DIR.is_dir() else []
+
+
+def load(name: str) -> dict[str, Any]:
+    """A verdict file by name; its references are checked: ``table:row``, roles the claims use."""
+    path = VERDICTS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"verdict file {path} not found; valid: {verdict_files()}")
+    spec = {**yaml.safe_load(path.read_text()), "name": name}
+    for proto in spec["protocols"]:
+        for role, ref in proto["rows"].items():
+            if ref.count(":") != 1:
+                raise ValueError(f"{name}: protocol {proto['label']!r}, role {role!r}: {ref!r} is not <table>:<row name>")
+    roles = {r for p in spec["protocols"] for r in p["rows"]}
+    for claim in spec["claims"]:
+        unknown = {claim["a"], claim["b"]} - roles
+        if unknown:
+            raise ValueError(f"{name}: claim {claim['label']!r} names roles {sorted(unknown)}; roles: {sorted(roles)}")
+    return spec
+
+
+def tables_of(spec: dict[str, Any]) -> list[str]:
+    return sorted({ref.split(":")[0] for p in spec["protocols"] for ref in p["rows"].values()})
+
+
+def _seeds(filled: dict[str, list[dict[str, Any]]], ref: str, key: str) -> dict[int, float] | None:
+    table, row = ref.split(":")
+    match = [r for r in filled[table] if r.get("experiment") == row]
+    if not match:
+        raise ValueError(f"{ref}: table {table} has no row recorded as {row!r}")
+    return match[0]["cells"][key].get("seeds") or {}
+
+
+def sign(pairs: list[float]) -> str:
+    """``supports``, ``contradicts`` or ``undecided`` (module docstring); ``not run`` without pairs."""
+    if not pairs:
+        return "not run"
+    if all(p > 0 for p in pairs):
+        return "supports"
+    if all(p < 0 for p in pairs):
+        return "contradicts"
+    return "undecided"
+
+
+def verdict(signs: list[tuple[str, str]]) -> str:
+    """One claim's verdict from ``(protocol label, sign)`` pairs (module docstring)."""
+    measured = [(p, s) for p, s in signs if s != "not run"]
+    of = f"{len(measured)} of {len(signs)} protocols measured"
+    if not measured:
+        return f"not run ({of})"
+    kinds = {s for _, s in measured}
+    if kinds == {"supports"}:
+        return f"holds under every measured protocol ({of})"
+    if kinds == {"contradicts"}:
+        return f"fails under every measured protocol ({of})"
+    if kinds == {"undecided"}:
+        return f"undecided under every measured protocol ({of})"
+    parts = [f"{s} under {', '.join(p for p, k in measured if k == s)}" for s in ("supports", "contradicts", "undecided")
+             if s in kinds]
+    return f"protocols disagree: {'; '.join(parts)} ({of})"
+
+
+def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each claim with its cell per protocol (``text``, ``sign``, the difference's stats) and verdict;
+    ``fill(table)`` gives a table's filled rows (:func:`vitexp.tables.fill`)."""
+    filled = {t: fill(t) for t in tables_of(spec)}
+    key, digits = spec.get("key", "top1"), int(spec.get("digits", 2))
+    out = []
+    for claim in spec["claims"]:
+        cells = []
+        for proto in spec["protocols"]:
+            rows = proto["rows"]
+            if claim["a"] not in rows or claim["b"] not in rows:
+                cells.append({"protocol": proto["label"], "text": "not in this protocol", "sign": None})
+                continue
+            diff = paired_difference(_seeds(filled, rows[claim["a"]], key), _seeds(filled, rows[claim["b"]], key))
+            pairs = [_seeds(filled, rows[claim["a"]], key)[s] - _seeds(filled, rows[claim["b"]], key)[s] for s in diff["seeds"]]
+            text = format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run"
+            cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs), **diff})
+        judged = [(c["protocol"], c["sign"]) for c in cells if c["sign"] is not None]
+        out.append({"claim": claim["label"], "cells": cells, "verdict": verdict(judged)})
+    return out
+
+
+def render(spec: dict[str, Any], claims: list[dict[str, Any]]) -> str:
+    """The markdown table: a row per claim, a column per protocol, then the verdict."""
+    head = ["Claim (a − b)"] + [p["label"] for p in spec["protocols"]] + ["Verdict"]
+    lines = [f"# {spec['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in claims:
+        cells = [f"{x['text']} ({x['sign']})" if x["sign"] not in (None, "not run") else x["text"] for x in c["cells"]]
+        lines.append("| " + " | ".join([c["claim"]] + cells + [c["verdict"]]) + " |")
+    lines += ["", "Cells: the paired difference of " + spec.get("unit", "top-1 (%)") + ", a − b, over the seeds "
+              "both rows completed, mean ± sample std (n pairs). supports: every pair above 0; contradicts: every "
+              "pair below 0; undecided: pairs of both signs (vitexp/protocols.py). A verdict is given only where "
+              "the measured protocols agree."]
+    lines += ["", "Protocols (rows from the tables named):", ""]
+    lines += [f"- **{p['label']}**: " + ", ".join(f"{role} = `{ref}`" for role, ref in p["rows"].items())
+              for p in spec["protocols"]]
+    lines += [f"- {n}" for n in spec.get("notes") or []]
+    return "\n".join(lines) + "\n"
+
+
+def write(names: Iterable[str], fill: Callable[[str], list[dict[str, Any]]], out_dir: Path,
+          writer: Callable[[Path, str], Any]) -> dict[str, dict[str, str]]:
+    """Write ``<out_dir>/<name>.md`` for each verdict file; ``{name: {"md": path}}``."""
+    written = {}
+    for name in names:
+        spec = load(name)
+        path = Path(out_dir) / f"{name}.md"
+        writer(path, render(spec, evaluate(spec, fill)))
+        written[name] = {"md": str(path)}
+    return written
