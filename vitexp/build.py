@@ -111,16 +111,20 @@ def checkpoint_dir(output_dir: Path, stage: str = "main") -> Path:
 
 
 def build_trainer(cfg: DictConfig, logger, output_dir: Path, callbacks: Iterable[Callback] = (),
-                  stage: str = "main") -> L.Trainer:
+                  stage: str = "main", test_only: bool = False) -> L.Trainer:
     """``lightning.Trainer`` from the ``trainer`` group. One checkpoint file per stage,
     ``<output_dir>/checkpoints[/<stage>]/last.ckpt``, replaced at every epoch's end (the newest
-    only: ``save_top_k=1`` without a monitored metric; no second copy)."""
+    only: ``save_top_k=1`` without a monitored metric; no second copy). ``test_only`` (``vitexp-eval``):
+    one process on one device, no checkpoint, no SLURM requeue."""
     kwargs = {k: v for k, v in cfg.trainer.items() if v is not None}
-    cbs: list[Callback] = [
-        ModelCheckpoint(dirpath=str(checkpoint_dir(output_dir, stage)), filename="last", save_top_k=1,
-                        save_last=False, enable_version_counter=False, save_on_train_epoch_end=True),
-        *callbacks,
-    ]
+    cbs: list[Callback] = list(callbacks)
+    plugins: list = []
+    if test_only:
+        kwargs.update(devices=1, num_nodes=1, strategy="auto", enable_checkpointing=False, enable_model_summary=False)
+    else:
+        cbs.insert(0, ModelCheckpoint(dirpath=str(checkpoint_dir(output_dir, stage)), filename="last", save_top_k=1,
+                                      save_last=False, enable_version_counter=False, save_on_train_epoch_end=True))
+        plugins = [AtomicCheckpointIO(), *slurm.plugins()]
     if logger:
         cbs.append(LearningRateMonitor(logging_interval="epoch"))
     if kwargs.get("enable_progress_bar", True):
@@ -131,6 +135,6 @@ def build_trainer(cfg: DictConfig, logger, output_dir: Path, callbacks: Iterable
         default_root_dir=str(output_dir),
         logger=logger,
         callbacks=cbs,
-        plugins=[AtomicCheckpointIO(), *slurm.plugins()],
+        plugins=plugins,
         **kwargs,
     )

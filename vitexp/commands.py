@@ -13,44 +13,32 @@ from vitexp import CONF_DIR
 from vitexp.config import to_container, validate
 from vitexp.errors import ConfigError, one_line
 from vitexp.ledger import atomic_write, portable_path, portable_text
+from vitexp.objectives import objective_for
 from vitexp.run import owned_run
 
 
 def run_flops(cfg: DictConfig) -> dict[str, Any]:
-    """Params and MACs of the configured model as deployed, without training; one ledger entry.
-    Seeded by ``cfg.seed`` first: a method whose deployed shape depends on an initialisation (SAPER's
-    initial head scores pick the k heads) counts the same model every time, and records it
-    (``method.record()``, e.g. ``kept_heads``)."""
+    """Params and MACs of the configured model as deployed, without training, as its objective counts
+    it (:meth:`vitexp.objectives.Objective.count`); one ledger entry. Seeded by ``cfg.seed`` first: a
+    method whose deployed shape depends on an initialisation (SAPER's initial head scores pick the k
+    heads) counts the same model every time, and records it (``method.record()``, e.g. ``kept_heads``)."""
     import lightning as L
 
-    from vitexp.build import build_model, registers_of
-    from vitexp.flops import count_heads, count_macs
+    from vitexp.build import build_model
 
     with owned_run(cfg.name, "flops", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
         method = validate(cfg, need_data=False)
+        objective = objective_for(cfg)
         run.start(to_container(cfg))
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         model, method, data_config = build_model(cfg, method)
-        deployed = method.deploy(model)
-        from vitexp.detection import detection_flops, detector_for, wants_detection
-
-        if wants_detection(cfg):  # the whole detector at detector.flops_size, and the backbone alone
-            detector = detector_for(cfg, deployed, data_config)
-            metrics, protocol = detection_flops(cfg, detector)
-            report = count_macs(detector.backbone.body.model, int(cfg.backbone.img_size))
-            metrics.update({"heads": count_heads(detector), "backbone_gmacs": report.gmacs})
-            protocol["num_classes"] = int(cfg.data.num_classes)
-            where, parts = f"{protocol['resolution']} (the whole detector)", {k[6:]: v for k, v in metrics.items() if k.startswith("gmacs_")}
-        else:
-            report = count_macs(deployed, int(cfg.backbone.img_size), registers=registers_of(cfg))
-            metrics = {**report.metrics(), "heads": count_heads(deployed)}
-            protocol = {**report.protocol, "num_classes": int(cfg.data.num_classes)}
-            where, parts = f"{cfg.backbone.img_size} px", report.by_module
+        count = objective.count(cfg, objective.measured(cfg, method.deploy(model), data_config))
+        metrics, protocol = count.metrics, count.protocol
         print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
-              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {where}, "
+              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {count.where}, "
               f"attention matmuls counted; by module (GMACs): "
-              + ", ".join(f"{k} {v:.3f}" for k, v in parts.items() if v > 0))
-        run.complete(metrics, protocol, out={"protocol": protocol}, by_module=report.by_module, **method.record())
+              + ", ".join(f"{k} {v:.3f}" for k, v in count.parts.items() if v > 0))
+        run.complete(metrics, protocol, out={"protocol": protocol}, by_module=count.by_module, **method.record())
     return run.result
 
 
@@ -72,6 +60,7 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         if cfg.bench.mode not in ("throughput", "overhead"):
             raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of ('throughput', 'overhead')")
         method = validate(cfg, need_data=cfg.bench.mode == "overhead", need_trainer=False)
+        objective_for(cfg).check_timed(cfg)
         run.start(to_container(cfg))
         import torch
 
@@ -270,16 +259,18 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
         with open_dict(sub):
             sub.output_dir, sub.results_dir, sub.bench, sub.logger = cfg.output_dir, cfg.results_dir, cfg.bench, cfg.logger
         validate(sub, need_data=False)
+        objective_for(sub).check_timed(sub)
         subs[name] = sub
     sizes = {int(sub.backbone.img_size) for sub in subs.values()}
     if len(sizes) != 1:
         raise ConfigError(f"bench.compare: the experiments run at different resolutions {sorted(sizes)}")
     img = sizes.pop()
+    runs: dict[str, Any] = {}  # the owners entered so far: a failure names the entries they started
     try:
         with contextlib.ExitStack() as stack:  # one owner per experiment's entry, one closing line for all
-            runs = {n: stack.enter_context(owned_run(n, "bench", cfg.results_dir, None, None, emits=False)) for n in names}
-            for name, run in runs.items():
-                run.start(to_container(subs[name]))
+            for name in names:
+                runs[name] = stack.enter_context(owned_run(name, "bench", cfg.results_dir, None, None, emits=False))
+                runs[name].start(to_container(subs[name]))
             b = cfg.bench
             device = bench_device(str(b.device))
             models, gmacs = {}, {}
@@ -307,7 +298,7 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                   f"{res[ref]['threads']} threads, load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
                   f"on {os.cpu_count()} CPUs")
     except Exception as err:  # each owner marked its entry failed; one closing line names them
-        started = [r for r in runs.values() if r.ledger is not None] if "runs" in locals() else []
+        started = [r for r in runs.values() if r.ledger is not None]
         emit({"status": "failed", "error": portable_text(f"{type(err).__name__}: {one_line(err)}", cfg.results_dir),
               "ledger": [portable_path(r.ledger.path, cfg.results_dir) for r in started],
               "run_id": [r.ledger.run_id for r in started]})

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp import CONF_DIR, PROJECT_ROOT
 from vitexp.errors import ConfigError, one_line
+from vitexp.objectives import config_schemas, objective_for
 
 if not OmegaConf.has_resolver("vitexp_root"):
     OmegaConf.register_new_resolver("vitexp_root", lambda: str(PROJECT_ROOT))
@@ -97,11 +98,11 @@ if not OmegaConf.has_resolver("vitexp_job"):  # ${vitexp_job:trainer.num_nodes} 
 #: Groups whose choice defines what a run is (a change renames the run).
 IDENTITY_GROUPS = ("backbone", "method", "budget", "data", "recipe")
 LOGGER_KINDS = ("wandb", "csv", "none")
-#: Groups whose keys are vitexp's schema: ``+group.key=...`` may not add to them. (``trainer``
-#: keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
-SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench", "detector", "bspf_spec")
+#: Groups whose keys are vitexp's schema, the objectives' own among them: ``+group.key=...`` may not
+#: add to them. (``trainer`` keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
+SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench", "bspf_spec",
+                 *config_schemas())
 SCHEDULES = ("cosine", "step", "multistep", "none")
-OBJECTIVE_CHOICES = ("auto", "detect")
 
 
 def compose(overrides: Iterable[str] = (), config_name: str = "train",
@@ -277,13 +278,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
     _check(0 <= float(r.mixup) and 0 <= float(r.cutmix), "recipe.mixup/cutmix", "must be >= 0")
     _check(0 <= float(r.drop_path) < 1, "recipe.drop_path", f"{r.drop_path} must be in [0, 1)")
     _check(r.sched in SCHEDULES, "recipe.sched", f"{r.sched!r} is not one of {SCHEDULES}")
-    _check(cfg.get("objective", "auto") in OBJECTIVE_CHOICES, "objective",
-           f"{cfg.get('objective')!r} is not one of {OBJECTIVE_CHOICES}")
-    if cfg.get("objective") == "detect":
-        _check(data.get("_target_", "").endswith("CocoDataModule"), "data",
-               f"objective=detect needs a detection dataset (data=coco or data=micro_coco), not data={data.name}")
-        _check(arch.get("family") in ("metaformer", "shvit"), "backbone",
-               f"objective=detect needs a backbone with stages (caformer_*, shvit_*), not {bb.name}")
+    objective_for(cfg).validate(cfg)
 
     _check(cfg.bench.device in ("auto", "cpu", "cuda"), "bench.device",
            f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')")

@@ -1,11 +1,14 @@
 """``vitexp-eval``: evaluation only. The model a completed train run saved (``artifacts.weights``,
 or ``--weights``: a ``weights.pth`` or a vitexp Lightning checkpoint) is rebuilt from the run's
-own resolved config (backbone, method applied, the stage whose model the run deployed; a method
-that saves a deployed model of its own shape, SAPER's pruned heads, rebuilds it with
-``Method.rebuild_deployed`` from the ledger entry), loaded,
-and tested on the run's test split by the same LightningModule and :func:`vitexp.train.evaluate_test_split`
-the run used, so ``top1`` equals the ledger's for the same weights and data. The result is a
-ledger entry of kind ``eval`` naming the run it evaluates (``evaluates``).
+own resolved config by the run's objective (:meth:`vitexp.objectives.Objective.rebuild`: the
+backbone built once and prepared, the method's deployed model on it,
+:meth:`~vitexp.methods.Method.rebuild_deployed`, with the data-dependent choices its ledger entry
+kept, SAPER's kept heads; the objective's model around it), loaded, and tested on the run's test
+split by the same LightningModule and test (:meth:`~vitexp.objectives.Objective.test`) the run
+used, under a Trainer from the same helper (:func:`vitexp.build.build_trainer`, one device), so
+the objective's metrics (``top1``; ``ap_box`` and ``ap_mask``) equal the ledger's for the same
+weights and data. The result is a ledger entry of kind ``eval`` naming the run it evaluates
+(``evaluates``).
 
 The run is named by its id, its experiment (the newest completed run), or the W&B model artifact
 its weights were logged as (``artifacts.wandb_model``, :func:`vitexp.logging_utils.log_model`):
@@ -115,12 +118,12 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
     """Rebuild, load and test (module docstring); returns the closing result of the eval run."""
     import lightning as L
 
-    from vitexp.build import build_backbone_and_method, load_weights
+    from vitexp.build import build_backbone_and_method, build_trainer, load_weights
     from vitexp.checkpoints import check_file
     from vitexp.config import to_container, validate
-    from vitexp.methods import Method
+    from vitexp.objectives import objective_for
     from vitexp.run import owned_run
-    from vitexp.train import datamodule_cache, evaluate_test_split, stage_config, stage_module
+    from vitexp.train import datamodule_cache, stage_config
 
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
         artifacts = record.get("artifacts") or {}
@@ -136,29 +139,26 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
         check_file(path, key)
         built = rebuild_config(cfg, record)
         method = validate(built)
+        objective = objective_for(cfg)
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
         backbone, method, data_config = build_backbone_and_method(built, method)
         datamodule_for = datamodule_cache(data_config)
         method.prepare(backbone, datamodule_for(cfg))
-        stage = [s for s in method.stages(method.apply(backbone, cfg.budget)) if s.deployed][-1]
-        module = stage_module(cfg, stage)
-        if type(method).rebuild_deployed is not Method.rebuild_deployed:  # the run saved a deployed model of its own shape
-            fresh, _, _ = build_backbone_and_method(built, method)
-            module.model = method.rebuild_deployed(fresh, record)
+        # the run's config, not ``built``: the objective's model follows the run's choices (backbone.pretrained too)
+        stage, model = objective.rebuild(cfg, method, backbone, record, data_config)
         try:
-            module.model.load_state_dict(load_weights(path))
+            model.load_state_dict(load_weights(path))
         except (RuntimeError, KeyError) as err:  # keys or shapes of another model: before the ledger entry
             raise CheckpointError(f"{key}: {path} does not fit the model of run {record['run_id']} "
                                   f"({join_lines(str(err))[:300]})") from None
         run.start({**to_container(cfg), "evaluates": record["run_id"]})
-        t = cfg.trainer
-        trainer = L.Trainer(accelerator=t.accelerator, devices=1, precision=t.precision, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=bool(t.enable_progress_bar),
-                            enable_model_summary=False, limit_test_batches=t.get("limit_test_batches"))
-        metrics = evaluate_test_split(trainer, module, datamodule_for(stage_config(cfg, stage)),
-                                      stage.metrics_prefix or "")
-        print(f"{cfg.name}: top-1 {metrics['top1']:.2f} % (run {record['run_id']}: "
-              f"{(record.get('metrics') or {}).get('top1')})")
+        scfg = stage_config(cfg, stage)
+        trainer = build_trainer(scfg, False, Path(cfg.output_dir), test_only=True)
+        metrics = objective.test(trainer, objective.module(scfg, stage, model), datamodule_for(scfg),
+                                 stage.metrics_prefix or "")
+        ran = record.get("metrics") or {}
+        print(f"{cfg.name}: " + ", ".join(f"{k} {metrics[k]:.2f} % (run {record['run_id']}: {ran.get(k)})"
+                                          for k in objective.headline))
         run.complete(metrics, {"accuracy_unit": "%", "weights": portable_path(path, cfg.results_dir)},
                      out={"evaluates": record["run_id"]}, evaluates=record["run_id"])
     return run.result

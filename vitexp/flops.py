@@ -119,7 +119,7 @@ def _analysis(model: nn.Module, inputs: tuple):
 
 def count_module_macs(module: nn.Module, inputs: tuple) -> int:
     """MACs of ``module(*inputs)`` (eval mode, no gradients) under vitexp's protocol: for parts of
-    a model that do not take an image (a detector's heads on RoI features)."""
+    a model that do not take an image (RoI heads on pooled features)."""
     was_training = module.training
     module.eval()
     with torch.no_grad(), warnings.catch_warnings():

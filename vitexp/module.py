@@ -322,10 +322,9 @@ OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {
 
 
 def module_for(objective: str) -> type[L.LightningModule]:
-    """The LightningModule of a classification-family objective (``detect``'s lives in
-    :mod:`vitexp.detection.module`, which builds on :class:`ObjectiveModule`)."""
+    """The LightningModule of a stage objective of ``objective: auto`` (another objective's module
+    is the one its plug-in in :mod:`vitexp.objectives` names; it builds on :class:`ObjectiveModule`)."""
     try:
         return OBJECTIVE_MODULES[objective]
     except KeyError:
-        raise ValueError(f"no LightningModule for objective {objective!r}; known: "
-                         f"{sorted([*OBJECTIVE_MODULES, 'detect'])}") from None
+        raise ValueError(f"no LightningModule for objective {objective!r}; known: {sorted(OBJECTIVE_MODULES)}") from None

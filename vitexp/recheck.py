@@ -6,7 +6,8 @@ under the row's name). Each is rebuilt and tested by ``vitexp-eval <run_id>`` (a
 ``eval`` that ``evaluates`` it, recorded under the run's name; tables never read eval entries); a run
 that already has a completed ``eval`` entry is not evaluated again unless ``--force``. The summary
 pairs each run's ledger ``top1`` with the re-evaluated one. A training run of the table without a
-``top1`` (a detector's ``ap_box``) is listed as not checkable: vitexp-eval tests classifiers.
+``top1`` (an objective whose headline is another metric, ``ap_box``) is listed as not checkable here:
+``vitexp-eval <run_id>`` re-evaluates it on its own.
 
 Decision: a re-evaluation *agrees* when ``|top1_eval - top1_train| <= tolerance`` points (plus 1e-6
 for the float32 percentages). The default tolerance is 0.01 points, one image of Fashion-MNIST's
@@ -50,7 +51,7 @@ def _row_runs(spec: dict[str, Any], ledger: Ledger) -> list[tuple[str, dict[Any,
 
 
 def not_checkable(spec: dict[str, Any], results_dir: Path, ledger: Ledger | None = None) -> list[str]:
-    """Completed training runs of the spec's training rows that record no ``top1`` (detectors)."""
+    """Completed training runs of the spec's training rows that record no ``top1`` (``ap_box`` rows)."""
     found = [r["run_id"] for _, by_seed in _row_runs(spec, ledger or Ledger.load(results_dir))
              for rs in by_seed.values() for r in rs if _top1(r) is None]
     return list(dict.fromkeys(found))
@@ -121,7 +122,7 @@ def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], i
 
 def report_lines(result: dict[str, Any]) -> list[str]:
     """One line per cited run: ledger top-1, re-evaluated top-1 and their difference."""
-    lines = [f"{run_id}: no top1 to re-evaluate (vitexp-eval tests classifiers)" for run_id in result["not_checkable"]]
+    lines = [f"{run_id}: no top1 to compare (vitexp-eval {run_id} re-evaluates its own metrics)" for run_id in result["not_checkable"]]
     for r in result["runs"]:
         seed = "" if r["seed"] is None else f" seed {r['seed']}"
         if r["eval_top1"] is None:

@@ -1,8 +1,9 @@
 """Typed schemas of the config groups, checked when a config is composed.
 
 Every key of the composed config has a type: the groups whose keys are vitexp's own (``backbone``,
-``data``, ``recipe``, ``budget``, ``logger``, ``detector``, ``bspf_spec``, ``eval``, ``bench``
-and the top-level keys) in the dataclasses below; ``method`` and ``trainer`` from the constructor
+``data``, ``recipe``, ``budget``, ``logger``, ``bspf_spec``, ``eval``, ``bench`` and the top-level
+keys) in the dataclasses below, an objective's own group in its plug-in
+(:func:`vitexp.objectives.config_schemas`); ``method`` and ``trainer`` from the constructor
 their keys are passed to (the method's ``_target_`` class, ``lightning.Trainer``), so a key a
 method adds is typed as soon as its ``__init__`` declares it, and no second list goes stale.
 :func:`check_types` reads every key the config holds, interpolations resolved, against its type
@@ -36,7 +37,7 @@ import functools
 import inspect
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -144,24 +145,6 @@ class Logger:
 
 
 @dataclass
-class Detector:
-    name: str
-    stages: Optional[List[int]]
-    fpn_channels: int
-    anchor_scale: float
-    freeze_bn: Union[bool, Literal["auto"]]
-    min_size: int
-    max_size: int
-    rpn_pre_nms_top_n_test: int
-    rpn_post_nms_top_n_test: int
-    detections_per_img: int
-    flops_size: List[int]
-    box_representation: int
-    mask_layers: List[int]
-    box_batch_size_per_image: int
-
-
-@dataclass
 class BspfSpec:
     chunk_size: Optional[int]
     prune_layers: List[int]
@@ -190,7 +173,8 @@ class Bench:
 
 @dataclass
 class Config:
-    """``conf/train.yaml`` composed; ``method`` and ``trainer`` are typed by their constructors."""
+    """``conf/train.yaml`` composed; ``method`` and ``trainer`` are typed by their constructors, the
+    objectives' own groups by their plug-ins (:func:`_hints`)."""
     name: str
     seed: int
     objective: str
@@ -205,7 +189,6 @@ class Config:
     recipe: Recipe
     budget: Budget
     logger: Logger
-    detector: Detector
 
 
 def recipe_keys(name: str, keys: Any) -> type:
@@ -329,7 +312,12 @@ def _unresolved(node: DictConfig, key: str, err: BaseException) -> Any:
 
 
 def _hints(schema: type) -> dict[str, Any]:
-    return typing.get_type_hints(schema)
+    hints = typing.get_type_hints(schema)
+    if schema is Config:  # the groups the objectives own
+        from vitexp.objectives import config_schemas
+
+        hints.update(config_schemas())
+    return hints
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,7 +57,7 @@ def requeue() -> str:
 
 
 def plugins() -> list:
-    """Lightning's ``SLURMEnvironment`` without its own requeue handler when Lightning detects a SLURM
+    """Lightning's ``SLURMEnvironment`` without its own requeue handler when Lightning finds a SLURM
     job (module docstring); nothing elsewhere."""
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 

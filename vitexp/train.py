@@ -4,9 +4,11 @@ the run around it (ledger entry, logger, resume, closing JSON line); :mod:`vitex
 the objects.
 
 ``train(cfg)`` returns ``{"metrics": ..., "ledger": path, "run_id": ...}``. Accuracies in the
-ledger are percentages. A run is one or more stages (``Method.stages``: one fit for most methods;
-RAPTOR's surrogate stages 1 and 2, then its probes; SAPER's select and recover), each with its own
-Trainer, checkpoints and recipe keys. A tested stage is tested on the model as deployed
+ledger are percentages. The run's objective (:mod:`vitexp.objectives`) says what trains, how it is
+tested and how it is counted. A run is one or more stages (the objective's; for ``auto`` the
+method's, ``Method.stages``: one fit for most methods; RAPTOR's surrogate stages 1 and 2, then its
+probes; SAPER's select and recover), each with its own Trainer, checkpoints and recipe keys
+(:func:`stage_config`). A tested stage is tested on the model as deployed
 (``Method.deploy``: SAPER's physically pruned heads), a stage that trains another model (SAPER's
 soft gates, ``Stage.soft_prefix``) on that one too (``soft_top1``); the deployed model's weights are saved as ``<output_dir>/weights.pth`` (the ledger's
 ``artifacts.weights``, what ``backbone.pretrained=run:<experiment>`` loads and ``vitexp-eval``
@@ -26,18 +28,21 @@ import torch.nn as nn
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
-from vitexp.build import build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir, registers_of
+from vitexp.build import build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir
 from vitexp.callbacks import BestValidation, DataOrderMark, Heartbeat
 from vitexp.config import to_container, validate
 from vitexp.data import DATA_ORDER
 from vitexp.methods import Method, Stage
+from vitexp.objectives import Objective, objective_for
 from vitexp.ledger import atomic_write, portable_path
 from vitexp.logging_utils import stage_keys
 from vitexp.run import owned_run, resume_checkpoint
 
 
 def stage_config(cfg: DictConfig, stage: Stage) -> DictConfig:
-    """The run's config with the stage's recipe keys (the data's batch size follows the recipe's)."""
+    """The stage's config: the run's with the stage's recipe keys (``Stage.recipe``) merged over its
+    ``recipe`` (the data's batch size follows the recipe's). The one place a stage's recipe is
+    derived: its Trainer, its LightningModule and its data are built from this config."""
     if not stage.recipe:
         return cfg
     from omegaconf import OmegaConf, open_dict
@@ -48,74 +53,32 @@ def stage_config(cfg: DictConfig, stage: Stage) -> DictConfig:
     return out
 
 
-def evaluate_deployed(cfg: DictConfig, method: Method, model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
-    """FLOPs/params and throughput of the model as deployed; (metrics, protocol)."""
-    from vitexp.bench import bench_device, measure_throughput
-    from vitexp.flops import count_heads, count_macs
-
-    deployed = method.deploy(model)
-    img_size = int(cfg.backbone.img_size)
-    metrics: dict[str, Any] = {}
-    protocol: dict[str, Any] = {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes)}
-    from vitexp.detection import detection_flops, wants_detection
-
-    if wants_detection(cfg):
-        metrics, det_protocol = detection_flops(cfg, deployed)
-        return metrics, {**protocol, **det_protocol}
-    if cfg.eval.flops:
-        report = count_macs(deployed, img_size, registers=registers_of(cfg))
-        metrics.update(report.metrics())
-        protocol.update(report.protocol)
-    metrics["heads"] = count_heads(deployed)
-    if cfg.eval.throughput:  # on bench.device (the GPU when there is one: Lightning hands the model back on the CPU)
-        deployed = deployed.to(bench_device(str(cfg.bench.device)))
-        tp = measure_throughput(deployed, cfg.eval.throughput_batch, img_size, iters=int(cfg.eval.throughput_iters),
-                                amp=cfg.bench.amp)
-        metrics["throughput"] = tp["throughput"]
-        protocol["throughput"] = {k: v for k, v in tp.items() if k != "throughput"}
-    return metrics, protocol
-
-
 def stage_module(cfg: DictConfig, stage: Stage, model: nn.Module | None = None) -> L.LightningModule:
-    """The stage's LightningModule around ``model`` (default: the stage's own)."""
-    from vitexp.module import module_for
-
-    if stage.objective == "detect":
-        from vitexp.detection.module import DetectModule as module_class
-    else:
-        module_class = module_for(stage.objective)
-    return module_class(stage.model() if model is None else model, num_classes=int(cfg.data.num_classes),
-                        recipe=stage_config(cfg, stage).recipe, **dict(stage.module_kwargs))
+    """The stage's LightningModule (its objective's, :meth:`~vitexp.objectives.Objective.module`)
+    around ``model`` (default: the stage's own), built from the stage's config."""
+    return objective_for(cfg).module(stage_config(cfg, stage), stage, model)
 
 
-def evaluate_test_split(trainer: L.Trainer, module: L.LightningModule, datamodule, prefix: str = "") -> dict[str, Any]:
-    """The test split's accuracies (%) and loss, keyed ``<prefix>top1`` ... (a detector: its COCO
-    APs × 100, ``<prefix>ap_box`` ...)."""
-    test = trainer.test(module, datamodule=datamodule, verbose=False)[0]
-    if "test/top1" not in test:
-        return {f"{prefix}{k[5:]}": 100.0 * v for k, v in test.items() if k.startswith("test/ap")}
-    return {f"{prefix}top1": 100.0 * test["test/top1"], f"{prefix}top5": 100.0 * test["test/top5"],
-            f"{prefix}test_loss": test.get("test/loss")}
-
-
-def evaluate_stage(trainer: L.Trainer, module: L.LightningModule, method: Method, stage: Stage, datamodule,
-                   prefix: str = "") -> dict[str, Any]:
-    """The stage's test metrics, measured on the model as deployed (``Method.deploy``: SAPER's
-    physically pruned heads); ``module.model`` becomes the deployed model. A stage with a
-    ``soft_prefix`` first tests the model it trained (SAPER's soft gates) as ``<soft_prefix>top1`` ...."""
+def evaluate_stage(objective: Objective, trainer: L.Trainer, module: L.LightningModule, method: Method, stage: Stage,
+                   datamodule, prefix: str = "") -> dict[str, Any]:
+    """The stage's test metrics (:meth:`~vitexp.objectives.Objective.test`), measured on the model
+    as deployed (``Method.deploy``: SAPER's physically pruned heads); ``module.model`` becomes the
+    deployed model. A stage with a ``soft_prefix`` first tests the model it trained (SAPER's soft
+    gates) as ``<soft_prefix>top1`` ...."""
     metrics: dict[str, Any] = {}
     if stage.soft_prefix is not None:
-        soft = evaluate_test_split(trainer, module, datamodule, prefix)
+        soft = objective.test(trainer, module, datamodule, prefix)
         metrics = {f"{stage.soft_prefix}{k[len(prefix):]}": v for k, v in soft.items()}  # soft_top1, soft_top5, ...
     module.model = method.deploy(module.model)
     # a deployed k-NN model has no distillation target: its test_loss is None (the soft model's is soft_test_loss)
-    return {**metrics, **evaluate_test_split(trainer, module, datamodule, prefix)}
+    return {**metrics, **objective.test(trainer, module, datamodule, prefix)}
 
 
-def fit_stage(cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir: Path, callbacks,
-              first: bool) -> tuple[L.LightningModule, L.Trainer, float]:
+def fit_stage(objective: Objective, cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir: Path,
+              callbacks, first: bool) -> tuple[L.LightningModule, L.Trainer, float, DictConfig]:
+    """Fit ``stage``: its module, its Trainer, the seconds the fit took, and the stage's config."""
     scfg = stage_config(cfg, stage)
-    module = stage_module(cfg, stage)
+    module = objective.module(scfg, stage)
     best = [BestValidation("val/top1")]
     trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best], stage=stage.name)
     start = time.perf_counter()
@@ -129,7 +92,7 @@ def fit_stage(cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
         finally:
             datamodule.train_augment = True
-    return module, trainer, time.perf_counter() - start
+    return module, trainer, time.perf_counter() - start, scfg
 
 
 def datamodule_cache(data_config: dict[str, Any]) -> Callable[[DictConfig], L.LightningDataModule]:
@@ -177,16 +140,15 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
         method.lookup(cfg, resolve_needs(method, cfg.results_dir))  # before training: a missing run fails now
         method.prepare(backbone, datamodule_for(cfg))
         model = method.apply(backbone, cfg.budget)
-        from vitexp.detection import detection_stages, wants_detection
-
-        stages = detection_stages(cfg, model, data_config) if wants_detection(cfg) else method.stages(model)
+        objective = objective_for(cfg)
+        stages = objective.stages(cfg, method, model, data_config)
         metrics: dict[str, Any] = {"epochs": 0, "steps": 0}
         deployed_model = model
         order = DataOrderMark(DATA_ORDER)
         for i, stage in enumerate(stages):
             stage_keys(run.logger, stage.metrics_prefix)
-            module, trainer, fit_s = fit_stage(cfg, stage, datamodule_for, run.logger, output_dir,
-                                               [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0)
+            module, trainer, fit_s, scfg = fit_stage(objective, cfg, stage, datamodule_for, run.logger, output_dir,
+                                                     [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0)
             if run.ledger is not None:
                 run.ledger.fitting(stage.name, fit_s)
             metrics["epochs"] += trainer.current_epoch
@@ -195,10 +157,9 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
             if stage.metrics_prefix is not None:
                 p = stage.metrics_prefix
                 val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-                metrics.update(evaluate_stage(trainer, module, method, stage, datamodule_for(stage_config(cfg, stage)), p))
+                metrics.update(evaluate_stage(objective, trainer, module, method, stage, datamodule_for(scfg), p))
                 # validation saw the model the stage trained (the soft model when there is one)
-                metrics[f"{stage.soft_prefix or p}val_top1"] = 100.0 * val["val/top1"] if "val/top1" in val else None
-                metrics.update({f"{p}val_{k[4:]}": 100.0 * v for k, v in val.items() if k.startswith("val/ap")})
+                metrics.update(objective.validation_metrics(val, stage.soft_prefix or p))
                 best = [c for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
                 if best:  # the best validation top-1 of the model the stage trained, and after how many epochs
                     metrics[f"{stage.soft_prefix or p}best_val_top1"] = 100.0 * best[0].best
@@ -218,7 +179,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
         if run.rank_zero:
             output_dir.mkdir(parents=True, exist_ok=True)  # a run without a fit has written nothing there yet
             weights = atomic_write(output_dir / "weights.pth", lambda tmp: torch.save(deployed_model.state_dict(), tmp))
-            deployed_metrics, protocol = evaluate_deployed(cfg, method, deployed_model)
+            deployed_metrics, protocol = objective.deployed_cost(cfg, method.deploy(deployed_model))
             protocol.update(order.protocol())
             metrics.update(deployed_metrics)
             metrics["wall_time_s"] = time.perf_counter() - started

@@ -1,15 +1,12 @@
 """Object detection and instance segmentation (``objective=detect``): torchvision's Mask R-CNN
 around a vitexp backbone (:mod:`.model`), COCO data (:mod:`.coco_data`), the micro COCO
-(:mod:`.micro_coco`) and the LightningModule (:mod:`.module`). These hooks are what a run calls."""
+(:mod:`.micro_coco`) and the LightningModule (:mod:`.module`). Runs reach them through the
+objective's plug-in, :mod:`vitexp.objectives.detection`."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch.nn as nn
-
-
-def wants_detection(cfg) -> bool:
-    return cfg.get("objective", "auto") == "detect"
 
 
 def detector_for(cfg, model: nn.Module, data_config: dict[str, Any]) -> nn.Module:
@@ -21,14 +18,6 @@ def detector_for(cfg, model: nn.Module, data_config: dict[str, Any]) -> nn.Modul
     if str(detector_cfg.get("freeze_bn", "auto")) == "auto":
         detector_cfg["freeze_bn"] = bool(cfg.backbone.get("pretrained"))
     return build_detector(model, int(cfg.data.num_classes), detector_cfg, data_config)
-
-
-def detection_stages(cfg, model: nn.Module, data_config: dict[str, Any]):
-    """One stage training the detector with the ``detect`` objective."""
-    from vitexp.methods import Stage
-
-    detector = detector_for(cfg, model, data_config)
-    return [Stage("main", "detect", lambda: detector)]
 
 
 def detection_flops(cfg, detector: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -15,7 +15,8 @@ class Stage:
 
     - ``name``: checkpoints go to ``checkpoints/`` for ``main``, else ``checkpoints/<name>/``.
     - ``model``: called when the stage starts (it may wrap what earlier stages trained).
-    - ``recipe``: keys that replace the run's ``recipe`` for this stage (``epochs``, ``lr``, ...).
+    - ``recipe``: keys that replace the run's ``recipe`` for this stage (``epochs``, ``lr``, ...),
+      merged over it in one place (:func:`vitexp.train.stage_config`).
     - ``metrics_prefix``: the stage is tested and its accuracies are recorded as ``<prefix>top1``
       ...; ``""`` is the run's own top-1; ``None`` means no test.
     - ``deployed``: this stage's trained model is the one FLOPs and throughput measure.
@@ -81,6 +82,10 @@ class Method(abc.ABC):
         """The fits of a run, in order. Default: one stage training ``model`` with ``objective``."""
         return [Stage("main", self.objective, lambda: model, module_kwargs=self.module_kwargs())]
 
+    def deployed_stage(self, model: nn.Module) -> Stage:
+        """The stage whose trained model the run deploys: the last of :meth:`stages` with ``deployed``."""
+        return [s for s in self.stages(model) if s.deployed][-1]
+
     def needs(self) -> dict[str, str]:
         """The earlier runs this run reads: {config key: run id or experiment} (RAPTOR's
         ``method.teacher_probe_run``). The run resolves them through the ledger before any training
@@ -115,11 +120,12 @@ class Method(abc.ABC):
     def rebuild_deployed(self, backbone: nn.Module, record: Mapping[str, Any]) -> nn.Module:
         """The architecture of a completed run's deployed model, for its saved weights
         (``record["artifacts"]["weights"]``, loaded with ``load_state_dict``). ``backbone`` is built
-        from the run's config (``record["config"]``); ``record`` is its ledger entry, whose
-        :meth:`record` keys say what data-dependent choices to repeat (SAPER's ``kept_heads``).
-        Default: ``deploy(apply(backbone, budget))``, right for methods whose architecture does not
-        depend on training."""
-        return self.deploy(self.apply(backbone, record["config"]["budget"]))
+        from the run's config (:meth:`rebuild_overrides` applied) and prepared (:meth:`prepare`);
+        ``record`` is the run's ledger entry, whose :meth:`record` keys say what data-dependent
+        choices to repeat (SAPER's ``kept_heads``). ``vitexp-eval`` always calls it. Default: the
+        deployed stage's model (:meth:`deployed_stage`) of ``apply(backbone, budget)``, as
+        :meth:`deploy` gives it, right for methods whose architecture does not depend on training."""
+        return self.deploy(self.deployed_stage(self.apply(backbone, record["config"]["budget"])).model())
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 
 
 def _batch_size(batch: Any) -> int | None:
-    """Images in a batch: ``(images, labels)`` tensors, or a detector's list of images."""
+    """Images in a batch: ``(images, labels)`` tensors, or ``(images, targets)`` lists of images."""
     first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
     if isinstance(first, torch.Tensor):
         return int(first.shape[0])

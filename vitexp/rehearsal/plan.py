@@ -4,11 +4,10 @@ A row's rehearsal is the row's own job (:func:`vitexp.rows.job_arguments`: its e
 overrides; a seeded row its first seed) followed by :func:`rehearsal_overrides`, computed from the
 row's composed config:
 
-- data: ``data=synthetic`` at the backbone's resolution (the synthetic module takes it from the
-  model's data config) with the row's ``data.num_classes``; a detection row
-  (``objective=detect``) ``data=synthetic_coco`` at ``detector.flops_size`` (1280 × 800 for COCO)
-  with the row's classes. ``steps`` batches per process for training, ``eval_batches`` for
-  validation and for the test;
+- data: synthetic data of the row's shape with the row's ``data.num_classes``, as the row's
+  objective gives it (:meth:`vitexp.objectives.Objective.rehearsal_data`: ``data=synthetic`` at the
+  backbone's resolution for ``auto``). ``steps`` batches per
+  process for training, ``eval_batches`` for validation and for the test;
 - weights: none (``backbone.pretrained=null``; RAPTOR's ``teacher_probe_run``, ``surrogate`` and
   ``probe_head`` null): random initialisation, nothing to download or find;
 - the recipe as the row has it (optimiser, schedule, mixup/cutmix, label smoothing, drop path,
@@ -32,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
+from vitexp.objectives import objective_for
 from vitexp.rows import composed_config, job_arguments, runnable_rows
 
 KIND = "rehearsal"
@@ -90,14 +90,7 @@ def rehearsal_overrides(config: Mapping[str, Any], settings: Settings) -> list[s
            f"trainer.precision={precision}", f"+trainer.max_steps={settings.steps}",
            "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
            "logger=none", "eval.throughput=false", "backbone.pretrained=null", f"recipe.batch_size={batch}"]
-    classes = int(config["data"]["num_classes"])
-    if config.get("objective") == "detect":
-        height, width = (int(v) for v in config["detector"]["flops_size"])
-        out += ["data=synthetic_coco", f"data.num_classes={classes}", f"data.num_train={n_train}",
-                f"data.num_val={n_eval}", f"data.generate={{height:{height},width:{width},max_items:4}}"]
-    else:
-        out += ["data=synthetic", f"data.num_classes={classes}", f"data.num_train={n_train}",
-                f"data.num_val={n_eval}", f"data.num_test={n_eval}"]
+    out += objective_for(config).rehearsal_data(config, n_train, n_eval)
     method = config.get("method") or {}
     out += [f"method.{key}={batch}" for key in _batch_keys(method, "")]
     if method.get("phase_images") is not None:

@@ -18,10 +18,10 @@ Decisions (docs/reading-backbones.md, SHViT):
   the grid restored from the tokens (a gather: every pruned position takes the value of the kept
   token it was fused into, or that token's own when nothing was fused), at full cost; then the kept
   tokens read the convolution's output at their own positions. A pruned position's own value is
-  never used again. The stage hands the next stage's downsampling (and the head, or a detector's
-  FPN) the restored grid.
+  never used again. The stage hands the next stage's downsampling (and the head, or a feature
+  pyramid) the restored grid.
 - **Chunks follow the grid**: the layout is decided from each call's grid. Where it cannot tile
-  the grid (a later stage, or a detection image's grid), the stage attends as one chunk, which is
+  the grid (a later stage, or the grid of an image of another size), the stage attends as one chunk, which is
   SHViT's own global attention.
 - Shared Q/K (``symmetric``) is not implemented for SHSA; the method refuses it on SHViT.
 """
