@@ -17,20 +17,32 @@ CONF = Path(__file__).parents[1] / "conf"
 BEFORE = json.loads((Path(__file__).parent / "fixtures" / "bspf_method_settings.json").read_text())
 
 
-def _overrides(key: str) -> list[str]:
-    """``experiment=x`` or ``backbone=b method=m`` (with the budget that method takes)."""
+def _row_jobs() -> dict[str, list[str]]:
+    """{name: job} of every spec row recorded under a name (the grid rows that replaced experiment files)."""
+    from vitexp import rows, tables
+
+    return {rows.row_name(r): rows.job_arguments(r, seeded=False, weights=False)
+            for spec in tables.all_specs() for r in tables.load_spec(spec)["rows"] if r.get("experiment")}
+
+
+def _overrides(key: str, jobs: dict[str, list[str]]) -> list[str]:
+    """``experiment=x`` (an experiment file, else the job of the spec row recorded as ``x``) or
+    ``backbone=b method=m`` (with the budget that method takes)."""
     if key.startswith("experiment="):
-        return [key]
+        name = key.split("=", 1)[1]
+        return [key] if (CONF / "experiment" / f"{name}.yaml").is_file() else jobs[name]
     backbone, method = key.split()
     return [backbone, method, "budget=keep_ratio" if method == "method=bspf" else "budget=none"]
 
 
 def test_the_snapshot_covers_every_backbone_and_the_experiments_of_its_time():
     """Every non-SHViT backbone × {bspf, chunk} is in the snapshot, and so is every BSPF experiment
-    that existed when it was captured (experiments added since are not in it and need not be)."""
-    experiments = {key for key in BEFORE if key.startswith("experiment=")}
+    that existed when it was captured (experiments added since are not in it and need not be), as an
+    experiment file or as the spec row that replaced it."""
+    experiments = {key.split("=", 1)[1] for key in BEFORE if key.startswith("experiment=")}
     assert len(experiments) >= 40
-    assert all((CONF / "experiment" / f"{key.split('=', 1)[1]}.yaml").is_file() for key in experiments)
+    jobs = _row_jobs()
+    assert all((CONF / "experiment" / f"{name}.yaml").is_file() or name in jobs for name in experiments)
     backbones = {p.stem for p in (CONF / "backbone").glob("*.yaml") if not p.stem.startswith("shvit")}
     assert {f"backbone={b} method={m}" for b in backbones for m in ("bspf", "chunk")} <= set(BEFORE)
 
@@ -39,13 +51,13 @@ def test_every_experiment_composes_to_the_same_method_settings_as_before():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    changed = {}
+    changed, jobs = {}, _row_jobs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # one Hydra for all compositions
         for key, before in BEFORE.items():
             if key.endswith("method=chunk"):  # its one spec key is method=bspf's chunk_size, checked there
                 continue
-            after = OmegaConf.to_container(compose("train", overrides=_overrides(key)).method, resolve=True)
+            after = OmegaConf.to_container(compose("train", overrides=_overrides(key, jobs)).method, resolve=True)
             if after != before:
                 changed[key] = (before, after)
     assert not changed
