@@ -13,9 +13,9 @@ Encoding (decisions):
 - **Filled: vitexp's measured value; hollow: the paper's.** A paper value derived by arithmetic
   is marked † (:data:`vitexp.provenance.DERIVED_MARK`; the footnote under the plot gives its formula).
 - **Error bars:** ±1 sample std over a seeded row's seeds (:mod:`vitexp.aggregate`).
-- **Sweep lines:** rows of one ``series:`` (the spec's), and otherwise rows whose experiment files
-  and overrides differ only in their budget (keep ratio, r, k, blocks: the file's ``budget`` or a
-  ``budget.*`` override) and ``name``: a method's sweep. Solid
+- **Sweep lines:** rows of one ``series:`` (the spec's), and otherwise rows of one base experiment
+  whose overrides differ only in their budget (keep ratio, r, k, blocks: ``budget.*`` overrides) and
+  ``name``: a method's sweep. Solid
   through vitexp's points, dashed through the paper's, sorted by cost.
 - **Cost without accuracy** (a ``vitexp-flops`` row, or a paper that prints only GMACs): the
   row's marker on the cost axis at that cost, filled or hollow as above; an axis with nothing else
@@ -35,13 +35,9 @@ from __future__ import annotations
 import json
 import textwrap
 from collections import Counter
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from vitexp import CONF_DIR
 from vitexp.config import experiment_choices
 from vitexp.provenance import DERIVED_MARK
 from vitexp.rows import row_overrides
@@ -69,38 +65,26 @@ UNKNOWN = "unspecified"
 MAX_TICK_LABELS = 10
 
 
-@lru_cache(maxsize=None)
-def _experiment_file(experiment: str) -> dict[str, Any]:
-    path = CONF_DIR / "experiment" / f"{experiment}.yaml"
-    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
-
-
-def sweep_key(spec_row: dict[str, Any]) -> tuple[str, str] | None:
-    """A row's experiment file and overrides without its ``name`` and budget (the budget choice,
-    ``budget:``, ``budget.*`` overrides), and that budget: rows with equal keys differ only in their
-    budget. ``None`` for a missing file."""
-    cfg = dict(_experiment_file(spec_row["experiment"]))
-    if not cfg:
-        return None
-    cfg.pop("name", None)
-    budget = dict(cfg.pop("budget", None) or {})
-    cfg["defaults"] = [d for d in cfg.get("defaults") or [] if not (isinstance(d, dict) and "override /budget" in d)]
-    others = []
+def sweep_key(spec_row: dict[str, Any]) -> tuple[str, str]:
+    """A row's experiment with its overrides but the budget ones (``budget=``, ``budget.*``), and
+    those budget overrides: rows with equal keys are grid rows of one base that differ only in their
+    budget (keep ratio, r, k, blocks). Experiment files that differed only in budget are such rows
+    (tests/test_spec_rows.py), so no file is read."""
+    others, budget = [], {}
     for override in row_overrides(spec_row):
         key, _, value = override.lstrip("+~").partition("=")
-        if key.startswith("budget."):
-            budget[key[len("budget."):]] = yaml.safe_load(value)
-        elif key != "budget":
+        if key == "budget" or key.startswith("budget."):
+            budget[key] = value
+        else:
             others.append(override)
-    cfg["overrides"] = sorted(others)
-    return json.dumps(cfg, sort_keys=True, default=str), json.dumps(budget, sort_keys=True, default=str)
+    return json.dumps([spec_row["experiment"], sorted(others)]), json.dumps(budget, sort_keys=True)
 
 
 def row_identity(spec_row: dict[str, Any]) -> dict[str, str]:
     """A spec row's family, backbone and dataset: the row's own keys, else its experiment's choices."""
     experiment = spec_row.get("experiment")
-    choices = dict(experiment_choices(experiment)) if experiment and _experiment_file(experiment) else {}
-    selection = ((_experiment_file(experiment) if experiment else {}).get("method") or {}).get("selection")
+    choices = dict(experiment_choices(experiment)) if experiment else {}
+    selection = None  # set by a row's override (no experiment file sets method.selection)
     for override in row_overrides(spec_row):  # a row's overrides change its experiment's choices
         key, _, value = override.lstrip("+~").partition("=")
         if "." not in key:
