@@ -58,6 +58,17 @@ def test_a_rows_rehearsal_is_the_row_on_synthetic_data_of_its_size_with_its_reci
         Settings(steps=1)
 
 
+def test_a_rows_real_data_options_stay_out_of_its_rehearsal():
+    """fmnist_recipe's augmentation row sets data.augment, an option of Fashion-MNIST that the
+    rehearsal's synthetic data does not have: the rehearsal leaves it out and composes."""
+    from vitexp.config import compose
+
+    row = _row("fmnist_recipe", "fmnist_vit_micro_baseline_augment")
+    (job,) = rehearsal_jobs(_spec(row), Settings(batch=2, steps=2))
+    assert job.config["data"]["augment"] is True and "data.augment" not in _overrides(job)
+    assert compose(list(job.arguments)).data.name == "synthetic"
+
+
 def test_a_rehearsal_never_fills_a_table_cell(results_dir):
     """Even under the row's own name and with the row's own configuration, a rehearsal is not a run of the row."""
     from vitexp.ledger import Ledger

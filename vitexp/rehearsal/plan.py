@@ -6,7 +6,8 @@ row's composed config:
 
 - data: synthetic data of the row's shape with the row's ``data.num_classes``, as the row's
   objective gives it (:meth:`vitexp.objectives.Objective.rehearsal_data`: ``data=synthetic`` at the
-  backbone's resolution for ``auto``). ``steps`` batches per
+  backbone's resolution for ``auto``; the row's own ``data.*`` overrides, options of its real data
+  such as ``data.augment``, are left out). ``steps`` batches per
   process for training, ``eval_batches`` for validation and for the test;
 - weights: none (``backbone.pretrained=null``; RAPTOR's ``teacher_probe_run``, ``surrogate`` and
   ``probe_head`` null): random initialisation, nothing to download or find;
@@ -111,7 +112,9 @@ def rehearsal_jobs(spec: Mapping[str, Any], settings: Settings, overrides: list[
         if config is None:
             jobs.append(Job(row["label"], f"{name}{SUFFIX}", base, None))
             continue
-        arguments = [*base, *rehearsal_overrides(config, settings), f"name='{name}{SUFFIX}'", *overrides]
+        # the row's data.* options belong to its real data: the rehearsal's synthetic data has its own
+        own = [a for a in base if not a.lstrip("+~").startswith("data.")]
+        arguments = [*own, *rehearsal_overrides(config, settings), f"name='{name}{SUFFIX}'", *overrides]
         jobs.append(Job(row["label"], f"{name}{SUFFIX}", arguments, config))
     return [j if j.config is not None else Job(j.label, j.name, j.arguments, None, _why(j.arguments)) for j in jobs]
 
