@@ -102,8 +102,9 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
             if claim["a"] not in rows or claim["b"] not in rows:
                 cells.append({"protocol": proto["label"], "text": "not in this protocol", "sign": None})
                 continue
-            diff = paired_difference(_seeds(filled, rows[claim["a"]], key), _seeds(filled, rows[claim["b"]], key))
-            pairs = [_seeds(filled, rows[claim["a"]], key)[s] - _seeds(filled, rows[claim["b"]], key)[s] for s in diff["seeds"]]
+            a, b = _seeds(filled, rows[claim["a"]], key), _seeds(filled, rows[claim["b"]], key)
+            diff = paired_difference(a, b)
+            pairs = [a[s] - b[s] for s in diff["seeds"]]
             text = format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run"
             cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs), **diff})
         judged = [(c["protocol"], c["sign"]) for c in cells if c["sign"] is not None]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         if cost is not None:
             written[spec["name"]]["cost"] = str(cost)
             print(cost.read_text())
+    @lru_cache(maxsize=None)  # a table two verdicts read is filled once
     def filled(table: str) -> list[dict]:  # a verdict's table, filled as the tables are (vitexp.protocols)
         spec = load_spec(table)
         skip = [str(b) for b in ledger.broken_for(table_names(spec))] if args.skip_broken else []
