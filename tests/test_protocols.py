@@ -33,6 +33,26 @@ def test_the_sign_rule_and_a_verdict_only_where_the_protocols_agree():
     assert claim["verdict"] == "holds under every measured protocol (2 of 3 protocols measured)"
 
 
+def _run(run_id: str, fit: float, start: str | None = None) -> dict:
+    return {"run_id": run_id, "experiment": run_id, "kind": "train", "status": "completed",
+            "config": {"name": run_id, "backbone": {"pretrained": f"run:{start}" if start else None}},
+            "metrics": {"fit_time_s": fit}, "started": "2026-12-01T00:00:00+00:00"}
+
+
+def test_a_protocols_cost_sums_its_runs_and_their_starts_once():
+    ledger = Ledger([_run("s", 3600.0), _run("a0", 360.0, "s"), _run("a1", 720.0, "s"), _run("b0", 1800.0, "s"),
+                     _run("x", 7200.0)])
+    cells = {"t1": [{"experiment": "full", "cells": {"top1": {"run_ids": ["a0", "a1"]}}},
+                    {"experiment": "m", "cells": {"top1": {"run_ids": ["b0"]}}}],
+             "t2": [{"experiment": "full", "cells": {"top1": {}}}, {"experiment": "m", "cells": {"top1": {}}}],
+             "t3": [{"experiment": "full", "cells": {"top1": {"run_ids": ["x"]}}},
+                    {"experiment": "m", "cells": {"top1": {"run_ids": []}}}]}
+    costs = protocols.cost(SPEC, cells.__getitem__, ledger)
+    assert [(c["runs"], c["hours"]) for c in costs] == [(["a0", "a1", "b0", "s"], 1.8), ([], 0.0), (["x"], 2.0)]
+    text = protocols.render(SPEC, protocols.evaluate(SPEC, lambda t: [_row("full", {}), _row("m", {})]), costs)
+    assert "| Cost: training time, CPU-hours (one thread per run) | 1.80 h (4 runs) | not run | 2.00 h (1 run) | 3.80 h in all |" in text
+
+
 def test_a_reference_to_a_row_the_table_lacks_is_an_error():
     with pytest.raises(ValueError, match="t1:m: table t1 has no row recorded as 'm'"):
         protocols.evaluate(SPEC, lambda t: [_row("full", {0: 1.0})])
@@ -46,5 +66,6 @@ def test_every_verdict_names_rows_of_its_tables_and_regenerates_its_committed_ta
             table, row = ref.split(":")
             assert row in {r.get("name") or r["experiment"] for r in tables.load_spec(table)["rows"] if r.get("experiment")}, ref
     ledger = Ledger.load(PROJECT_ROOT / "results")
-    text = protocols.render(spec, protocols.evaluate(spec, lambda t: tables.fill(tables.load_spec(t), ledger)))
+    fill = lambda t: tables.fill(tables.load_spec(t), ledger)  # noqa: E731
+    text = protocols.render(spec, protocols.evaluate(spec, fill), protocols.cost(spec, fill, ledger))
     assert text == (PROJECT_ROOT / "results" / "tables" / f"{name}.md").read_text()

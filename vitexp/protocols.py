@@ -12,6 +12,10 @@ Decisions:
 - A claim's verdict is given only where the measured protocols agree ("holds under all N measured
   protocols", "fails under all N"); where they disagree the verdict names which protocol says what;
   protocols not run are counted ("k of M protocols measured"), so a verdict never speaks for them.
+- A protocol's cost is the training time of every run its cells use plus the runs whose weights
+  those loaded (``backbone.pretrained=run:``, followed back to a run that loaded none), each counted
+  once: the ledger's ``fit_time_s`` (training only, test excluded) summed and shown in hours, on the
+  one CPU thread each run had.
 """
 from __future__ import annotations
 
@@ -52,12 +56,16 @@ def tables_of(spec: dict[str, Any]) -> list[str]:
     return sorted({ref.split(":")[0] for p in spec["protocols"] for ref in p["rows"].values()})
 
 
-def _seeds(filled: dict[str, list[dict[str, Any]]], ref: str, key: str) -> dict[int, float] | None:
+def _cell(fill: Callable[[str], list[dict[str, Any]]], ref: str, key: str) -> dict[str, Any]:
     table, row = ref.split(":")
-    match = [r for r in filled[table] if r.get("experiment") == row]
+    match = [r for r in fill(table) if r.get("experiment") == row]
     if not match:
         raise ValueError(f"{ref}: table {table} has no row recorded as {row!r}")
-    return match[0]["cells"][key].get("seeds") or {}
+    return match[0]["cells"][key]
+
+
+def _seeds(fill: Callable[[str], list[dict[str, Any]]], ref: str, key: str) -> dict[int, float]:
+    return _cell(fill, ref, key).get("seeds") or {}
 
 
 def sign(pairs: list[float]) -> str:
@@ -89,10 +97,30 @@ def verdict(signs: list[tuple[str, str]]) -> str:
     return f"protocols disagree: {'; '.join(parts)} ({of})"
 
 
+def cost(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], ledger: Any) -> list[dict[str, Any]]:
+    """Per protocol: ``runs`` (the cells' runs and their starts, each once) and ``hours`` (their
+    ``fit_time_s`` summed; module docstring); ``ledger`` is a :class:`vitexp.ledger.Ledger`."""
+    key, out = spec.get("key", "top1"), []
+    for proto in spec["protocols"]:
+        seen: dict[str, float] = {}
+        todo = [rid for ref in proto["rows"].values() for rid in _cell(fill, ref, key).get("run_ids") or []]
+        while todo:
+            run = ledger.get(todo.pop())
+            if run is None or run["run_id"] in seen:
+                continue
+            seen[run["run_id"]] = float((run.get("metrics") or {}).get("fit_time_s") or 0.0)
+            start = ledger.start_of(run)
+            if start:
+                todo.append(start)
+        out.append({"protocol": proto["label"], "runs": sorted(seen), "hours": sum(seen.values()) / 3600})
+    return out
+
+
 def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Each claim with its cell per protocol (``text``, ``sign``, the difference's stats) and verdict;
     ``fill(table)`` gives a table's filled rows (:func:`vitexp.tables.fill`)."""
     filled = {t: fill(t) for t in tables_of(spec)}
+    fill = filled.__getitem__
     key, digits = spec.get("key", "top1"), int(spec.get("digits", 2))
     out = []
     for claim in spec["claims"]:
@@ -102,7 +130,7 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
             if claim["a"] not in rows or claim["b"] not in rows:
                 cells.append({"protocol": proto["label"], "text": "not in this protocol", "sign": None})
                 continue
-            a, b = _seeds(filled, rows[claim["a"]], key), _seeds(filled, rows[claim["b"]], key)
+            a, b = _seeds(fill, rows[claim["a"]], key), _seeds(fill, rows[claim["b"]], key)
             diff = paired_difference(a, b)
             pairs = [a[s] - b[s] for s in diff["seeds"]]
             text = format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run"
@@ -112,17 +140,25 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
     return out
 
 
-def render(spec: dict[str, Any], claims: list[dict[str, Any]]) -> str:
-    """The markdown table: a row per claim, a column per protocol, then the verdict."""
+def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[str, Any]] | None = None) -> str:
+    """The markdown table: a row per claim, a column per protocol, then the verdict; with ``costs``
+    (:func:`cost`) a last row of training hours per protocol."""
     head = ["Claim (a − b)"] + [p["label"] for p in spec["protocols"]] + ["Verdict"]
     lines = [f"# {spec['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in claims:
         cells = [f"{x['text']} ({x['sign']})" if x["sign"] not in (None, "not run") else x["text"] for x in c["cells"]]
         lines.append("| " + " | ".join([c["claim"]] + cells + [c["verdict"]]) + " |")
+    if costs is not None:
+        hours = [f"{c['hours']:.2f} h ({len(c['runs'])} run{'s' if len(c['runs']) > 1 else ''})" if c["runs"] else "not run" for c in costs]
+        lines.append("| Cost: training time, CPU-hours (one thread per run) | " + " | ".join(hours) + " | "
+                     f"{sum(c['hours'] for c in costs):.2f} h in all |")
     lines += ["", "Cells: the paired difference of " + spec.get("unit", "top-1 (%)") + ", a − b, over the seeds "
               "both rows completed, mean ± sample std (n pairs). supports: every pair above 0; contradicts: every "
               "pair below 0; undecided: pairs of both signs (vitexp/protocols.py). A verdict is given only where "
               "the measured protocols agree."]
+    if costs is not None:
+        lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) summed over the runs in the cells and "
+                  "the runs whose weights they loaded (a shared start counted once), in hours."]
     lines += ["", "Protocols (rows from the tables named):", ""]
     lines += [f"- **{p['label']}**: " + ", ".join(f"{role} = `{ref}`" for role, ref in p["rows"].items())
               for p in spec["protocols"]]
@@ -131,12 +167,13 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]]) -> str:
 
 
 def write(names: Iterable[str], fill: Callable[[str], list[dict[str, Any]]], out_dir: Path,
-          writer: Callable[[Path, str], Any]) -> dict[str, dict[str, str]]:
-    """Write ``<out_dir>/<name>.md`` for each verdict file; ``{name: {"md": path}}``."""
+          writer: Callable[[Path, str], Any], ledger: Any) -> dict[str, dict[str, str]]:
+    """Write ``<out_dir>/<name>.md`` for each verdict file (with its cost row from ``ledger``);
+    ``{name: {"md": path}}``."""
     written = {}
     for name in names:
         spec = load(name)
         path = Path(out_dir) / f"{name}.md"
-        writer(path, render(spec, evaluate(spec, fill)))
+        writer(path, render(spec, evaluate(spec, fill), cost(spec, fill, ledger)))
         written[name] = {"md": str(path)}
     return written

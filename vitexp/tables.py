@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         skip = [str(b) for b in ledger.broken_for(table_names(spec))] if args.skip_broken else []
         return fill({**spec, "skipped_broken": skip}, ledger, overrides)
 
-    written.update(protocols.write(verdicts, filled, out_dir, atomic_write))
+    written.update(protocols.write(verdicts, filled, out_dir, atomic_write, ledger))
     for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
         shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
                                for run_id, keys in sorted(runs.items()))
