@@ -4,6 +4,7 @@ experiment and every backbone composes to the method settings it had when the de
 of the backbone configs (``fixtures/bspf_method_settings.json``, captured from that code)."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -17,20 +18,21 @@ CONF = Path(__file__).parents[1] / "conf"
 BEFORE = json.loads((Path(__file__).parent / "fixtures" / "bspf_method_settings.json").read_text())
 
 
-def _row_jobs() -> dict[str, list[str]]:
-    """{name: job} of every spec row recorded under a name (the grid rows that replaced experiment files)."""
+@functools.lru_cache(maxsize=None)
+def _row_job(name: str) -> list[str] | None:
+    """The job of the spec row recorded as ``name`` (the grid rows that replaced experiment files)."""
     from vitexp import rows, tables
 
-    return {rows.row_name(r): rows.job_arguments(r, seeded=False, weights=False)
-            for spec in tables.all_specs() for r in tables.load_spec(spec)["rows"] if r.get("experiment")}
+    row = tables.row_by_name(name)
+    return None if row is None else rows.job_arguments(row, seeded=False, weights=False)
 
 
-def _overrides(key: str, jobs: dict[str, list[str]]) -> list[str]:
+def _overrides(key: str) -> list[str]:
     """``experiment=x`` (an experiment file, else the job of the spec row recorded as ``x``) or
     ``backbone=b method=m`` (with the budget that method takes)."""
     if key.startswith("experiment="):
         name = key.split("=", 1)[1]
-        return [key] if (CONF / "experiment" / f"{name}.yaml").is_file() else jobs[name]
+        return [key] if (CONF / "experiment" / f"{name}.yaml").is_file() else _row_job(name)
     backbone, method = key.split()
     return [backbone, method, "budget=keep_ratio" if method == "method=bspf" else "budget=none"]
 
@@ -41,8 +43,7 @@ def test_the_snapshot_covers_every_backbone_and_the_experiments_of_its_time():
     experiment file or as the spec row that replaced it."""
     experiments = {key.split("=", 1)[1] for key in BEFORE if key.startswith("experiment=")}
     assert len(experiments) >= 40
-    jobs = _row_jobs()
-    assert all((CONF / "experiment" / f"{name}.yaml").is_file() or name in jobs for name in experiments)
+    assert all((CONF / "experiment" / f"{name}.yaml").is_file() or _row_job(name) for name in experiments)
     backbones = {p.stem for p in (CONF / "backbone").glob("*.yaml") if not p.stem.startswith("shvit")}
     assert {f"backbone={b} method={m}" for b in backbones for m in ("bspf", "chunk")} <= set(BEFORE)
 
@@ -51,13 +52,13 @@ def test_every_experiment_composes_to_the_same_method_settings_as_before():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    changed, jobs = {}, _row_jobs()
+    changed = {}
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # one Hydra for all compositions
         for key, before in BEFORE.items():
             if key.endswith("method=chunk"):  # its one spec key is method=bspf's chunk_size, checked there
                 continue
-            after = OmegaConf.to_container(compose("train", overrides=_overrides(key, jobs)).method, resolve=True)
+            after = OmegaConf.to_container(compose("train", overrides=_overrides(key)).method, resolve=True)
             if after != before:
                 changed[key] = (before, after)
     assert not changed

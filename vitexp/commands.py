@@ -222,13 +222,12 @@ def _compose_experiment(name: str) -> DictConfig:
 
 def _row_job(name: str) -> list[str]:
     """The job of the table row recorded under ``name`` (unseeded, no weights: a timing needs none)."""
-    from vitexp.rows import job_arguments, row_name
-    from vitexp.tables import all_specs, load_spec
+    from vitexp.rows import job_arguments
+    from vitexp.tables import row_by_name
 
-    for spec in all_specs():
-        for row in load_spec(spec)["rows"]:
-            if row.get("experiment") and row_name(row) == name:
-                return job_arguments(row, seeded=False, weights=False)
+    row = row_by_name(name)
+    if row is not None:
+        return job_arguments(row, seeded=False, weights=False)
     raise ConfigError(f"bench.compare: {name!r} is neither an experiment (conf/experiment/{name}.yaml) nor the "
                       f"name of a table row (sweeps/*.yaml)")
 

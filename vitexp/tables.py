@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import sys
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -86,6 +85,16 @@ def load_spec(table: str | Path) -> dict[str, Any]:
 
 def all_specs() -> list[str]:
     return sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
+
+
+def row_by_name(name: str) -> dict[str, Any] | None:
+    """The first table row (specs in name order, grids expanded) that runs an experiment and is
+    recorded under ``name`` (:func:`vitexp.rows.row_name`); ``None`` when no spec has one."""
+    for table in all_specs():
+        for row in load_spec(table)["rows"]:
+            if row.get("experiment") and row_name(row) == name:
+                return row
+    return None
 
 
 def wandb_runs(path: str) -> list[dict[str, Any]]:
@@ -265,22 +274,24 @@ def main(argv: list[str] | None = None) -> int:
         return _closing("failed", f"{LedgerError([b for bs in skipped.values() for b in bs], ledger.source)}; "
                         f"tables not written: {sorted(n for n, bs in skipped.items() if bs)} (fix or remove the "
                         f"file{'s' if len(refused) > 1 else ''}, or pass --skip-broken to leave them out)", 1)
+    cache: dict[str, list[dict]] = {}
+
+    def filled_spec(spec: dict[str, Any]) -> list[dict]:  # each table filled once: its files, verdicts, the page
+        if spec["name"] not in cache:
+            skip = [str(b) for b in ledger.broken_for(table_names(spec))] if args.skip_broken else []
+            cache[spec["name"]] = fill({**spec, "skipped_broken": skip}, ledger, overrides)
+        return cache[spec["name"]]
+
     written = {}
     for spec in specs:
         spec = {**spec, "skipped_broken": [str(b) for b in skipped[spec["name"]]]}
-        written[spec["name"]] = write_table(spec, ledger, out_dir, overrides)
+        written[spec["name"]] = _write(spec, filled_spec(spec), out_dir)
         print(Path(written[spec["name"]]["md"]).read_text())
         cost = write_cost(spec, ledger, out_dir)  # GPU-hours from the rows' rehearsals (vitexp.cost)
         if cost is not None:
             written[spec["name"]]["cost"] = str(cost)
             print(cost.read_text())
-    @lru_cache(maxsize=None)  # a table two verdicts read is filled once
-    def filled(table: str) -> list[dict]:  # a verdict's table, filled as the tables are (vitexp.protocols)
-        spec = load_spec(table)
-        skip = [str(b) for b in ledger.broken_for(table_names(spec))] if args.skip_broken else []
-        return fill({**spec, "skipped_broken": skip}, ledger, overrides)
-
-    written.update(protocols.write(verdicts, filled, out_dir, atomic_write, ledger))
+    written.update(protocols.write(verdicts, lambda table: filled_spec(load_spec(table)), out_dir, atomic_write, ledger))
     for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
         shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
                                for run_id, keys in sorted(runs.items()))
@@ -288,9 +299,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{shown_runs}", file=sys.stderr)
     page = args.results_page or results_page.default_page(results_dir, out_dir, bool(args.ledger or args.wandb or overrides))
     if page:  # every spec's verdict, filled from the same ledger (vitexp.results_page)
-        results_page.write([load_spec(n) for n in all_specs()], lambda s: fill(
-            {**s, "skipped_broken": [str(b) for b in ledger.broken_for(table_names(s))]}, ledger, overrides), page, atomic_write,
-            out_dir)
+        results_page.write([load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir)
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
     logs = args.log_wandb is not None or bool(args.wandb)
