@@ -174,3 +174,10 @@ def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(mak
     monkeypatch.setattr(vitexp.ledger.Ledger, "load", lambda *a, **k: scans.append(1) or original(*a, **k))
     build_configured_backbone(cfg)
     assert scans == []
+
+
+def test_an_error_texts_absolute_paths_become_portable_and_a_placeholder_path_stays(tmp_path):
+    from vitexp.ledger import portable_text
+
+    text = portable_text(f"no file {tmp_path}/x.pth; `wandb sync <run dir>/wandb/offline-run-*`", tmp_path)
+    assert text == "no file x.pth; `wandb sync <run dir>/wandb/offline-run-*`"

@@ -56,8 +56,8 @@ def ledger(results_dir):
 
 def test_cited_runs_are_the_tables_newest_per_seed_once_each(ledger, results_dir):
     cited = recheck.cited_runs(SPEC, results_dir)
-    assert [(c["row"], c["seed"], c["top1"]) for c in cited] == [
-        ("pre", None, 88.0), ("base", 0, 90.0), ("base", 1, 91.0), ("meth", 0, 86.0)]
+    assert [(c["row"], c["seed"], c["metrics"]) for c in cited] == [
+        ("pre", None, {"top1": 88.0}), ("base", 0, {"top1": 90.0}), ("base", 1, {"top1": 91.0}), ("meth", 0, {"top1": 86.0})]
     assert cited[-1]["run_id"] == ledger[("meth", 0)]
 
 
@@ -81,7 +81,7 @@ def test_agreeing_disagreeing_already_evaluated_and_failed_runs(ledger, results_
     assert result["disagree"] == [ledger[("meth", 0)]]  # 85.5 vs 86.0: the rebuilt model is another one
     assert result["not_evaluated"] == []
     meth = result["runs"][-1]
-    assert meth["diff"] == pytest.approx(-0.5) and meth["agrees"] is False
+    assert meth["diff"] == {"top1": pytest.approx(-0.5)} and meth["agrees"] is False
     assert "DISAGREES" in recheck.report_lines(result)[-1]
 
     calls.clear()
@@ -102,12 +102,28 @@ def test_one_image_of_ten_thousand_agrees_two_do_not(results_dir, reevaluated, a
     assert result["disagree"] == ([] if agrees else [run_id])
 
 
-def test_a_detector_run_is_not_checkable(results_dir):
+def _detector_eval(results_dir, run_id, ap_box, ap_mask):
+    trained = next(r for r in iter_runs(results_dir) if r["run_id"] == run_id)
+    entry = LedgerEntry(trained["experiment"], "eval", trained["config"], results_dir).start()
+    entry.record["evaluates"] = run_id
+    entry.finish({"ap_box": ap_box, "ap_mask": ap_mask, "top1": 0.0})
+
+
+@pytest.mark.parametrize("ap_mask, agrees", [(25.0, True), (25.02, False)])
+def test_a_detector_run_is_checked_on_both_aps(results_dir, ap_mask, agrees):
     spec = {**SPEC, "rows": [{"label": "Detector", "experiment": "det"}]}
-    entry = LedgerEntry("det+seed=0", "train", {"seed": 0}, results_dir).start()
-    entry.finish({"ap_box": 30.0})
-    result = recheck.recheck(spec, results_dir, lambda rid: pytest.fail("nothing to evaluate"))
-    assert result["runs"] == [] and result["not_checkable"] == [entry.record["run_id"]]
+    entry = LedgerEntry("det+seed=0", "train", {"seed": 0, "objective": "detect"}, results_dir).start()
+    entry.finish({"ap_box": 30.0, "ap_mask": 25.0})
+    no_aps = LedgerEntry("det+seed=1", "train", {"seed": 1, "objective": "detect"}, results_dir).start()
+    no_aps.finish({"top1": 50.0})  # recorded no AP: nothing to compare
+    run_id = entry.record["run_id"]
+    result = recheck.recheck(spec, results_dir, lambda rid: _detector_eval(results_dir, rid, 30.0, ap_mask) or 0)
+    (row,) = result["runs"]
+    assert row["run_id"] == run_id and row["metrics"] == {"ap_box": 30.0, "ap_mask": 25.0}
+    assert row["eval_metrics"] == {"ap_box": 30.0, "ap_mask": ap_mask} and row["agrees"] is agrees
+    assert result["disagree"] == ([] if agrees else [run_id])
+    assert result["not_checkable"] == [no_aps.record["run_id"]]
+    assert "ap_mask 25.00 % in the ledger" in recheck.report_lines(result)[-1]
 
 
 def test_cli_runs_vitexp_eval_per_run_and_fails_on_a_disagreement(ledger, results_dir, tmp_path, monkeypatch, capsys):

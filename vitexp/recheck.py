@@ -1,20 +1,21 @@
 """``vitexp-sweep TABLE --kind eval``: re-evaluate the weights behind every accuracy cell of a table.
 
-The runs a table cites for a training row's top-1 are the ones :func:`vitexp.tables.fill` reads: per
-seed, the newest completed ``train`` run with a ``top1`` (an unseeded row: the newest completed one
-under the row's name). Each is rebuilt and tested by ``vitexp-eval <run_id>`` (a ledger entry of kind
-``eval`` that ``evaluates`` it, recorded under the run's name; tables never read eval entries); a run
-that already has a completed ``eval`` entry is not evaluated again unless ``--force``. The summary
-pairs each run's ledger ``top1`` with the re-evaluated one. A training run of the table without a
-``top1`` (an objective whose headline is another metric, ``ap_box``) is listed as not checkable here:
-``vitexp-eval <run_id>`` re-evaluates it on its own.
+A run is checked on its objective's headline metrics (:attr:`vitexp.objectives.Objective.headline`:
+``top1`` for a classifier, ``ap_box`` and ``ap_mask`` for the COCO objective). The runs a table cites for a
+training row are the ones :func:`vitexp.tables.fill` reads: per seed, the newest completed ``train``
+run with the first headline metric (an unseeded row: the newest completed one under the row's name).
+Each is rebuilt and tested by ``vitexp-eval <run_id>`` (a ledger entry of kind ``eval`` that
+``evaluates`` it, recorded under the run's name; tables never read eval entries); a run that already
+has a completed ``eval`` entry is not evaluated again unless ``--force``. The summary pairs each
+run's ledger values with the re-evaluated ones. A training run without its headline metrics (a run
+that recorded none) is listed as not checkable.
 
-Decision: a re-evaluation *agrees* when ``|top1_eval - top1_train| <= tolerance`` points (plus 1e-6
-for the float32 percentages). The default tolerance is 0.01 points, one image of Fashion-MNIST's
-10,000 test images; the same weights on the same kind of device give the same logits, so any larger
-difference means the rebuilt model is not the one that was trained (wrong heads deployed, a pruning
-step missing, other weights loaded). A run trained on a GPU under bf16 and re-evaluated on a CPU may
-differ by more: pass ``--tolerance``.
+Decision: a re-evaluation *agrees* when every headline metric satisfies ``|eval - train| <= tolerance``
+points (plus 1e-6 for the float32 percentages). The default tolerance is 0.01 points, one image of
+Fashion-MNIST's 10,000 test images; the same weights on the same kind of device give the same
+outputs, so any larger difference means the rebuilt model is not the one that was trained (wrong
+heads deployed, a pruning step missing, other weights loaded). A run trained on a GPU under bf16 and
+re-evaluated on a CPU may differ by more: pass ``--tolerance``.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Any, Callable
 
 from vitexp.aggregate import per_seed_values
 from vitexp.ledger import Ledger
+from vitexp.objectives import objective_for
 from vitexp.rows import composing, expand_rows, row_query
 
 #: points of top-1; one image of a 10,000-image test set
@@ -50,28 +52,45 @@ def _row_runs(spec: dict[str, Any], ledger: Ledger) -> list[tuple[str, dict[Any,
     return out
 
 
+def headline(run: dict[str, Any]) -> tuple[str, ...]:
+    """The metrics ``run`` is checked on: its objective's headline (``top1``; ``ap_box``, ``ap_mask``)."""
+    return tuple(objective_for(run.get("config") or {}).headline)
+
+
+def _values(run: dict[str, Any] | None, keys: tuple[str, ...]) -> dict[str, float] | None:
+    """{key: value} of ``run``'s metrics, ``None`` unless it recorded every one of ``keys``."""
+    metrics = (run or {}).get("metrics") or {}
+    out = {k: metrics.get(k) for k in keys}
+    if run is None or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in out.values()):
+        return None
+    return {k: float(v) for k, v in out.items()}
+
+
 def not_checkable(spec: dict[str, Any], results_dir: Path, ledger: Ledger | None = None) -> list[str]:
-    """Completed training runs of the spec's training rows that record no ``top1`` (``ap_box`` rows)."""
+    """Completed training runs of the spec's training rows without their headline metrics."""
     found = [r["run_id"] for _, by_seed in _row_runs(spec, ledger or Ledger.load(results_dir))
-             for rs in by_seed.values() for r in rs if _top1(r) is None]
+             for rs in by_seed.values() for r in rs if _values(r, headline(r)) is None]
     return list(dict.fromkeys(found))
 
 
 def cited_runs(spec: dict[str, Any], results_dir: Path, ledger: Ledger | None = None) -> list[dict[str, Any]]:
-    """[{"row": name, "seed": seed or None, "run_id": id, "top1": ledger top1}] for every training row
-    of the spec, in row order; rows and seeds without a completed run are left out."""
+    """[{"row": name, "seed": seed or None, "run_id": id, "metrics": {headline metric: ledger value}}]
+    for every training row of the spec, in row order; rows and seeds without a completed run with
+    its headline metrics are left out."""
     out: list[dict[str, Any]] = []
     for name, by_seed in _row_runs(spec, ledger or Ledger.load(results_dir)):
-        picked = [(s, v, rid) for s, (v, rid) in per_seed_values(by_seed, "top1").items()]  # newest per seed
-        for seed, top1, run_id in sorted(picked, key=lambda p: (p[0] is not None, p[0] or 0)):
+        picked = []
+        for seed, runs in by_seed.items():
+            keys = headline(runs[-1]) if runs else ()
+            newest = per_seed_values({seed: runs}, keys[0]).get(seed) if keys else None
+            run = next((r for r in runs if newest and r["run_id"] == newest[1]), None)
+            values = _values(run, keys)
+            if values is not None:
+                picked.append((seed, values, run["run_id"]))
+        for seed, values, run_id in sorted(picked, key=lambda p: (p[0] is not None, p[0] or 0)):
             if not any(c["run_id"] == run_id for c in out):  # a row shared by two labels is evaluated once
-                out.append({"row": name, "seed": seed, "run_id": run_id, "top1": top1})
+                out.append({"row": name, "seed": seed, "run_id": run_id, "metrics": values})
     return out
-
-
-def _top1(run: dict[str, Any]) -> float | None:
-    v = (run.get("metrics") or {}).get("top1")
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def evaluations(results_dir: Path, before: set[str] = frozenset(), ledger: Ledger | None = None) -> dict[str, dict[str, Any]]:
@@ -89,9 +108,10 @@ def to_evaluate(spec: dict[str, Any], results_dir: Path, force: bool = False) ->
 def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], int], force: bool = False,
             tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
     """Evaluate (``evaluate(run_id)`` -> return code) every cited run without a completed eval entry
-    (every one with ``force``), then compare: {"runs": [{row, seed, run_id, top1, eval_top1, diff,
-    eval_run_id, evaluated_now, agrees}], "disagree": [run_ids], "not_evaluated": [run_ids whose
-    evaluation failed], "not_checkable": [run_ids without a top1]}."""
+    (every one with ``force``), then compare: {"runs": [{row, seed, run_id, metrics, eval_metrics,
+    diff: {metric: eval - ledger}, eval_run_id, evaluated_now, agrees}], "disagree": [run_ids],
+    "not_evaluated": [run_ids whose evaluation failed or recorded no headline], "not_checkable":
+    [run_ids without their headline metrics]}."""
     ledger = Ledger.load(results_dir)
     ledger.check(n for n, _ in _row_runs(spec, ledger))
     cited = cited_runs(spec, results_dir, ledger)
@@ -106,29 +126,31 @@ def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], i
     rows, disagree, missing = [], [], []
     for c in cited:
         entry = done.get(c["run_id"])
-        top1 = _top1(entry) if entry and c["run_id"] not in failed else None
-        if top1 is None:
+        values = _values(entry, tuple(c["metrics"])) if c["run_id"] not in failed else None
+        if values is None:
             missing.append(c["run_id"])
-            rows.append({**c, "eval_top1": None, "diff": None, "eval_run_id": None, "agrees": None})
+            rows.append({**c, "eval_metrics": None, "diff": None, "eval_run_id": None, "agrees": None})
             continue
-        diff = top1 - c["top1"]
-        agrees = abs(diff) <= tolerance + FLOAT_SLACK
+        diff = {k: values[k] - v for k, v in c["metrics"].items()}
+        agrees = all(abs(d) <= tolerance + FLOAT_SLACK for d in diff.values())
         if not agrees:
             disagree.append(c["run_id"])
-        rows.append({**c, "eval_top1": top1, "diff": diff, "eval_run_id": entry["run_id"], "agrees": agrees})
+        rows.append({**c, "eval_metrics": values, "diff": diff, "eval_run_id": entry["run_id"], "agrees": agrees})
     return {"runs": rows, "disagree": disagree, "not_evaluated": missing, "tolerance": tolerance,
             "not_checkable": not_checkable(spec, results_dir, ledger)}
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
-    """One line per cited run: ledger top-1, re-evaluated top-1 and their difference."""
-    lines = [f"{run_id}: no top1 to compare (vitexp-eval {run_id} re-evaluates its own metrics)" for run_id in result["not_checkable"]]
+    """One line per cited run: each headline metric in the ledger, re-evaluated, and their difference."""
+    lines = [f"{run_id}: no headline metric recorded, nothing to compare" for run_id in result["not_checkable"]]
     for r in result["runs"]:
         seed = "" if r["seed"] is None else f" seed {r['seed']}"
-        if r["eval_top1"] is None:
-            lines.append(f"{r['row']}{seed}: {r['top1']:.2f} % in the ledger; not re-evaluated (vitexp-eval failed)")
+        ledger_text = ", ".join(f"{k} {v:.2f} %" for k, v in r["metrics"].items())
+        if r["eval_metrics"] is None:
+            lines.append(f"{r['row']}{seed}: {ledger_text} in the ledger; not re-evaluated (vitexp-eval failed)")
             continue
         verdict = "agrees" if r["agrees"] else f"DISAGREES (tolerance {result['tolerance']} points)"
-        lines.append(f"{r['row']}{seed}: {r['top1']:.2f} % in the ledger, {r['eval_top1']:.2f} % re-evaluated "
-                     f"({r['diff']:+.3f}; {verdict}; {r['run_id']})")
+        pairs = "; ".join(f"{k} {v:.2f} % in the ledger, {r['eval_metrics'][k]:.2f} % re-evaluated ({r['diff'][k]:+.3f})"
+                          for k, v in r["metrics"].items())
+        lines.append(f"{r['row']}{seed}: {pairs}; {verdict}; {r['run_id']}")
     return lines

@@ -115,8 +115,9 @@ def portable_paths(value: Any, results_dir: Path | str | None = None) -> Any:
     return value
 
 
-#: An absolute path quoted in a text: a slash, then characters that are not a space or a quote.
-_QUOTED_PATH = re.compile(r"(?<![\w.~:/])/[^\s'\"`,;:()\[\]{}<>]+")
+#: An absolute path quoted in a text: a slash not after a word, a path or a placeholder (``<run dir>/wandb``),
+#: then characters that are not a space or a quote.
+_QUOTED_PATH = re.compile(r"(?<![\w.~:/>])/[^\s'\"`,;:()\[\]{}<>]+")
 
 
 def portable_text(text: str | None, results_dir: Path | str | None = None) -> str | None:
