@@ -199,3 +199,15 @@ def test_only_names_rows_and_a_spent_budget_starts_none(results_dir, tmp_path):
                          budget_s=0)
     assert out["status"] == "partial" and out["not_reached"] == ["deit_small_baseline+rehearsal", "bspf_deit_small+rehearsal"]
     assert ledger_entries(results_dir) == []
+
+
+@pytest.mark.parametrize("overrides, named", [(["data=digits"], "data=digits is not synthetic"),
+                                              (["data=micro_coco", "objective=detect", "backbone=shvit_micro"],
+                                               "data=micro_coco is not synthetic_coco")])
+def test_a_rehearsal_refuses_real_data_naming_its_objectives_synthetic_data(overrides, named, make_cfg):
+    from vitexp.errors import ConfigError
+    from vitexp.rehearsal.app import rehearse
+
+    cfg = make_cfg([*overrides, "+trainer.max_steps=2"])
+    with pytest.raises(ConfigError, match=named):
+        rehearse(cfg)

@@ -46,6 +46,8 @@ class Objective(abc.ABC):
     name: ClassVar[str]
     #: The metrics that say how well a run did (what ``vitexp-eval`` prints beside the run's).
     headline: ClassVar[tuple[str, ...]]
+    #: The ``data`` option a rehearsal of this objective trains on (synthetic images of its kind).
+    synthetic_data: ClassVar[str]
     #: {config group: schema dataclass} of the groups this objective owns (:mod:`vitexp.schema`).
     config_groups: ClassVar[Mapping[str, type]] = {}
 

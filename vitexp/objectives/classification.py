@@ -17,6 +17,7 @@ from vitexp.objectives.base import Count, Objective
 class Classification(Objective):
     name: ClassVar[str] = "auto"
     headline: ClassVar[tuple[str, ...]] = ("top1",)
+    synthetic_data: ClassVar[str] = "synthetic"
 
     def stages(self, cfg, method, model, data_config):
         return method.stages(model)
@@ -72,5 +73,5 @@ class Classification(Objective):
 
     def rehearsal_data(self, config: Mapping[str, Any], n_train: int, n_eval: int) -> list[str]:
         """``data=synthetic`` at the backbone's resolution (the module takes it from the model's data config)."""
-        return ["data=synthetic", f"data.num_classes={int(config['data']['num_classes'])}",
+        return [f"data={self.synthetic_data}", f"data.num_classes={int(config['data']['num_classes'])}",
                 f"data.num_train={n_train}", f"data.num_val={n_eval}", f"data.num_test={n_eval}"]

@@ -50,6 +50,7 @@ STAGED_FAMILIES = ("metaformer", "shvit")
 class Detection(Objective):
     name: ClassVar[str] = "detect"
     headline: ClassVar[tuple[str, ...]] = ("ap_box", "ap_mask")
+    synthetic_data: ClassVar[str] = "synthetic_coco"
     config_groups: ClassVar[Mapping[str, type]] = {"detector": Detector}
 
     def validate(self, cfg) -> None:
@@ -111,6 +112,6 @@ class Detection(Objective):
     def rehearsal_data(self, config: Mapping[str, Any], n_train: int, n_eval: int) -> list[str]:
         """``data=synthetic_coco`` at ``detector.flops_size`` (1280 × 800 for COCO)."""
         height, width = (int(v) for v in config["detector"]["flops_size"])
-        return ["data=synthetic_coco", f"data.num_classes={int(config['data']['num_classes'])}",
+        return [f"data={self.synthetic_data}", f"data.num_classes={int(config['data']['num_classes'])}",
                 f"data.num_train={n_train}", f"data.num_val={n_eval}",
                 f"data.generate={{height:{height},width:{width},max_items:4}}"]

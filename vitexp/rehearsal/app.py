@@ -14,11 +14,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from vitexp.errors import ConfigError
+from vitexp.objectives import objective_for
 from vitexp.rehearsal.meter import StepMeter
 from vitexp.rehearsal.plan import KIND
-
-SYNTHETIC_DATA = ("synthetic", "synthetic_coco")
-
 
 def device_name(cfg: DictConfig) -> str:
     """``cpu``, or ``cuda:<device name>`` when the trainer runs on a GPU."""
@@ -39,9 +37,10 @@ def rehearse(cfg: DictConfig) -> dict[str, Any]:
     if not cfg.trainer.get("max_steps") or int(cfg.trainer.max_steps) < 1:
         raise ConfigError("a rehearsal runs a few optimiser steps: trainer.max_steps is not set "
                           "(launch it with vitexp-sweep TABLE --rehearse)")
-    if str(cfg.data.name) not in SYNTHETIC_DATA:
-        raise ConfigError(f"a rehearsal trains on synthetic images: data={cfg.data.name} is not one of "
-                          f"{list(SYNTHETIC_DATA)} (launch it with vitexp-sweep TABLE --rehearse)")
+    synthetic = objective_for(cfg).synthetic_data
+    if str(cfg.data.name) != synthetic:
+        raise ConfigError(f"a rehearsal trains on synthetic images: data={cfg.data.name} is not {synthetic} "
+                          f"(launch it with vitexp-sweep TABLE --rehearse)")
     meter = StepMeter()
     device = device_name(cfg)
 
