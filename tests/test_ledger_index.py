@@ -70,6 +70,22 @@ def test_a_broken_entry_of_another_experiment_does_not_stop_a_table(results_dir,
                         "--out", str(tmp_path / "t")]) == 0
 
 
+def test_a_shared_start_shows_the_run_its_fine_tunes_load_not_a_newer_copy_under_another_name(results_dir):
+    """A run of the start's exact configuration under another name (a from-scratch row's seed 0) is
+    not the start: the seeded rows load ``run:<start name>``, the newest run so named."""
+    spec = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 2}],
+            "rows": [{"label": "start", "experiment": "demo", "seeds": None}]}
+    start = _entry(results_dir, "demo", _demo_config(), 95.3, "2026-01-01T00:00:00+00:00")
+    _entry(results_dir, "demo_scratch+seed=0", _demo_config(), 96.0, "2026-01-03T00:00:00+00:00")
+    (row,) = tables.fill(spec, Ledger.load(results_dir))
+    assert row["cells"]["top1"]["run_id"] == start
+    (row,) = tables.fill({**spec, "seeds": None, "rows": [{"label": "demo", "experiment": "demo"}]}, Ledger.load(results_dir))
+    assert row["cells"]["top1"]["value"] == 96.0  # an ordinary row takes its configuration's newest run
+    (row,) = tables.fill({**spec, "seeds": None, "rows": [{"label": "demo", "experiment": "demo", "start": True}]},
+                         Ledger.load(results_dir))
+    assert row["cells"]["top1"]["run_id"] == start  # marked as a start, it takes only runs under its name
+
+
 def _demo_config(**trainer) -> dict:
     config = copy.deepcopy(composed_config(("experiment=demo",), None))
     config["trainer"].update(trainer)

@@ -13,7 +13,9 @@ Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``p
 (``x``, ``y`` metric keys, optional); ``seeds`` (optional); ``rows`` (``label``, ``experiment``,
 ``overrides``, ``name``, ``grid`` (:mod:`vitexp.rows`: a row is a base experiment plus overrides,
 recorded under its name; a grid expands into rows), ``run``: train | flops | bench, ``cited``,
-``seeds``, ``baseline`` (the name of the baseline row), ``series`` (rows of one sweep, drawn as a
+``seeds``, ``start: true`` (a start other rows load by its name: only runs recorded under that name fill
+it, not a run of its configuration under another name; implied by ``seeds: null`` in a seeded table),
+``baseline`` (the name of the baseline row), ``series`` (rows of one sweep, drawn as a
 curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and axis where the row
 has no experiment to read them from), ``panel`` (the plot axis of rows whose accuracies are not
 comparable with the others', :func:`vitexp.plots.axis_panels`), ``paper``: {metric: {value, source, derived, formula}});
@@ -163,6 +165,9 @@ def _fill_row(spec: dict[str, Any], row: dict[str, Any], ledger: Ledger, keys: l
     name, query = row_name(row), row_query(spec, row, overrides)
     wanted = row.get("protocol") or spec.get("protocol") or {}  # e.g. {mode: compare}: only such runs
     found = ledger.row_runs(query) if query else {None: []}
+    if name and (row.get("start") or aggregate.shared_start(spec, row)):  # run:<name> loads the newest so named
+        own = {r["run_id"] for r in ledger.named(name)}
+        found = {seed: [r for r in rs if r["run_id"] in own] for seed, rs in found.items()}
     done = {seed: [r for r in rs if r["status"] == "completed" and r["kind"] not in ("eval", "rehearsal")
                    and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())]
             for seed, rs in found.items()}
