@@ -10,8 +10,9 @@ import pytest
 from vitexp import SWEEPS_DIR, results_page, tables
 
 VERDICTS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml") if "verdict:" in p.read_text())
-#: What a measured number typed into prose looks like: a mean ± std, a percentage, a signed Δ.
-MEASURED = re.compile(r"\d+\.\d+\s*±|±\s*\d|\d+\.\d+\s*%|Δ\s*[−+-]?\s*\d")
+#: What a measured number typed into prose looks like: a mean ± std, a percentage (whole or not), a
+#: signed Δ, a number with two or more decimals (a setting such as "keep 0.45" or "ρ = 0.5" is not one).
+MEASURED = re.compile(r"\d+\.\d+\s*±|±\s*\d|\d+(?:\.\d+)?\s*%|Δ\s*[−+-]?\s*\d|(?<!keep )(?<!= )\b\d+\.\d{2,}")
 
 SPEC = {"name": "page_fixture", "title": "Page fixture", "seeds": [0, 1, 2],
         "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 2, "paired": True},
@@ -35,6 +36,8 @@ def test_placeholders_fill_from_the_cells():
     text = results_page.fill_verdict(spec, tables.fill(spec, _runs()))
     # 82 ± 2; cost without std; paired Δ: (−1, −2, 0) → −1 ± 1; the same as diff; the paper's 79.8; 81 ± 2.65
     assert text == "82.00 ± 2.00; 0.023; −1.00 ± 1.00; −1.00 ± 1.00; 79.80; 81.00 ± 2.65"
+    saved = {**SPEC, "verdict": "{saved:bspf_demo:demo:top1}"}  # 1 − 81 / 82 of the means
+    assert results_page.fill_verdict(saved, tables.fill(saved, _runs())) == "1"
     assert results_page.fill_verdict(spec, tables.fill(spec, [])).startswith("not run; not run; not run")
 
 
@@ -53,8 +56,7 @@ def test_every_verdict_fills_from_its_table(name):
 
 
 def hand_typed(verdict: str) -> list[str]:
-    """Measured-looking numbers outside placeholders and outside "(paper: ...)" and "(computed by
-    hand from ...)" segments."""
+    """Measured-looking numbers outside placeholders and outside "(paper: ...)" segments."""
     text = results_page.PLACEHOLDER.sub("", " ".join(verdict.split()))
     for mark in results_page.HAND_MARKS:
         text = re.sub(re.escape(mark) + r"[^()]*(\([^()]*\)[^()]*)*\)", "", text)
@@ -67,9 +69,11 @@ def test_no_verdict_types_a_measured_number(name):
 
 
 def test_the_check_finds_a_typed_number():
-    assert hand_typed("BSPF-ViT scores 86.15 ± 0.12, Δ −2.64 at 0.0104 GMACs") == ["86.15 ±", "Δ −2"]
+    assert hand_typed("BSPF-ViT scores 86.15 ± 0.12, Δ −2.64 at 0.0104 GMACs") == ["86.15 ±", "0.12", "Δ −2", "0.0104"]
     assert hand_typed("the teacher scores 87.28 %") == ["87.28 %"]
-    assert hand_typed("(paper: 81.8 % against 79.8 %) {cell:a:b} (computed by hand from runs: Δ −2.52)") == []
+    assert hand_typed("(paper: 81.8 % against 79.8 %) {cell:a:b} {saved:a:b:c} % at keep 0.45") == []
+    assert hand_typed("(computed by hand from runs: Δ −2.52), 9–17 % saved, 0.65 of 0.75 GMACs") == ["Δ −2", "17 %", "0.65",
+                                                                                                   "0.75"]
 
 
 def test_vitexp_tables_writes_the_page(tmp_path):

@@ -10,14 +10,15 @@ named by its ledger name (:func:`vitexp.rows.row_name`: the experiment, or the r
 - ``{delta:ROW:COL}``: the paired difference to the row's ``baseline`` ("−2.64 ± 0.18").
 - ``{diff:ROW_A:ROW_B:COL}``: the paired difference A − B over the seeds both have, or the
   plain difference of two unseeded cells ("+0.01 ± 0.09").
+- ``{saved:ROW_A:ROW_B:COL}``: the share of B's value that A saves, ``100 · (1 − A / B)`` %, of the
+  two cells' values (a seeded row's mean), to whole percent ("54").
 - ``{paper:ROW:COL}``: the paper's value in the spec.
 
 A placeholder whose cell has no value yet renders as "not run". A placeholder naming a row or a
 column the table does not have is an error (:func:`verdict_errors`, checked by the tests), so a
-renamed row cannot leave a stale number behind. Prose that quotes a number no cell holds says
-where it comes from: "(paper: ...)" for the paper's own numbers, "(computed by hand from ...)"
-otherwise (:data:`HAND_MARKS`; ``tests/test_results_page.py`` refuses any other measurement-like
-number in a verdict).
+renamed row cannot leave a stale number behind. Prose may quote only the paper's own
+numbers, marked "(paper: ...)" (:data:`HAND_MARKS`); ``tests/test_results_page.py`` refuses any
+other measurement-like number in a verdict.
 
 Decisions: the page covers every spec in ``sweeps/`` (a spec without a verdict gets its link and
 "no verdict written yet"), in the order of :data:`ORDER` then by name; it links each table's
@@ -41,8 +42,10 @@ TABLES_DIR = DEFAULT_PAGE.parent.parent / "results" / "tables"
 ORDER = ("fmnist_bspf_table1", "fmnist_bspf_table2", "fmnist_bspf_table6", "fmnist_bspf_table7",
          "fmnist_bspf_table8", "fmnist_saper_table1", "fmnist_raptor")
 #: How a verdict marks a number that no table cell holds.
-HAND_MARKS = ("(paper: ", "(computed by hand from ")
-PLACEHOLDER = re.compile(r"\{(cell|delta|diff|paper):([^{}]+)\}")
+HAND_MARKS = ("(paper: ",)
+PLACEHOLDER = re.compile(r"\{(cell|delta|diff|saved|paper):([^{}]+)\}")
+#: The placeholders that name two rows.
+TWO_ROWS = ("diff", "saved")
 NOT_RUN = "not run"
 
 
@@ -86,7 +89,11 @@ def _render(kind: str, args: list[str], by_name: dict[str, dict[str, Any]], digi
         if diff is None:
             raise KeyError(f"paired column {key!r} of row {names[0]!r} (no baseline, or the column is not paired)")
         return _stat(diff["mean"], diff["std"], d, signed=True)
-    a, b = (by_name[n]["cells"][key] for n in names)  # diff
+    a, b = (by_name[n]["cells"][key] for n in names)
+    if kind == "saved":
+        if a["value"] is None or b["value"] is None:
+            return NOT_RUN
+        return f"{100 * (1 - a['value'] / b['value']):.0f}"
     if a.get("seeds") is not None and b.get("seeds") is not None:
         diff = aggregate.paired_difference(a["seeds"], b["seeds"])
         return _stat(diff["mean"], diff["std"], d, signed=True)
@@ -101,9 +108,9 @@ def fill_verdict(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
     def one(match: re.Match) -> str:
         kind, args = match.group(1), match.group(2).split(":")
-        if len(args) != (3 if kind == "diff" else 2):
+        if len(args) != (3 if kind in TWO_ROWS else 2):
             raise ValueError(f"{spec['name']}: verdict placeholder {match.group(0)} takes "
-                             f"{'ROW_A:ROW_B:COL' if kind == 'diff' else 'ROW:COL'}")
+                             f"{'ROW_A:ROW_B:COL' if kind in TWO_ROWS else 'ROW:COL'}")
         try:
             return _render(kind, args, by_name, digits)
         except KeyError as err:
