@@ -265,6 +265,7 @@ def test_micro_detection_runs_under_ddp_gloo(results_dir, tmp_path):
     assert entry["status"] == "completed" and m["world_size"] == 2
     assert m["steps"] == 2  # 8 canvases, batch 2, 2 ranks: 2 steps per rank
     assert {"ap_box", "ap_mask", "ap_box_50", "gmacs", "gmacs_backbone_fpn"} <= set(m)
+    assert m["best_val_ap_box"] == pytest.approx(m["val_ap_box"]) and m["best_val_epoch"] == 1  # one epoch: its own
 
 
 def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_cfg, tmp_path):

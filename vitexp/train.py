@@ -79,7 +79,7 @@ def fit_stage(objective: Objective, cfg: DictConfig, stage: Stage, datamodule_fo
     """Fit ``stage``: its module, its Trainer, the seconds the fit took, and the stage's config."""
     scfg = stage_config(cfg, stage)
     module = objective.module(scfg, stage)
-    best = [BestValidation("val/top1")]
+    best = [BestValidation(f"val/{objective.headline[0]}")]  # the objective's headline metric on validation
     trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best], stage=stage.name)
     start = time.perf_counter()
     if int(scfg.recipe.epochs) > 0:  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
@@ -161,8 +161,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
                 # validation saw the model the stage trained (the soft model when there is one)
                 metrics.update(objective.validation_metrics(val, stage.soft_prefix or p))
                 best = [c for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
-                if best:  # the best validation top-1 of the model the stage trained, and after how many epochs
-                    metrics[f"{stage.soft_prefix or p}best_val_top1"] = 100.0 * best[0].best
+                if best:  # the best validation headline (top-1) of the model the stage trained, and after how many epochs
+                    metrics[f"{stage.soft_prefix or p}best_val_{objective.headline[0]}"] = 100.0 * best[0].best
                     metrics[f"{stage.soft_prefix or p}best_val_epoch"] = best[0].best_epoch
             elif "val/loss" in trainer.callback_metrics:
                 metrics[f"{stage.name}_val_loss"] = float(trainer.callback_metrics["val/loss"])
