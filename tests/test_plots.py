@@ -1,6 +1,7 @@
 """The table plots (vitexp/plots.py) drawn from a constructed ledger: hollow paper markers and
-filled measured ones, error bars from seeds, cost-only rows as ticks, one axis per dataset,
-a style of its own per row (the family's hue, a shade and marker per row), sweeps joined by a line.
+filled measured ones, error bars from seeds, cost-only and accuracy-only rows in strips beside their
+axis, one axis per dataset, a style of its own per row (the family's hue, a shade and marker per
+row), sweeps joined by a line.
 tests/test_plot_styles.py draws every table's plot."""
 from __future__ import annotations
 
@@ -78,24 +79,35 @@ def test_error_bars_where_seeds_give_a_std(artists):
     assert not bars["vitexp:micro baseline"].has_yerr and not bars["vitexp:EViT 0.7"].has_yerr
 
 
-def test_cost_only_rows_are_ticks_on_the_cost_axis(artists):
-    by_gid, _ = artists
+def test_rows_with_one_value_are_in_strips_beside_their_axis(artists):
+    """A cost without accuracy: at its cost in a strip under the axis (sharing its cost axis, no
+    accuracy scale); a paper accuracy without cost: at its accuracy in a strip left of it, hollow."""
+    by_gid, fig = artists
     assert "vitexp:DeiT-S cost only" not in by_gid
-    ax, tick = by_gid["tick-vitexp:DeiT-S cost only"]
-    assert list(tick.get_xdata()) == [2.39] and list(tick.get_ydata()) == [0.0]
-    assert tick.get_transform() == ax.get_xaxis_transform()  # y in axes units: on the cost axis
-    assert tick.get_marker() == by_gid["tick-vitexp:DeiT-S cost only"][1].get_marker() != "none"  # the row's own marker
-    assert to_rgba(tick.get_markerfacecolor())[3] == 1.0
-    ax, accuracy = by_gid["ytick-paper:ToMe r13"]  # a paper accuracy without its cost: on the accuracy axis, hollow
-    assert list(accuracy.get_ydata()) == [79.4] and accuracy.get_transform() == ax.get_yaxis_transform()
+    main, _ = by_gid["paper:MCTF"]
+    strip, tick = by_gid["tick-vitexp:DeiT-S cost only"]
+    assert strip is not main and strip.get_shared_x_axes().joined(strip, main) and not len(strip.get_yticks())
+    assert list(tick.get_xdata()) == [2.39] and strip.get_ylabel() == "cost only"
+    assert strip.get_position().y1 <= main.get_position().y0  # under the axis
+    assert tick.get_marker() != "none" and to_rgba(tick.get_markerfacecolor())[3] == 1.0
+    strip, accuracy = by_gid["ytick-paper:ToMe r13"]
+    assert strip is not main and strip.get_shared_y_axes().joined(strip, main) and not len(strip.get_xticks())
+    assert list(accuracy.get_ydata()) == [79.4] and strip.get_position().x1 <= main.get_position().x0
     assert to_rgba(accuracy.get_markerfacecolor())[3] == 0.0
+    assert "Top-1 (%)" == strip.get_ylabel() and main.get_ylabel() == ""  # the strip carries the scale
+    (other,) = [ax for ax in fig.axes if ax.get_title() == "Fashion-MNIST"]
+    assert not [ax for ax in fig.axes if ax.get_shared_x_axes().joined(ax, other) and ax is not other]  # no strip
 
 
 def test_one_axis_per_dataset_and_a_style_per_row_in_its_familys_hue(artists):
     by_gid, fig = artists
-    titles = [ax.get_title() for ax in fig.axes]
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]  # strips have none
     assert titles == ["digits (scikit-learn)", "Fashion-MNIST", "ImageNet-1K"]
-    axis_of = {gid.split(":", 1)[1]: ax.get_title() for gid, (ax, _) in by_gid.items()}
+    panel = {}  # axis -> its panel's title: a strip's is that of the titled axis it shares a scale with
+    for ax in fig.axes:
+        panel[ax] = next(p.get_title() for p in fig.axes if p.get_title() and (
+            p is ax or p.get_shared_x_axes().joined(p, ax) or p.get_shared_y_axes().joined(p, ax)))
+    axis_of = {gid.split(":", 1)[1]: panel[ax] for gid, (ax, _) in by_gid.items()}
     assert axis_of["micro baseline"] == "digits (scikit-learn)" and axis_of["micro BSPF, seeds"] == "Fashion-MNIST"
     assert {axis_of[k] for k in ("DeiT-S cost only", "EViT 0.7", "MCTF", "ToMe r13")} == {"ImageNet-1K"}
     colour = {gid: to_rgba(line.get_markeredgecolor()) for gid, (_, line) in by_gid.items()}

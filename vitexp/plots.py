@@ -18,13 +18,23 @@ Encoding (decisions):
   ``name``: a method's sweep. Solid
   through vitexp's points, dashed through the paper's, sorted by cost.
 - **Cost without accuracy** (a ``vitexp-flops`` row, or a paper that prints only GMACs): the
-  row's marker on the cost axis at that cost, filled or hollow as above; an axis with nothing else
-  names its rows beside the ticks. Likewise an accuracy without its cost: its marker on the
-  accuracy axis.
+  row's marker at that cost in a thin "cost only" strip under the accuracy axis (sharing its cost
+  axis, with no accuracy scale), filled or hollow as above; an axis with nothing else is itself
+  such a strip ("cost only: ... not measured yet") and names its rows beside the ticks. Likewise
+  an accuracy without its cost: its marker at that accuracy in a "no cost given" strip left of the
+  axis (sharing its accuracy axis, with no cost scale). No such marker lies inside the accuracy
+  axis, where its place would read as a value of the other quantity; an axis without such a row
+  has no strip (:mod:`vitexp.dodge`).
 - **No panel without a measured point**: beside other panels, one with neither a measured (cost,
   accuracy) point nor a paper value is dropped (its costs are in the table files); a panel left
   without a measured point says "not run" in its title.
-- **Units on every axis**: the column's label with its unit's short form ("Top-1 (%)", "GMACs").
+- **No row hidden under another**: markers of different rows whose centres lie closer than 8 points
+  (13 px) are offset on the page by multiples of 8 points: sideways in the plane, upwards in the
+  cost-only strip, rightwards in the no-cost strip (each strip as deep as its stack); the value is
+  unchanged (an offset transform), error bars move with their marker, and the legend names each
+  row (:mod:`vitexp.dodge`).
+- **Units on every scale**: the column's label with its unit's short form ("Top-1 (%)", "GMACs"),
+  on the axis or on the strip that carries the axis's tick labels.
 - **One dataset per axis:** the rows' datasets (the experiment's ``data`` choice, or the row's
   ``dataset:``; a row with neither joins the table's most common dataset) each get their own
   axis, side by side.
@@ -39,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from vitexp.config import experiment_choices
+from vitexp.dodge import BASE, LABELS, MARKER, Mark, Strips, fit, separate
 from vitexp.provenance import DERIVED_MARK
 from vitexp.rows import row_overrides
 
@@ -159,11 +170,12 @@ def _axis_label(col: dict[str, Any]) -> str:
 
 
 def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str, tuple[Any, str]],
-               used: set[str]) -> None:
-    """One dataset's points, sweeps and cost ticks; ``used`` collects the value kinds drawn."""
+               used: set[str], strips: Strips) -> list[Mark]:
+    """One dataset's points, sweeps, and rows with one value in ``strips``; ``used`` collects the
+    value kinds drawn. The rows' markers, in drawing order, for :func:`vitexp.dodge.separate`."""
     from matplotlib.ticker import MaxNLocator
 
-    ticks, accuracy_ticks, used_here = [], [], set()
+    ticks, accuracy_ticks, used_here, marks = [], [], set(), []
     for row in rows:
         colour, marker = style[row["label"]]
         x, y = row["cells"][xk], row["cells"][yk]
@@ -172,52 +184,60 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
                                mfc="none" if row.get("control") else colour, mec=colour, mew=1.5, ms=6, capsize=2.5,
                                elinewidth=1, zorder=3)
             bars.lines[0].set_gid(f"vitexp:{row['label']}")
+            marks.append(Mark(row["label"], "point", [bars.lines[0], *bars.lines[1], *bars.lines[2]]))
             used_here |= {"vitexp", "std"} if y.get("std") or x.get("std") else {"vitexp"}
         elif x["value"] is not None:
             ticks.append(("vitexp", x["value"], row))
         elif y["value"] is not None:
             accuracy_ticks.append(("vitexp", y["value"], row))
         if x["paper"] is not None and y["paper"] is not None:
-            ax.plot([x["paper"]], [y["paper"]], marker=marker, ls="none", mfc="none", mec=colour, mew=1.3, ms=7,
-                    zorder=3, gid=f"paper:{row['label']}")
+            marks.append(Mark(row["label"], "point", ax.plot([x["paper"]], [y["paper"]], marker=marker, ls="none",
+                                                             mfc="none", mec=colour, mew=1.3, ms=7, zorder=3,
+                                                             gid=f"paper:{row['label']}")))
             used_here.add("paper")
             if x.get("formula") or y.get("formula"):
-                ax.annotate(DERIVED_MARK, (x["paper"], y["paper"]), xytext=(4, 2), textcoords="offset points", fontsize=7,
-                            color=colour)
+                marks[-1].notes.append(ax.annotate(DERIVED_MARK, (x["paper"], y["paper"]), xytext=(4, 2),
+                                                   textcoords="offset points", fontsize=7, color=colour))
         elif x["paper"] is not None:
             ticks.append(("paper", x["paper"], row))
         elif y["paper"] is not None:
             accuracy_ticks.append(("paper", y["paper"], row))
-            if y.get("formula"):
-                ax.annotate(DERIVED_MARK, (0.0, y["paper"]), xycoords=ax.get_yaxis_transform(), xytext=(6, 2),
-                            textcoords="offset points", fontsize=7, color=colour)
     for name, by_source in series_curves(rows, xk, yk).items():
         colour = style[next(r["label"] for r in rows if r["series"] == name)][0]
         for source, points in by_source.items():
             ax.plot(*zip(*points), color=colour, lw=1.1, ls="-" if source == "vitexp" else "--", zorder=2,
                     gid=f"sweep-{source}:{name}")
             used_here.add("sweep")
-    for source, value, row in accuracy_ticks:  # an accuracy without its cost: on the accuracy axis
+    for source, value, row in accuracy_ticks:  # an accuracy without its cost: in the no-cost strip
         colour, marker = style[row["label"]]
-        ax.plot([0.0], [value], transform=ax.get_yaxis_transform(), marker=marker, ls="none", ms=8, clip_on=False,
-                mfc=colour if source == "vitexp" else "none", mec=colour, mew=1.2, zorder=4,
-                gid=f"ytick-{source}:{row['label']}")
+        strip = strips.get("left")
+        marks.append(Mark(row["label"], "ytick", strip.plot(
+            [BASE], [value], marker=marker, ls="none", ms=MARKER, clip_on=False,
+            mfc=colour if source == "vitexp" else "none", mec=colour, mew=1.2, zorder=4,
+            gid=f"ytick-{source}:{row['label']}")))
         used_here.add(f"ytick_{source}")
+        if source == "paper" and row["cells"][yk].get("formula"):
+            marks[-1].notes.append(strip.annotate(DERIVED_MARK, (BASE, value), xytext=(6, 2),
+                                                  textcoords="offset points", fontsize=7, color=colour))
     has_points = bool(used_here & {"vitexp", "paper", "ytick_vitexp", "ytick_paper"})
     only_ticks = bool(ticks) and not has_points
-    for source, value, row in ticks:
+    for source, value, row in ticks:  # a cost without its accuracy: in the cost-only strip
         colour, marker = style[row["label"]]
-        ax.plot([value], [0.0], transform=ax.get_xaxis_transform(), marker=marker, ls="none", ms=8, clip_on=False,
-                mfc=colour if source == "vitexp" else "none", mec=colour, mew=1.2, zorder=4,
-                gid=f"tick-{source}:{row['label']}")
+        on, y, where = ((ax, 0.0, {"transform": ax.get_xaxis_transform()}) if only_ticks  # costs alone: on the axis
+                        else (strips.get("bottom"), BASE, {}))
+        marks.append(Mark(row["label"], "xtick", on.plot(
+            [value], [y], **where, marker=marker, ls="none", ms=MARKER, clip_on=False,
+            mfc=colour if source == "vitexp" else "none", mec=colour, mew=1.2, zorder=4,
+            gid=f"tick-{source}:{row['label']}")))
         used_here.add(f"tick_{source}")
         if only_ticks and len(ticks) <= MAX_TICK_LABELS:
-            ax.annotate(row["label"], (value, 0.0), xycoords=ax.get_xaxis_transform(), xytext=(0, 8),
-                        textcoords="offset points", rotation=90, fontsize=6, ha="center", va="bottom", color=colour)
+            marks[-1].notes.append(ax.annotate(row["label"], (value, 0.0), xycoords=ax.get_xaxis_transform(), xytext=(0, 8),
+                                               textcoords="offset points", rotation=90, fontsize=6, ha="center",
+                                               va="bottom", color=colour))
     if only_ticks:
         ax.set_yticks([])
         ax.set_ylim(0, 1)
-        ax.set_ylabel(f"{ax.get_ylabel()}: not measured yet", fontsize=8)
+        ax.set_ylabel(f"{LABELS['bottom']}: {ax.get_ylabel()} not measured yet", fontsize=8)
     if not ticks and not has_points:
         ax.text(0.5, 0.5, "no row has a value yet (not run)", ha="center", va="center", transform=ax.transAxes)
         ax.set_xticks([])
@@ -225,6 +245,7 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
     else:
         ax.xaxis.set_major_locator(MaxNLocator(5))
     used |= used_here
+    return marks
 
 
 def _shade(colour: Any, fraction: float) -> tuple[float, float, float, float]:
@@ -258,10 +279,10 @@ def row_styles(rows: list[dict[str, Any]]) -> dict[str, tuple[tuple[float, ...],
 
 #: Legend entries of the value kinds: (key in ``used``, label, marker, filled, line style).
 KINDS = (("vitexp", "vitexp (measured)", "o", True, "none"), ("paper", "paper", "o", False, "none"), ("sweep", "sweep (solid: vitexp, dashed: paper)", "", False, "-"),
-         ("tick_vitexp", "on the cost axis: cost only, vitexp (no accuracy yet)", "o", True, "none"),
-         ("tick_paper", "on the cost axis: cost only, paper", "o", False, "none"),
-         ("ytick_vitexp", "on the accuracy axis: accuracy only, vitexp", "o", True, "none"),
-         ("ytick_paper", "on the accuracy axis: accuracy only, paper (no cost given)", "o", False, "none"))
+         ("tick_vitexp", "in the 'cost only' strip: vitexp's cost (no accuracy yet)", "o", True, "none"),
+         ("tick_paper", "in the 'cost only' strip: the paper's cost (no accuracy given)", "o", False, "none"),
+         ("ytick_vitexp", "in the 'no cost given' strip: vitexp's accuracy", "o", True, "none"),
+         ("ytick_paper", "in the 'no cost given' strip: the paper's accuracy", "o", False, "none"))
 
 
 def _legend_handles(rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str, tuple[Any, str]], used: set[str]):
@@ -299,8 +320,8 @@ def _anything(members: list[dict[str, Any]], xk: str, yk: str) -> bool:
 
 
 def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()):
-    """The figure: one axis per dataset and panel (:func:`axis_panels`), the legend right of them,
-    the notes under them."""
+    """The figure: one axis per dataset and panel (:func:`axis_panels`) with its strips, the legend
+    right of them, the notes under them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,6 +336,8 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
     style = row_styles(rows)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), dpi=120, squeeze=False)
     used: set[str] = set()
+    marks: list[Mark] = []
+    strips: list[Strips] = []
     for ax, ((dataset, panel), members) in zip(axes[0], panels.items()):
         name = DATASET_NAMES.get(dataset, dataset)
         title = f"{name}: {panel}" if panel else name
@@ -323,11 +346,13 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
         ax.set_title(title, fontsize=8)
         ax.set_xlabel(_axis_label(cols[xk]), fontsize=8)
         ax.set_ylabel(_axis_label(cols[yk]), fontsize=8)
-        _draw_axis(ax, members, xk, yk, style, used)
+        strips.append(Strips(ax))
+        marks += _draw_axis(ax, members, xk, yk, style, used, strips[-1])
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle("\n".join(textwrap.wrap(spec["title"], 90)), fontsize=9)
-    fig.tight_layout()  # before the legend, which lies outside the axes; savefig's tight box takes it in
+    fit(fig, strips, marks)  # before the legend, which lies outside the axes; savefig's tight box takes it in
+    separate(marks)  # on the final layout: markers that would hide each other are set apart
     handles = _legend_handles([r for m in panels.values() for r in m], xk, yk, style, used)
     below = -0.01
     if handles:
