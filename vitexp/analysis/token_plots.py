@@ -3,9 +3,10 @@ layer (vitexp/analysis/tokens.py computes the maps).
 
 In a layer's panel:
 - a kept patch (its own token survives) shows the image as it is;
-- a fused patch is tinted with the colour of the token it is in now and hatched (``/``) in that
-  colour, and the patch anchoring that token (its kept patch, if any: EViT's fused token has none)
-  is outlined in that colour;
+- a fused patch is tinted with the colour of the token it is in now and hatched (``/``) in white
+  (a hatch in the token's own colour vanished on the black background where that colour is dark),
+  and the patch anchoring that token (its kept patch, if any: EViT's fused token has none) is
+  outlined in that colour;
 - a dropped patch is covered in red and cross-hatched.
 Decision: a removed patch is marked by a hatch, never by a dark fill, so that it cannot be
 mistaken for dark image content (Fashion-MNIST's black background, a digit's dark strokes);
@@ -75,8 +76,7 @@ def _panel(ax, img: np.ndarray, grid: tuple[int, int], token: np.ndarray | None,
                     anchored[t] = (r, c)
                 else:
                     overlay[r, c] = (*palette[t % len(palette)], 0.55)
-                    ax.add_patch(Rectangle(cell, cell_w, cell_h, fill=False, hatch="///",
-                                           edgecolor=palette[t % len(palette)], lw=0.0))
+                    ax.add_patch(Rectangle(cell, cell_w, cell_h, fill=False, hatch="///", edgecolor="white", lw=0.0))
         ax.imshow(overlay, extent=(0, w, h, 0), interpolation="nearest")
         absorbing = {int(t) for t in np.unique(token[(token >= 0) & ~kept])}
         for t in sorted(absorbing & anchored.keys()):
