@@ -115,7 +115,7 @@ def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, caps
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(vitexp.tables, "write_table", broken)
+    monkeypatch.setattr(vitexp.tables, "_write", broken)  # where every table file is written
     with pytest.raises(SystemExit) as exited:
         tables_main(["demo", "--out", "/nonexistent-but-unused"])
     assert exited.value.code == 1
