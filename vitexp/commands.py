@@ -184,7 +184,12 @@ def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
     from vitexp.analysis import reports
 
     with owned_run(cfg.name, "analyze", cfg.results_dir, analysis_dir, cfg.logger) as run:
-        validate(cfg, need_trainer=False)
+        checked = cfg
+        if args.analysis == "tokens" and cfg.backbone.get("pretrained"):  # a trained method model's weights
+            checked = cfg.copy()  # do not fit the bare backbone: reports.token_model loads them, or says why not
+            with open_dict(checked):
+                checked.backbone.pretrained = None
+        validate(checked, need_trainer=False)
         reports.check_request(cfg, args.analysis, record)
         extra = {"analyzes": record["run_id"]} if record else {}
         run.start({**to_container(cfg), "analysis": vars(args), **extra})
