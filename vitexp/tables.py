@@ -296,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
         if cost is not None:
             written[spec["name"]]["cost"] = str(cost)
             print(cost.read_text())
-    written.update(protocols.write(verdicts, lambda table: filled_spec(load_spec(table)), out_dir, atomic_write, ledger))
+    # a verdict's table: its spec read and its rows filled once, shared with the tables written above
+    written.update(protocols.write(verdicts, lambda table: cache.get(table) or filled_spec(load_spec(table)), out_dir,
+                                   atomic_write, ledger))
     for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
         shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
                                for run_id, keys in sorted(runs.items()))
