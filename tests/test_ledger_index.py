@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vitexp import rows, tables
+from vitexp import recheck, rows, tables
 from vitexp.ledger import Ledger, LedgerEntry, RowQuery
 from vitexp.ledger.fingerprint import fingerprint
 from vitexp.rows import composed_config, row_query
@@ -84,6 +84,7 @@ def test_a_shared_start_shows_the_run_its_fine_tunes_load_not_a_newer_copy_under
     (row,) = tables.fill({**spec, "seeds": None, "rows": [{"label": "demo", "experiment": "demo", "start": True}]},
                          Ledger.load(results_dir))
     assert row["cells"]["top1"]["run_id"] == start  # marked as a start, it takes only runs under its name
+    assert [c["run_id"] for c in recheck.cited_runs(spec, results_dir)] == [start]  # the check cites the same run
 
 
 def _demo_config(**trainer) -> dict:

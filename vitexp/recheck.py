@@ -78,12 +78,13 @@ def cited_runs(spec: dict[str, Any], results_dir: Path, ledger: Ledger | None = 
     for every training row of the spec, in row order; rows and seeds without a completed run with
     its headline metrics are left out."""
     out: list[dict[str, Any]] = []
-    for name, by_seed in _row_runs(spec, ledger or Ledger.load(results_dir)):
+    ledger = ledger or Ledger.load(results_dir)
+    for name, by_seed in _row_runs(spec, ledger):
         picked = []
         for seed, runs in by_seed.items():
             keys = headline(runs[-1]) if runs else ()
-            newest = per_seed_values({seed: runs}, keys[0]).get(seed) if keys else None
-            run = next((r for r in runs if newest and r["run_id"] == newest[1]), None)
+            newest = per_seed_values({seed: runs}, keys[0]).get(seed) if keys else None  # (value, run_id)
+            run = ledger.get(newest[1]) if newest else None
             values = _values(run, keys)
             if values is not None:
                 picked.append((seed, values, run["run_id"]))

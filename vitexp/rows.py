@@ -34,7 +34,7 @@ import itertools
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from vitexp.aggregate import row_seeds, seeded_name
+from vitexp.aggregate import row_seeds, seeded_name, shared_start
 from vitexp.ledger import RowQuery
 
 #: Override keys a row may not set through ``overrides`` (they are row keys of their own).
@@ -267,4 +267,5 @@ def row_query(spec: Mapping[str, Any], row: dict[str, Any], overrides: Sequence[
 
     changing = [ov for ov in overrides if not excluded(key := ov.split("=", 1)[0].lstrip("+~")) and "/" not in key]
     job = (*job_arguments(row, seeded=False), *changing)
-    return RowQuery(name, row["experiment"], row_seeds(dict(spec), row), lambda seed: composed_config(job, seed))
+    return RowQuery(name, row["experiment"], row_seeds(dict(spec), row), lambda seed: composed_config(job, seed),
+                    own_name=bool(row.get("start") or shared_start(dict(spec), row)))

@@ -165,9 +165,6 @@ def _fill_row(spec: dict[str, Any], row: dict[str, Any], ledger: Ledger, keys: l
     name, query = row_name(row), row_query(spec, row, overrides)
     wanted = row.get("protocol") or spec.get("protocol") or {}  # e.g. {mode: compare}: only such runs
     found = ledger.row_runs(query) if query else {None: []}
-    if name and (row.get("start") or aggregate.shared_start(spec, row)):  # run:<name> loads the newest so named
-        own = {r["run_id"] for r in ledger.named(name)}
-        found = {seed: [r for r in rs if r["run_id"] in own] for seed, rs in found.items()}
     done = {seed: [r for r in rs if r["status"] == "completed" and r["kind"] not in ("eval", "rehearsal")
                    and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())]
             for seed, rs in found.items()}

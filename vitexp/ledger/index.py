@@ -12,7 +12,9 @@ Decisions:
   when the committed tables were made. Such older runs of one row that disagree with one another on
   what their names never said (the ``trainer`` keys, ``backbone.pretrained``) are checked against
   the row's config, and only those that agree with it are kept (a ``trainer.limit_train_batches=1``
-  run recorded under the experiment's name is never a cell).
+  run recorded under the experiment's name is never a cell). A start row (``RowQuery.own_name``)
+  keeps only the runs under its own names: ``run:<name>`` loads the newest run so named, and a
+  from-scratch row with the start's exact configuration must not take its place.
 - The row's config is composed (Hydra, a fraction of a second) only for a row that needs it: one
   whose experiment or name has fingerprinted runs, or whose older runs disagree.
 """
@@ -55,12 +57,15 @@ def _order(r: Mapping[str, Any]) -> tuple[str, str]:
 @dataclass
 class RowQuery:
     """What a table row asks of the ledger: its ledger ``name``, base ``experiment``, ``seeds``
-    (``None``: unseeded), and ``config(seed)``, its composed resolved config (called only when needed)."""
+    (``None``: unseeded), ``config(seed)``, its composed resolved config (called only when needed), and
+    ``own_name``: only runs recorded under ``name`` (a start that other rows load by ``run:<name>``,
+    whose configuration another row's run may share)."""
 
     name: str
     experiment: str
     seeds: Sequence[int] | None = None
     config: Callable[[int | None], Mapping[str, Any] | None] | None = None
+    own_name: bool = False
     _memo: dict = field(default_factory=dict, repr=False)
 
     def composed(self, seed: int | None) -> Mapping[str, Any] | None:
@@ -241,6 +246,8 @@ class Ledger:
             found = newer if config is None else self._matching(row.name, newer, config)
             if seed is not None:
                 found = [r for r in found if run_seed(r) == seed]
+            if row.own_name:
+                found = [r for r in found if r["experiment"] in names]
             out[seed] = sorted({id(r): r for r in [*legacy, *found]}.values(), key=lambda r: self._rank[id(r)])
         return out
 
