@@ -204,11 +204,48 @@ BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file fr
 ]
 
 
-@pytest.mark.parametrize("overrides, names", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
-def test_a_bad_input_is_one_line_naming_it_and_writes_nothing(overrides, names, results_dir, tmp_path):
-    """Each bad input stops vitexp-train before anything starts: exit 2, exactly one line on stderr
-    naming the key or the file (never advising weights_only=False, nor Hydra's refused +key form),
-    the invalid closing JSON line saying the same, no ledger entry and no run folder."""
+def _train_in_process(args: list[str], results_dir: Path, cwd: Path, monkeypatch, capfd) -> tuple[int, str, str]:
+    """``vitexp-train ARGS`` through its entry point in this process: (exit code, stdout, stderr).
+    The root logger is restored afterwards (Hydra configures logging for the job it starts)."""
+    import logging
+
+    from vitexp import cli
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    for key, value in cli_env(results_dir).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["vitexp-train", *args])
+    capfd.readouterr()
+    try:
+        cli.train_main()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        root.handlers[:], root.level = handlers, level
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def _check_refused(code: int, stdout: str, stderr: str, names: str, results_dir: Path, cwd: Path) -> None:
+    """Exit 2, exactly one line on stderr naming the key or the file (never advising
+    weights_only=False, nor Hydra's refused +key form), the invalid closing JSON line saying the
+    same, no ledger entry and no run folder."""
+    lines = stderr.splitlines()
+    assert code == 2, stderr[-2000:]
+    assert len(lines) == 1 and names in lines[0], stderr[-2000:]
+    closing = last_json(stdout)
+    named = Path(names).name  # the closing line's paths are portable (vitexp.ledger.portable_text)
+    assert closing["status"] == "invalid" and named in closing["error"] and "\n" not in closing["error"]
+    assert "weights_only=False" not in stderr + stdout and "+recipe.lrr" not in stderr
+    assert list((results_dir / "runs").iterdir()) == []
+    assert not (cwd / "outputs").exists()
+
+
+def _bad_input(overrides: list[str], names: str, tmp_path: Path, results_dir: Path) -> tuple[list[str], str]:
+    """The case's arguments and expected name with its checkpoint files made ({ckpt:NAME})."""
     if overrides == ["trainer=gpu"]:
         import torch
 
@@ -217,16 +254,31 @@ def test_a_bad_input_is_one_line_naming_it_and_writes_nothing(overrides, names, 
     files = _checkpoints(tmp_path / "ckpt")
     fill = lambda text: re.sub(r"\{ckpt:(\w+)\}", lambda m: str(files[m.group(1)]), text)  # noqa: E731
     (results_dir / "runs").mkdir(parents=True)
-    proc = run("vitexp-train", *map(fill, overrides), "logger=none", results_dir=results_dir, cwd=tmp_path)
-    lines = proc.stderr.splitlines()
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert len(lines) == 1 and fill(names) in lines[0], proc.stderr[-2000:]
-    closing = last_json(proc.stdout)
-    named = Path(fill(names)).name  # the closing line's paths are portable (vitexp.ledger.portable_text)
-    assert closing["status"] == "invalid" and named in closing["error"] and "\n" not in closing["error"]
-    assert "weights_only=False" not in proc.stderr + proc.stdout and "+recipe.lrr" not in proc.stderr
-    assert list((results_dir / "runs").iterdir()) == []
-    assert not (tmp_path / "outputs").exists()
+    return [*map(fill, overrides), "logger=none"], fill(names)
+
+
+@pytest.mark.parametrize("overrides, names", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
+def test_a_bad_input_is_one_line_naming_it_and_writes_nothing(overrides, names, results_dir, tmp_path,
+                                                              monkeypatch, capfd):
+    """Each bad input stops vitexp-train before anything starts (:func:`_check_refused`), called
+    through its entry point in this process; :func:`test_the_console_script_refuses_a_bad_input`
+    runs some of them as a user does."""
+    args, names = _bad_input(overrides, names, tmp_path, results_dir)
+    _check_refused(*_train_in_process(args, results_dir, tmp_path, monkeypatch, capfd), names, results_dir, tmp_path)
+
+
+CONSOLE_CASES = [case for case in BAD_INPUTS if case[0] in (
+    ["recipe.lr=abc"], ["backbone=nope"], ["recipe.lr=${nope}"], ["backbone.pretrained={ckpt:pickled}"],
+    [*RAPTOR, "method.probe_head={ckpt:random}"])]
+
+
+@pytest.mark.parametrize("overrides, names", CONSOLE_CASES, ids=[" ".join(o) for o, _ in CONSOLE_CASES])
+def test_the_console_script_refuses_a_bad_input(overrides, names, results_dir, tmp_path):
+    """The same refusal from the installed ``vitexp-train`` in its own process: a type error, an
+    unknown group option, an interpolation, a checkpoint file, a file of RAPTOR's own."""
+    args, names = _bad_input(overrides, names, tmp_path, results_dir)
+    proc = run("vitexp-train", *args, results_dir=results_dir, cwd=tmp_path)
+    _check_refused(proc.returncode, proc.stdout, proc.stderr, names, results_dir, tmp_path)
 
 
 def test_an_unknown_key_says_how_to_see_the_valid_keys(results_dir, tmp_path):
