@@ -22,6 +22,7 @@ SPEC = {"title": "t", "key": "top1", "digits": 2,
 def test_the_sign_rule_and_a_verdict_only_where_the_protocols_agree():
     assert [protocols.sign(p) for p in ([0.1, 0.2], [-0.1, -0.3], [0.2, -0.1], [])] == \
         ["supports", "contradicts", "undecided", "not run"]
+    assert protocols.sign([0.1, 0.2], needed=3) == "incomplete" and protocols.sign([0.1, 0.2, 0.3], needed=3) == "supports"
     filled = {"t1": [_row("full", {0: 80.0, 1: 81.0, 2: 82.0}), _row("m", {0: 81.0, 1: 81.5, 2: 82.2})],
               "t2": [_row("full", {0: 80.0, 1: 81.0}), _row("m", {0: 79.0, 1: 80.0, 2: 70.0})],
               "t3": [_row("full", {}), _row("m", {})]}
@@ -31,6 +32,12 @@ def test_the_sign_rule_and_a_verdict_only_where_the_protocols_agree():
     filled["t2"][1]["cells"]["top1"]["seeds"] = {0: 80.5, 1: 81.1}
     (claim,) = protocols.evaluate(SPEC, filled.__getitem__)
     assert claim["verdict"] == "holds under every measured protocol (2 of 3 protocols measured)"
+    needs3 = {**SPEC, "pairs": 3}  # P2's two pairs are too few: shown, not judged
+    (claim,) = protocols.evaluate(needs3, filled.__getitem__)
+    assert [c["sign"] for c in claim["cells"]] == ["supports", "incomplete", "not run"]
+    assert claim["verdict"] == "holds under every measured protocol (1 of 3 protocols measured, 1 incomplete)"
+    assert "| +0.57 ± 0.40 (3) (supports) | +0.30 ± 0.28 (2) (incomplete: 2 of 3 pairs) | not run |" in \
+        protocols.render(needs3, [claim])
 
 
 def _run(run_id: str, fit: float, start: str | None = None) -> dict:

@@ -8,7 +8,10 @@ mean ± sample std (n pairs), read from the same ledger and the same filled rows
 Decisions:
 - A protocol *supports* a claim when every pair is above zero, *contradicts* it when every pair is
   below, and is *undecided* otherwise (pairs of both signs, or a single pair of 0); with three seeds
-  that is the sign test's strongest answer, stated without a p-value.
+  that is the sign test's strongest answer, stated without a p-value. A cell with fewer pairs than
+  the verdict file's ``pairs`` (the seeds each row is to have; 1 when not given) is *incomplete*: its
+  difference is shown, its sign is not, and it counts as not measured (a protocol whose runs are
+  under way says nothing until they are done).
 - A claim's verdict is given only where the measured protocols agree ("holds under all N measured
   protocols", "fails under all N"); where they disagree the verdict names which protocol says what;
   protocols not run are counted ("k of M protocols measured"), so a verdict never speaks for them.
@@ -68,10 +71,13 @@ def _seeds(fill: Callable[[str], list[dict[str, Any]]], ref: str, key: str) -> d
     return _cell(fill, ref, key).get("seeds") or {}
 
 
-def sign(pairs: list[float]) -> str:
-    """``supports``, ``contradicts`` or ``undecided`` (module docstring); ``not run`` without pairs."""
+def sign(pairs: list[float], needed: int = 1) -> str:
+    """``supports``, ``contradicts`` or ``undecided`` (module docstring); ``not run`` without pairs,
+    ``incomplete`` with fewer than ``needed``."""
     if not pairs:
         return "not run"
+    if len(pairs) < needed:
+        return "incomplete"
     if all(p > 0 for p in pairs):
         return "supports"
     if all(p < 0 for p in pairs):
@@ -81,8 +87,9 @@ def sign(pairs: list[float]) -> str:
 
 def verdict(signs: list[tuple[str, str]]) -> str:
     """One claim's verdict from ``(protocol label, sign)`` pairs (module docstring)."""
-    measured = [(p, s) for p, s in signs if s != "not run"]
-    of = f"{len(measured)} of {len(signs)} protocols measured"
+    measured = [(p, s) for p, s in signs if s not in ("not run", "incomplete")]
+    incomplete = sum(s == "incomplete" for _, s in signs)
+    of = f"{len(measured)} of {len(signs)} protocols measured" + (f", {incomplete} incomplete" if incomplete else "")
     if not measured:
         return f"not run ({of})"
     kinds = {s for _, s in measured}
@@ -121,7 +128,7 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
     ``fill(table)`` gives a table's filled rows (:func:`vitexp.tables.fill`)."""
     filled = {t: fill(t) for t in tables_of(spec)}
     fill = filled.__getitem__
-    key, digits = spec.get("key", "top1"), int(spec.get("digits", 2))
+    key, digits, needed = spec.get("key", "top1"), int(spec.get("digits", 2)), int(spec.get("pairs", 1))
     out = []
     for claim in spec["claims"]:
         cells = []
@@ -134,7 +141,7 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
             diff = paired_difference(a, b)
             pairs = [a[s] - b[s] for s in diff["seeds"]]
             text = format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run"
-            cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs), **diff})
+            cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs, needed), "needed": needed, **diff})
         judged = [(c["protocol"], c["sign"]) for c in cells if c["sign"] is not None]
         out.append({"claim": claim["label"], "cells": cells, "verdict": verdict(judged)})
     return out
@@ -146,7 +153,9 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
     head = ["Claim (a − b)"] + [p["label"] for p in spec["protocols"]] + ["Verdict"]
     lines = [f"# {spec['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in claims:
-        cells = [f"{x['text']} ({x['sign']})" if x["sign"] not in (None, "not run") else x["text"] for x in c["cells"]]
+        cells = [x["text"] if x["sign"] in (None, "not run") else
+                 f"{x['text']} (incomplete: {x['n']} of {x['needed']} pairs)" if x["sign"] == "incomplete" else
+                 f"{x['text']} ({x['sign']})" for x in c["cells"]]
         lines.append("| " + " | ".join([c["claim"]] + cells + [c["verdict"]]) + " |")
     if costs is not None:
         hours = [f"{c['hours']:.2f} h ({len(c['runs'])} run{'s' if len(c['runs']) > 1 else ''})" if c["runs"] else "not run" for c in costs]
@@ -155,7 +164,8 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
     lines += ["", "Cells: the paired difference of " + spec.get("unit", "top-1 (%)") + ", a − b, over the seeds "
               "both rows completed, mean ± sample std (n pairs). supports: every pair above 0; contradicts: every "
               "pair below 0; undecided: pairs of both signs (vitexp/protocols.py). A verdict is given only where "
-              "the measured protocols agree."]
+              "the measured protocols agree." + (f" A cell with fewer than {spec['pairs']} pairs is incomplete: "
+              "it is shown but not judged, and counts as not measured." if spec.get("pairs", 1) > 1 else "")]
     if costs is not None:
         lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) summed over the runs in the cells and "
                   "the runs whose weights they loaded (a shared start counted once), in hours."]
