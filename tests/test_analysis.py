@@ -102,6 +102,9 @@ def test_analyze_cli_on_micro_dinov2_and_digits(analysis, extra, results_dir, ca
     figure = local_path(entry["figure"], results_dir)  # stored relative to the results folder
     assert not Path(entry["figure"]).is_absolute() and Path(out["figure"]) == figure
     assert open(figure, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    # the figures' folder (committed) holds figures; the run's lock and files are in analysis/run/<name>
+    assert {p.name for p in (results_dir / "analysis").iterdir()} == {figure.name, "run"}
+    assert (results_dir / "analysis" / "run" / entry["experiment"] / "run.lock").is_file()
     if analysis == "clusters":
         assert -1 <= entry["metrics"]["silhouette"] <= 1 and entry["metrics"]["davies_bouldin"] >= 0
         assert len(entry["head_clusters"]) == 16

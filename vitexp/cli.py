@@ -341,15 +341,16 @@ def analyze_main(argv: list[str] | None = None) -> None:
 
 
 def _analyze_config(args):
-    """The composed config of ``vitexp-analyze`` (outputs beside the figures)."""
+    """The composed config of ``vitexp-analyze``: its figures go to ``results/analysis/``, its run's
+    own files (lock, code patch) to ``results/analysis/run/<name>/`` (not committed)."""
     from vitexp.config import check_overrides, compose, run_name
 
     cfg = compose(args.overrides, return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if v}
-    with open_dict(cfg):  # no Hydra run directory here: outputs go beside the figures
+    with open_dict(cfg):  # no Hydra run directory here: the run's folder is results/analysis/run/<name>
         del cfg["hydra"]
-        cfg.output_dir = str(Path(cfg.results_dir) / "analysis")
         cfg.name = run_name(cfg, choices, args.overrides)
+        cfg.output_dir = str(Path(cfg.results_dir) / "analysis" / "run" / cfg.name)
     check_overrides(cfg, args.overrides)
     return cfg
 
@@ -362,8 +363,8 @@ def _heads_config(args):
         raise ConfigError("vitexp-analyze heads needs --run <SAPER train run id or experiment>")
     cfg, record = eval_config(args.run, args.overrides)
     with open_dict(cfg):
-        cfg.output_dir = str(Path(cfg.results_dir) / "analysis")
         cfg.name = f"{record['experiment']}_heads"
+        cfg.output_dir = str(Path(cfg.results_dir) / "analysis" / "run" / cfg.name)
     return cfg, record
 
 

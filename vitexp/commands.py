@@ -144,7 +144,7 @@ def run_analyze(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
     analysis_dir = Path(cfg.results_dir) / "analysis"
     if args.analysis in ("tokens", "heads"):
         return _run_report(cfg, args, record, analysis_dir)
-    with owned_run(cfg.name, "analyze", cfg.results_dir, analysis_dir, cfg.logger) as run:
+    with owned_run(cfg.name, "analyze", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
         validate(cfg, need_trainer=False)
         run.start({**to_container(cfg), "analysis": vars(args)})
         model = build_configured_backbone(cfg).eval()
@@ -183,7 +183,7 @@ def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
     """``vitexp-analyze tokens|heads`` (vitexp/analysis/reports.py): PNGs, W&B images, ledger paths."""
     from vitexp.analysis import reports
 
-    with owned_run(cfg.name, "analyze", cfg.results_dir, analysis_dir, cfg.logger) as run:
+    with owned_run(cfg.name, "analyze", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
         checked = cfg
         if args.analysis == "tokens" and cfg.backbone.get("pretrained"):  # a trained method model's weights
             checked = cfg.copy()  # do not fit the bare backbone: reports.token_model loads them, or says why not

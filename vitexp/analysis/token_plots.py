@@ -27,7 +27,7 @@ from vitexp.analysis import save_png
 
 
 LEGEND = ("clear: kept; red, cross-hatched: dropped{chunks}\n"
-          "tinted and hatched: fused into the token of that colour (its kept patch outlined)")
+          "tinted and hatched: fused into the token of that colour (outlined: that token's own patch, if it has one)")
 #: A dropped patch: a red cover with a cross-hatch (no dark fill: see the module docstring).
 DROPPED = (0.85, 0.1, 0.1)
 
