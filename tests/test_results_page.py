@@ -34,8 +34,8 @@ def test_placeholders_fill_from_the_cells():
     spec = {**SPEC, "verdict": "{cell:demo:top1}; {cell:demo:gmacs}; {delta:bspf_demo:top1}; "
                                "{diff:bspf_demo:demo:top1}; {paper:demo:top1}; {cell:bspf_demo:top1}"}
     text = results_page.fill_verdict(spec, tables.fill(spec, _runs()))
-    # 82 ± 2; cost without std; paired Δ: (−1, −2, 0) → −1 ± 1; the same as diff; the paper's 79.8; 81 ± 2.65
-    assert text == "82.00 ± 2.00; 0.023; −1.00 ± 1.00; −1.00 ± 1.00; 79.80; 81.00 ± 2.65"
+    # 82 ± 2; cost without std; paired Δ: (−1, −2, 0) → −1 ± 1; the same as diff; the paper's 79.8 as published; 81 ± 2.65
+    assert text == "82.00 ± 2.00; 0.023; −1.00 ± 1.00; −1.00 ± 1.00; 79.8; 81.00 ± 2.65"
     saved = {**SPEC, "verdict": "{saved:bspf_demo:demo:top1}"}  # 1 − 81 / 82 of the means
     assert results_page.fill_verdict(saved, tables.fill(saved, _runs())) == "1"
     assert results_page.fill_verdict(spec, tables.fill(spec, [])).startswith("not run; not run; not run")
@@ -86,6 +86,10 @@ def test_vitexp_tables_writes_the_page(tmp_path):
     assert "## BSPF-ViT Table 6, micro edition" in text and "[table](../results/tables/fmnist_bspf_table6.md)" in text
     assert "single-token score not run (Δ not run)" in text  # an empty ledger: every placeholder says so
     assert "no table written yet" in text  # the tables this call did not write are not linked
+    # the claim-by-claim table across protocols is on the page, whole, with its verdict column
+    assert "## BSPF-ViT's claims under four protocols" in text and "(sweeps/verdicts/fmnist_bspf_protocols.yaml)" not in text
+    assert "`sweeps/verdicts/fmnist_bspf_protocols.yaml` → [table](../results/tables/fmnist_bspf_protocols.md)" in text
+    assert "| BSPF-ViT (keep 0.5) beats full attention (bspf − full) | not run | not run | not run | not run | not run (0 of 4" in text
 
 
 def test_the_page_is_written_by_default_only_from_the_projects_own_ledger(tmp_path):

@@ -176,14 +176,18 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
     return "\n".join(lines) + "\n"
 
 
+def text(name: str, fill: Callable[[str], list[dict[str, Any]]], ledger: Any) -> str:
+    """The markdown of verdict file ``name`` (:func:`render` with its cost row from ``ledger``)."""
+    spec = load(name)
+    return render(spec, evaluate(spec, fill), cost(spec, fill, ledger))
+
+
 def write(names: Iterable[str], fill: Callable[[str], list[dict[str, Any]]], out_dir: Path,
           writer: Callable[[Path, str], Any], ledger: Any) -> dict[str, dict[str, str]]:
-    """Write ``<out_dir>/<name>.md`` for each verdict file (with its cost row from ``ledger``);
-    ``{name: {"md": path}}``."""
+    """Write ``<out_dir>/<name>.md`` for each verdict file; ``{name: {"md": path}}``."""
     written = {}
     for name in names:
-        spec = load(name)
         path = Path(out_dir) / f"{name}.md"
-        writer(path, render(spec, evaluate(spec, fill), cost(spec, fill, ledger)))
+        writer(path, text(name, fill, ledger))
         written[name] = {"md": str(path)}
     return written

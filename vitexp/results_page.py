@@ -12,7 +12,7 @@ named by its ledger name (:func:`vitexp.rows.row_name`: the experiment, or the r
   plain difference of two unseeded cells ("+0.01 ± 0.09").
 - ``{saved:ROW_A:ROW_B:COL}``: the share of B's value that A saves, ``100 · (1 − A / B)`` %, of the
   two cells' values (a seeded row's mean), to whole percent ("54").
-- ``{paper:ROW:COL}``: the paper's value in the spec.
+- ``{paper:ROW:COL}``: the paper's value in the spec, as published (not padded to the column's digits).
 
 A placeholder whose cell has no value yet renders as "not run". A placeholder naming a row or a
 column the table does not have is an error (:func:`verdict_errors`, checked by the tests), so a
@@ -21,7 +21,8 @@ numbers, marked "(paper: ...)" (:data:`HAND_MARKS`); ``tests/test_results_page.p
 other measurement-like number in a verdict.
 
 Decisions: the page covers every spec in ``sweeps/`` (a spec without a verdict gets its link and
-"no verdict written yet"), in the order of :data:`ORDER` then by name; it links each table's
+"no verdict written yet") and every claim-by-claim table of ``sweeps/verdicts/`` (:mod:`vitexp.protocols`,
+shown whole: it is the verdict), in the order of :data:`ORDER` then by name; it links each table's
 ``.md`` and shows its ``.png`` relative to ``docs/`` (``../results/tables/...``), which a GitHub
 view of the file resolves and the MkDocs build maps (``scripts/mkdocs_hooks.py``).
 """
@@ -40,7 +41,8 @@ DEFAULT_PAGE = Path(__file__).resolve().parent.parent / "docs" / "results.md"
 TABLES_DIR = DEFAULT_PAGE.parent.parent / "results" / "tables"
 #: The order of the page's sections: the seeded Fashion-MNIST tier first, then the rest by name.
 ORDER = ("fmnist_bspf_table1", "fmnist_bspf_table2", "fmnist_bspf_table6", "fmnist_bspf_table7",
-         "fmnist_bspf_table8", "fmnist_saper_table1", "fmnist_raptor")
+         "fmnist_bspf_table8", "fmnist_bspf_protocols", "fmnist_bspf_scratch", "fmnist_bspf_long", "fmnist_bspf_grid14",
+         "fmnist_saper_table1", "fmnist_raptor")
 #: How a verdict marks a number that no table cell holds.
 HAND_MARKS = ("(paper: ",)
 PLACEHOLDER = re.compile(r"\{(cell|delta|diff|saved|paper):([^{}]+)\}")
@@ -80,7 +82,7 @@ def _render(kind: str, args: list[str], by_name: dict[str, dict[str, Any]], digi
     d = digits[key]
     if kind == "paper":
         value = by_name[names[0]]["cells"][key]["paper"]
-        return NOT_RUN if value is None else f"{value:.{d}f}" if isinstance(value, float) else str(value)
+        return NOT_RUN if value is None else str(value)  # as published: no digits the paper did not give
     if kind == "cell":  # a cost is deterministic: its std over seeds is not shown
         cell = by_name[names[0]]["cells"][key]
         return _stat(cell["value"], None if marks.cost_metric(key) else cell.get("std"), d)
@@ -143,6 +145,14 @@ def section(spec: dict[str, Any], rows: list[dict[str, Any]], tables_dir: Path =
     return "\n".join(lines)
 
 
+def claims_section(name: str, markdown: str) -> str:
+    """A claim-by-claim table (:func:`vitexp.protocols.text`) as a section: its title one level down,
+    the file it is written to, then the table and its notes."""
+    title, _, body = markdown.partition("\n")
+    return "\n".join([f"#{title}", "", f"`sweeps/verdicts/{name}.yaml` → [table](../results/tables/{name}.md)",
+                      body.rstrip(), ""])
+
+
 def page(sections: list[tuple[str, str]]) -> str:
     """The whole page from (spec name, section) pairs."""
     rank = {n: i for i, n in enumerate(ORDER)}
@@ -170,8 +180,11 @@ def default_page(results_dir: Path, out_dir: Path, other_source: bool) -> Path |
 
 
 def write(specs: list[dict[str, Any]], fill: Callable[[dict[str, Any]], list[dict[str, Any]]], path: Path,
-          write_text: Callable[[Path, str], Any], tables_dir: Path = TABLES_DIR) -> Path:
-    """Write the page for ``specs`` (every spec in sweeps/), each filled by ``fill``."""
+          write_text: Callable[[Path, str], Any], tables_dir: Path = TABLES_DIR,
+          claims: list[tuple[str, str]] = ()) -> Path:
+    """Write the page for ``specs`` (every spec in sweeps/), each filled by ``fill``, and the
+    claim-by-claim tables ``claims`` ((name, markdown): :func:`claims_section`)."""
     sections = [(spec["name"], section(spec, fill(spec), tables_dir)) for spec in specs]
+    sections += [(name, claims_section(name, text)) for name, text in claims]
     write_text(path, page(sections))
     return path

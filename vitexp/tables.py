@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             written[spec["name"]]["cost"] = str(cost)
             print(cost.read_text())
     # a verdict's table: its spec read and its rows filled once, shared with the tables written above
-    written.update(protocols.write(verdicts, lambda table: cache.get(table) or filled_spec(load_spec(table)), out_dir,
-                                   atomic_write, ledger))
+    fill_table = lambda table: cache.get(table) or filled_spec(load_spec(table))  # noqa: E731
+    written.update(protocols.write(verdicts, fill_table, out_dir, atomic_write, ledger))
     for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
         shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
                                for run_id, keys in sorted(runs.items()))
@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{shown_runs}", file=sys.stderr)
     page = args.results_page or results_page.default_page(results_dir, out_dir, bool(args.ledger or args.wandb or overrides))
     if page:  # every spec's verdict, filled from the same ledger (vitexp.results_page)
-        results_page.write([load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir)
+        claims = [(name, protocols.text(name, fill_table, ledger)) for name in protocols.verdict_files()]
+        results_page.write([load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir, claims)
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
     logs = args.log_wandb is not None or bool(args.wandb)
