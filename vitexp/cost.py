@@ -55,10 +55,9 @@ def dataset_sizes(config: Mapping[str, Any]) -> dict[str, int] | None:
         return DATASETS[name]
     if data.get("num_train") is not None:  # synthetic
         return {"train": int(data["num_train"]), "val": int(data["num_val"]), "test": int(data["num_test"])}
-    generate = data.get("generate") or {}
-    if generate.get("n_train") is not None:  # the micro COCO
-        return {"train": int(generate["n_train"]), "val": int(generate["n_val"]), "test": int(generate["n_val"])}
-    return None
+    from vitexp.objectives import objective_for
+
+    return objective_for(config).dataset_sizes(data)  # a dataset the objective generates
 
 
 def rehearsal_of(ledger, name: str) -> dict[str, Any] | None:

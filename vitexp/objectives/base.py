@@ -107,6 +107,12 @@ class Objective(abc.ABC):
         stage = method.deployed_stage(method.apply(copy.deepcopy(backbone), record["config"]["budget"]))
         return stage, method.rebuild_deployed(backbone, record)
 
+    def dataset_sizes(self, data: Mapping[str, Any]) -> dict[str, int] | None:
+        """{train, val, test} images of a dataset this objective builds itself from ``data`` (a
+        generated one), for :mod:`vitexp.cost`; ``None``: none (the named datasets are
+        :data:`vitexp.cost.DATASETS`)."""
+        return None
+
     def check_timed(self, cfg: DictConfig) -> None:
         """Raise :class:`~vitexp.errors.ConfigError` when ``vitexp-bench`` cannot time this
         objective's model (a forward on a batch of images at ``backbone.img_size``). Default: it can."""

@@ -104,6 +104,14 @@ class Detection(Objective):
         (stage,) = self.stages(cfg, method, method.rebuild_deployed(backbone, record), data_config)
         return stage, stage.model()
 
+    def dataset_sizes(self, data: Mapping[str, Any]) -> dict[str, int] | None:
+        """The micro COCO (``data.generate``): ``n_train`` training images and ``n_val`` for both
+        validation and test (its test split is its validation split)."""
+        generate = data.get("generate") or {}
+        if generate.get("n_train") is None:
+            return None
+        return {"train": int(generate["n_train"]), "val": int(generate["n_val"]), "test": int(generate["n_val"])}
+
     def check_timed(self, cfg) -> None:
         raise ConfigError("objective=detect: vitexp-bench times a model on a batch of images at backbone.img_size; "
                           "a detector's throughput is not measured (its RoI heads' time depends on its detections): "
