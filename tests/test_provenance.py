@@ -27,7 +27,8 @@ KNOWN_DERIVED = [
     ("peers_deit_small", "bspf_deit_small", "top1", "79.8 + 2.0"),
 ]
 #: The published baselines BSPF-ViT compares with: each cell cites the peer's own publication and says
-#: whether it was checked against it (../shared/reference.md: which were). label prefix -> checked?
+#: whether it was checked against it (docs/reading-peers.md, "Where the peers' published numbers were checked").
+#: label prefix -> checked? (EViT, top-1 checked and GMACs not: test_evit_values_name_where_each_was_read)
 PEERS = {"MCTF": True, "DynamicViT": True, "SPViT": False, "ToMe": False}
 
 
