@@ -1,7 +1,7 @@
 """The table plots (vitexp/plots.py) drawn from a constructed ledger: hollow paper markers and
 filled measured ones, error bars from seeds, cost-only and accuracy-only rows in strips beside their
 axis, one axis per dataset, a style of its own per row (the family's hue, a shade and marker per
-row), sweeps joined by a line.
+row), sweeps joined by a line, a row's seeds in the legend when fewer than asked.
 tests/test_plot_styles.py draws every table's plot."""
 from __future__ import annotations
 
@@ -79,6 +79,25 @@ def test_error_bars_where_seeds_give_a_std(artists):
     assert not bars["vitexp:micro baseline"].has_yerr and not bars["vitexp:EViT 0.7"].has_yerr
 
 
+def test_a_row_with_fewer_seeds_than_asked_says_so_in_the_legend():
+    """A seeded row plotted from 1 of its 3 seeds is named "... (1 of 3 seeds)"; with all three,
+    or unseeded, by its label alone."""
+    def legend(seeds):
+        runs = [_run(0, "demo", {"top1": 95.0, "gmacs": 0.0226}),
+                *(_run(1 + s, f"fmnist_bspf_vit_micro+seed={s}", {"top1": SEEDED_TOP1[s], "gmacs": 0.012}, seed=s)
+                  for s in seeds)]
+        fig = plots.draw(SPEC, tables.fill(SPEC, runs))
+        (box,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        texts = [t.get_text().replace("\n", " ") for t in box.get_texts()]
+        plt.close(fig)
+        return texts
+
+    partial, full = legend([1]), legend([0, 1, 2])
+    assert "micro BSPF, seeds (1 of 3 seeds)" in partial and "micro baseline" in partial
+    assert "micro BSPF, seeds" in full and not any("of 3 seeds" in t for t in full)
+    assert "micro BSPF, seeds (2 of 3 seeds)" in legend([0, 2])
+
+
 def test_rows_with_one_value_are_in_strips_beside_their_axis(artists):
     """A cost without accuracy: at its cost in a strip under the axis (sharing its cost axis, no
     accuracy scale); a paper accuracy without cost: at its accuracy in a strip left of it, hollow."""
@@ -151,6 +170,7 @@ def test_a_table_of_costs_alone_is_never_an_empty_frame():
     ticks = [line for line in ax.lines if (line.get_gid() or "").startswith("tick-vitexp:")]
     assert len(ticks) == len(spec["rows"]) == 7
     assert [t.get_text() for t in ax.texts] == [row["label"] for row in spec["rows"]]  # ticks named
+    assert 1.5 < ax.get_xlim()[0] < 2.0 and 3.5 < ax.get_xlim()[1] < 4.0  # the costs' range, not from 0
     assert "not run" in ax.get_title()  # no measured accuracy: the panel says so
     plt.close(fig)
 

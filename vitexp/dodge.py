@@ -19,6 +19,12 @@ Decisions:
   limits and the sweep lines (drawn through the values) stay as they are; error bars, the derived
   mark and a cost tick's name move with their marker, and a moved marker is not clipped at the
   axes' edge. The legend names each row by its colour and marker, which is how a moved marker is read.
+- **No marker cut at the axes' edge** (:func:`pad`): once the markers are set apart, an axis
+  whose markers (their outline at their size, edge and offset included, with their notes such as
+  the derived mark) reach past its window, or
+  nearer to it than :data:`EDGE` points, is widened in data units until they clear it; the
+  cost-only strip widens its shared cost axis, the no-cost strip its accuracy axis, and the layout
+  and the moves are then redone (:func:`place`). Limits only grow: the autoscaled margin stays.
 - **A row's own markers may coincide**: its hollow paper marker round its filled measured one reads
   as agreement, so they are not set apart from each other.
 """
@@ -38,6 +44,8 @@ DIRECTIONS = {"point": (1.0, 0.0), "xtick": (0.0, 1.0), "ytick": (1.0, 0.0)}
 MARKER = 8.0
 BASE = 3.0 + MARKER / 2
 PAD = 4.0
+#: The least space between a marker's outline and its axes' edge (points).
+EDGE = 3.0
 #: A strip's side of the axis -> its label.
 LABELS = {"bottom": "cost only", "left": "no cost\ngiven"}
 
@@ -50,6 +58,18 @@ class Mark:
     kind: str
     artists: list[Any]
     notes: list[Any] = field(default_factory=list)
+    #: The artists' transforms and the notes' offsets as drawn, before any move.
+    drawn: tuple[list[Any], list[Any]] | None = None
+
+    def restore(self) -> None:
+        """Back to the place it was drawn at (before :func:`separate` moved it), remembering it."""
+        if self.drawn is None:
+            self.drawn = ([a.get_transform() for a in self.artists], [n.xyann for n in self.notes])
+            return
+        for artist, transform in zip(self.artists, self.drawn[0]):
+            artist.set_transform(transform)
+        for note, xy in zip(self.notes, self.drawn[1]):
+            note.xyann = xy
 
 
 def _steps(kind: str) -> Iterator[int]:
@@ -91,9 +111,12 @@ def _by_axes(marks: list[Mark]) -> dict[Any, list[Mark]]:
 
 
 def separate(marks: list[Mark]) -> None:
-    """Move the marks of each axis or strip apart (:func:`offsets`), after the figure's layout is final."""
+    """Move the marks of each axis or strip apart (:func:`offsets`), after the figure's layout is
+    final; from where they were drawn, so it may be called again on a new layout."""
     from matplotlib.transforms import ScaledTranslation
 
+    for mark in marks:
+        mark.restore()
     for ax, group in _by_axes(marks).items():
         ax.get_xlim(), ax.get_ylim()  # applies any pending autoscaling: centres are read on final limits
         for mark, (dx, dy) in zip(group, offsets([(m.row, m.kind, _centre(m)) for m in group])):
@@ -167,10 +190,13 @@ class Strips:
         return grew
 
 
-def fit(fig, strips: list[Strips], marks: list[Mark], rounds: int = 3) -> None:
-    """Lay the figure out with its strips deep enough for their stacks, growing it by the strips
-    (up to ``rounds`` times: a strip's depth moves the markers of the strips across it)."""
-    width, height = fig.get_size_inches()
+def fit(fig, strips: list[Strips], marks: list[Mark], rounds: int = 3, size: tuple[float, float] | None = None) -> None:
+    """Lay the figure out with its strips deep enough for their stacks, growing it (``size``, else
+    its size now) by the strips (up to ``rounds`` times: a strip's depth moves the markers of the
+    strips across it). Marks are read where they were drawn."""
+    for mark in marks:
+        mark.restore()
+    width, height = size or fig.get_size_inches()
     for n in range(rounds + 1):
         fig.set_size_inches(width + sum(s.inches("left") for s in strips),
                             height + max((s.inches("bottom") for s in strips), default=0.0))
@@ -181,3 +207,68 @@ def fit(fig, strips: list[Strips], marks: list[Mark], rounds: int = 3) -> None:
                 ax.apply_aspect(ax.get_axes_locator()(ax, renderer))
         if n == rounds or not any([s.deepen(marks) for s in strips]):
             return
+
+
+def extent(line):
+    """A marker's outline (its path at its size, half its edge width round it) in display pixels,
+    round its centre (offset included)."""
+    from matplotlib.markers import MarkerStyle
+    from matplotlib.transforms import Affine2D, Bbox
+
+    style = MarkerStyle(line.get_marker())
+    px = line.figure.dpi / 72.0
+    box = style.get_path().transformed(style.get_transform() + Affine2D().scale(line.get_markersize() * px)).get_extents()
+    edge = line.get_markeredgewidth() * px / 2
+    x, y = line.get_transform().transform(line.get_xydata()[0])
+    return Bbox([[x + box.x0 - edge, y + box.y0 - edge], [x + box.x1 + edge, y + box.y1 + edge]])
+
+
+#: The data coordinates of each kind of marker: a strip's other coordinate is its own (points).
+DATA_DIMS = {"point": (0, 1), "xtick": (0,), "ytick": (1,)}
+
+
+def pad(marks: list[Mark], rounds: int = 20) -> bool:
+    """Widen each axis (in data units) until every marker on it, as now placed, lies :data:`EDGE`
+    points inside its window, with the notes that move with it (†); True when a limit changed."""
+    from matplotlib.transforms import Bbox
+
+    need: dict[tuple[Any, int], list[tuple[float, float, float]]] = {}
+    for mark in marks:
+        line = mark.artists[0]
+        ax, box = line.axes, Bbox.union([extent(line), *(note.get_window_extent() for note in mark.notes)])
+        edge = EDGE * line.figure.dpi / 72.0
+        value = line.get_xydata()[0]
+        at = ax.transData.transform(value)  # the value's own place: the offset is part of the reach
+        for dim in DATA_DIMS[mark.kind]:
+            low, high = (box.x0, box.x1) if dim == 0 else (box.y0, box.y1)
+            need.setdefault((ax, dim), []).append((float(value[dim]), at[dim] - low + edge, high - at[dim] + edge))
+    changed = False
+    for (ax, dim), reaches in need.items():
+        get, put = (ax.get_xlim, ax.set_xlim) if dim == 0 else (ax.get_ylim, ax.set_ylim)
+        lo, hi = get()
+        size = ax.bbox.width if dim == 0 else ax.bbox.height
+        new_lo, new_hi = lo, hi
+        for _ in range(rounds):  # each widening shrinks the scale, so the reach in data units grows
+            scale = (new_hi - new_lo) / size
+            wider = (min(new_lo, *(v - below * scale for v, below, _ in reaches)),
+                     max(new_hi, *(v + above * scale for v, _, above in reaches)))
+            if wider == (new_lo, new_hi):
+                break
+            new_lo, new_hi = wider
+        if (new_lo, new_hi) != (lo, hi):
+            put(new_lo, new_hi)
+            changed = True
+    return changed
+
+
+def place(fig, strips: list[Strips], marks: list[Mark], rounds: int = 4) -> None:
+    """The figure's final layout (:func:`fit`), its markers set apart (:func:`separate`) and its
+    axes widened until none is cut at an edge (:func:`pad`), redone up to ``rounds`` times."""
+    size = tuple(fig.get_size_inches())
+    for _ in range(rounds):
+        fit(fig, strips, marks, size=size)
+        separate(marks)
+        if not pad(marks):
+            return
+    fit(fig, strips, marks, size=size)
+    separate(marks)

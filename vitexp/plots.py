@@ -5,14 +5,15 @@ Encoding (decisions):
 - **Every row its own style, named in the legend**: a row a table separates is a row the plot
   separates. The hue is the method family (:data:`METHOD_FAMILIES` of the experiment's ``method``
   choice, a head-selection rule other than LapSum as its own family, or the spec row's ``family:``
-  for cited rows); the n-th row of a family takes the n-th marker and the n-th shade of that hue
-  (:func:`row_styles`), so no two rows share colour and marker. The legend names each row by its
-  label (which names its backbone).
+  for cited rows); each row takes a shade of that hue and a marker such that no two rows on one
+  axis share a marker unless their colours are at least ΔE00 20 apart (CIEDE2000;
+  :mod:`vitexp.plot_styles`). The legend names each row by its label (which names its backbone).
 - **Controls** (a spec row's ``control: true``: an untrained surrogate, a probe at initialisation)
   are grey and hollow, with their own marker: they are drawn as what they are, not as the method.
 - **Filled: vitexp's measured value; hollow: the paper's.** A paper value derived by arithmetic
   is marked † (:data:`vitexp.provenance.DERIVED_MARK`; the footnote under the plot gives its formula).
-- **Error bars:** ±1 sample std over a seeded row's seeds (:mod:`vitexp.aggregate`).
+- **Error bars:** ±1 sample std over a seeded row's seeds (:mod:`vitexp.aggregate`); a row with
+  fewer completed seeds than it asks for says so after its name in the legend ("(1 of 3 seeds)").
 - **Sweep lines:** rows of one ``series:`` (the spec's), and otherwise rows of one base experiment
   whose overrides differ only in their budget (keep ratio, r, k, blocks: ``budget.*`` overrides) and
   ``name``: a method's sweep. Solid
@@ -49,7 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from vitexp.config import experiment_choices
-from vitexp.dodge import BASE, LABELS, MARKER, Mark, Strips, fit, separate
+from vitexp.dodge import BASE, LABELS, MARKER, Mark, Strips, place
+from vitexp.plot_styles import FAMILY_COLOURS, row_styles  # noqa: F401 (FAMILY_COLOURS: the families' hues, here too)
 from vitexp.provenance import DERIVED_MARK
 from vitexp.rows import row_overrides
 
@@ -57,17 +59,6 @@ from vitexp.rows import row_overrides
 METHOD_FAMILIES = {"baseline": "baseline", "probe": "baseline", "knn": "baseline", "bspf": "BSPF-ViT",
                    "chunk": "chunk attention", "evit": "EViT", "tome": "ToMe", "saper_ft": "SAPER",
                    "saper_kd": "SAPER", "raptor": "RAPTOR"}
-FAMILY_COLOURS = {"baseline": "0.15", "BSPF-ViT": "tab:blue", "chunk attention": "tab:cyan", "EViT": "tab:orange",
-                  "ToMe": "tab:green", "SAPER": "tab:red", "RAPTOR": "tab:purple"}
-#: Colours of the other families (cited methods, head-selection rules), in order of appearance;
-#: no grey: grey is the controls'.
-SPARE_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "gold", "navy", "teal", "maroon", "lime", "darkkhaki")
-#: Markers of a family's rows, in order.
-MARKERS = ("o", "s", "D", "P", "X", "*", "h", "p", "d", "H", "8", "v")
-#: The n-th row of a family: its hue mixed with white (> 0) or black (< 0) by this fraction.
-SHADES = (0.0, 0.45, -0.4, 0.7, -0.6, 0.25, -0.2)
-CONTROL_COLOUR = "0.55"
-CONTROL_MARKERS = ("X", "D", "s", "P")
 DATASET_NAMES = {"imagenet": "ImageNet-1K", "cifar100": "CIFAR-100", "digits": "digits (scikit-learn)",
                  "fashion_mnist": "Fashion-MNIST", "synthetic": "synthetic", "coco": "COCO", "micro_coco": "micro COCO",
                  "imagefolder": "image folder"}
@@ -174,6 +165,7 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
     """One dataset's points, sweeps, and rows with one value in ``strips``; ``used`` collects the
     value kinds drawn. The rows' markers, in drawing order, for :func:`vitexp.dodge.separate`."""
     from matplotlib.ticker import MaxNLocator
+    from matplotlib.transforms import ScaledTranslation
 
     ticks, accuracy_ticks, used_here, marks = [], [], set(), []
     for row in rows:
@@ -221,6 +213,7 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
                                                   textcoords="offset points", fontsize=7, color=colour))
     has_points = bool(used_here & {"vitexp", "paper", "ytick_vitexp", "ytick_paper"})
     only_ticks = bool(ticks) and not has_points
+    up = ScaledTranslation(0, BASE / 72.0, ax.figure.dpi_scale_trans)
     for source, value, row in ticks:  # a cost without its accuracy: in the cost-only strip
         colour, marker = style[row["label"]]
         on, y, where = ((ax, 0.0, {"transform": ax.get_xaxis_transform()}) if only_ticks  # costs alone: on the axis
@@ -229,11 +222,13 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
             [value], [y], **where, marker=marker, ls="none", ms=MARKER, clip_on=False,
             mfc=colour if source == "vitexp" else "none", mec=colour, mew=1.2, zorder=4,
             gid=f"tick-{source}:{row['label']}")))
+        if only_ticks:  # BASE points above the axis's foot (its cost counted in the limits first), whole inside it
+            marks[-1].artists[0].set_transform(marks[-1].artists[0].get_transform() + up)
         used_here.add(f"tick_{source}")
         if only_ticks and len(ticks) <= MAX_TICK_LABELS:
-            marks[-1].notes.append(ax.annotate(row["label"], (value, 0.0), xycoords=ax.get_xaxis_transform(), xytext=(0, 8),
-                                               textcoords="offset points", rotation=90, fontsize=6, ha="center",
-                                               va="bottom", color=colour))
+            marks[-1].notes.append(ax.annotate(row["label"], (value, 0.0), xycoords=ax.get_xaxis_transform(),
+                                               xytext=(0, BASE + 8), textcoords="offset points", rotation=90,
+                                               fontsize=6, ha="center", va="bottom", color=colour))
     if only_ticks:
         ax.set_yticks([])
         ax.set_ylim(0, 1)
@@ -248,35 +243,6 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
     return marks
 
 
-def _shade(colour: Any, fraction: float) -> tuple[float, float, float, float]:
-    """``colour`` mixed with white (fraction > 0) or black (< 0)."""
-    from matplotlib.colors import to_rgba
-
-    r, g, b, a = to_rgba(colour)
-    target = 1.0 if fraction > 0 else 0.0
-    return tuple(c + abs(fraction) * (target - c) for c in (r, g, b)) + (a,)
-
-
-def row_styles(rows: list[dict[str, Any]]) -> dict[str, tuple[tuple[float, ...], str]]:
-    """{row label: (colour, marker)}, one pair per row: the family's hue in the n-th shade with the
-    n-th marker for the n-th row of a family; controls grey. No two rows share a pair."""
-    families = list(dict.fromkeys(r["family"] for r in rows if not r.get("control")))
-    spare = iter(SPARE_COLOURS * (1 + len(families) // len(SPARE_COLOURS)))
-    hue = {f: FAMILY_COLOURS.get(f) or next(spare) for f in families}
-    members: dict[str, int] = {}
-    styles: dict[str, tuple[tuple[float, ...], str]] = {}
-    for row in rows:
-        if row["label"] in styles:
-            continue
-        family = "control" if row.get("control") else row["family"]
-        n = members[family] = members.get(family, -1) + 1
-        if row.get("control"):
-            styles[row["label"]] = (_shade(CONTROL_COLOUR, SHADES[n % len(SHADES)] / 2), CONTROL_MARKERS[n % len(CONTROL_MARKERS)])
-        else:
-            styles[row["label"]] = (_shade(hue[family], SHADES[n % len(SHADES)]), MARKERS[n % len(MARKERS)])
-    return styles
-
-
 #: Legend entries of the value kinds: (key in ``used``, label, marker, filled, line style).
 KINDS = (("vitexp", "vitexp (measured)", "o", True, "none"), ("paper", "paper", "o", False, "none"), ("sweep", "sweep (solid: vitexp, dashed: paper)", "", False, "-"),
          ("tick_vitexp", "in the 'cost only' strip: vitexp's cost (no accuracy yet)", "o", True, "none"),
@@ -287,7 +253,8 @@ KINDS = (("vitexp", "vitexp (measured)", "o", True, "none"), ("paper", "paper", 
 
 def _legend_handles(rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str, tuple[Any, str]], used: set[str]):
     """Every row on the plot by its label (in its colour and marker; hollow for a control or a row
-    with paper values only), then the value kinds drawn."""
+    with paper values only; its seeds when fewer than asked, :func:`seeds_note`), then the value
+    kinds drawn."""
     from matplotlib.lines import Line2D
 
     drawn = list({r["label"]: r for r in rows
@@ -297,6 +264,7 @@ def _legend_handles(rows: list[dict[str, Any]], xk: str, yk: str, style: dict[st
         colour, marker = style[r["label"]]
         measured = any(r["cells"][k]["value"] is not None for k in (xk, yk))
         label = ("control: " if r.get("control") and not r["label"].lower().startswith("control") else "") + r["label"]
+        label += seeds_note(r, xk, yk)
         handles.append(Line2D([], [], marker=marker, ls="none", color=colour, mec=colour, mew=1.3,
                               mfc=colour if measured and not r.get("control") else "none",
                               label="\n".join(textwrap.wrap(label, LEGEND_WIDTH, break_on_hyphens=False))))
@@ -304,6 +272,15 @@ def _legend_handles(rows: list[dict[str, Any]], xk: str, yk: str, style: dict[st
     handles += [Line2D([], [], marker=m or None, ls=ls, color="0.35", mfc="0.35" if filled else "none",
                        label=label + (std if key == "vitexp" else "")) for key, label, m, filled, ls in KINDS if key in used]
     return handles
+
+
+def seeds_note(row: dict[str, Any], xk: str, yk: str) -> str:
+    """The legend's ' (1 of 3 seeds)' after a seeded row whose plotted values are over fewer seeds
+    than it asks for (the fewest of its two cells); '' otherwise."""
+    cells = [row["cells"][k] for k in (xk, yk) if row["cells"][k]["value"] is not None and row["cells"][k].get("expected")]
+    n = min((c.get("n") or 0 for c in cells), default=None)
+    expected = max((c["expected"] for c in cells), default=None)
+    return f" ({n} of {expected} seeds)" if cells and n < expected else ""
 
 
 #: Characters per line of a row's name in the legend.
@@ -331,9 +308,9 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
     cols = {c["key"]: c for c in spec["columns"]}
     rows = plot_rows(spec, rows)
     panels = axis_panels(rows)
+    style = row_styles(rows, [[r["label"] for r in members] for members in panels.values()])  # before panels drop
     if len(panels) > 1 and any(_anything(m, xk, yk) for m in panels.values()):
         panels = {k: m for k, m in panels.items() if _anything(m, xk, yk)}
-    style = row_styles(rows)
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), dpi=120, squeeze=False)
     used: set[str] = set()
     marks: list[Mark] = []
@@ -351,8 +328,8 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     fig.suptitle("\n".join(textwrap.wrap(spec["title"], 90)), fontsize=9)
-    fit(fig, strips, marks)  # before the legend, which lies outside the axes; savefig's tight box takes it in
-    separate(marks)  # on the final layout: markers that would hide each other are set apart
+    place(fig, strips, marks)  # before the legend (outside the axes; savefig's tight box takes it in): the
+    # final layout, markers that would hide each other set apart, axes widened until none is cut
     handles = _legend_handles([r for m in panels.values() for r in m], xk, yk, style, used)
     below = -0.01
     if handles:
