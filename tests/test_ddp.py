@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import cli_env, ledger_entries
 
 
@@ -75,6 +77,7 @@ def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp
     assert ddp["top1"] == single["top1"] and ddp["top5"] == single["top5"]
 
 
+@pytest.mark.slow  # a second classification DDP run (test_ddp_cpu_two_processes_one_ledger_entry is the default one)
 def test_test_split_of_seven_images_counts_each_once_under_ddp(results_dir, tmp_path, make_cfg):
     """7 test images on 2 processes: a padding sampler (Lightning's default ``DistributedSampler``)
     scores 8, image 0 twice, which moves top-1 from k/7 to (k ± 1)/8 unless k is 0 or 7; the

@@ -50,7 +50,8 @@ def test_slurm_launcher_composes_without_the_schema_matching_warning():
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.max_num_timeout >= 1
 
 
-@pytest.mark.parametrize("trainer", [["trainer=ddp_cpu"], ["trainer=cpu", "trainer.devices=2"]])
+@pytest.mark.parametrize("trainer", [["trainer=ddp_cpu"],
+                                     pytest.param(["trainer=cpu", "trainer.devices=2"], marks=pytest.mark.slow)])
 def test_subprocess_ddp_inside_a_local_multirun_is_refused(trainer, results_dir, tmp_path):
     """strategy=ddp, and strategy=auto with two devices (Lightning then picks the same subprocess DDP)."""
     proc = vitexp_cli("train", "-m", *trainer, "logger=none", "seed=1,2", results_dir=results_dir, cwd=tmp_path)

@@ -49,6 +49,7 @@ def test_fast_dev_run(backbone, method, make_cfg, results_dir):
     assert entry["protocol"]["data_order"] == "seed*1000003+epoch"  # what the sweep tells old seeds by
 
 
+@pytest.mark.slow  # about 90 s on 2 cores; the demo table's run records the same (results/tables/demo.md)
 def test_demo_reaches_85_percent_on_digits(make_cfg, results_dir):
     """The default experiment (micro ViT on the real digits, 30 epochs) on the CPU."""
     cfg = make_cfg(QUIET + ["eval.throughput=false"])
