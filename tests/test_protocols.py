@@ -31,11 +31,14 @@ def test_the_sign_rule_and_a_verdict_only_where_the_protocols_agree():
     assert claim["verdict"] == "protocols disagree: supports under P1; contradicts under P2 (2 of 3 protocols measured)"
     filled["t2"][1]["cells"]["top1"]["seeds"] = {0: 80.5, 1: 81.1}
     (claim,) = protocols.evaluate(SPEC, filled.__getitem__)
-    assert claim["verdict"] == "holds under every measured protocol (2 of 3 protocols measured)"
+    assert claim["verdict"] == "holds under every measured protocol so far (2 of 3 protocols measured)"
+    (claim,) = protocols.evaluate({**SPEC, "protocols": SPEC["protocols"][:1]}, filled.__getitem__)
+    assert claim["verdict"] == "holds under every measured protocol (1 of 1 protocols measured)"  # nothing to come
     needs3 = {**SPEC, "pairs": 3}  # P2's two pairs are too few: shown, not judged
     (claim,) = protocols.evaluate(needs3, filled.__getitem__)
     assert [c["sign"] for c in claim["cells"]] == ["supports", "incomplete", "not run"]
-    assert claim["verdict"] == "holds under every measured protocol (1 of 3 protocols measured, 1 incomplete)"
+    assert claim["verdict"] == ("holds under every measured protocol so far (1 of 3 protocols measured, 1 incomplete); "
+                                "not yet judged: P2: +0.30 ± 0.28 (2)")
     assert "| +0.57 ± 0.40 (3) (supports) | +0.30 ± 0.28 (2) (incomplete: 2 of 3 pairs) | not run |" in \
         protocols.render(needs3, [claim])
 

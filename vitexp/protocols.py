@@ -14,7 +14,9 @@ Decisions:
   under way says nothing until they are done).
 - A claim's verdict is given only where the measured protocols agree ("holds under all N measured
   protocols", "fails under all N"); where they disagree the verdict names which protocol says what;
-  protocols not run are counted ("k of M protocols measured"), so a verdict never speaks for them.
+  protocols not run or incomplete are counted ("k of M protocols measured, j incomplete") and the
+  verdict says "so far", so it never speaks for them; an incomplete cell's difference follows the
+  verdict ("not yet judged: ..."), whichever way it points.
 - A protocol's cost is the training time of every run its cells use plus the runs whose weights
   those loaded (``backbone.pretrained=run:``, followed back to a run that loaded none), each counted
   once: the ledger's ``fit_time_s`` (training only, test excluded) summed and shown in hours, on the
@@ -92,13 +94,14 @@ def verdict(signs: list[tuple[str, str]]) -> str:
     of = f"{len(measured)} of {len(signs)} protocols measured" + (f", {incomplete} incomplete" if incomplete else "")
     if not measured:
         return f"not run ({of})"
+    so_far = " so far" if len(measured) < len(signs) else ""  # a protocol still to come may disagree
     kinds = {s for _, s in measured}
     if kinds == {"supports"}:
-        return f"holds under every measured protocol ({of})"
+        return f"holds under every measured protocol{so_far} ({of})"
     if kinds == {"contradicts"}:
-        return f"fails under every measured protocol ({of})"
+        return f"fails under every measured protocol{so_far} ({of})"
     if kinds == {"undecided"}:
-        return f"undecided under every measured protocol ({of})"
+        return f"undecided under every measured protocol{so_far} ({of})"
     parts = [f"{s} under {', '.join(p for p, k in measured if k == s)}" for s in ("supports", "contradicts", "undecided")
              if s in kinds]
     return f"protocols disagree: {'; '.join(parts)} ({of})"
@@ -143,7 +146,9 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
             text = format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run"
             cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs, needed), "needed": needed, **diff})
         judged = [(c["protocol"], c["sign"]) for c in cells if c["sign"] is not None]
-        out.append({"claim": claim["label"], "cells": cells, "verdict": verdict(judged)})
+        pending = [f"{c['protocol']}: {c['text']}" for c in cells if c["sign"] == "incomplete"]
+        text = verdict(judged) + (f"; not yet judged: {'; '.join(pending)}" if pending else "")
+        out.append({"claim": claim["label"], "cells": cells, "verdict": text})
     return out
 
 

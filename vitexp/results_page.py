@@ -6,7 +6,7 @@ the table's cells (:func:`vitexp.tables.fill`), formatted with the column's ``di
 named by its ledger name (:func:`vitexp.rows.row_name`: the experiment, or the row's ``name``):
 
 - ``{cell:ROW:COL}``: vitexp's value; a seeded row's mean ± sample std ("86.15 ± 0.12"; a cost
-  column, the same for every seed, without its std).
+  column, the same for every seed, without its std), "(1 of 3 seeds)" after it while seeds are missing.
 - ``{delta:ROW:COL}``: the paired difference to the row's ``baseline`` ("−2.64 ± 0.18").
 - ``{diff:ROW_A:ROW_B:COL}``: the paired difference A − B over the seeds both have, or the
   plain difference of two unseeded cells ("+0.01 ± 0.09").
@@ -64,6 +64,11 @@ def _stat(mean: float | None, std: float | None, digits: int, signed: bool = Fal
     return _signed(text)
 
 
+def _partial(n: int | None, expected: int | None, value: float | None) -> str:
+    """`` (n of N seeds)`` after a seeded value from fewer seeds than its row asks for, as the table's cell says."""
+    return f" ({n} of {expected} seeds)" if value is not None and n and expected and n < expected else ""
+
+
 def _lookup(spec: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
     by_name = {r["experiment"]: r for r in rows if r.get("experiment")}
     by_name.update({r["label"]: r for r in rows if not r.get("experiment")})  # cited rows: by label
@@ -85,12 +90,14 @@ def _render(kind: str, args: list[str], by_name: dict[str, dict[str, Any]], digi
         return NOT_RUN if value is None else str(value)  # as published: no digits the paper did not give
     if kind == "cell":  # a cost is deterministic: its std over seeds is not shown
         cell = by_name[names[0]]["cells"][key]
-        return _stat(cell["value"], None if marks.cost_metric(key) else cell.get("std"), d)
+        text = _stat(cell["value"], None if marks.cost_metric(key) else cell.get("std"), d)
+        return text + _partial(cell.get("n"), cell.get("expected"), cell["value"])
     if kind == "delta":
         diff = (by_name[names[0]].get("paired") or {}).get(key)
         if diff is None:
             raise KeyError(f"paired column {key!r} of row {names[0]!r} (no baseline, or the column is not paired)")
-        return _stat(diff["mean"], diff["std"], d, signed=True)
+        expected = by_name[names[0]]["cells"][key].get("expected")
+        return _stat(diff["mean"], diff["std"], d, signed=True) + _partial(diff.get("n"), expected, diff["mean"])
     a, b = (by_name[n]["cells"][key] for n in names)
     if kind == "saved":
         if a["value"] is None or b["value"] is None:
