@@ -276,3 +276,24 @@ def test_dodge_keeps_the_first_and_moves_the_next_by_a_gap():
     moved = dodge.offsets([("a", "point", (0.0, 0.0)), ("b", "point", (1.0, 0.0)), ("c", "point", (0.0, 1.0)),
                      ("a", "point", (0.0, 0.0)), ("d", "xtick", (50.0, 0.0)), ("e", "xtick", (51.0, 0.0))])
     assert moved == [(0.0, 0.0), (gap, 0.0), (-gap, 0.0), (0.0, 0.0), (0.0, 0.0), (0.0, gap)]
+
+
+def test_a_plot_says_when_a_marker_was_set_apart_from_its_values():
+    """Two rows at one point: the second is moved sideways on the page, and the note under the plot
+    says so; rows far apart move nothing and the note is absent."""
+    spec = {"name": "moved", "title": "t", "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 2},
+                                                       {"key": "gmacs", "label": "GMACs", "digits": 3}],
+            "plot": {"x": "gmacs", "y": "top1"},
+            "rows": [{"label": "a", "experiment": "demo"}, {"label": "b", "experiment": "bspf_demo"}]}
+
+    def texts(top1_b: float) -> list[str]:
+        runs = [{"run_id": n, "experiment": n, "status": "completed", "kind": "train", "config": {},
+                 "metrics": {"gmacs": 0.02, "top1": y}} for n, y in (("demo", 80.0), ("bspf_demo", top1_b))]
+        fig = plots.draw(spec, tables.fill(spec, runs))
+        try:
+            return [" ".join(t.get_text().split()) for t in fig.texts]  # the notes are wrapped
+        finally:
+            plt.close(fig)
+
+    assert any(dodge.MOVED_NOTE in t for t in texts(80.0))
+    assert not any(dodge.MOVED_NOTE in t for t in texts(90.0))

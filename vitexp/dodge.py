@@ -5,8 +5,8 @@ strip beside the axis, never inside it (:mod:`vitexp.plots` draws them, this mod
 Decisions:
 - **Who moves, and how far**: markers are placed in drawing order (the table's row order; a row's
   measured point, then its paper point, then the strips' markers), per axis or strip, and the first
-  keeps its place. A marker whose centre lies closer than :data:`GAP` points (a marker's width: 13
-  px at the plots' 120 dpi) to a placed marker of another row moves by the smallest multiple of
+  keeps its place. A marker whose centre lies closer than :data:`GAP` points (a marker's 8-point width
+  and 2 points between outlines) to a placed marker of another row moves by the smallest multiple of
   :data:`GAP` that clears every placed marker: a point of the plane sideways (+GAP, -GAP, +2 GAP,
   ...), a cost-only marker upwards in its strip (a stack), an accuracy-only marker rightwards in its
   strip.
@@ -18,7 +18,9 @@ Decisions:
 - **The value is unchanged**: the move is an offset transform in points, so the data, the axis
   limits and the sweep lines (drawn through the values) stay as they are; error bars, the derived
   mark and a cost tick's name move with their marker, and a moved marker is not clipped at the
-  axes' edge. The legend names each row by its colour and marker, which is how a moved marker is read.
+  axes' edge. The legend names each row by its colour and marker, which is how a moved marker is read,
+  and a plot with a moved marker on an axis (a stack in a strip is not one) says so under it
+  (:data:`MOVED_NOTE`).
 - **No marker cut at the axes' edge** (:func:`pad`): once the markers are set apart, an axis
   whose markers (their outline at their size, edge and offset included, with their notes such as
   the derived mark) reach past its window, or
@@ -34,8 +36,11 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Iterator
 
+#: The note under a plot whose axis has a marker set apart from its values.
+MOVED_NOTE = ("Markers that would hide one another are set apart sideways on the page (by multiples of a "
+              "marker's width); their values are the table's.")
 #: Centres closer than this (points) are set apart, by multiples of it.
-GAP = 8.0
+GAP = 10.0
 #: The direction each kind of marker moves in: a point of the plane, a cost-only marker (cost on
 #: x), an accuracy-only one (accuracy on y).
 DIRECTIONS = {"point": (1.0, 0.0), "xtick": (0.0, 1.0), "ytick": (1.0, 0.0)}
@@ -60,9 +65,12 @@ class Mark:
     notes: list[Any] = field(default_factory=list)
     #: The artists' transforms and the notes' offsets as drawn, before any move.
     drawn: tuple[list[Any], list[Any]] | None = None
+    #: Set apart from where its values put it (:func:`separate`).
+    moved: bool = False
 
     def restore(self) -> None:
         """Back to the place it was drawn at (before :func:`separate` moved it), remembering it."""
+        self.moved = False
         if self.drawn is None:
             self.drawn = ([a.get_transform() for a in self.artists], [n.xyann for n in self.notes])
             return
@@ -122,6 +130,7 @@ def separate(marks: list[Mark]) -> None:
         for mark, (dx, dy) in zip(group, offsets([(m.row, m.kind, _centre(m)) for m in group])):
             if not (dx or dy):
                 continue
+            mark.moved = True
             for artist in mark.artists:
                 shift = ScaledTranslation(dx / 72.0, dy / 72.0, artist.figure.dpi_scale_trans)
                 artist.set_transform(artist.get_transform() + shift)

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from vitexp.config import experiment_choices
-from vitexp.dodge import BASE, LABELS, MARKER, Mark, Strips, place
+from vitexp.dodge import BASE, LABELS, MARKER, MOVED_NOTE, Mark, Strips, place
 from vitexp.plot_styles import FAMILY_COLOURS, row_styles  # noqa: F401 (FAMILY_COLOURS: the families' hues, here too)
 from vitexp.provenance import DERIVED_MARK
 from vitexp.rows import row_overrides
@@ -330,6 +330,8 @@ def draw(spec: dict[str, Any], rows: list[dict[str, Any]], notes: list[str] = ()
     fig.suptitle("\n".join(textwrap.wrap(spec["title"], 90)), fontsize=9)
     place(fig, strips, marks)  # before the legend (outside the axes; savefig's tight box takes it in): the
     # final layout, markers that would hide each other set apart, axes widened until none is cut
+    if any(m.moved and m.kind == "point" for m in marks):
+        notes = [*notes, MOVED_NOTE]
     handles = _legend_handles([r for m in panels.values() for r in m], xk, yk, style, used)
     below = -0.01
     if handles:
