@@ -5,10 +5,14 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-from omegaconf import open_dict
+# Before torch is imported (vitexp imports it): the micro models' small matrices run faster on one
+# thread than on two that wait on each other; the subprocesses the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import vitexp.config as vconfig
+import pytest  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
+
+import vitexp.config as vconfig  # noqa: E402
 
 #: Overrides that keep a test run small and quiet (no logger, no progress bar).
 QUIET = ["logger=none", "trainer.enable_progress_bar=false"]
