@@ -105,7 +105,8 @@ def _render(kind: str, args: list[str], by_name: dict[str, dict[str, Any]], digi
         return f"{100 * (1 - a['value'] / b['value']):.0f}"
     if a.get("seeds") is not None and b.get("seeds") is not None:
         diff = aggregate.paired_difference(a["seeds"], b["seeds"])
-        return _stat(diff["mean"], diff["std"], d, signed=True)
+        expected = min(a.get("expected") or 0, b.get("expected") or 0) or None
+        return _stat(diff["mean"], diff["std"], d, signed=True) + _partial(diff["n"], expected, diff["mean"])
     if a["value"] is None or b["value"] is None:
         return NOT_RUN
     return _stat(a["value"] - b["value"], None, d, signed=True)
