@@ -113,7 +113,7 @@ def test_a_usage_error_ends_with_the_invalid_line(app, capsys):
     assert "--bogus" in line and "--help" in line
 
 
-def test_an_official_training_checkpoint_with_args_passes_the_cli_checks(results_dir, tmp_path):
+def test_an_official_training_checkpoint_with_args_passes_the_cli_checks(results_dir, tmp_path, monkeypatch, capfd):
     """A file as timm's CheckpointSaver, SHViT's main.py and the official T2T-ViT / LV-ViT scripts
     save it (``state_dict`` with a ``module.`` prefix, ``state_dict_ema``, an ``argparse.Namespace``
     under ``args``) passes the checks vitexp-flops runs before it starts (the weights-only load
@@ -129,10 +129,10 @@ def test_an_official_training_checkpoint_with_args_passes_the_cli_checks(results
     path = tmp_path / "t2t_vit_micro.pth.tar"
     torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}, "state_dict_ema": state,
                 "args": argparse.Namespace(model="t2t_vit_micro", lr=1e-3, model_ema=True), "epoch": 309}, path)
-    proc = run("vitexp-flops", "backbone=t2t_vit_micro", f"backbone.pretrained={path}", "logger=none",
-               results_dir=results_dir, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert last_json(proc.stdout)["status"] == "completed"
+    code, out, err = _in_process("flops", ["backbone=t2t_vit_micro", f"backbone.pretrained={path}", "logger=none"],
+                                 results_dir, tmp_path, monkeypatch, capfd)
+    assert code == 0, err[-2000:]
+    assert last_json(out)["status"] == "completed"
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "completed" and entry["config"]["backbone"]["pretrained"]
 
@@ -180,22 +180,24 @@ BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file fr
 ]
 
 
-def _train_in_process(args: list[str], results_dir: Path, cwd: Path, monkeypatch, capfd) -> tuple[int, str, str]:
-    """``vitexp-train ARGS`` through its entry point in this process: (exit code, stdout, stderr).
-    The root logger is restored afterwards (Hydra configures logging for the job it starts)."""
+def _in_process(app: str, args: list[str], results_dir: Path, cwd: Path, monkeypatch, capfd,
+                env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``vitexp-<app> ARGS`` (a Hydra app: train, flops, bench) through its entry point in this
+    process, with ``env`` added: (exit code, stdout, stderr). The root logger is restored afterwards
+    (Hydra configures logging for the job it starts)."""
     import logging
 
     from vitexp import cli
 
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
-    for key, value in cli_env(results_dir).items():
+    for key, value in {**cli_env(results_dir), **(env or {})}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(cwd)
-    monkeypatch.setattr(sys, "argv", ["vitexp-train", *args])
+    monkeypatch.setattr(sys, "argv", [f"vitexp-{app}", *args])
     capfd.readouterr()
     try:
-        cli.train_main()
+        getattr(cli, f"{app}_main")()
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
@@ -203,6 +205,10 @@ def _train_in_process(args: list[str], results_dir: Path, cwd: Path, monkeypatch
         root.handlers[:], root.level = handlers, level
     out, err = capfd.readouterr()
     return code, out, err
+
+
+def _train_in_process(args: list[str], results_dir: Path, cwd: Path, monkeypatch, capfd) -> tuple[int, str, str]:
+    return _in_process("train", args, results_dir, cwd, monkeypatch, capfd)
 
 
 def _check_refused(code: int, stdout: str, stderr: str, names: str, results_dir: Path, cwd: Path) -> None:
@@ -283,17 +289,17 @@ def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, t
 
 
 @pytest.mark.parametrize("plus", ["+", "++"])
-def test_a_key_added_to_a_mapping_of_the_schema_is_accepted(plus, results_dir, tmp_path):
+def test_a_key_added_to_a_mapping_of_the_schema_is_accepted(plus, results_dir, tmp_path, monkeypatch, capfd):
     """``backbone.kwargs`` is a mapping (``Dict[str, Any]`` in vitexp.schema): ``+backbone.kwargs.init_values=1.0``
     adds a timm argument, as ``vitexp.config.compose`` accepts it, and reaches the model (LayerScale)."""
-    proc = run("vitexp-flops", "backbone=dinov2_micro", f"{plus}backbone.kwargs.init_values=1.0", "logger=none",
-               results_dir=results_dir, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, _, err = _in_process("flops", ["backbone=dinov2_micro", f"{plus}backbone.kwargs.init_values=1.0", "logger=none"],
+                               results_dir, tmp_path, monkeypatch, capfd)
+    assert code == 0, err[-2000:]
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "completed" and entry["config"]["backbone"]["kwargs"] == {"init_values": 1.0}
 
 
-def test_values_from_the_environment_and_optional_warmup_steps_are_accepted(results_dir, tmp_path):
+def test_values_from_the_environment_and_optional_warmup_steps_are_accepted(results_dir, tmp_path, monkeypatch, capfd):
     """``${oc.env:SLURM_ARRAY_TASK_ID,3}`` for ``seed`` and ``${oc.env:LR,0.001}`` for ``recipe.lr`` are
     strings that convert losslessly to the integer and float expected: accepted, and recorded as
     those numbers (as a structured config would convert them); ``recipe.warmup_steps=null`` (no
@@ -301,25 +307,24 @@ def test_values_from_the_environment_and_optional_warmup_steps_are_accepted(resu
     args = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor",
             "seed=${oc.env:SLURM_ARRAY_TASK_ID,3}", "recipe.lr=${oc.env:LR,0.001}", "recipe.warmup_steps=null",
             "logger=none"]
-    proc = subprocess.run([str(BIN / "vitexp-flops"), *args], capture_output=True, text=True, cwd=tmp_path,
-                          env={**cli_env(results_dir), "SLURM_ARRAY_TASK_ID": "3", "LR": "0.001"}, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, _, err = _in_process("flops", args, results_dir, tmp_path, monkeypatch, capfd,
+                               env={"SLURM_ARRAY_TASK_ID": "3", "LR": "0.001"})
+    assert code == 0, err[-2000:]
     (entry,) = ledger_entries(results_dir)
     assert entry["config"]["seed"] == 3 and entry["config"]["recipe"]["lr"] == 0.001
     assert entry["config"]["recipe"]["warmup_steps"] is None
-    bad = subprocess.run([str(BIN / "vitexp-flops"), "seed=${oc.env:SLURM_ARRAY_TASK_ID}", "logger=none"],
-                         capture_output=True, text=True, cwd=tmp_path,
-                         env={**cli_env(results_dir), "SLURM_ARRAY_TASK_ID": "3.5"}, timeout=300)
-    assert bad.returncode == 2 and "seed: '3.5' is not an integer" in bad.stderr
+    code, _, err = _in_process("flops", ["seed=${oc.env:SLURM_ARRAY_TASK_ID}", "logger=none"], results_dir, tmp_path,
+                               monkeypatch, capfd, env={"SLURM_ARRAY_TASK_ID": "3.5"})
+    assert code == 2 and "seed: '3.5' is not an integer" in err
 
 
-def test_bench_on_a_gpu_this_machine_lacks_is_refused_before_its_entry(results_dir, tmp_path):
+def test_bench_on_a_gpu_this_machine_lacks_is_refused_before_its_entry(results_dir, tmp_path, monkeypatch, capfd):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     (results_dir / "runs").mkdir(parents=True)
-    proc = run("vitexp-bench", "bench.device=cuda", "logger=none", results_dir=results_dir, cwd=tmp_path)
-    (line,) = proc.stderr.splitlines()
-    assert proc.returncode == 2 and "bench.device=cuda" in line, proc.stderr[-2000:]
+    code, _, err = _in_process("bench", ["bench.device=cuda", "logger=none"], results_dir, tmp_path, monkeypatch, capfd)
+    (line,) = err.splitlines()
+    assert code == 2 and "bench.device=cuda" in line, err[-2000:]
     assert list((results_dir / "runs").iterdir()) == [] and not (tmp_path / "outputs").exists()
