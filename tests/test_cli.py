@@ -207,10 +207,6 @@ def _in_process(app: str, args: list[str], results_dir: Path, cwd: Path, monkeyp
     return code, out, err
 
 
-def _train_in_process(args: list[str], results_dir: Path, cwd: Path, monkeypatch, capfd) -> tuple[int, str, str]:
-    return _in_process("train", args, results_dir, cwd, monkeypatch, capfd)
-
-
 def _check_refused(code: int, stdout: str, stderr: str, names: str, results_dir: Path, cwd: Path) -> None:
     """Exit 2, exactly one line on stderr naming the key or the file (never advising
     weights_only=False, nor Hydra's refused +key form), the invalid closing JSON line saying the
@@ -246,7 +242,8 @@ def test_a_bad_input_is_one_line_naming_it_and_writes_nothing(overrides, names, 
     through its entry point in this process; :func:`test_the_console_script_refuses_a_bad_input`
     runs some of them as a user does."""
     args, names = _bad_input(overrides, names, tmp_path, results_dir)
-    _check_refused(*_train_in_process(args, results_dir, tmp_path, monkeypatch, capfd), names, results_dir, tmp_path)
+    refused = _in_process("train", args, results_dir, tmp_path, monkeypatch, capfd)
+    _check_refused(*refused, names, results_dir, tmp_path)
 
 
 CONSOLE_CASES = [case for case in BAD_INPUTS if case[0] in (
@@ -264,7 +261,7 @@ def test_the_console_script_refuses_a_bad_input(overrides, names, results_dir, t
 
 
 def test_an_unknown_key_says_how_to_see_the_valid_keys(results_dir, tmp_path, monkeypatch, capfd):
-    _, _, stderr = _train_in_process(["recipe.lrr=1"], results_dir, tmp_path, monkeypatch, capfd)
+    _, _, stderr = _in_process("train", ["recipe.lrr=1"], results_dir, tmp_path, monkeypatch, capfd)
     (line,) = stderr.splitlines()
     assert "--cfg job" in line and "'lr'" in line and "'epochs'" in line
 

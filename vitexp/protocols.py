@@ -187,12 +187,13 @@ def text(name: str, fill: Callable[[str], list[dict[str, Any]]], ledger: Any) ->
     return render(spec, evaluate(spec, fill), cost(spec, fill, ledger))
 
 
-def write(names: Iterable[str], fill: Callable[[str], list[dict[str, Any]]], out_dir: Path,
-          writer: Callable[[Path, str], Any], ledger: Any) -> dict[str, dict[str, str]]:
-    """Write ``<out_dir>/<name>.md`` for each verdict file; ``{name: {"md": path}}``."""
+def write(names: Iterable[str], text_of: Callable[[str], str], out_dir: Path,
+          writer: Callable[[Path, str], Any]) -> dict[str, dict[str, str]]:
+    """Write ``<out_dir>/<name>.md`` for each verdict file, its markdown from ``text_of(name)``
+    (:func:`text`); ``{name: {"md": path}}``."""
     written = {}
     for name in names:
         path = Path(out_dir) / f"{name}.md"
-        writer(path, text(name, fill, ledger))
+        writer(path, text_of(name))
         written[name] = {"md": str(path)}
     return written

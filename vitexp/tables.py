@@ -295,7 +295,14 @@ def main(argv: list[str] | None = None) -> int:
             print(cost.read_text())
     # a verdict's table: its spec read and its rows filled once, shared with the tables written above
     fill_table = lambda table: cache.get(table) or filled_spec(load_spec(table))  # noqa: E731
-    written.update(protocols.write(verdicts, fill_table, out_dir, atomic_write, ledger))
+    claim_texts: dict[str, str] = {}  # each verdict file evaluated once: its table and the results page
+
+    def claim_text(name: str) -> str:
+        if name not in claim_texts:
+            claim_texts[name] = protocols.text(name, fill_table, ledger)
+        return claim_texts[name]
+
+    written.update(protocols.write(verdicts, claim_text, out_dir, atomic_write))
     for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
         shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
                                for run_id, keys in sorted(runs.items()))
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{shown_runs}", file=sys.stderr)
     page = args.results_page or results_page.default_page(results_dir, out_dir, bool(args.ledger or args.wandb or overrides))
     if page:  # every spec's verdict, filled from the same ledger (vitexp.results_page)
-        claims = [(name, protocols.text(name, fill_table, ledger)) for name in protocols.verdict_files()]
+        claims = [(name, claim_text(name)) for name in protocols.verdict_files()]
         results_page.write([load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir, claims)
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
