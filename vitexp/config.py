@@ -235,7 +235,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
     _check(int(bb.img_size) > 0 and int(bb.img_size) % int(arch.patch_size) == 0, "backbone.img_size",
            f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}")
     if bb.pretrained:
-        from vitexp.ledger import RUN_WEIGHTS_PREFIX, LedgerError, local_path, weights_run
+        from vitexp.ledger import RUN_WEIGHTS_PREFIX, LedgerError, weights_file, weights_run
         from vitexp.weights import is_tag, resolve as resolve_weights
 
         try:
@@ -245,7 +245,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
                 run = weights_run(str(bb.pretrained), cfg.results_dir)
                 with open_dict(cfg):
                     bb.pretrained = RUN_WEIGHTS_PREFIX + run["run_id"]
-                weights = local_path(run["artifacts"]["weights"], cfg.results_dir)
+                weights = weights_file(run, cfg.results_dir)
             else:
                 weights = resolve_weights(str(bb.pretrained)) if is_tag(bb.pretrained) else bb.pretrained
         except (FileNotFoundError, LedgerError) as err:

@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp.errors import CheckpointError, ConfigError, join_lines
 from vitexp.logging_utils import fetch_model
-from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, load_entry, local_path, portable_path
+from vitexp.ledger import (RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, load_entry, local_path, portable_path,
+                           weights_file)
 from vitexp.weights import PREFIX as WEIGHTS_PREFIX
 
 #: Groups an evaluation may swap whole (where and how it runs, not what the model is).
@@ -130,7 +131,8 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
         key = "--weights" if weights else f"run {record['run_id']}'s weights"
         if weights:  # the file given, checked first: no fallback to the run's own
             check_file(Path(weights).expanduser(), key)
-        path = Path(weights).expanduser() if weights else local_path(artifacts.get("weights"), cfg.results_dir)
+        path = Path(weights).expanduser() if weights else (weights_file(record, cfg.results_dir)
+                                                           or local_path(artifacts.get("weights"), cfg.results_dir))
         if not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model"):  # trained elsewhere
             path = Path(fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"]["weights"])
         if path is None or not path.is_file():

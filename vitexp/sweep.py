@@ -11,11 +11,15 @@ seed=s``, recorded as ``E+seed=s``; a row with overrides or a name N: ``name='N+
 and only its seeds without a completed or running run are launched (a seed s >= 1 trained by the
 sampler that drew ``s + epoch`` does not count: :func:`vitexp.aggregate.overlapping_order`); unseeded rows go first (the
 pretrained baselines that seeded rows load with ``run:``). Such a shared start (a row with ``seeds:
-null`` in a seeded table) counts as done only while its weights are on this machine: on a fresh
-checkout of a committed ledger it trains again, and the seeded rows load the new run; a seeded run
+null`` in a seeded table) counts as done only while its weights are on this machine (its run
+folder's, or the copy kept with the results): on a fresh checkout of a committed ledger without
+them it trains again, and the seeded rows load the new run; a seeded run
 fine-tuned from another run of its start than the current one trains again too
 (:func:`vitexp.aggregate.other_start`), so a row never mixes two starts. Plain unseeded rows share one multirun
 (``experiment=a,b,c``); a row with overrides is a job of its own.
+A shared start's weights are kept with the results after the sweep (and by ``--keep-starts`` alone:
+:mod:`vitexp.ledger.kept`), so its seeded rows can go on from the same start on another machine or
+after this one's run folders are gone.
 Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
 Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
 trainer=ddp data.root=/datasets/imagenet``.
@@ -37,7 +41,8 @@ from vitexp import CONF_DIR
 from vitexp import recheck, rehearsal
 from vitexp.aggregate import other_start, overlapping_order, row_seeds, seeded_name, shared_start
 from vitexp.errors import one_line
-from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, effective_status, portable_text, weights_run
+from vitexp.ledger import (RUN_WEIGHTS_PREFIX, KeptWeightsError, Ledger, default_results_dir, effective_status, keep,
+                           portable_text, weights_run)
 from vitexp.ledger.fingerprint import WEIGHTLESS_KINDS
 from vitexp.rows import composing, expand_rows, job_arguments, row_name, row_query
 from vitexp.tables import all_specs, load_spec, table_names
@@ -131,6 +136,33 @@ def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) 
     return starts
 
 
+def keep_starts(spec: dict, results_dir: Path) -> dict[str, dict]:
+    """Keep the weights of the newest completed run of each of the table's shared starts
+    (:func:`vitexp.ledger.keep`): {start's name: what was kept, or ``{"error": ...}`` when its weights
+    are not on this machine}. A start with no completed run is left out."""
+    ledger, kept = Ledger.load(results_dir), {}
+    for row in expand_rows(spec["rows"]):
+        if row.get("cited") or not row.get("experiment") or not shared_start(spec, row):
+            continue
+        run = ledger.newest(row_name(row), "train")
+        if run is None:
+            continue
+        try:
+            kept[row_name(row)] = keep(run, results_dir)
+        except FileNotFoundError as err:  # KeptWeightsError too
+            kept[row_name(row)] = {"run_id": run["run_id"], "error": portable_text(one_line(err))}
+    return kept
+
+
+def _report_kept(kept: dict[str, dict]) -> None:
+    for name, k in kept.items():
+        if "error" in k:
+            print(f"vitexp-sweep: {name}: not kept: {k['error']}", file=sys.stderr)
+        else:
+            print(f"vitexp-sweep: {name}: weights of run {k['run_id']} {'kept' if k['copied'] else 'already kept'} "
+                  f"at {k['kept']} (sha256 {k['sha256'][:12]})", file=sys.stderr)
+
+
 def job_list(rows: dict) -> list[list[str]]:
     """The Hydra arguments of each job to launch for one kind's plan: the plain unseeded rows as
     one multirun, each other unseeded row, then each seeded row with its missing seeds."""
@@ -188,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--kind eval: the largest |re-evaluated - ledger| top-1 (points) that agrees")
     parser.add_argument("--dry-run", action="store_true",
                         help="run nothing: the closing line says dry_run and lists what would run (would_launch, commands)")
+    parser.add_argument("--keep-starts", action="store_true",
+                        help="run nothing: keep the weights of the table's shared starts in <results>/weights/ "
+                             "(vitexp.ledger.kept), so their seeded rows can be trained elsewhere or later")
     rehearsal.add_arguments(parser)
     args = parser.parse_intermixed_args(argv)
     try:
@@ -198,6 +233,12 @@ def main(argv: list[str] | None = None) -> int:
                 results_dir = Path(ov.split("=", 1)[1])
         if args.kind == "eval":
             return _recheck(spec, results_dir, args)
+        if args.keep_starts:
+            kept = keep_starts(spec, results_dir)
+            _report_kept(kept)
+            failed = any("error" in k for k in kept.values())
+            print(json.dumps({"table": spec["name"], "status": "failed" if failed else "completed", "kept": kept}))
+            return 1 if failed else 0
         if args.rehearse:  # vitexp.rehearsal: every row at full size, a few steps on synthetic data
             summary = rehearsal.rehearse_table(spec, rehearsal.settings_from(args), results_dir, args.rehearse_dir,
                                                args.overrides, args.force, args.dry_run, args.rehearse_timeout,
@@ -231,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         rc = subprocess.run(cmd).returncode
         summary["returncodes"][kind] = summary["returncodes"].get(kind) or rc
         status = status or rc
+    if "train" in launch:
+        summary["kept"] = keep_starts(spec, results_dir)
+        _report_kept(summary["kept"])
     summary["status"] = "completed" if status == 0 else "failed"
     print(json.dumps(summary))
     return status

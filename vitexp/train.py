@@ -34,7 +34,7 @@ from vitexp.config import to_container, validate
 from vitexp.data import DATA_ORDER
 from vitexp.methods import Method, Stage
 from vitexp.objectives import Objective, objective_for
-from vitexp.ledger import atomic_write, portable_path
+from vitexp.ledger import atomic_write, portable_path, sha256
 from vitexp.logging_utils import stage_keys
 from vitexp.run import owned_run, resume_checkpoint
 
@@ -188,7 +188,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
                 metrics.update(extra_metrics)
                 protocol.update(extra_protocol)
             run.complete(metrics, protocol, step=metrics["steps"],
-                         artifacts={"weights": portable_path(weights, cfg.results_dir)}, **method.record())
+                         artifacts={"weights": portable_path(weights, cfg.results_dir), "weights_sha256": sha256(weights)},
+                         **method.record())
         else:
             run.complete(metrics)
     return run.result

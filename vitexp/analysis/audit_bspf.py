@@ -54,7 +54,7 @@ def pinned_model(spec: str, results_dir: Path | None = None) -> tuple[torch.nn.M
     rebuilt from the run's recorded backbone config and class count and loaded strictly from its
     recorded weights, with what pins it (run id, experiment, weights file)."""
     from vitexp.models import build_backbone
-    from vitexp.ledger import local_path, weights_run
+    from vitexp.ledger import default_results_dir, weights_file, weights_run
 
     try:
         run = weights_run(spec, results_dir)
@@ -66,7 +66,8 @@ def pinned_model(spec: str, results_dir: Path | None = None) -> tuple[torch.nn.M
                          "audit applies BSPF to a trained baseline micro ViT (e.g. run:demo)")
     model = build_backbone({**cfg["backbone"], "pretrained": None}, num_classes=int(cfg["data"]["num_classes"]))
     weights = run["artifacts"]["weights"]
-    model.load_state_dict(torch.load(local_path(weights, results_dir), map_location="cpu", weights_only=True))
+    model.load_state_dict(torch.load(weights_file(run, results_dir or default_results_dir()), map_location="cpu",
+                                     weights_only=True))
     return model.eval(), {"run_id": run["run_id"], "experiment": run["experiment"], "weights": weights,
                           "top1": (run.get("metrics") or {}).get("top1")}
 

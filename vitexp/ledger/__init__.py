@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vitexp.ledger.entry import LedgerEntry, environment, machine_load, new_run_id
+from vitexp.ledger.kept import KeptWeightsError, keep, kept_path, sha256, weights_file
 from vitexp.ledger.index import Ledger, RowQuery, run_seed, seeded_name
 from vitexp.ledger.paths import (atomic_write, atomic_write_json, default_results_dir, local_path, portable_path,
                                  portable_paths, portable_text)
@@ -34,7 +35,7 @@ __all__ = ["Ledger", "LedgerEntry", "LedgerError", "BrokenEntry", "RowQuery", "I
            "FINAL_STATUSES", "KINDS", "STATUSES", "RUN_WEIGHTS_PREFIX", "atomic_write", "atomic_write_json",
            "default_results_dir", "effective_status", "environment", "local_path", "machine_load", "new_run_id",
            "portable_path", "portable_paths", "portable_text", "resolve_weights", "run_seed", "seeded_name",
-           "weights_run", "load_entry"]
+           "weights_run", "load_entry", "KeptWeightsError", "keep", "kept_path", "sha256", "weights_file"]
 
 
 def load_entry(run_id: str, results_dir: Path | str | None = None) -> dict[str, Any] | None:
@@ -51,7 +52,8 @@ def load_entry(run_id: str, results_dir: Path | str | None = None) -> dict[str, 
 def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger | None = None) -> dict[str, Any]:
     """The ledger record behind ``run:<experiment>`` (its newest completed train run) or
     ``run:<run_id>`` (that entry alone, read without loading the ledger), checked to have its
-    recorded ``weights`` file on this machine. ``FileNotFoundError`` says what to run;
+    recorded ``weights`` file, or its kept copy (:mod:`vitexp.ledger.kept`), on this machine.
+    ``FileNotFoundError`` says what to run;
     :class:`LedgerError`, which broken entry of that experiment stops it."""
     target = str(spec).removeprefix(RUN_WEIGHTS_PREFIX)
     where = (Path(results_dir) if results_dir else default_results_dir())
@@ -65,10 +67,15 @@ def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger
     if run is None:
         raise FileNotFoundError(f"backbone.pretrained={spec}: no completed train run of {target!r} in {where / 'runs'}; "
                                 f"run `vitexp-train experiment={target}` first")
-    weights = local_path((run.get("artifacts") or {}).get("weights"), where)
-    if not weights or not weights.is_file():
-        raise FileNotFoundError(f"backbone.pretrained={spec}: run {run['run_id']} recorded weights at {weights}, "
-                                f"which is not on this machine; rerun `vitexp-train experiment={target}`")
+    try:
+        here = weights_file(run, where)
+    except KeptWeightsError as err:
+        raise KeptWeightsError(f"backbone.pretrained={spec}: {err}") from None
+    if here is None:
+        recorded = local_path((run.get("artifacts") or {}).get("weights"), where)
+        raise FileNotFoundError(f"backbone.pretrained={spec}: run {run['run_id']} recorded weights at {recorded}, "
+                                f"which is not on this machine, and none are kept at {kept_path(run['run_id'], where)}; "
+                                f"rerun `vitexp-train experiment={target}`")
     return run
 
 
@@ -82,4 +89,5 @@ def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> 
         return resolve(str(spec))
     if not spec or not str(spec).startswith(RUN_WEIGHTS_PREFIX):
         return spec
-    return str(local_path(weights_run(spec, results_dir)["artifacts"]["weights"], results_dir))
+    where = Path(results_dir) if results_dir else default_results_dir()
+    return str(weights_file(weights_run(spec, where), where))

@@ -1,0 +1,89 @@
+"""Kept weights (vitexp.ledger.kept): a shared start's weights stored with the results, so its seeded
+rows go on from the same start after the run folder is gone, and a copy whose bytes changed is
+refused instead of loaded."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from vitexp.ledger import KeptWeightsError, Ledger, LedgerEntry, keep, kept_path, sha256, weights_file, weights_run
+
+SPEC = {"name": "s", "seeds": [0], "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
+                                            {"label": "ft", "experiment": "chunk_demo"}]}
+
+
+def _start(results_dir, tmp_path, record_hash=True):
+    """A completed run of the shared start ``demo`` whose weights lie in a run folder outside results."""
+    weights = tmp_path / "outputs" / "demo" / "weights.pth"
+    weights.parent.mkdir(parents=True)
+    torch.save({"w": torch.arange(6.0)}, weights)
+    artifacts = {"weights": str(weights), **({"weights_sha256": sha256(weights)} if record_hash else {})}
+    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir).start()
+    entry.finish({"top1": 1.0}, artifacts=artifacts)
+    return entry.record, weights
+
+
+def test_a_kept_start_outlives_its_run_folder_and_the_sweep_goes_on_from_it(results_dir, tmp_path):
+    from vitexp.sweep import keep_starts, plan
+
+    run, weights = _start(results_dir, tmp_path)
+    kept = keep_starts(SPEC, results_dir)["demo"]
+    assert kept["copied"] and kept["sha256"] == sha256(weights) and kept["bytes"] == weights.stat().st_size
+    assert kept_path(run["run_id"], results_dir).read_bytes() == weights.read_bytes()
+    assert keep_starts(SPEC, results_dir)["demo"]["copied"] is False  # already kept: left as it is
+    weights.unlink()  # the run folder is gone (a new machine, a cleaned scratch disk)
+    found = weights_run("run:demo", results_dir)
+    assert found["run_id"] == run["run_id"] and weights_file(found, results_dir) == kept_path(run["run_id"], results_dir)
+    assert torch.equal(torch.load(weights_file(found, results_dir), weights_only=True)["w"], torch.arange(6.0))
+    todo = plan(SPEC, None, False, results_dir)["train"]
+    assert todo["skip"] == ["demo"] and todo["launch"] == ["chunk_demo+seed=0"]  # the start does not train again
+
+
+def test_a_kept_copy_whose_bytes_changed_is_refused_naming_both_hashes(results_dir, tmp_path):
+    from vitexp.sweep import plan
+
+    run, weights = _start(results_dir, tmp_path)
+    keep(run, results_dir)
+    weights.unlink()
+    copy = kept_path(run["run_id"], results_dir)
+    copy.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")  # an LFS pointer
+    with pytest.raises(KeptWeightsError, match=f"backbone.pretrained=run:demo: .*{sha256(copy)[:12]}, not the "
+                                               f"{run['artifacts']['weights_sha256'][:12]}"):
+        weights_run("run:demo", results_dir)
+    # the sweep does not load it: the start trains again, and its seeded rows with it
+    assert plan(SPEC, None, False, results_dir)["train"]["launch"] == ["demo", "chunk_demo+seed=0"]
+
+
+def test_weights_changed_after_their_run_are_not_kept(results_dir, tmp_path):
+    run, weights = _start(results_dir, tmp_path)
+    torch.save({"w": torch.zeros(6)}, weights)  # overwritten after the run recorded its hash
+    with pytest.raises(KeptWeightsError, match="changed after the run"):
+        keep(run, results_dir)
+    assert not kept_path(run["run_id"], results_dir).exists()
+
+
+def test_keep_starts_says_which_start_has_no_weights_here_and_fails(results_dir, tmp_path, capsys):
+    from vitexp.sweep import main
+
+    run, weights = _start(results_dir, tmp_path, record_hash=False)
+    weights.unlink()
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("title: t\nseeds: [0]\ncolumns: [{key: top1, label: T}]\n"
+                    "rows: [{label: pre, experiment: demo, seeds: null}, {label: ft, experiment: chunk_demo}]\n")
+    assert main([str(spec), "--keep-starts", f"results_dir={results_dir}"]) == 1
+    out = capsys.readouterr()
+    line = json.loads(out.out.strip().splitlines()[-1])
+    assert line["status"] == "failed" and "not on this machine" in line["kept"]["demo"]["error"]
+    assert f"demo: not kept: run {run['run_id']}" in out.err
+
+
+def test_a_train_run_records_the_sha256_of_the_weights_it_saved(make_cfg, results_dir):
+    from vitexp.train import train
+
+    train(make_cfg(["logger=none", "trainer.enable_progress_bar=false", "data=synthetic", "data.num_train=32",
+                    "data.num_val=16", "data.num_test=16", "recipe.batch_size=16", "recipe.epochs=1",
+                    "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false"]))
+    (run,) = [r for r in Ledger.load(results_dir) if r["kind"] == "train"]
+    assert run["artifacts"]["weights_sha256"] == sha256(weights_file(run, results_dir))
