@@ -47,26 +47,28 @@ def test_bench_throughput_records_both_models(results_dir, tmp_path):
     assert entry["kind"] == "bench" and entry["protocol"]["interleaved"] is True
 
 
-def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path):
-    proc = run("vitexp-sweep", "demo", "--kind", "flops", "logger=none", results_dir=results_dir, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = last_json(proc.stdout)
+def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path, monkeypatch, capfd):
+    """vitexp-sweep and vitexp-tables through their entry points in this process; the flops
+    multirun the sweep launches is the real console script."""
+    def sweep(*args):
+        return _in_process("sweep", ["demo", "--kind", "flops", *args], results_dir, tmp_path, monkeypatch, capfd)
+
+    code, out, err = sweep("logger=none")
+    assert code == 0, err[-2000:]
+    summary = last_json(out)
     assert summary["launched"]["flops"] == ["demo", "deit_tiny_baseline", "deit_small_baseline"]
-    assert "++logger.group=demo ++logger.tags=[demo]" in proc.stderr  # W&B runs grouped by table
+    assert "++logger.group=demo ++logger.tags=[demo]" in err  # W&B runs grouped by table
     entries = ledger_entries(results_dir)
     assert sorted(e["experiment"] for e in entries) == ["deit_small_baseline", "deit_tiny_baseline", "demo"]
-    again = last_json(run("vitexp-sweep", "demo", "--kind", "flops", "logger=none", "--dry-run",
-                          results_dir=results_dir, cwd=tmp_path).stdout)
+    again = last_json(sweep("logger=none", "--dry-run")[1])
     assert again["status"] == "dry_run" and again["would_launch"] == {} and len(again["skipped"]["flops"]) == 3
     assert "launched" not in again and again["commands"] == []
-    forced = last_json(run("vitexp-sweep", "demo", "--kind", "flops", "--force", "--dry-run",
-                           results_dir=results_dir, cwd=tmp_path).stdout)
+    forced = last_json(sweep("--force", "--dry-run")[1])
     assert forced["status"] == "dry_run" and len(forced["would_launch"]["flops"]) == 3
     (command,) = forced["commands"]
     assert "vitexp-flops -m experiment=demo,deit_tiny_baseline,deit_small_baseline" in command
     assert len(ledger_entries(results_dir)) == 3  # nothing ran
-    tables = run("vitexp-tables", "demo", results_dir=results_dir, cwd=tmp_path)
-    assert tables.returncode == 0
+    assert _in_process("tables", ["demo"], results_dir, tmp_path, monkeypatch, capfd)[0] == 0
     md = re.sub(r" +", " ", (results_dir / "tables" / "demo.md").read_text())  # tabulate pads columns
     assert "| DeiT-S (224 px, ImageNet-1K) | not run | 79.8 | 4.599 | 4.6 |" in md
 
@@ -266,23 +268,22 @@ def test_an_unknown_key_says_how_to_see_the_valid_keys(results_dir, tmp_path, mo
     assert "--cfg job" in line and "'lr'" in line and "'epochs'" in line
 
 
-def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, tmp_path):
+def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, tmp_path, monkeypatch, capfd):
     """A run that fails inside training: exit 1, its last stderr line names the error, no
     traceback, the closing JSON line and its ledger entry say failed; with VITEXP_DEBUG=1 the
     traceback is there too."""
     args = ["data=synthetic", "data.noise=nan", "data.num_train=32", "recipe.batch_size=16", "recipe.epochs=1",
             "recipe.warmup_epochs=0", "logger=none", "trainer.enable_progress_bar=false", "eval.throughput=false"]
-    proc = run("vitexp-train", *args, results_dir=results_dir, cwd=tmp_path)
-    assert proc.returncode == 1
-    assert proc.stderr.splitlines()[-1].startswith("vitexp-train: failed: NonFiniteLossError: ")
-    assert "Traceback" not in proc.stderr and "Error executing job" not in proc.stderr
-    result = last_json(proc.stdout)
+    code, out, err = _in_process("train", args, results_dir, tmp_path, monkeypatch, capfd)
+    assert code == 1
+    assert err.splitlines()[-1].startswith("vitexp-train: failed: NonFiniteLossError: ")
+    assert "Traceback" not in err and "Error executing job" not in err
+    result = last_json(out)
     assert result["status"] == "failed" and "NonFiniteLossError" in result["error"]
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "failed" and Path(result["ledger"]).name == f"{entry['run_id']}.json"
-    debug = subprocess.run([str(BIN / "vitexp-train"), *args], capture_output=True, text=True, cwd=tmp_path,
-                           env={**cli_env(results_dir), "VITEXP_DEBUG": "1"}, timeout=300)
-    assert debug.returncode == 1 and "Traceback" in debug.stderr
+    code, _, err = _in_process("train", args, results_dir, tmp_path, monkeypatch, capfd, env={"VITEXP_DEBUG": "1"})
+    assert code == 1 and "Traceback" in err
 
 
 @pytest.mark.parametrize("plus", ["+", "++"])
