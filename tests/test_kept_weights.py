@@ -14,11 +14,12 @@ SPEC = {"name": "s", "seeds": [0], "rows": [{"label": "pre", "experiment": "demo
                                             {"label": "ft", "experiment": "chunk_demo"}]}
 
 
-def _start(results_dir, tmp_path, record_hash=True):
-    """A completed run of the shared start ``demo`` whose weights lie in a run folder outside results."""
+def _start(results_dir, tmp_path, record_hash=True, state=None):
+    """A completed run of the shared start ``demo`` whose weights (over 1 MiB: a hash of the first
+    block alone would not do) lie in a run folder outside results."""
     weights = tmp_path / "outputs" / "demo" / "weights.pth"
     weights.parent.mkdir(parents=True)
-    torch.save({"w": torch.arange(6.0)}, weights)
+    torch.save(state or {"w": torch.arange(6.0), "pad": torch.zeros(300_000)}, weights)
     artifacts = {"weights": str(weights), **({"weights_sha256": sha256(weights)} if record_hash else {})}
     entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir).start()
     entry.finish({"top1": 1.0}, artifacts=artifacts)
@@ -48,12 +49,83 @@ def test_a_kept_copy_whose_bytes_changed_is_refused_naming_both_hashes(results_d
     keep(run, results_dir)
     weights.unlink()
     copy = kept_path(run["run_id"], results_dir)
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1  # one bit flipped in the last block
+    copy.write_bytes(bytes(data))
+    with pytest.raises(KeptWeightsError, match=f"{sha256(copy)[:12]}, not the {run['artifacts']['weights_sha256'][:12]}"):
+        weights_file(run, results_dir)
     copy.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")  # an LFS pointer
     with pytest.raises(KeptWeightsError, match=f"backbone.pretrained=run:demo: .*{sha256(copy)[:12]}, not the "
                                                f"{run['artifacts']['weights_sha256'][:12]}"):
         weights_run("run:demo", results_dir)
-    # the sweep does not load it: the start trains again, and its seeded rows with it
-    assert plan(SPEC, None, False, results_dir)["train"]["launch"] == ["demo", "chunk_demo+seed=0"]
+    # the sweep stops there, naming the start, instead of training it and its seeded rows again
+    with pytest.raises(ValueError, match="the shared start demo: .*git-lfs|the shared start demo: .*sha256"):
+        plan(SPEC, None, False, results_dir)
+
+
+def test_a_kept_record_of_another_run_is_refused_and_a_wrong_record_is_kept_again(results_dir, tmp_path):
+    run, weights = _start(results_dir, tmp_path)
+    kept = keep(run, results_dir)
+    record = kept_path(run["run_id"], results_dir).with_suffix(".json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "run_id": "another"}))
+    weights.rename(weights.with_name("away.pth"))
+    with pytest.raises(KeptWeightsError, match="records run another"):
+        weights_file(run, results_dir)
+    weights.with_name("away.pth").rename(weights)
+    assert keep(run, results_dir)["copied"] is True  # the wrong record is written again
+    assert json.loads(record.read_text())["run_id"] == run["run_id"] and kept["sha256"] == sha256(weights)
+    weights.unlink()  # the run folder gone, a valid copy kept: keeping it again is not an error
+    assert keep(run, results_dir)["copied"] is False
+
+
+def test_a_run_folders_file_changed_after_the_run_is_not_read(results_dir, tmp_path):
+    run, weights = _start(results_dir, tmp_path)
+    torch.save({"w": torch.zeros(6)}, weights)  # overwritten after the run recorded its hash
+    with pytest.raises(KeptWeightsError, match="changed after the run"):
+        weights_file(run, results_dir)
+    torch.save({"w": torch.arange(6.0), "pad": torch.zeros(300_000)}, weights)  # the same bytes again
+    keep(run, results_dir)
+    torch.save({"w": torch.zeros(6)}, weights)
+    assert weights_file(run, results_dir) == kept_path(run["run_id"], results_dir)  # the kept copy stands in
+
+
+def test_a_seeded_row_is_built_from_the_kept_start(results_dir, tmp_path, make_cfg):
+    """Validation pins run:demo to the start's run and the model loads the kept copy's tensors."""
+    from vitexp.build import build_configured_backbone
+    from vitexp.config import validate
+
+    cfg = make_cfg(["backbone=vit_micro", "data=synthetic", "logger=none"])
+    state = {k: torch.randn_like(v) for k, v in build_configured_backbone(cfg).state_dict().items()}
+    run, weights = _start(results_dir, tmp_path, state=state)
+    keep(run, results_dir)
+    weights.unlink()
+    cfg = make_cfg(["backbone=vit_micro", "data=synthetic", "logger=none", "backbone.pretrained=run:demo"])
+    validate(cfg, need_data=False)
+    assert cfg.backbone.pretrained == f"run:{run['run_id']}"
+    loaded = build_configured_backbone(cfg).state_dict()
+    assert torch.equal(loaded["blocks.0.attn.qkv.weight"], state["blocks.0.attn.qkv.weight"])
+
+
+def test_a_sweep_that_trained_keeps_its_start(results_dir, tmp_path, monkeypatch, capsys):
+    """The sweep's training (faked: it writes the start's run) is followed by keeping the start."""
+    import subprocess
+
+    import vitexp.sweep
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("title: t\nseeds: [0]\ncolumns: [{key: top1, label: T}]\n"
+                    "rows: [{label: pre, experiment: demo, seeds: null}]\n")
+    made = {}
+
+    def fake_run(cmd, *a, **k):
+        made["run"], _ = _start(results_dir, tmp_path)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(vitexp.sweep.subprocess, "run", fake_run)
+    assert vitexp.sweep.main([str(spec), f"results_dir={results_dir}"]) == 0
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["kept"]["demo"]["copied"] and line["kept"]["demo"]["run_id"] == made["run"]["run_id"]
+    assert kept_path(made["run"]["run_id"], results_dir).is_file()
 
 
 def test_weights_changed_after_their_run_are_not_kept(results_dir, tmp_path):

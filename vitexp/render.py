@@ -34,8 +34,9 @@ def _fmt(value: Any, digits: int) -> str:
 def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
     cell = row["cells"][col["key"]]
     digits = int(col.get("digits", 2))
-    if "n" in cell:  # a seeded row: mean ± std (n)
-        stat = aggregate.format_stat(cell["value"], cell["std"], cell["n"], digits, cell["expected"])
+    if "n" in cell:  # a seeded row: mean ± std (n); a cost equal in every seed (GMACs) without "± 0"
+        same = marks.cost_metric(col["key"]) and cell["std"] == 0 and cell["n"] > 1
+        stat = aggregate.format_stat(cell["value"], None if same else cell["std"], cell["n"], digits, cell["expected"])
         ours = stat + _marks(cell) if stat else _missing(row, col)
     elif cell["value"] is not None:
         ours = _fmt(cell["value"], digits) + _marks(cell)
@@ -131,7 +132,8 @@ def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     if any(r["seeds"] is not None for r in rows):
-        lines += ["", "Seeded rows: mean ± sample std (n seeds) over the seeds of the method's fine-tuning; "
+        lines += ["", "Seeded rows: mean ± sample std (n seeds) over the seeds of the method's fine-tuning (a cost "
+                  "the same in every seed, such as a GMACs count, without ±); "
                   "Δ: the paired difference to the row's baseline over the seeds both completed, mean ± std (n pairs)."]
     again = sorted({i for r in rows for key in ("overlapping", "other_start") for i in r.get(key) or ()})
     if again:

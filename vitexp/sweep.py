@@ -130,6 +130,8 @@ def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) 
             continue
         try:
             starts[name] = weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir, ledger)["run_id"]
+        except KeptWeightsError as err:  # a copy that is not the start's: stop, never train it again unseen
+            raise ValueError(f"the shared start {name}: {one_line(err)}") from None
         except FileNotFoundError:
             print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
                   f"not on this machine: it runs again, and so do the seeded rows fine-tuned from it", file=sys.stderr)
@@ -149,7 +151,7 @@ def keep_starts(spec: dict, results_dir: Path) -> dict[str, dict]:
             continue
         try:
             kept[row_name(row)] = keep(run, results_dir)
-        except FileNotFoundError as err:  # KeptWeightsError too
+        except OSError as err:  # not on this machine, changed after the run (KeptWeightsError), a full disk
             kept[row_name(row)] = {"run_id": run["run_id"], "error": portable_text(one_line(err))}
     return kept
 

@@ -7,13 +7,16 @@ Decisions:
   load it, :func:`vitexp.aggregate.shared_start`); ``vitexp-sweep TABLE --keep-starts`` keeps them,
   and a sweep keeps them after it ran. Other runs' weights stay in their run folders.
 - Where: ``<results>/weights/<run_id>.pth`` beside ``<run_id>.json`` (the run, its experiment, the
-  file's size and sha256). The size and hash are read on the machine that trained the run, from
-  the file its entry records; a kept copy whose bytes differ (a truncated copy, a Git LFS pointer)
-  is refused when read, naming both hashes.
-- A run whose entry records ``artifacts.weights_sha256`` (every train run saves it) is kept only
-  when its file still has that hash: the copy is the model the run evaluated.
-- Reading: the file the entry records when it is on this machine, else the kept copy
-  (:func:`weights_file`); nothing is fetched.
+  file's size and sha256, read from the file the entry records where :func:`keep` runs). A kept
+  copy whose bytes differ from its record, or whose record names another run, is refused when read
+  (a truncated copy, a Git LFS pointer that was never pulled), naming both hashes.
+- The hash a run recorded (``artifacts.weights_sha256``: every train run saves it; older entries
+  have none) is the reference: a file is kept only while it still has it, a kept record must agree
+  with it, and a run folder's file that no longer has it is not read (the kept copy is, when it
+  has it). Entries without it are read and kept on the kept record's hash alone.
+- Reading: the file the entry records when it is on this machine (and has the recorded hash), else
+  the kept copy (:func:`weights_file`); nothing is fetched. Hashing is read-bound (about 1 s per
+  GB); a start is read a few times per run.
 """
 from __future__ import annotations
 
@@ -51,50 +54,83 @@ def _record_path(run_id: str, results_dir: Path | str) -> Path:
 
 
 def kept_copy(run: dict[str, Any], results_dir: Path | str) -> Path | None:
-    """The kept copy of ``run``'s weights, checked against the size and sha256 recorded when it was
-    kept; ``None`` when none is kept. :class:`KeptWeightsError` when the copy's bytes differ."""
+    """The kept copy of ``run``'s weights, checked against its record (the same run; the size and
+    sha256 recorded when it was kept, which must be the run's own ``weights_sha256`` when the entry
+    has one); ``None`` when none is kept. :class:`KeptWeightsError` when any of that differs."""
     path, record_path = kept_path(run["run_id"], results_dir), _record_path(run["run_id"], results_dir)
     if not path.is_file() or not record_path.is_file():
         return None
     try:
         record = json.loads(record_path.read_text())
-        expected = record["sha256"]
+        expected, owner = record["sha256"], record["run_id"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise KeptWeightsError(f"{record_path}: not a kept-weights record ({err})") from None
+    own = (run.get("artifacts") or {}).get("weights_sha256")
+    if owner != run["run_id"] or (own and own != expected):
+        raise KeptWeightsError(f"{record_path}: records run {owner} with sha256 {str(expected)[:12]}, not run "
+                               f"{run['run_id']}'s weights{f' ({own[:12]})' if own else ''}: keep them again")
     found = sha256(path)
     if found != expected:
         raise KeptWeightsError(f"{path}: the kept weights of run {run['run_id']} have sha256 {found[:12]}, not the "
-                          f"{expected[:12]} recorded when they were kept ({record.get('bytes')} bytes; this file "
-                          f"has {path.stat().st_size}): copy them again from the machine that trained the run")
+                               f"{expected[:12]} recorded when they were kept ({record.get('bytes')} bytes; this file "
+                               f"has {path.stat().st_size}): copy them again from the machine that trained the run")
     return path
 
 
+def _recorded_file(run: dict[str, Any], results_dir: Path | str) -> Path | None:
+    """The file the entry records, when it is on this machine and has the sha256 the run recorded."""
+    artifacts = run.get("artifacts") or {}
+    recorded = local_path(artifacts.get("weights"), results_dir)
+    if recorded is None or not recorded.is_file():
+        return None
+    if artifacts.get("weights_sha256") and sha256(recorded) != artifacts["weights_sha256"]:
+        return None
+    return recorded
+
+
 def weights_file(run: dict[str, Any], results_dir: Path | str) -> Path | None:
-    """The weights of a completed run on this machine: the file its entry records
-    (``artifacts.weights``) when it is here, else its kept copy; ``None`` when neither is."""
-    recorded = local_path((run.get("artifacts") or {}).get("weights"), results_dir)
-    if recorded is not None and recorded.is_file():
+    """The weights of a completed run on this machine: the file its entry records when it is here
+    with the run's recorded sha256, else its kept copy; ``None`` when neither is.
+    :class:`KeptWeightsError` when the recorded file was changed after the run and no kept copy
+    stands in for it, or when the kept copy is not the one recorded."""
+    recorded = _recorded_file(run, results_dir)
+    if recorded is not None:
         return recorded
-    return kept_copy(run, results_dir)
+    kept = kept_copy(run, results_dir)
+    artifacts = run.get("artifacts") or {}
+    path = local_path(artifacts.get("weights"), results_dir)
+    if kept is None and path is not None and path.is_file():
+        raise KeptWeightsError(f"{path}: sha256 {sha256(path)[:12]}, not the {artifacts['weights_sha256'][:12]} run "
+                               f"{run['run_id']} recorded when it saved them; they were changed after the run")
+    return kept
 
 
 def keep(run: dict[str, Any], results_dir: Path | str) -> dict[str, Any]:
-    """Copy ``run``'s recorded weights to :func:`kept_path` with their size and sha256 (atomic; a copy
-    already kept with the same hash is left as it is). ``FileNotFoundError`` when the recorded file
-    is not on this machine; :class:`KeptWeightsError` when it no longer has the sha256 its entry records."""
+    """Copy ``run``'s recorded weights to :func:`kept_path` with their size and sha256 (atomic). A copy
+    already kept for this run with the same hash, or, when the run folder is gone, a valid kept copy,
+    is left as it is (``copied: False``). ``FileNotFoundError`` when neither the recorded file nor a
+    kept copy is on this machine; :class:`KeptWeightsError` when the recorded file no longer has the
+    sha256 its entry records."""
     artifacts = run.get("artifacts") or {}
+    target, record_path = kept_path(run["run_id"], results_dir), _record_path(run["run_id"], results_dir)
     source = local_path(artifacts.get("weights"), results_dir)
     if source is None or not source.is_file():
-        raise FileNotFoundError(f"run {run['run_id']} ({run.get('experiment')}): its weights {source} are not on "
-                                f"this machine, so they cannot be kept")
+        if kept_copy(run, results_dir) is None:
+            raise FileNotFoundError(f"run {run['run_id']} ({run.get('experiment')}): its weights {source} are not on "
+                                    f"this machine and none are kept, so they cannot be kept")
+        record = json.loads(record_path.read_text())
+        return {**record, "kept": portable_path(target, results_dir), "copied": False}
     digest = sha256(source)
     if artifacts.get("weights_sha256") and artifacts["weights_sha256"] != digest:
         raise KeptWeightsError(f"{source}: sha256 {digest[:12]}, not the {artifacts['weights_sha256'][:12]} run "
-                          f"{run['run_id']} recorded when it saved them; they were changed after the run")
-    target, record_path = kept_path(run["run_id"], results_dir), _record_path(run["run_id"], results_dir)
+                               f"{run['run_id']} recorded when it saved them; they were changed after the run")
     record = {"run_id": run["run_id"], "experiment": run.get("experiment"), "bytes": source.stat().st_size,
               "sha256": digest, "source": portable_path(source, results_dir)}
-    if target.is_file() and record_path.is_file() and sha256(target) == digest:
+    try:
+        unchanged = json.loads(record_path.read_text()) == record and sha256(target) == digest
+    except (OSError, ValueError):
+        unchanged = False
+    if unchanged:
         return {**record, "kept": portable_path(target, results_dir), "copied": False}
     atomic_write(target, lambda tmp: shutil.copyfile(source, tmp))
     atomic_write_json(record_path, record)
