@@ -11,8 +11,10 @@ from vitexp import SWEEPS_DIR, results_page, tables
 
 VERDICTS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml") if "verdict:" in p.read_text())
 #: What a measured number typed into prose looks like: a mean ± std, a percentage (whole or not), a
-#: signed Δ, a number with two or more decimals (a setting such as "keep 0.45" or "ρ = 0.5" is not one).
-MEASURED = re.compile(r"\d+\.\d+\s*±|±\s*\d|\d+(?:\.\d+)?\s*%|Δ\s*[−+-]?\s*\d|(?<!keep )(?<!= )\b\d+\.\d{2,}")
+#: signed Δ, a number with two or more decimals, a one-decimal number of 10 or more (an accuracy such as
+#: "81.4"; a setting such as "keep 0.45" or "ρ = 0.5" is not one).
+MEASURED = re.compile(r"\d+\.\d+\s*±|±\s*\d|\d+(?:\.\d+)?\s*%|Δ\s*[−+-]?\s*\d|(?<!keep )(?<!= )\b\d+\.\d{2,}"
+                      r"|(?<![\w.])\d{2,}\.\d\b(?!\.)")
 
 SPEC = {"name": "page_fixture", "title": "Page fixture", "seeds": [0, 1, 2],
         "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 2, "paired": True},
@@ -76,6 +78,7 @@ def test_no_verdict_types_a_measured_number(name):
 def test_the_check_finds_a_typed_number():
     assert hand_typed("BSPF-ViT scores 86.15 ± 0.12, Δ −2.64 at 0.0104 GMACs") == ["86.15 ±", "0.12", "Δ −2", "0.0104"]
     assert hand_typed("the teacher scores 87.28 %") == ["87.28 %"]
+    assert hand_typed("BSPF-ViT reaches 81.4 against 79.8 at keep 0.5, r = 11, k = 6") == ["81.4", "79.8"]
     assert hand_typed("(paper: 81.8 % against 79.8 %) {cell:a:b} {saved:a:b:c} % at keep 0.45") == []
     assert hand_typed("(computed by hand from runs: Δ −2.52), 9–17 % saved, 0.65 of 0.75 GMACs") == ["Δ −2", "17 %", "0.65",
                                                                                                    "0.75"]
