@@ -23,10 +23,11 @@ def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
-def test_flops_cli_prints_params_and_gmacs(results_dir, tmp_path):
-    proc = run("vitexp-flops", "experiment=deit_small_baseline", "logger=none", results_dir=results_dir, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = last_json(proc.stdout)
+def test_flops_cli_prints_params_and_gmacs(results_dir, tmp_path, monkeypatch, capfd):
+    code, out, err = _in_process("flops", ["experiment=deit_small_baseline", "logger=none"], results_dir, tmp_path,
+                                 monkeypatch, capfd)
+    assert code == 0, err[-2000:]
+    result = last_json(out)
     assert result["status"] == "completed"
     assert result["metrics"]["gmacs"] == pytest.approx(4.61, abs=0.02)
     assert result["metrics"]["params_m"] == pytest.approx(22.05, abs=0.05)
@@ -36,11 +37,11 @@ def test_flops_cli_prints_params_and_gmacs(results_dir, tmp_path):
     assert result["ledger"] == f"runs/{entry['run_id']}.json"  # relative to the results root: no machine path
 
 
-def test_bench_throughput_records_both_models(results_dir, tmp_path):
-    proc = run("vitexp-bench", "logger=none", "bench.batch_size=8", "bench.rounds=2", "bench.iters=2",
-               results_dir=results_dir, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    m = last_json(proc.stdout)["metrics"]
+def test_bench_throughput_records_both_models(results_dir, tmp_path, monkeypatch, capfd):
+    code, out, err = _in_process("bench", ["logger=none", "bench.batch_size=8", "bench.rounds=2", "bench.iters=2"],
+                                 results_dir, tmp_path, monkeypatch, capfd)
+    assert code == 0, err[-2000:]
+    m = last_json(out)["metrics"]
     assert m["throughput"] > 0 and m["baseline_throughput"] > 0
     assert m["gmacs_ratio"] == pytest.approx(1.0)  # baseline method: the same model twice
     (entry,) = ledger_entries(results_dir)
@@ -185,14 +186,16 @@ BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file fr
 def _in_process(app: str, args: list[str], results_dir: Path, cwd: Path, monkeypatch, capfd,
                 env: dict[str, str] | None = None) -> tuple[int, str, str]:
     """``vitexp-<app> ARGS`` (a Hydra app: train, flops, bench) through its entry point in this
-    process, with ``env`` added: (exit code, stdout, stderr). The root logger is restored afterwards
-    (Hydra configures logging for the job it starts)."""
+    process, with ``env`` added: (exit code, stdout, stderr). Every logger's handlers and level are
+    restored afterwards (Hydra configures logging for the job it starts, and a library imported
+    during the call, such as Lightning, binds a handler to this test's captured stream, closed when
+    the test ends)."""
     import logging
 
     from vitexp import cli
 
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    saved = {id(lg): (list(lg.handlers), lg.level) for lg in loggers}
     for key, value in {**cli_env(results_dir), **(env or {})}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(cwd)
@@ -204,7 +207,10 @@ def _in_process(app: str, args: list[str], results_dir: Path, cwd: Path, monkeyp
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
-        root.handlers[:], root.level = handlers, level
+        for lg in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
+            if isinstance(lg, logging.Logger):
+                lg.handlers[:], level = saved.get(id(lg), ([], lg.level))
+                lg.setLevel(level)
     out, err = capfd.readouterr()
     return code, out, err
 
