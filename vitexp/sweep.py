@@ -116,14 +116,18 @@ def _plan_row(spec: dict, row: dict, kind: str | None, force: bool, overrides: S
         bucket[target].append(name)
 
 
+def _shared_starts(spec: dict) -> list[dict]:
+    """The table's trained shared-start rows (:func:`vitexp.aggregate.shared_start`)."""
+    return [row for row in expand_rows(spec["rows"])
+            if not row.get("cited") and row.get("experiment") and shared_start(spec, row)]
+
+
 def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) -> dict[str, str | None]:
     """{shared start's name: the run its seeded rows load, or ``None`` when it trains again (no
     completed run, ``--force``, or its weights are not on this machine): then every seeded run
     fine-tuned from an earlier run of it trains again too, so a row never mixes two starts."""
     starts: dict[str, str | None] = {}
-    for row in expand_rows(spec["rows"]):
-        if row.get("cited") or not row.get("experiment") or not shared_start(spec, row):
-            continue
+    for row in _shared_starts(spec):
         name = row_name(row)
         starts[name] = None
         if force or ledger.newest(name, "train") is None:
@@ -143,9 +147,7 @@ def keep_starts(spec: dict, results_dir: Path) -> dict[str, dict]:
     (:func:`vitexp.ledger.keep`): {start's name: what was kept, or ``{"error": ...}`` when its weights
     are not on this machine}. A start with no completed run is left out."""
     ledger, kept = Ledger.load(results_dir), {}
-    for row in expand_rows(spec["rows"]):
-        if row.get("cited") or not row.get("experiment") or not shared_start(spec, row):
-            continue
+    for row in _shared_starts(spec):
         run = ledger.newest(row_name(row), "train")
         if run is None:
             continue

@@ -20,8 +20,10 @@ Decisions:
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,14 @@ class KeptWeightsError(FileNotFoundError):
 
 
 def sha256(path: Path | str) -> str:
-    """The file's sha256, hex."""
+    """The file's sha256, hex; read once per (path, size, modification time): a start is looked up
+    several times per run (validation, the build, the sweep's plan)."""
+    stat = os.stat(path)
+    return _sha256(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
