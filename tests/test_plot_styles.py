@@ -60,7 +60,7 @@ def plot_axes(fig) -> dict:
 
 
 #: Markers one outline on an axis: a hexagon turned by 30 degrees, an octagon beside a circle.
-OUTLINE = {"H": "h", "8": "o"}
+OUTLINE = {"H": "h"}
 
 
 def confusable(fig, values: dict[str, tuple]) -> list[str]:

@@ -7,8 +7,8 @@ Decisions:
   and from the controls' grey) gives its shades (:func:`palette`: the hue mixed with black or
   white, each shade :data:`MIN_DELTA_E` from the others, :data:`MIN_FROM_WHITE` from white and
   :data:`MIN_FROM_BLACK` from black). A family's pairs come in the order t = 0, 1, ...: marker
-  t mod 14, shade (t mod 14 + t div 14) mod (its shades), so consecutive rows differ in both and
-  every pair comes once; each row takes the next pair that is distinguishable (:func:`row_styles`).
+  t mod 14, shade (t mod 14 + t div 14) mod (its shades), so consecutive rows differ in both (except
+  where the markers wrap round, t = 13 to 14, when the shade may repeat) and every pair comes once; each row takes the next pair that is distinguishable (:func:`row_styles`).
 - **Distinguishable**: on every axis a row shares with another row, the two have different
   outlines or colours at least :data:`MIN_DELTA_E` apart. Preferred, in order: a pair
   distinguishable from every row in the figure (the legend then names each pair once), one
@@ -20,10 +20,10 @@ Decisions:
   sRGB under D65), the CIE's distance that tracks perceived difference, across lightness too. A
   ΔE00 of about 2 is just noticeable between large patches side by side; a plot's markers are
   small (6-8 points: colour discrimination drops for small fields) and are matched to the legend
-  apart, not side by side, so two markers of one outline need ten times that: 20. It still
-  leaves three shades of a mid-lightness hue (the hue, a dark and a light one, about 20 L* apart).
+  apart, not side by side, so two markers of one outline need ten times that: 20. It leaves
+  two or three shades of a hue (tab:blue, tab:brown, tab:pink: two; tab:red, tab:green, tab:orange: three).
 - **Markers** (:data:`MARKERS`): fourteen, of thirteen outlines that differ at 6 points (no
-  octagon beside the circle; the two hexagons, last, count as one outline on an axis:
+  octagon beside the circle; the two hexagons, ``h`` and ``H``, count as one outline on an axis:
   :data:`OUTLINES`); controls are grey and hollow with :data:`CONTROL_MARKERS`.
 """
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 MIN_DELTA_E = 20.0
 #: A shade's least ΔE00 from white (the background: paler markers fade into it) and from black
 #: (darker ones read as black, the baseline's near-black hue, whatever their hue: ΔE00 overrates
-#: chroma differences of very dark small marks). tab:blue mixed 45 % with white (L* 71) or with
-#: black (L* 26) is just kept.
+#: chroma differences of very dark small marks). tab:blue keeps its 45 % mix with white (L* 71);
+#: its darker mixes fall below one of the two thresholds.
 MIN_FROM_WHITE = MIN_FROM_BLACK = 22.0
 
 #: Family -> hue (families a table names often; the others take :data:`SPARE_COLOURS`).
@@ -50,7 +50,7 @@ SPARE_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "gold", "teal", "maroon",
 MARKERS = ("o", "s", "D", "P", "X", "*", "^", "v", "h", "p", "<", ">", "d", "H")
 #: Markers that differ too little at 6 points to tell rows apart on one axis (a hexagon turned by
 #: 30 degrees): one outline for :func:`row_styles`, though two styles in the legend.
-OUTLINES = {"H": "h", "8": "o"}
+OUTLINES = {"H": "h"}
 #: Mixing fractions a shade is chosen from: with white (> 0) or black (< 0), nearest the hue first.
 FRACTIONS = tuple(round(f * 0.05, 2) for f in range(1, 17))
 CONTROL_COLOUR = "0.55"
@@ -146,7 +146,7 @@ def family_hues(families: list[str]) -> dict[str, Any]:
     :data:`MIN_DELTA_E` from every hue taken and the controls' grey (the next spare one at all when
     none is)."""
     hue = {f: FAMILY_COLOURS[f] for f in families if f in FAMILY_COLOURS}
-    spare = [c for c in SPARE_COLOURS if c not in hue.values()]
+    spare = list(SPARE_COLOURS)
     for family in families:
         if family in hue:
             continue

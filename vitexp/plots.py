@@ -29,8 +29,8 @@ Encoding (decisions):
 - **No panel without a measured point**: beside other panels, one with neither a measured (cost,
   accuracy) point nor a paper value is dropped (its costs are in the table files); a panel left
   without a measured point says "not run" in its title.
-- **No row hidden under another**: markers of different rows whose centres lie closer than 8 points
-  (13 px) are offset on the page by multiples of 8 points: sideways in the plane, upwards in the
+- **No row hidden under another**: markers of different rows whose centres lie closer than
+  :data:`vitexp.dodge.GAP` points (10: about 17 px at 120 dpi) are offset on the page by multiples of it: sideways in the plane, upwards in the
   cost-only strip, rightwards in the no-cost strip (each strip as deep as its stack); the value is
   unchanged (an offset transform), error bars move with their marker, and the legend names each
   row (:mod:`vitexp.dodge`).
