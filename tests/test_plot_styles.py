@@ -297,3 +297,26 @@ def test_a_plot_says_when_a_marker_was_set_apart_from_its_values():
 
     assert any(dodge.MOVED_NOTE in t for t in texts(80.0))
     assert not any(dodge.MOVED_NOTE in t for t in texts(90.0))
+
+
+@pytest.mark.parametrize("top1_a", [80.0, None])
+def test_a_paper_cost_obtained_by_arithmetic_is_marked_in_the_cost_only_strip(top1_a):
+    """A paper cost with no paper accuracy stands in the cost-only strip; derived by a formula, it
+    carries the derived mark there as a derived point does in the plane (with and without a measured
+    point beside it)."""
+    spec = {"name": "derived_cost", "title": "t",
+            "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 2},
+                        {"key": "gmacs", "label": "GMACs", "digits": 3}],
+            "plot": {"x": "gmacs", "y": "top1"},
+            "rows": [{"label": "a", "experiment": "demo"},
+                     {"label": "b", "experiment": "bspf_demo",
+                      "paper": {"gmacs": {"value": 3.0, "source": "s", "derived": True, "formula": "4.6 - 1.6"}}}]}
+    metrics = {"gmacs": 0.02} if top1_a is None else {"gmacs": 0.02, "top1": top1_a}
+    runs = [{"run_id": "demo", "experiment": "demo", "status": "completed", "kind": "train", "config": {},
+             "metrics": metrics}]
+    fig = plots.draw(spec, tables.fill(spec, runs))
+    try:
+        marks = [t for ax in fig.axes for t in ax.texts if t.get_text() == plots.DERIVED_MARK]
+    finally:
+        plt.close(fig)
+    assert len(marks) == 1

@@ -225,6 +225,11 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
         if only_ticks:  # BASE points above the axis's foot (its cost counted in the limits first), whole inside it
             marks[-1].artists[0].set_transform(marks[-1].artists[0].get_transform() + up)
         used_here.add(f"tick_{source}")
+        if source == "paper" and row["cells"][xk].get("formula"):  # a cost obtained by arithmetic
+            marks[-1].notes.append(on.annotate(DERIVED_MARK, (value, y), **({"xycoords": ax.get_xaxis_transform()}
+                                                                            if only_ticks else {}),
+                                               xytext=(4, 2 + (BASE if only_ticks else 0)), textcoords="offset points",
+                                               fontsize=7, color=colour))
         if only_ticks and len(ticks) <= MAX_TICK_LABELS:
             marks[-1].notes.append(ax.annotate(row["label"], (value, 0.0), xycoords=ax.get_xaxis_transform(),
                                                xytext=(0, BASE + 8), textcoords="offset points", rotation=90,
