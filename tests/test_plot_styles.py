@@ -320,3 +320,21 @@ def test_a_paper_cost_obtained_by_arithmetic_is_marked_in_the_cost_only_strip(to
     finally:
         plt.close(fig)
     assert len(marks) == 1
+
+
+def test_a_marker_moved_and_then_left_in_place_is_clipped_again():
+    """separate() unclips a moved marker (it may stand past its axes); called again on a layout
+    where the marker need not move, the marker is back where it was drawn, clipped as drawn."""
+    fig, ax = plt.subplots()
+    try:
+        a = dodge.Mark("a", "point", ax.plot([0.5], [0.5], "o", clip_on=True))
+        b = dodge.Mark("b", "point", ax.plot([0.5], [0.5], "s", clip_on=True))
+        ax.set_xlim(0, 1), ax.set_ylim(0, 1)
+        drawn = b.artists[0].get_transform()
+        dodge.separate([a, b])
+        assert b.moved and not b.artists[0].get_clip_on()
+        b.artists[0].set_data([0.9], [0.9])  # far from a now: nothing moves
+        dodge.separate([a, b])
+        assert not b.moved and b.artists[0].get_clip_on() and b.artists[0].get_transform() == drawn
+    finally:
+        plt.close(fig)

@@ -63,8 +63,8 @@ class Mark:
     kind: str
     artists: list[Any]
     notes: list[Any] = field(default_factory=list)
-    #: The artists' transforms and the notes' offsets as drawn, before any move.
-    drawn: tuple[list[Any], list[Any]] | None = None
+    #: The artists' transforms and clipping and the notes' offsets as drawn, before any move.
+    drawn: tuple[list[Any], list[bool], list[Any]] | None = None
     #: Set apart from where its values put it (:func:`separate`).
     moved: bool = False
 
@@ -72,11 +72,13 @@ class Mark:
         """Back to the place it was drawn at (before :func:`separate` moved it), remembering it."""
         self.moved = False
         if self.drawn is None:
-            self.drawn = ([a.get_transform() for a in self.artists], [n.xyann for n in self.notes])
+            self.drawn = ([a.get_transform() for a in self.artists], [a.get_clip_on() for a in self.artists],
+                          [n.xyann for n in self.notes])
             return
-        for artist, transform in zip(self.artists, self.drawn[0]):
+        for artist, transform, clip in zip(self.artists, self.drawn[0], self.drawn[1]):
             artist.set_transform(transform)
-        for note, xy in zip(self.notes, self.drawn[1]):
+            artist.set_clip_on(clip)
+        for note, xy in zip(self.notes, self.drawn[2]):
             note.xyann = xy
 
 
