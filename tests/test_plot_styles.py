@@ -59,7 +59,7 @@ def plot_axes(fig) -> dict:
     return group
 
 
-#: Markers one outline on an axis: a hexagon turned by 30 degrees, an octagon beside a circle.
+#: Markers one outline on an axis: a hexagon turned by 30 degrees.
 OUTLINE = {"H": "h"}
 
 

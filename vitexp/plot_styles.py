@@ -8,7 +8,8 @@ Decisions:
   white, each shade :data:`MIN_DELTA_E` from the others, :data:`MIN_FROM_WHITE` from white and
   :data:`MIN_FROM_BLACK` from black). A family's pairs come in the order t = 0, 1, ...: marker
   t mod 14, shade (t mod 14 + t div 14) mod (its shades), so consecutive rows differ in both (except
-  where the markers wrap round, t = 13 to 14, when the shade may repeat) and every pair comes once; each row takes the next pair that is distinguishable (:func:`row_styles`).
+  where the markers wrap round, t = 13 to 14, when the shade may repeat) and every pair comes once;
+  each row takes the next pair that is distinguishable (:func:`row_styles`).
 - **Distinguishable**: on every axis a row shares with another row, the two have different
   outlines or colours at least :data:`MIN_DELTA_E` apart. Preferred, in order: a pair
   distinguishable from every row in the figure (the legend then names each pair once), one
@@ -21,7 +22,8 @@ Decisions:
   ΔE00 of about 2 is just noticeable between large patches side by side; a plot's markers are
   small (6-8 points: colour discrimination drops for small fields) and are matched to the legend
   apart, not side by side, so two markers of one outline need ten times that: 20. It leaves
-  two or three shades of a hue (tab:blue, tab:brown, tab:pink: two; tab:red, tab:green, tab:orange: three).
+  two or three shades of a hue (tab:blue, tab:brown, tab:pink: two; tab:red, tab:green, tab:orange:
+  three).
 - **Markers** (:data:`MARKERS`): fourteen, of thirteen outlines that differ at 6 points (no
   octagon beside the circle; the two hexagons, ``h`` and ``H``, count as one outline on an axis:
   :data:`OUTLINES`); controls are grey and hollow with :data:`CONTROL_MARKERS`.

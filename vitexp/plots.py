@@ -30,8 +30,8 @@ Encoding (decisions):
   accuracy) point nor a paper value is dropped (its costs are in the table files); a panel left
   without a measured point says "not run" in its title.
 - **No row hidden under another**: markers of different rows whose centres lie closer than
-  :data:`vitexp.dodge.GAP` points (10: about 17 px at 120 dpi) are offset on the page by multiples of it: sideways in the plane, upwards in the
-  cost-only strip, rightwards in the no-cost strip (each strip as deep as its stack); the value is
+  :data:`vitexp.dodge.GAP` points (10: about 17 px at 120 dpi) are offset on the page by multiples
+  of it: sideways in the plane, upwards in the cost-only strip, rightwards in the no-cost strip (each strip as deep as its stack); the value is
   unchanged (an offset transform), error bars move with their marker, and the legend names each
   row (:mod:`vitexp.dodge`).
 - **Units on every scale**: the column's label with its unit's short form ("Top-1 (%)", "GMACs"),
@@ -226,8 +226,7 @@ def _draw_axis(ax, rows: list[dict[str, Any]], xk: str, yk: str, style: dict[str
             marks[-1].artists[0].set_transform(marks[-1].artists[0].get_transform() + up)
         used_here.add(f"tick_{source}")
         if source == "paper" and row["cells"][xk].get("formula"):  # a cost obtained by arithmetic
-            marks[-1].notes.append(on.annotate(DERIVED_MARK, (value, y), **({"xycoords": ax.get_xaxis_transform()}
-                                                                            if only_ticks else {}),
+            marks[-1].notes.append(on.annotate(DERIVED_MARK, (value, y), xycoords=where.get("transform", "data"),
                                                xytext=(4, 2 + (BASE if only_ticks else 0)), textcoords="offset points",
                                                fontsize=7, color=colour))
         if only_ticks and len(ticks) <= MAX_TICK_LABELS:
