@@ -152,9 +152,9 @@ def test_ciede2000_matches_the_reference_pairs():
     assert delta_e("white", "white") == 0.0 and delta_e("black", "white") == pytest.approx(100.0, abs=1e-3)
 
 
-#: Two rows' marker centres closer than this (pixels at the plots' 120 dpi; two thirds of a 7-point
-#: marker, 11.7 px wide) overlap: one hides most of the other.
-MIN_PX = 8.0
+#: A marker centre this near an axis of cost against accuracy (pixels at the plots' 120 dpi) counts
+#: as inside it.
+EDGE_PX = 4.0
 #: Artists of a row's marker: measured, paper, cost only, accuracy only.
 MARKER_GIDS = ("vitexp:", "paper:", "tick-vitexp:", "tick-paper:", "ytick-vitexp:", "ytick-paper:")
 #: Artists of a row with one value: its place on the page must not read as a value of the other.
@@ -233,13 +233,16 @@ def committed_plot(committed_ledger):
 def test_no_row_hides_under_another_in_the_committed_plot(name, committed_plot):
     fig, rows, spec = committed_plot(name)
     centres = marker_centres(fig)
+    # dodge sets markers of different rows on one axis at least GAP points apart; the final layout
+    # (strips, widened limits) must keep them so (half a pixel for rounding)
+    least = dodge.GAP * fig.dpi / 72.0 - 0.5
     hidden = [f"{ga} and {gb}: {((a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2) ** 0.5:.1f} px"
               for k, (ia, la, ga, a) in enumerate(centres) for ib, lb, gb, b in centres[k + 1:]
-              if ia == ib and la != lb and (a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2 < MIN_PX ** 2]
-    assert not hidden, f"{name}: markers of different rows closer than {MIN_PX} px: {hidden}"
+              if ia == ib and la != lb and (a[0] - b[0]) ** 2 + (a[1] - b[1]) ** 2 < least ** 2]
+    assert not hidden, f"{name}: markers of different rows closer than {least:.1f} px (dodge.GAP): {hidden}"
     # an axis with both scales (cost and accuracy ticks) is where a place reads as (cost, accuracy);
     # a strip or an axis of costs alone lacks one of them. A centre on its edge counts as inside.
-    areas = [ax.bbox.padded(MIN_PX / 2) for ax in fig.axes if len(ax.get_xticks()) and len(ax.get_yticks())]
+    areas = [ax.bbox.padded(EDGE_PX) for ax in fig.axes if len(ax.get_xticks()) and len(ax.get_yticks())]
     inside = [f"{gid} at ({x:.0f}, {y:.0f}) px" for _, _, gid, (x, y) in centres
               if gid.startswith(ONE_VALUE_GIDS) and any(area.contains(x, y) for area in areas)]
     assert not inside, f"{name}: markers of rows with one value inside an axis of cost against accuracy: {inside}"
