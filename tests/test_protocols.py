@@ -49,18 +49,18 @@ def _run(run_id: str, fit: float, start: str | None = None) -> dict:
             "metrics": {"fit_time_s": fit}, "started": "2026-12-01T00:00:00+00:00"}
 
 
-def test_a_protocols_cost_sums_its_runs_and_their_starts_once():
+def test_a_protocols_cost_sums_its_runs_and_their_starts_once_and_the_total_a_shared_run_once():
     ledger = Ledger([_run("s", 3600.0), _run("a0", 360.0, "s"), _run("a1", 720.0, "s"), _run("b0", 1800.0, "s"),
                      _run("x", 7200.0)])
     cells = {"t1": [{"experiment": "full", "cells": {"top1": {"run_ids": ["a0", "a1"]}}},
                     {"experiment": "m", "cells": {"top1": {"run_ids": ["b0"]}}}],
              "t2": [{"experiment": "full", "cells": {"top1": {}}}, {"experiment": "m", "cells": {"top1": {}}}],
-             "t3": [{"experiment": "full", "cells": {"top1": {"run_ids": ["x"]}}},
+             "t3": [{"experiment": "full", "cells": {"top1": {"run_ids": ["x", "s"]}}},
                     {"experiment": "m", "cells": {"top1": {"run_ids": []}}}]}
     costs = protocols.cost(SPEC, cells.__getitem__, ledger)
-    assert [(c["runs"], c["hours"]) for c in costs] == [(["a0", "a1", "b0", "s"], 1.8), ([], 0.0), (["x"], 2.0)]
+    assert [(c["runs"], c["hours"]) for c in costs] == [(["a0", "a1", "b0", "s"], 1.8), ([], 0.0), (["s", "x"], 3.0)]
     text = protocols.render(SPEC, protocols.evaluate(SPEC, lambda t: [_row("full", {}), _row("m", {})]), costs)
-    assert "| Cost: training time, CPU-hours (one thread per run) | 1.80 h (4 runs) | not run | 2.00 h (1 run) | 3.80 h in all |" in text
+    assert "| Cost: training time, CPU-hours (one thread per run) | 1.80 h (4 runs) | not run | 3.00 h (2 runs) | 3.80 h in all (5 runs) |" in text  # s once
 
 
 def test_a_reference_to_a_row_the_table_lacks_is_an_error():

@@ -108,8 +108,8 @@ def verdict(signs: list[tuple[str, str]]) -> str:
 
 
 def cost(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], ledger: Any) -> list[dict[str, Any]]:
-    """Per protocol: ``runs`` (the cells' runs and their starts, each once) and ``hours`` (their
-    ``fit_time_s`` summed; module docstring); ``ledger`` is a :class:`vitexp.ledger.Ledger`."""
+    """Per protocol: ``runs`` (the cells' runs and their starts, each once), ``fit_s`` (each run's
+    ``fit_time_s``) and ``hours`` (their sum; module docstring); ``ledger`` is a :class:`vitexp.ledger.Ledger`."""
     key, out = spec.get("key", "top1"), []
     for proto in spec["protocols"]:
         seen: dict[str, float] = {}
@@ -122,7 +122,7 @@ def cost(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], ledg
             start = ledger.start_of(run)
             if start:
                 todo.append(start)
-        out.append({"protocol": proto["label"], "runs": sorted(seen), "hours": sum(seen.values()) / 3600})
+        out.append({"protocol": proto["label"], "runs": sorted(seen), "fit_s": seen, "hours": sum(seen.values()) / 3600})
     return out
 
 
@@ -164,8 +164,9 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
         lines.append("| " + " | ".join([c["claim"]] + cells + [c["verdict"]]) + " |")
     if costs is not None:
         hours = [f"{c['hours']:.2f} h ({len(c['runs'])} run{'s' if len(c['runs']) > 1 else ''})" if c["runs"] else "not run" for c in costs]
+        every = {rid: sec for c in costs for rid, sec in c["fit_s"].items()}  # a run in two protocols once
         lines.append("| Cost: training time, CPU-hours (one thread per run) | " + " | ".join(hours) + " | "
-                     f"{sum(c['hours'] for c in costs):.2f} h in all |")
+                     f"{sum(every.values()) / 3600:.2f} h in all ({len(every)} runs) |")
     lines += ["", "Cells: the paired difference of " + spec.get("unit", "top-1 (%)") + ", a − b, over the seeds "
               "both rows completed, mean ± sample std (n pairs). supports: every pair above 0; contradicts: every "
               "pair below 0; undecided: pairs of both signs (vitexp/protocols.py). A verdict is given only where "
@@ -173,7 +174,8 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
               "it is shown but not judged, and counts as not measured." if spec.get("pairs", 1) > 1 else "")]
     if costs is not None:
         lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) summed over the runs in the cells and "
-                  "the runs whose weights they loaded (a shared start counted once), in hours."]
+                  "the runs whose weights they loaded (a shared start counted once), in hours; in all, a run that two "
+                  "protocols share counted once."]
     lines += ["", "Protocols (rows from the tables named):", ""]
     lines += [f"- **{p['label']}**: " + ", ".join(f"{role} = `{ref}`" for role, ref in p["rows"].items())
               for p in spec["protocols"]]
