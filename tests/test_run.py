@@ -372,19 +372,34 @@ class _SignalAtEpoch:
         return Send()
 
 
+class _Stopped(Exception):
+    """What the test's own SIGTERM handler raises: the signal reached the handler from before the run."""
+
+
+def _stop(signum, frame):
+    raise _Stopped(signum)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_interrupts_the_entry_and_the_resumed_run_sums_its_attempts(make_cfg, results_dir, tmp_path, signum):
-    """SIGINT and SIGTERM close the entry ``interrupted`` with the signal (they used to read
-    ``failed``, "SystemExit: 1"); exit 128 + the signal; resume=auto continues it, and its
-    fit_time_s is the sum of both attempts' (each kept under attempts)."""
+    """SIGINT and SIGTERM close the entry ``interrupted`` with the signal (not ``failed``), then reach the
+    handler that was there before the run (Python's KeyboardInterrupt for SIGINT; for SIGTERM this test's
+    own handler, where a bare process would end); resume=auto continues it, and its fit_time_s is the
+    sum of both attempts' (each kept under attempts)."""
     from vitexp.train import train
 
     over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
         "resume=auto", "recipe.epochs=3", "data.num_train=32", "data.num_test=16"]
     cfg = make_cfg(over, tmp_path / "split")
-    with pytest.raises(SystemExit) as stopped:
-        train(cfg, callbacks=[_SignalAtEpoch(1, signum)])
-    assert stopped.value.code == 128 + signum
+    before = signal.signal(signal.SIGTERM, _stop) if signum == signal.SIGTERM else None
+    try:
+        with pytest.raises(KeyboardInterrupt if signum == signal.SIGINT else _Stopped):
+            train(cfg, callbacks=[_SignalAtEpoch(1, signum)])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are restored
+        assert signal.getsignal(signal.SIGTERM) is (_stop if before is not None else signal.SIG_DFL)
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
     (entry,) = ledger_entries(results_dir)
     name = signal.Signals(signum).name
     assert entry["status"] == "interrupted" and entry["signal"] == name and entry["error"] == f"interrupted by {name}"
@@ -395,7 +410,43 @@ def test_a_signal_interrupts_the_entry_and_the_resumed_run_sums_its_attempts(mak
     assert entry["status"] == "completed" and entry["attempts"][0]["status"] == "interrupted"
     assert entry["attempts"][0]["fit_time_s"] == {"main": first}
     assert resumed["metrics"]["fit_time_s"] == pytest.approx(first + entry["attempt_fit_time_s"]["main"])
-    assert signal.getsignal(signal.SIGINT) is not None  # the handlers are restored
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+def test_a_signal_to_pytest_ends_the_session_and_the_run_is_interrupted(tmp_path, signum):
+    """A pytest session training a model in-process (tests/interrupt_target.py) stops within seconds of
+    SIGINT (pytest's "interrupted" banner, exit 2) or SIGTERM (the process ended by the signal), the
+    run's entry closed ``interrupted``, and the session's next test never starts. (Python's teardown
+    after the banner, a garbage collection of torch's objects, is not timed: seconds on a quiet machine.)"""
+    base = tmp_path / "pytest"
+    env = {**cli_env(tmp_path / "unused"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", str(ROOT / "tests" / "interrupt_target.py"), "-p", "no:cacheprovider",
+         "-p", "no:xdist", "-q", "-o", "addopts=", f"--basetemp={base}", "--rootdir", str(ROOT / "tests")],
+        cwd=ROOT / "tests", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list(base.glob("test_train_until_interrupted0/run/checkpoints/*.ckpt")):  # one epoch done
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "the target test never started training"
+            time.sleep(0.2)
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        lines = []
+        if signum == signal.SIGINT:
+            for line in proc.stdout:  # pytest's banner: the session stopped
+                lines.append(line)
+                if "KeyboardInterrupt" in line:
+                    break
+        took = time.monotonic() - sent
+        out = "".join(lines) + proc.communicate(timeout=300)[0]
+    finally:
+        proc.kill()
+    assert took < 15, f"the session went on {took:.1f} s after {signal.Signals(signum).name}"
+    assert proc.returncode == (2 if signum == signal.SIGINT else -signum), out[-3000:]
+    (entry,) = ledger_entries(base / "test_train_until_interrupted0" / "results")
+    assert entry["status"] == "interrupted" and entry["signal"] == signal.Signals(signum).name
+    assert not (base / "marker_second_test_ran").exists()
 
 
 def test_an_attempt_killed_without_closing_its_entry_is_closed_interrupted_on_resume(results_dir):

@@ -12,7 +12,9 @@ on stderr, ``<prog>: invalid|failed: ...`` naming the key or the file
 """
 from __future__ import annotations
 
+import functools
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -28,6 +30,20 @@ from vitexp.run import ArgumentParser
 
 #: Lightning strategies that re-run the command line in worker processes.
 _SUBPROCESS_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true")
+
+
+def _console_script(main: Callable[..., None]) -> Callable[..., None]:
+    """A console script ends on Ctrl-C as the shell expects of a process stopped by SIGINT: exit 130,
+    no traceback (the run's own entry and closing line were written by :func:`vitexp.run.owned_run`)."""
+
+    @functools.wraps(main)
+    def script(*args: Any, **kwargs: Any) -> None:
+        try:
+            main(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise SystemExit(128 + int(signal.SIGINT)) from None
+
+    return script
 
 
 def _report(status: str, err: BaseException, prog: str, message: str | None = None, debug: bool | None = None) -> None:
@@ -147,6 +163,8 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
         raise SystemExit(1) from None
     except SystemExit as exit_:
         code = exit_.code
+    except KeyboardInterrupt:  # Ctrl-C: the run closed its entry ``interrupted`` (vitexp.run._pass_on)
+        code = 128 + int(signal.SIGINT)
     except Exception as err:  # noqa: BLE001 - Hydra's own: composition, a launcher
         invalid = isinstance(err, (HydraException, OmegaConfBaseException))
         _report("invalid" if invalid else "failed", err, prog, composition_error(err, prog) if invalid else None, debug)
@@ -190,21 +208,25 @@ def _rehearse_body(cfg: DictConfig) -> dict[str, Any]:
     return rehearse(cfg)
 
 
+@_console_script
 def rehearse_main() -> None:
     """One row's rehearsal (``python -m vitexp.rehearsal``; ``vitexp-sweep TABLE --rehearse`` launches it)."""
     _run_hydra(_rehearse_body, "vitexp-rehearse")
 
 
+@_console_script
 def train_main() -> None:
     """Train, test and record one run (or a multirun with -m)."""
     _run_hydra(_train_body, "vitexp-train")
 
 
+@_console_script
 def flops_main() -> None:
     """Count params and FLOPs of a configured model (no training)."""
     _run_hydra(_flops_body, "vitexp-flops")
 
 
+@_console_script
 def bench_main() -> None:
     """Throughput of a method against its backbone, or Lightning's step overhead."""
     _run_hydra(_bench_body, "vitexp-bench")
@@ -216,6 +238,7 @@ def _exit_failed(err: BaseException, prog: str) -> None:
     raise SystemExit(1) from None
 
 
+@_console_script
 def eval_main(argv: list[str] | None = None) -> None:
     """``vitexp-eval RUN_ID_OR_EXPERIMENT [overrides] [--weights PATH]``: rebuild the model a
     completed train run saved and test it on the run's test split (a ledger entry of kind eval)."""
@@ -253,18 +276,21 @@ def _closing_line_on_error(main: Callable[[list[str] | None], int], argv: list[s
     raise SystemExit(code)
 
 
+@_console_script
 def sweep_main(argv: list[str] | None = None) -> None:
     from vitexp.sweep import main
 
     _closing_line_on_error(main, argv, "vitexp-sweep")
 
 
+@_console_script
 def tables_main(argv: list[str] | None = None) -> None:
     from vitexp.tables import main
 
     _closing_line_on_error(main, argv, "vitexp-tables")
 
 
+@_console_script
 def audit_main(argv: list[str] | None = None) -> None:
     """``vitexp-audit {bspf,saper,raptor}``: measure the public review's objections (BSPF-ViT, SAPER) or
     decompose SAPER's FLOPs comparison with RAPTOR; writes ``results/audit/<paper>.md`` and a ledger
@@ -300,6 +326,7 @@ def audit_main(argv: list[str] | None = None) -> None:
         _exit_failed(err, "vitexp-audit")
 
 
+@_console_script
 def analyze_main(argv: list[str] | None = None) -> None:
     """``vitexp-analyze {laplace,clusters,phases,tokens,heads} [options] [overrides]``: Laplace maps
     or head clustering of the configured backbone (``backbone.pretrained`` for real weights) on the

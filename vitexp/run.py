@@ -11,8 +11,9 @@ JSON line from start to last line, for every command (train, eval, flops, bench,
 - On every exit rank zero prints one line of JSON, the last line of standard output; its paths
   (``ledger``, those in an error) are relative to the results root, as the ledger's.
 - SIGINT (Ctrl-C) and SIGTERM close the entry ``interrupted`` with the signal (not ``failed``):
-  :func:`owned_run` notes the signal before Lightning turns it into ``SystemExit(1)``; the
-  process exits 128 + the signal's number. ``resume=auto`` continues such a run, and a resumed
+  :func:`owned_run` notes the signal before Lightning turns it into ``SystemExit(1)``, closes the
+  entry, restores the handlers from before the run and raises the signal again (:func:`_pass_on`):
+  the CLI exits 128 + the signal's number, and a caller such as pytest stops as that signal stops it. ``resume=auto`` continues such a run, and a resumed
   run's ``fit_time_s`` sums its attempts (:class:`vitexp.ledger.LedgerEntry`).
 - A run folder is owned by one live process (:mod:`vitexp.runlock`): a second process started on
   the same folder is refused (exit 2) before it reads the folder's ``run.json``.
@@ -301,6 +302,7 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
     ``bench.compare``, closes with one line naming them all)."""
     run = Run(name, kind, results_dir, output_dir, logger_cfg, resume, job_type, resumable)
     restore = _catch_signals(run)
+    stopped_by: str | None = None
     try:
         yield run
         run.result = run._close()
@@ -318,16 +320,37 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
             err.vitexp_reported = True  # the CLI prints no second closing line
         except AttributeError:
             pass
-        if run.signal or isinstance(err, KeyboardInterrupt):
-            code = 128 + int(getattr(signal, run.signal or "SIGINT"))
-            raise SystemExit(code) from None  # the shell's convention for a process ended by a signal
-        raise
+        if not (run.signal or isinstance(err, KeyboardInterrupt)):
+            raise
+        stopped_by = run.signal or "SIGINT"
     finally:
         restore()
         if run.lock is not None:
             run.lock.release()
+    if stopped_by is not None:
+        _pass_on(stopped_by)
     if run.rank_zero and emits:
         emit({"status": "completed", **run.result})
+
+
+def _pass_on(signame: str) -> None:
+    """Hand a signal that stopped a run, its entry now closed, to whatever handled it before the run.
+
+    SIGINT and SIGTERM are raised again with the handlers from before the run back in place: Python's
+    default SIGINT handler raises ``KeyboardInterrupt`` (pytest then ends its session, the CLI exits
+    130), and the default SIGTERM action ends the process as the signal would have. A handler that
+    returns (submitit's SIGTERM bypass, ``SIG_IGN``) leaves the exit to vitexp: ``SystemExit`` with the
+    shell's code for a process ended by a signal, 128 + its number, as after SLURM's SIGUSR1."""
+    signum = int(getattr(signal, signame))
+    if signame in ("SIGINT", "SIGTERM") and threading.current_thread() is threading.main_thread():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            signal.raise_signal(signum)
+        except BaseException as err:  # the previous handler's own exception, without the run's chain
+            err.__suppress_context__ = True  # (Lightning's frames, which pytest would render for a minute)
+            raise
+    raise SystemExit(128 + signum)
 
 
 class Interrupted(BaseException):
