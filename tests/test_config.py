@@ -71,9 +71,10 @@ def test_missing_dataset_root_and_checkpoint_are_named(tmp_path):
 
 
 def test_use_ema_is_a_typed_backbone_key_added_with_plus_plus(tmp_path):
-    """``++backbone.use_ema=true`` (no backbone file writes the key: absent is false) is accepted,
-    typed and reaches the loader: the EMA weights of the file are the ones built; without it the
-    file's ``state_dict``. A non-boolean value is refused naming the key."""
+    """``++backbone.use_ema=true|false`` (no backbone file writes the key) is accepted, typed and
+    reaches the loader. Absent, a T2T-ViT file holding both sets gives its ``state_dict_ema``, as
+    T2T-ViT's ``main.py --eval_checkpoint`` loads it (``--model-ema`` defaults to true); ``false``
+    gives its ``state_dict``, ``true`` the EMA weights. A non-boolean value is refused naming the key."""
     import argparse
 
     import timm
@@ -87,12 +88,13 @@ def test_use_ema_is_a_typed_backbone_key_added_with_plus_plus(tmp_path):
     path = tmp_path / "t2t_vit_micro.pth.tar"
     torch.save({"state_dict": plain, "state_dict_ema": ema, "args": argparse.Namespace(model_ema=True)}, path)
     base = ["backbone=t2t_vit_micro", f"backbone.pretrained={path}", "data.num_classes=10"]
-    for overrides, expected in ((base, plain), ([*base, "++backbone.use_ema=true"], ema)):
+    for overrides, expected in ((base, ema), ([*base, "++backbone.use_ema=false"], plain),
+                                ([*base, "++backbone.use_ema=true"], ema)):
         cfg = vconfig.compose(overrides)
         check_overrides(cfg, overrides)
         validate(cfg, need_data=False)
         built = build_configured_backbone(cfg).state_dict()
-        assert all(torch.equal(built[k], v) for k, v in expected.items())
+        assert all(torch.equal(built[k], v) for k, v in expected.items()), overrides
     assert vconfig.compose(base).backbone.get("use_ema") is None  # not in the file: fingerprints unchanged
     with pytest.raises(ConfigError, match="backbone.use_ema"):
         vconfig.compose([*base, "++backbone.use_ema=maybe"])

@@ -29,42 +29,57 @@ ALL = ("t2t_vit_14", "t2t_vit_t_14", "lvvit_s", "dinov2_vits14", "dinov2_vits14_
        "caformer", "shvit")
 
 
+#: Each reference evaluation's choice from a release holding two weight sets: (the set it loads,
+#: the other set, the ``backbone.use_ema`` value that loads the other). Written here from the
+#: reference code, not from vitexp's table (vitexp/models/weight_sets.py):
+#: - T2T-ViT @ 0f63dc9: main.py:197 ``--model-ema`` store_true default=True, main.py:531
+#:   ``load_checkpoint(model, args.eval_checkpoint, args.model_ema)``: ``state_dict_ema``.
+#: - TokenLabeling @ 9dbfd59: validate.py:98 ``--use-ema`` store_true (default False), validate.py:150
+#:   ``load_checkpoint(model, args.checkpoint, args.use_ema)``: ``state_dict``.
+#: - SHViT @ 6a729cc: README.md:100 ``main.py --eval --resume``, main.py:369 ``checkpoint['model']``: ``model``.
+RELEASE_SETS = {"t2t_vit_14": ("state_dict_ema", "state_dict", False),
+                "t2t_vit_t_14": ("state_dict_ema", "state_dict", False),
+                "lvvit_s": ("state_dict", "state_dict_ema", True),
+                "shvit": ("model", "model_ema", True)}
+
+
 def _checkpoint(fx: dict, path: Path, layout: str = "plain") -> Path:
     """The fixture's weights in a checkpoint layout the official training scripts write: ``plain``
     (a state dict; DINOv2's hub files, CaFormer's releases), ``state_dict`` (with a ``module.``
-    prefix, ``args`` and ``epoch`` beside it), ``beside_ema`` (the fixture's under ``state_dict``,
-    other weights under ``state_dict_ema``: what TokenLabeling's and T2T-ViT's evaluations load by
-    default), ``use_ema`` (the reverse, for ``backbone.use_ema=true``), ``model`` (SHViT's
-    ``main.py``: the fixture's under ``model``, other weights under ``model_ema``, which its
-    ``--eval`` does not load) or ``model_ema`` (the reverse, for ``backbone.use_ema=true``)."""
+    prefix, ``args`` and ``epoch`` beside it), ``release`` (the reference's release layout with two
+    weight sets, :data:`RELEASE_SETS`: the fixture's under the set the reference evaluation loads,
+    other weights under the other set) or ``other`` (the reverse: the fixture's under the set the
+    reference does not load)."""
     state = seeded_state_dict(fx["state_dict"], fx["weight_seed"])
     other = seeded_state_dict(fx["state_dict"], fx["weight_seed"] + 1)
     module = lambda sd: {f"module.{k}": v for k, v in sd.items()}  # noqa: E731
     args = argparse.Namespace(model=fx["architecture"], lr=1e-3, model_ema=True)
     if layout == "state_dict":
         state = {"state_dict": module(state), "args": args, "epoch": 309}
-    elif layout == "beside_ema":
-        state = {"state_dict": module(state), "state_dict_ema": module(other), "args": args, "epoch": 309}
-    elif layout == "use_ema":
-        state = {"state_dict": module(other), "state_dict_ema": module(state), "args": args, "epoch": 309}
-    elif layout == "model":
-        state = {"model": state, "model_ema": other, "epoch": 299, "args": args}
-    elif layout == "model_ema":
-        state = {"model": other, "model_ema": state, "epoch": 299, "args": args}
+    elif layout in ("release", "other"):
+        loaded, skipped, _ = RELEASE_SETS[fx["architecture"]]
+        if layout == "other":
+            loaded, skipped = skipped, loaded
+        wrap = module if loaded.startswith("state_dict") else dict  # timm's CheckpointSaver under DDP; SHViT's main.py
+        state = {loaded: wrap(state), skipped: wrap(other), "args": args, "epoch": 309}
     torch.save(state, path)
     return path
 
 
-def _backbone(fx: dict, path: Path, img_size: int | None = None, use_ema: bool = False):
+def _backbone(fx: dict, path: Path, img_size: int | None = None, use_ema: bool | None = None):
+    """``build_backbone`` as ``backbone.pretrained=<path>`` builds it; ``use_ema`` None: the key
+    absent, as in every backbone config file."""
     v = fx["vitexp"]
     cfg = {"timm_name": v["timm_name"], "img_size": img_size or v["img_size"], "pretrained": str(path),
-           "use_ema": use_ema, "kwargs": v["kwargs"],
-           **({"img_size_kwarg": v["img_size_kwarg"]} if "img_size_kwarg" in v else {})}
+           "kwargs": v["kwargs"], **({"img_size_kwarg": v["img_size_kwarg"]} if "img_size_kwarg" in v else {}),
+           **({} if use_ema is None else {"use_ema": use_ema})}
     return build_backbone(cfg, num_classes=v["num_classes"]).eval()
 
 
-def _compare(model, fx: dict, forward=None, x_spec: dict | None = None, expected=None, floor: float | None = None):
-    """float64 within FLOAT64_REL; float32 within FLOAT32_FLOOR_FACTOR x the fixture's floor."""
+def _compare(model, fx: dict, forward=None, x_spec: dict | None = None, expected=None, floor: float | None = None,
+             abs64: float | None = None):
+    """float64 within FLOAT64_REL (and within ``abs64`` absolute, where given); float32 within
+    FLOAT32_FLOOR_FACTOR x the fixture's floor."""
     forward = forward or (lambda m, inp: m(inp))
     x_spec = x_spec or fx["input"]
     x = seeded_input(x_spec["shape"], x_spec["seed"])
@@ -73,6 +88,9 @@ def _compare(model, fx: dict, forward=None, x_spec: dict | None = None, expected
         out64 = forward(copy.deepcopy(model).double(), x)
         rel64 = max_rel(out64, ref)
         assert rel64 <= FLOAT64_REL, f"{fx['architecture']}: float64 differs from {fx['repository']} by {rel64:.3g}"
+        if abs64 is not None:
+            delta = float((out64 - ref).abs().max())
+            assert delta <= abs64, f"{fx['architecture']}: float64 max |delta| {delta:.3g} from {fx['repository']}"
         if floor is not None:
             out32 = forward(copy.deepcopy(model).float(), x.float())
             rel32 = max_rel(out32, ref)
@@ -87,26 +105,59 @@ def test_fixture_names_its_reference(name):
     assert fx["dtype"] == "float64" and 0 < fx["float32_floor"]["max_rel"] < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["plain", "state_dict", "beside_ema", "use_ema"])
+@pytest.mark.parametrize("layout", ["plain", "state_dict"])
 @pytest.mark.parametrize("name", ["t2t_vit_14", "t2t_vit_t_14", "lvvit_s"])
 def test_official_checkpoint_layouts_give_the_reference_logits(name, layout, tmp_path):
-    """T2T-ViT(-t) and LV-ViT (eval logits: class head + 0.5 x max of the aux head), loaded from
-    each layout the official training scripts save; as in their evaluations, ``state_dict`` is
-    loaded beside other EMA weights, and the EMA weights only with ``backbone.use_ema=true``."""
+    """T2T-ViT(-t) and LV-ViT (eval logits: class head + 0.5 x max of the aux head), loaded from a
+    plain state dict and from a training checkpoint holding one set (``module.`` prefix, ``args``)."""
     fx = load_fixture(name)
-    model = _backbone(fx, _checkpoint(fx, tmp_path / f"{name}.pth.tar", layout), use_ema=layout == "use_ema")
+    model = _backbone(fx, _checkpoint(fx, tmp_path / f"{name}.pth.tar", layout))
     _compare(model, fx, floor=fx["float32_floor"]["max_rel"] if layout == "plain" else None)
 
 
-@pytest.mark.parametrize("name, layout", [("caformer", "plain"), ("shvit", "model"), ("shvit", "model_ema")])
-def test_timm_ports_load_the_original_checkpoints(name, layout, tmp_path):
-    """CaFormer and SHViT are timm's ports: the original code's checkpoint layout goes through
-    timm's key filter into vitexp's micro configurations of them. SHViT's ``main.py`` saves
-    ``model`` and ``model_ema``; its ``--eval`` loads ``model``, as vitexp does unless
-    ``backbone.use_ema=true``."""
+@pytest.mark.parametrize("name", list(RELEASE_SETS))
+def test_a_release_with_two_weight_sets_gives_the_reference_evaluations_logits(name, tmp_path):
+    """A file in the reference's release layout holding two different weight sets, loaded with no
+    override, gives the logits of the reference evaluation, which loads one of them
+    (:data:`RELEASE_SETS`; T2T-ViT's ``main.py --eval_checkpoint`` loads ``state_dict_ema``): float64
+    max |delta| <= 1e-12. ``backbone.use_ema`` flips the set: on the same file the logits are no
+    longer the reference's, and on the file with the sets swapped they are again."""
     fx = load_fixture(name)
-    model = _backbone(fx, _checkpoint(fx, tmp_path / f"{name}.pth", layout), use_ema=layout == "model_ema")
+    loaded, skipped, flip = RELEASE_SETS[name]
+    release = _checkpoint(fx, tmp_path / f"{name}_release.pth.tar", "release")
+    model = _backbone(fx, release)
+    assert model.pretrained_weights.weights == loaded
+    _compare(model, fx, floor=fx["float32_floor"]["max_rel"], abs64=1e-12)
+
+    flipped = _backbone(fx, release, use_ema=flip)
+    assert flipped.pretrained_weights.weights == skipped
+    x = seeded_input(fx["input"]["shape"], fx["input"]["seed"])
+    with torch.no_grad():
+        assert max_rel(copy.deepcopy(flipped).double()(x), torch.tensor(fx["output"], dtype=torch.float64)) > 1e-3
+    _compare(_backbone(fx, _checkpoint(fx, tmp_path / f"{name}_other.pth.tar", "other"), use_ema=flip), fx)
+
+
+def test_timm_port_caformer_loads_the_original_checkpoint(tmp_path):
+    """CaFormer is timm's port: the original release (a plain state dict) goes through timm's key
+    filter into vitexp's micro configuration of it. (SHViT's original ``{"model", "model_ema"}``
+    files: :func:`test_a_release_with_two_weight_sets_gives_the_reference_evaluations_logits`.)"""
+    fx = load_fixture("caformer")
+    model = _backbone(fx, _checkpoint(fx, tmp_path / "caformer.pth"))
     _compare(model, fx, floor=fx["float32_floor"]["max_rel"])
+
+
+def test_a_deit_training_file_loads_model_not_model_ema(tmp_path):
+    """DeiT's ``main.py --eval --resume`` loads ``checkpoint['model']`` (facebookresearch/deit @
+    7e160fe, main.py:402) although its training also saves ``model_ema``: so does vitexp, and
+    ``backbone.use_ema=true`` loads ``model_ema`` (DeiT layout of the ToMe fixture)."""
+    fx = load_fixture("tome")
+    state = seeded_state_dict(fx["state_dict"], fx["weight_seed"])
+    other = seeded_state_dict(fx["state_dict"], fx["weight_seed"] + 1)
+    path = tmp_path / "deit.pth"
+    torch.save({"model": state, "model_ema": other, "epoch": 299}, path)
+    for use_ema, expected in ((None, state), (True, other)):
+        built = _backbone(fx, path, use_ema=use_ema).state_dict()
+        assert all(torch.equal(built[k], v) for k, v in expected.items()), use_ema
 
 
 @pytest.mark.parametrize("name", ["dinov2_vits14", "dinov2_vits14_reg"])

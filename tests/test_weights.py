@@ -85,6 +85,7 @@ def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_wei
     result = train(make_cfg(over, tmp_path / "run"))
     (entry,) = [json.loads(p.read_text()) for p in (results_dir / "runs").glob("*.json")]
     assert entry["config"]["backbone"]["pretrained"] == "weights:vit_micro_start" and "gmacs" not in entry["metrics"]
+    assert entry["artifacts"]["pretrained"]["weights"] == "plain"  # the file is the state dict itself
     flops_args = [a.replace("'", "") for a in job_arguments(row, seeded=False, weights=False)]
     assert not any(a.startswith("backbone.pretrained") for a in flops_args)
     run_flops(make_cfg([*flops_args, "logger=none"]))
@@ -102,3 +103,34 @@ def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_wei
 
     with pytest.raises(ConfigError, match="vit_micro_start.pth"):
         train(make_cfg(over, tmp_path / "run2"))
+
+
+def test_a_run_records_which_weight_set_of_its_pretrained_file_it_loaded(make_cfg, results_dir, tmp_path):
+    """A T2T-ViT training checkpoint holding ``state_dict`` and other ``state_dict_ema`` weights,
+    given as ``backbone.pretrained`` with no other override: the run starts from the EMA set (T2T-ViT's
+    ``main.py --eval_checkpoint`` loads it), and its ledger entry names that set, the file's sha256 and
+    the reference line that chose it; ``++backbone.use_ema=false`` starts from and names ``state_dict``."""
+    import argparse
+    import hashlib
+
+    import timm
+    import torch
+
+    from vitexp.train import train
+
+    torch.manual_seed(0)
+    last, ema = (timm.create_model("t2t_vit_micro", num_classes=10).state_dict() for _ in range(2))
+    path = tmp_path / "t2t_vit_micro.pth.tar"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in last.items()}, "state_dict_ema": ema,
+                "args": argparse.Namespace(model_ema=True), "epoch": 309}, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    tiny = [*QUIET, "backbone=t2t_vit_micro", f"backbone.pretrained={path}", "data=synthetic", "data.num_train=16",
+            "data.num_val=8", "data.num_test=8", "recipe.batch_size=8", "recipe.epochs=1", "recipe.warmup_epochs=0",
+            "eval.throughput=false", "eval.flops=false", "trainer.limit_train_batches=0"]
+    for extra, expected in (([], "state_dict_ema"), (["++backbone.use_ema=false"], "state_dict")):
+        result = train(make_cfg([*tiny, *extra], tmp_path / expected))
+        entry = json.loads((results_dir / result["ledger"]).read_text())
+        pretrained = entry["artifacts"]["pretrained"]
+        assert (pretrained["weights"], pretrained["sha256"]) == (expected, digest), pretrained
+        assert ("main.py:531" in pretrained["chosen_by"]) == (not extra), pretrained["chosen_by"]
+        assert not pretrained["file"].startswith("/")

@@ -40,10 +40,28 @@ def build_configured_backbone(cfg: DictConfig) -> nn.Module:
     backbone_cfg = {**cfg.backbone, "pretrained": None if lightning_ckpt else weights}
     model = build_backbone(backbone_cfg, num_classes=int(cfg.data.num_classes))
     if lightning_ckpt:
+        from vitexp.models.factory import LoadedWeights
+
         missing, unexpected = model.load_state_dict(load_weights(Path(str(weights)).expanduser()), strict=False)
         if missing or unexpected:
             raise CheckpointMismatchError(str(weights), list(missing), list(unexpected), "the backbone's own keys")
+        model.pretrained_weights = LoadedWeights(str(weights), "state_dict", "a vitexp Lightning checkpoint")
     return model
+
+
+def pretrained_artifacts(backbone: nn.Module, results_dir: Path | str) -> dict[str, Any]:
+    """``{"pretrained": ...}`` for the ledger's ``artifacts`` of a run whose backbone loaded a file
+    (``backbone.pretrained_weights``, :class:`vitexp.models.factory.LoadedWeights`): the file
+    (portable), its sha256, the set loaded (``state_dict``, ``state_dict_ema``, ``model``,
+    ``model_ema``, or ``plain`` for a file that is the state dict) and what chose that set (the
+    reference evaluation's file and line, or the ``backbone.use_ema`` override); ``{}`` without a file."""
+    from vitexp.ledger import portable_path, sha256
+
+    loaded = getattr(backbone, "pretrained_weights", None)
+    if loaded is None:
+        return {}
+    return {"pretrained": {"file": portable_path(loaded.path, results_dir), "sha256": sha256(loaded.path),
+                           "weights": loaded.weights, "chosen_by": loaded.chosen_by}}
 
 
 def build_backbone_and_method(cfg: DictConfig, method: Method | None = None) -> tuple[nn.Module, Method, dict[str, Any]]:

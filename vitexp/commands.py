@@ -139,7 +139,7 @@ def run_analyze(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
     """Laplace maps, head clusters or RAPTOR's phases of the configured backbone, a token method's
     source maps, or the heads of SAPER run ``record`` (``vitexp-analyze``)."""
     from vitexp.analysis import heads as head_analysis
-    from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
+    from vitexp.build import build_configured_backbone, build_datamodule, data_config_for, pretrained_artifacts
 
     analysis_dir = Path(cfg.results_dir) / "analysis"
     if args.analysis in ("tokens", "heads"):
@@ -174,7 +174,7 @@ def run_analyze(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
         run.complete({k: v for k, v in metrics.items() if k not in ("labels", "distance_matrix")},
                      {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
                      out={"figure": str(out), "metrics": metrics}, figure=figure, head_clusters=metrics.get("labels"),
-                     distance_matrix=metrics.get("distance_matrix"))
+                     distance_matrix=metrics.get("distance_matrix"), artifacts=pretrained_artifacts(model, cfg.results_dir))
     return run.result
 
 

@@ -130,7 +130,7 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 #: Keys ``++`` may add to a group that lacks them: the W&B grouping vitexp-sweep gives every job,
 #: whatever its logger (``csv`` and ``none`` have no such keys), and ``backbone.use_ema``, which no
-#: backbone file writes (absent: false; :mod:`vitexp.models.factory` says why).
+#: backbone file writes (absent: the reference evaluation's set; :mod:`vitexp.models.factory` says why).
 ADDABLE_KEYS = ("logger.group", "logger.tags", "backbone.use_ema")
 
 

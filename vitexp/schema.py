@@ -64,7 +64,7 @@ class Backbone:
     img_size_kwarg: bool
     crop_pct: Optional[float]
     pretrained: Optional[str]
-    use_ema: bool  # not in the backbone files (vitexp.models.factory): added with ++backbone.use_ema=true
+    use_ema: Optional[bool]  # not in the backbone files (vitexp.models.factory): absent, the reference evaluation's set
     drop_path_rate: Optional[float]
     kwargs: Dict[str, Any]
     arch: Arch

@@ -28,7 +28,8 @@ import torch.nn as nn
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
-from vitexp.build import build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir
+from vitexp.build import (build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir,
+                          pretrained_artifacts)
 from vitexp.callbacks import BestValidation, DataOrderMark, Heartbeat
 from vitexp.config import to_container, validate
 from vitexp.data import DATA_ORDER
@@ -188,7 +189,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
                 metrics.update(extra_metrics)
                 protocol.update(extra_protocol)
             run.complete(metrics, protocol, step=metrics["steps"],
-                         artifacts={"weights": portable_path(weights, cfg.results_dir), "weights_sha256": sha256(weights)},
+                         artifacts={"weights": portable_path(weights, cfg.results_dir), "weights_sha256": sha256(weights),
+                                    **pretrained_artifacts(backbone, cfg.results_dir)},
                          **method.record())
         else:
             run.complete(metrics)

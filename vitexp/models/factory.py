@@ -5,19 +5,21 @@ Decisions:
   ``FileNotFoundError`` naming the path; a file whose keys do not fit the model is a
   ``CheckpointMismatchError`` naming the file, the keys the model expected and did not find, and
   the keys it did not expect (:func:`load_checkpoint`).
-- Which weights of a training checkpoint: the ones the reference evaluations load. TokenLabeling's
-  and T2T-ViT's evaluations take ``state_dict`` unless ``--use-ema`` / ``use_ema=True``, and SHViT's
-  ``main.py --eval`` takes ``model`` although the file also holds ``model_ema``; so vitexp takes
-  ``state_dict`` (else ``model``) by default, and the EMA weights (``state_dict_ema``, else
-  ``model_ema``) only with ``backbone.use_ema=true``. The flag never falls back: with it, a file
-  without EMA weights is refused; without it, a file that holds only EMA weights is refused with
-  the flag named (:func:`read_checkpoint`, a :class:`~vitexp.errors.CheckpointError`). A file that
-  is a plain state dict (no such keys) is the weights. A ``module.`` prefix is stripped (timm's
-  ``clean_state_dict``), and an ``args`` Namespace beside the weights is allowed
+- Which weights of a training checkpoint: the set the architecture's reference evaluation loads
+  (T2T-ViT's ``main.py --eval_checkpoint``: ``state_dict_ema``; TokenLabeling's ``validate.py``:
+  ``state_dict``; SHViT's ``main.py --eval``: ``model``; every other release holds one set), with
+  the file and line of each reference in :mod:`.weight_sets`. ``backbone.use_ema=true`` /
+  ``false`` overrides that in either direction and never falls back to the other set; a file
+  without the set asked for is refused in one line naming the override that loads what it holds
+  (a :class:`~vitexp.errors.CheckpointError`). A file that is a plain state dict (no such keys) is
+  the weights. The model records what was loaded as ``model.pretrained_weights``
+  (:class:`LoadedWeights`), which the ledger entry of a run names. A ``module.`` prefix is
+  stripped (timm's ``clean_state_dict``), and an ``args`` Namespace beside the weights is allowed
   (:data:`SAFE_GLOBALS`).
 - ``backbone.use_ema`` is not written in the ``conf/backbone`` files: a key there would change the
-  fingerprint of every run in the ledger, and the tables would lose them. Absent means false;
-  ``++backbone.use_ema=true`` adds it (:data:`vitexp.config.ADDABLE_KEYS`), and the schema types it.
+  fingerprint of every run in the ledger, and the tables would lose them. Absent means the
+  reference evaluation's set; ``++backbone.use_ema=true`` (or ``=false``) adds it
+  (:data:`vitexp.config.ADDABLE_KEYS`), and the schema types it.
 - The weights then go through the checkpoint filter timm's own loading would use for this model:
   the ``pretrained_filter_fn`` its create function hands ``build_model_with_cfg``, partial
   arguments included (DeiT-III's ``adapt_layer_scale=True``), captured as the model is built
@@ -41,6 +43,7 @@ import argparse
 
 import contextlib
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -50,9 +53,18 @@ import torch.nn as nn
 from vitexp.errors import CheckpointError
 from vitexp.models import dinov2, shvit
 from vitexp.models.caformer import official_head_eps
+from vitexp.models.weight_sets import ONE_SET, PLAIN, Evaluation, choose_set, evaluation_of
 
-#: Where a training checkpoint keeps its weights, in order, without and with ``backbone.use_ema``.
-WEIGHTS_KEYS = {False: ("state_dict", "model"), True: ("state_dict_ema", "model_ema")}
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    """What :func:`build_backbone` loaded: the file, the set in it (a key of the checkpoint, or
+    ``plain`` for a plain state dict) and why that set (the reference evaluation's source, or the
+    ``backbone.use_ema`` override)."""
+
+    path: str
+    weights: str
+    chosen_by: str
 
 
 class CheckpointMismatchError(RuntimeError):
@@ -74,8 +86,10 @@ class CheckpointMismatchError(RuntimeError):
 #: (timm's CheckpointSaver, SHViT's main.py). Nothing else is unpickled.
 SAFE_GLOBALS = [argparse.Namespace]
 
-def read_checkpoint(path: str, use_ema: bool = False) -> dict[str, Any]:
-    """The state dict in ``path`` that ``use_ema`` selects (module docstring), ``module.`` stripped."""
+def read_checkpoint(path: str, use_ema: bool | None = None,
+                    evaluation: Evaluation = ONE_SET) -> tuple[str, dict[str, Any]]:
+    """The set of ``path`` that ``use_ema`` (absent: ``evaluation``'s choice) selects
+    (:func:`.weight_sets.choose_set`) and its state dict, ``module.`` stripped."""
     import torch
     from timm.models import clean_state_dict
 
@@ -88,17 +102,8 @@ def read_checkpoint(path: str, use_ema: bool = False) -> dict[str, Any]:
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(checkpoint, Mapping):
         raise CheckpointError(f"backbone.pretrained: {path} holds a {type(checkpoint).__name__}, not a state dict")
-    held = [k for k in (*WEIGHTS_KEYS[False], *WEIGHTS_KEYS[True]) if isinstance(checkpoint.get(k), Mapping)]
-    wanted = [k for k in WEIGHTS_KEYS[use_ema] if k in held]
-    if wanted:
-        return clean_state_dict(checkpoint[wanted[0]])
-    if use_ema:
-        raise CheckpointError(f"backbone.use_ema=true: {path} holds no EMA weights (no {' or '.join(WEIGHTS_KEYS[True])}"
-                              + (f"; it holds {held}" if held else ": it is a plain state dict") + ")")
-    if held:
-        raise CheckpointError(f"backbone.pretrained: {path} holds only EMA weights ({held}); vitexp loads "
-                              f"{' or '.join(WEIGHTS_KEYS[False])} unless ++backbone.use_ema=true, which loads these")
-    return clean_state_dict(dict(checkpoint))
+    key = choose_set(checkpoint, evaluation, use_ema, str(path))
+    return key, clean_state_dict(dict(checkpoint) if key == PLAIN else checkpoint[key])
 
 
 @contextlib.contextmanager
@@ -158,11 +163,12 @@ def _classifier_keys(model: nn.Module) -> frozenset[str]:
     return frozenset(f"{n}.{p}" for n in names for p in ("weight", "bias"))
 
 
-def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool = False,
-                    filter_fn: Callable | None = None) -> None:
+def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool | None = None,
+                    filter_fn: Callable | None = None) -> LoadedWeights:
     """Load ``path`` into ``model`` by the rules of the module docstring; ``filter_fn`` is the
-    model's checkpoint filter (:func:`_create`)."""
-    raw = read_checkpoint(path, use_ema)
+    model's checkpoint filter (:func:`_create`). Returns what was loaded."""
+    evaluation = evaluation_of(model)
+    key, raw = read_checkpoint(path, use_ema, evaluation)
     state = shvit.original_to_timm(raw, model) if shvit.is_original_checkpoint(raw, model) else raw
     state = _filtered(model, state, path, filter_fn)
     own = model.state_dict()
@@ -179,11 +185,13 @@ def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool
     model.load_state_dict(state, strict=False)
     if dinov2.is_hub_checkpoint(raw) and getattr(model, "pos_embed", None) is not None:
         dinov2.load_hub_pos_embed(model, raw)
+    chosen_by = evaluation.source if use_ema is None else f"backbone.use_ema={str(use_ema).lower()}"
+    return LoadedWeights(path, key, chosen_by)
 
 
 def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     """``timm.create_model`` from a backbone config: ``timm_name``, ``img_size``, ``pretrained``,
-    ``use_ema`` (absent: false), ``drop_path_rate`` and free ``kwargs`` passed to the model constructor."""
+    ``use_ema`` (absent: the reference evaluation's set), ``drop_path_rate`` and free ``kwargs`` passed to the model constructor."""
     kwargs = dict(cfg.get("kwargs") or {})
     img = int(cfg["img_size"])
     overlay: dict[str, Any] = {}
@@ -200,6 +208,8 @@ def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
         raise FileNotFoundError(f"backbone.pretrained: checkpoint file not found: {file}")
     model, filter_fn = _create(cfg["timm_name"], num_classes, overlay or None, kwargs, weights=file is not None)
     if file is not None:
-        load_checkpoint(model, str(file), num_classes, bool(cfg.get("use_ema") or False), filter_fn)
+        use_ema = cfg.get("use_ema")
+        model.pretrained_weights = load_checkpoint(model, str(file), num_classes,
+                                                   None if use_ema is None else bool(use_ema), filter_fn)
     official_head_eps(model)
     return model
