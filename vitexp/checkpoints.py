@@ -3,7 +3,8 @@
 A weights file (``backbone.pretrained``, a run's ``weights.pth``, ``vitexp-eval --weights``) is
 opened by :func:`check_file` (it exists, is not empty, and ``torch.load(weights_only=True)`` reads
 it) and the configured backbone is then built with it by :func:`check_backbone_weights` (vitexp's
-loader, :func:`vitexp.models.factory.load_checkpoint`: the weights ``backbone.use_ema`` selects,
+loader, :func:`vitexp.models.factory.load_checkpoint`: the weight set the architecture's reference
+evaluation loads, or the one ``backbone.use_ema`` names,
 the model's timm key filter, then every key and shape checked against the model), so a file that
 would fail inside the run fails before its ledger entry and run folder exist. Every failure is a
 :class:`~vitexp.errors.CheckpointError`: one line naming the file and what is wrong.

@@ -185,7 +185,8 @@ def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool
     model.load_state_dict(state, strict=False)
     if dinov2.is_hub_checkpoint(raw) and getattr(model, "pos_embed", None) is not None:
         dinov2.load_hub_pos_embed(model, raw)
-    chosen_by = evaluation.source if use_ema is None else f"backbone.use_ema={str(use_ema).lower()}"
+    chosen_by = ("a plain state dict: one set" if key == PLAIN else evaluation.source if use_ema is None
+                 else f"backbone.use_ema={str(use_ema).lower()}")
     return LoadedWeights(path, key, chosen_by)
 
 

@@ -14,10 +14,12 @@ the reference's own evaluation script, per architecture (:data:`REFERENCE_EVALUA
   ``state_dict_ema``, else ``state_dict``.
 - **LV-ViT** (zihangJiang/TokenLabeling @ 9dbfd59): ``validate.py:98`` declares ``--use-ema`` with
   ``action='store_true'`` (default False), and ``validate.py:150`` loads
-  ``load_checkpoint(model, args.checkpoint, args.use_ema, strict=False)``. So: ``state_dict``.
+  ``load_checkpoint(model, args.checkpoint, args.use_ema, strict=False)``. So: ``state_dict``, else
+  ``model`` (a DeiT-layout file, as before: the last step's weights either way).
 - **SHViT** (ysj9909/SHViT @ 6a729cc): ``README.md:100`` evaluates with
   ``main.py --eval --resume <file>``, and ``main.py:369`` loads ``checkpoint['model']``, although
-  the file also holds ``model_ema``. So: ``model``.
+  the file also holds ``model_ema``. So: ``model``, else ``state_dict`` (timm's ``train.py`` layout,
+  which timm's own ``shvit_*`` training writes).
 - Every other architecture: DeiT's ``main.py --eval --resume`` (facebookresearch/deit @ 7e160fe,
   ``main.py:402``) loads ``checkpoint['model']``, and its releases hold that set alone; CaFormer
   and DINOv2 releases, timm hub files and vitexp's own ``weights.pth`` hold one set. So:
@@ -62,10 +64,10 @@ REFERENCE_EVALUATIONS: dict[type, Evaluation] = {
     T2TViT: Evaluation("T2T-ViT's main.py --eval_checkpoint", ("state_dict_ema", "state_dict"),
                        "yitu-opensource/T2T-ViT@0f63dc9 main.py:197 (--model-ema default=True), "
                        "main.py:531 (load_checkpoint(model, args.eval_checkpoint, args.model_ema))"),
-    LVViT: Evaluation("TokenLabeling's validate.py", ("state_dict",),
+    LVViT: Evaluation("TokenLabeling's validate.py", ("state_dict", "model"),
                       "zihangJiang/TokenLabeling@9dbfd59 validate.py:98 (--use-ema store_true, default False), "
                       "validate.py:150 (load_checkpoint(model, args.checkpoint, args.use_ema))"),
-    SHViT: Evaluation("SHViT's main.py --eval", ("model",),
+    SHViT: Evaluation("SHViT's main.py --eval", ("model", "state_dict"),
                       "ysj9909/SHViT@6a729cc README.md:100 (main.py --eval --resume), main.py:369 "
                       "(load_state_dict(checkpoint['model']))"),
 }
