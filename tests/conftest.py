@@ -1,8 +1,10 @@
 """Shared fixtures: every test writes its ledger and outputs under a temporary folder."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import socket
 from pathlib import Path
 
 # Before torch is imported (vitexp imports it): the micro models' small matrices run faster on one
@@ -16,6 +18,20 @@ import vitexp.config as vconfig  # noqa: E402
 
 #: Overrides that keep a test run small and quiet (no logger, no progress bar).
 QUIET = ["logger=none", "trainer.enable_progress_bar=false"]
+
+
+#: The backbone every method runs on in the default suite, and the methods every backbone runs under.
+PAIRWISE_BACKBONE = "vit_micro"
+PAIRWISE_METHODS = ("baseline", "bspf")
+
+
+def pairwise(backbones, methods) -> list:
+    """A backbone x method matrix, split: every method on :data:`PAIRWISE_BACKBONE` and every backbone
+    under :data:`PAIRWISE_METHODS` run in the default suite; the rest of the cross product is marked
+    ``slow`` (``pytest -m slow``, and CI's full-matrix step when methods or backbones change)."""
+    assert PAIRWISE_BACKBONE in backbones and set(PAIRWISE_METHODS) <= set(methods)
+    return [pytest.param(b, m, marks=() if b == PAIRWISE_BACKBONE or m in PAIRWISE_METHODS else pytest.mark.slow)
+            for b in backbones for m in methods]
 
 
 @pytest.fixture(autouse=True)
@@ -45,16 +61,83 @@ def make_cfg(tmp_path):
     return _make
 
 
+@pytest.fixture(scope="session")
+def _trained_once(tmp_path_factory):
+    """overrides -> (folder, result) of one training run per configuration in this session (per xdist
+    worker): ``<folder>/results`` holds its ledger entry and ``<folder>/<run>`` its run folder."""
+    from vitexp.train import train
+
+    done: dict[tuple[str, ...], tuple[Path, dict]] = {}
+
+    def get(overrides: tuple[str, ...], run: str) -> tuple[Path, dict]:
+        key = (*overrides, run)
+        if key not in done:
+            folder = tmp_path_factory.mktemp("trained")
+            saved = {k: os.environ.get(k) for k in ("VITEXP_RESULTS", "WANDB_DIR")}
+            os.environ.update(VITEXP_RESULTS=str(folder / "results"), WANDB_DIR=str(folder / "wandb"))
+            try:
+                cfg = vconfig.compose(list(overrides))
+                with open_dict(cfg):
+                    cfg.output_dir = str(folder / run)
+                done[key] = (folder, train(cfg))
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        return done[key]
+
+    return get
+
+
+@pytest.fixture
+def trained_run(_trained_once, tmp_path):
+    """A run trained once per session for its overrides, copied into this test's folders: its ledger
+    entry into ``tmp_path/results`` and its run folder into ``tmp_path/<run>`` (the entry's paths are
+    relative to the results folder, so they hold in the copy). For tests that read a trained run, or
+    change their own copy of it; returns the run's result (``metrics``, ``run_id``, ...)."""
+    import copy
+    import shutil
+
+    def get(overrides, run: str = "run") -> dict:
+        folder, result = _trained_once(tuple(overrides), run)
+        shutil.copytree(folder / "results", tmp_path / "results", dirs_exist_ok=True)
+        shutil.copytree(folder / run, tmp_path / run)
+        return copy.deepcopy(result)
+
+    return get
+
+
 def ledger_entries(results_dir: Path) -> list[dict]:
     runs = results_dir / "runs"
     return [json.loads(p.read_text()) for p in sorted(runs.glob("*.json"))] if runs.exists() else []
 
 
+_PORTS = itertools.count()
+
+
+def free_port() -> int:
+    """A port for one process group (DDP's ``MASTER_PORT``), never one another xdist worker of this
+    session hands out: worker ``gwN`` draws from its own block of 500, in turn, skipping ports in use."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    block = 20000 + 500 * int(worker[2:] or 0) if worker.startswith("gw") else 20000
+    for _ in range(500):
+        port = block + next(_PORTS) % 500
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {block}..{block + 499}")
+
+
 def cli_env(results_dir: Path) -> dict[str, str]:
+    """The environment of a vitexp command run as a subprocess: its results under ``results_dir``, W&B
+    offline, and a process-group port of this worker's own (:func:`free_port`)."""
     env = dict(os.environ)
     env["VITEXP_RESULTS"] = str(results_dir)
     env["WANDB_MODE"] = "offline"
     env["PYTHONUNBUFFERED"] = "1"
+    env["MASTER_PORT"] = str(free_port())
     return env
 
 

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 import vitexp.config as vconfig
 
+from conftest import pairwise
+
 METHODS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "method").glob("*.yaml"))
 MICRO = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "backbone").glob("*micro*.yaml"))
 #: the budget each method accepts (RAPTOR's phases are given: Method.prepare needs no data then)
@@ -49,8 +51,7 @@ def test_every_method_config_is_covered():
         _config(method, "shvit_micro")
 
 
-@pytest.mark.parametrize("backbone", MICRO)
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("backbone", "method"), pairwise(MICRO, METHODS))
 def test_bf16_autocast_trains_every_method_on_every_micro_backbone(method, backbone):
     from vitexp.module import module_for
     from vitexp.build import build_model

@@ -38,13 +38,13 @@ def test_eval_reproduces_a_saper_micro_runs_top1(method, make_cfg, results_dir, 
     assert kinds == ["eval", "train"]
 
 
-def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(make_cfg, results_dir, tmp_path, capsys):
+def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(make_cfg, results_dir, tmp_path, capsys,
+                                                                    trained_run):
     """``--weights <run>/checkpoints/last.ckpt`` (the ``model.`` prefix removed) and
     ``backbone.pretrained=<last.ckpt>`` load the trained weights; a misspelt key is refused."""
     from vitexp.build import build_configured_backbone
-    from vitexp.train import train
 
-    trained = train(make_cfg(TINY, tmp_path / "run"))
+    trained = trained_run(TINY)
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["last.ckpt"]  # one file, replaced every epoch
     result = run_eval(capsys, "demo", "logger=none", "--weights", str(ckpt))
@@ -143,16 +143,14 @@ def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, re
     assert [e["kind"] for e in ledger_entries(tmp_path / "elsewhere")] == ["eval"]
 
 
-def test_bad_weights_are_refused_before_the_eval_entry(make_cfg, results_dir, tmp_path, capsys):
+def test_bad_weights_are_refused_before_the_eval_entry(results_dir, tmp_path, capsys, trained_run):
     """--weights that are empty, random bytes or another model's: exit 2, one line naming the file,
     no eval entry (the training run's entry is the only one)."""
     import os
 
     import torch
 
-    from vitexp.train import train
-
-    train(make_cfg(TINY, tmp_path / "run"))
+    trained_run(TINY)
     bad = {"empty": b"", "random": os.urandom(2048)}
     for name, content in bad.items():
         (tmp_path / f"{name}.pth").write_bytes(content)
@@ -176,7 +174,7 @@ STUDENTS = {"fine-tuned": [],  # RAPTOR: its phases chosen from the teacher's we
 
 @pytest.mark.parametrize("student_kind", list(STUDENTS))
 def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(student_kind, make_cfg, results_dir,
-                                                                                 tmp_path, capsys):
+                                                                                 tmp_path, capsys, trained_run):
     """A student trained from ``backbone.pretrained=run:<teacher>`` is evaluated from its own
     weights alone: with the teacher's ledger entry and run folder gone (a machine that did not
     train the teacher), ``vitexp-eval <student>`` reproduces the student's top-1."""
@@ -185,7 +183,7 @@ def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(
     from vitexp.train import train
 
     backbone = ["backbone=dinov2_micro_reg"] if student_kind == "raptor" else []
-    teacher = train(make_cfg(TINY + backbone + ["name=teacher"], tmp_path / "teacher"))
+    teacher = trained_run(TINY + backbone + ["name=teacher"], "teacher")
     student = train(make_cfg(TINY + backbone + STUDENTS[student_kind] + [
         "name=student", f"backbone.pretrained=run:{teacher['run_id']}"], tmp_path / "student"))
     (results_dir / "runs" / f"{teacher['run_id']}.json").unlink()
@@ -195,12 +193,10 @@ def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(
     assert result["metrics"]["top1"] == pytest.approx(student["metrics"]["top1"], abs=1e-9)
 
 
-def test_missing_weights_are_an_invalid_command_in_one_line(make_cfg, results_dir, tmp_path, capsys):
+def test_missing_weights_are_an_invalid_command_in_one_line(results_dir, tmp_path, capsys, trained_run):
     """``--weights`` naming no file, and a run whose own weights.pth is gone (no W&B artifact to
     take it from): exit 2, one line naming the file, no eval entry."""
-    from vitexp.train import train
-
-    trained = train(make_cfg(TINY, tmp_path / "run"))
+    trained = trained_run(TINY)
     missing = tmp_path / "nonexistent.pth"
     own = tmp_path / "run" / "weights.pth"
     for args, named in ((["--weights", str(missing)], str(missing)), ([], "weights.pth")):

@@ -12,7 +12,7 @@ from vitexp.models import CheckpointMismatchError, build_backbone
 from vitexp.module import NonFiniteLossError
 from vitexp.train import train
 
-from conftest import QUIET, ledger_entries
+from conftest import QUIET, ledger_entries, pairwise
 
 #: micro-scale backbones: one fast_dev_run each per method (full-size ones are built in test_config)
 BACKBONES = sorted(p.stem for p in (CONF_DIR / "backbone").glob("*.yaml") if "micro" in p.stem)
@@ -28,8 +28,7 @@ def budget_for(method: str) -> str:
     return method_from_config(vconfig.compose([f"method={method}"]).method).budget_kinds[0]
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("backbone", BACKBONES)
+@pytest.mark.parametrize(("backbone", "method"), pairwise(BACKBONES, METHODS))
 def test_fast_dev_run(backbone, method, make_cfg, results_dir):
     budget = budget_for(method)
     cfg = make_cfg(SMALL + [f"backbone={backbone}", f"method={method}", f"budget={budget}",
