@@ -485,3 +485,15 @@ def test_window_ordered_tokens_refuse_raster_feature_maps():
         model.forward_intermediates(x, indices=[0], intermediates_only=True)
     (tokens,) = model.forward_intermediates(x, indices=[0], output_fmt="NLC", intermediates_only=True)
     assert tokens.shape == (1, 64, 64)
+
+
+def test_bspf_caformer_at_another_resolution_names_backbone_img_size():
+    """CaFormer's windows are fixed at surgery for backbone.img_size's grid; another input size is a
+    clear error (SHViT's token stages pad any grid instead)."""
+    import timm
+
+    model = timm.create_model("caformer_micro", pretrained_cfg_overlay=dict(input_size=(3, 128, 128)))
+    model = BSPF(chunk_size=16, prune_layers=[0]).apply(model, {"kind": "keep_ratio", "keep_ratio": 0.5})
+    assert model(torch.randn(1, 3, 128, 128)).shape == (1, 10)
+    with pytest.raises(RuntimeError, match="backbone.img_size"):
+        model(torch.randn(1, 3, 160, 160))

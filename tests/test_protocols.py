@@ -43,6 +43,26 @@ def test_the_sign_rule_and_a_verdict_only_where_the_protocols_agree():
         protocols.render(needs3, [claim])
 
 
+def test_a_claim_may_judge_its_own_column_and_the_columns_may_be_backbones():
+    """Claims on two columns of one table (AP box, AP mask), judged per backbone: each cell reads
+    its claim's column, and the verdict speaks of backbones."""
+    def row(name, box, mask):
+        return {"experiment": name, "cells": {"ap_box": {"seeds": box}, "ap_mask": {"seeds": mask}}}
+    spec = {"title": "t", "key": "ap_box", "digits": 1, "column": "backbone",
+            "protocols": [{"label": "B1", "rows": {"plain": "t:p1", "m": "t:m1"}},
+                          {"label": "B2", "rows": {"plain": "t:p2", "m": "t:m2"}}],
+            "claims": [{"label": "box", "a": "m", "b": "plain", "key": "ap_box"},
+                       {"label": "mask", "a": "m", "b": "plain", "key": "ap_mask"}]}
+    filled = [row("p1", {0: 30.0, 1: 31.0}, {0: 20.0, 1: 21.0}), row("m1", {0: 31.0, 1: 32.0}, {0: 19.0, 1: 20.0}),
+              row("p2", {0: 30.0, 1: 31.0}, {0: 20.0, 1: 21.0}), row("m2", {0: 30.5, 1: 31.5}, {0: 21.0, 1: 20.0})]
+    box, mask = protocols.evaluate(spec, lambda t: filled)
+    assert [c["text"] for c in box["cells"]] == ["+1.0 ± 0.0 (2)", "+0.5 ± 0.0 (2)"]
+    assert box["verdict"] == "holds under every measured backbone (2 of 2 backbones measured)"
+    assert [c["sign"] for c in mask["cells"]] == ["contradicts", "undecided"]  # B2's pairs: +1, −1
+    assert mask["verdict"] == "backbones disagree: contradicts under B1; undecided under B2 (2 of 2 backbones measured)"
+    assert "Backbones (rows from the tables named):" in protocols.render(spec, [box, mask])
+
+
 def _run(run_id: str, fit: float, start: str | None = None) -> dict:
     return {"run_id": run_id, "experiment": run_id, "kind": "train", "status": "completed",
             "config": {"name": run_id, "backbone": {"pretrained": f"run:{start}" if start else None}},

@@ -74,6 +74,18 @@ def register_model_record(record: Callable[[nn.Module], dict[str, dict[str, Any]
         _MODEL_RECORDS.append(record)
 
 
+def model_records(model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(protocol, metrics) that the :func:`register_model_record` callbacks read from ``model``
+    about its last forward (the one just counted)."""
+    protocol: dict[str, Any] = {}
+    metrics: dict[str, Any] = {}
+    for record in _MODEL_RECORDS:
+        found = record(model)
+        protocol.update(found.get("protocol", {}))
+        metrics.update(found.get("metrics", {}))
+    return protocol, metrics
+
+
 @dataclass
 class FlopsReport:
     gmacs: float
@@ -153,12 +165,7 @@ def count_macs(
             for name, macs in analysis.by_module().items()
             if name and "." not in name
         }
-    recorded: dict[str, Any] = {}
-    method_protocol: dict[str, Any] = {}
-    for record in _MODEL_RECORDS:
-        found = record(model)
-        method_protocol.update(found.get("protocol", {}))
-        recorded.update(found.get("metrics", {}))
+    method_protocol, recorded = model_records(model)
     model.train(was_training)
     protocol = {
         "counter": f"fvcore {fvcore.__version__} + vitexp op handles ({', '.join(sorted(_EXTRA_HANDLES))})",

@@ -1,9 +1,12 @@
 """A method's claims under several protocols: one generated table per ``sweeps/verdicts/<name>.yaml``.
 
 A verdict file names protocols (each maps roles such as ``full``, ``bspf``, ``tome`` to a row of a
-table spec: ``<table>:<row name>``) and claims (``a`` beats ``b`` on ``key``). Each cell is the
-paired difference ``a - b`` over the seeds both rows completed (:func:`vitexp.aggregate.paired_difference`),
-mean ± sample std (n pairs), read from the same ledger and the same filled rows as the tables.
+table spec: ``<table>:<row name>``) and claims (``a`` beats ``b`` on ``key``: the file's, or the
+claim's own ``key``, so one file can judge several columns). Each cell is the paired difference
+``a - b`` over the seeds both rows completed (:func:`vitexp.aggregate.paired_difference`), mean ±
+sample std (n pairs), read from the same ledger and the same filled rows as the tables. A file
+whose columns are not protocols (the same protocol on several backbones) names them with
+``column: backbone``: the verdicts then say "under every measured backbone".
 
 Decisions:
 - A protocol *supports* a claim when every pair is above zero, *contradicts* it when every pair is
@@ -87,24 +90,25 @@ def sign(pairs: list[float], needed: int = 1) -> str:
     return "undecided"
 
 
-def verdict(signs: list[tuple[str, str]]) -> str:
-    """One claim's verdict from ``(protocol label, sign)`` pairs (module docstring)."""
+def verdict(signs: list[tuple[str, str]], noun: str = "protocol") -> str:
+    """One claim's verdict from ``(column label, sign)`` pairs (module docstring); ``noun``: what a
+    column is (``protocol``, ``backbone``)."""
     measured = [(p, s) for p, s in signs if s not in ("not run", "incomplete")]
     incomplete = sum(s == "incomplete" for _, s in signs)
-    of = f"{len(measured)} of {len(signs)} protocols measured" + (f", {incomplete} incomplete" if incomplete else "")
+    of = f"{len(measured)} of {len(signs)} {noun}s measured" + (f", {incomplete} incomplete" if incomplete else "")
     if not measured:
         return f"not run ({of})"
-    so_far = " so far" if len(measured) < len(signs) else ""  # a protocol still to come may disagree
+    so_far = " so far" if len(measured) < len(signs) else ""  # a column still to come may disagree
     kinds = {s for _, s in measured}
     if kinds == {"supports"}:
-        return f"holds under every measured protocol{so_far} ({of})"
+        return f"holds under every measured {noun}{so_far} ({of})"
     if kinds == {"contradicts"}:
-        return f"fails under every measured protocol{so_far} ({of})"
+        return f"fails under every measured {noun}{so_far} ({of})"
     if kinds == {"undecided"}:
-        return f"undecided under every measured protocol{so_far} ({of})"
+        return f"undecided under every measured {noun}{so_far} ({of})"
     parts = [f"{s} under {', '.join(p for p, k in measured if k == s)}" for s in ("supports", "contradicts", "undecided")
              if s in kinds]
-    return f"protocols disagree: {'; '.join(parts)} ({of})"
+    return f"{noun}s disagree: {'; '.join(parts)} ({of})"
 
 
 def cost(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], ledger: Any) -> list[dict[str, Any]]:
@@ -131,9 +135,10 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
     ``fill(table)`` gives a table's filled rows (:func:`vitexp.tables.fill`)."""
     filled = {t: fill(t) for t in tables_of(spec)}
     fill = filled.__getitem__
-    key, digits, needed = spec.get("key", "top1"), int(spec.get("digits", 2)), int(spec.get("pairs", 1))
+    digits, needed, noun = int(spec.get("digits", 2)), int(spec.get("pairs", 1)), spec.get("column", "protocol")
     out = []
     for claim in spec["claims"]:
+        key = claim.get("key", spec.get("key", "top1"))
         cells = []
         for proto in spec["protocols"]:
             rows = proto["rows"]
@@ -147,7 +152,7 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
             cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs, needed), "needed": needed, **diff})
         judged = [(c["protocol"], c["sign"]) for c in cells if c["sign"] is not None]
         pending = [f"{c['protocol']}: {c['text']}" for c in cells if c["sign"] == "incomplete"]
-        text = verdict(judged) + (f"; not yet judged: {'; '.join(pending)}" if pending else "")
+        text = verdict(judged, noun) + (f"; not yet judged: {'; '.join(pending)}" if pending else "")
         out.append({"claim": claim["label"], "cells": cells, "verdict": text})
     return out
 
@@ -167,16 +172,17 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
         every = {rid: sec for c in costs for rid, sec in c["fit_s"].items()}  # a run in two protocols once
         lines.append("| Cost: training time, CPU-hours (one thread per run) | " + " | ".join(hours) + " | "
                      f"{sum(every.values()) / 3600:.2f} h in all ({len(every)} runs) |")
+    noun = spec.get("column", "protocol")
     lines += ["", "Cells: the paired difference of " + spec.get("unit", "top-1 (%)") + ", a − b, over the seeds "
               "both rows completed, mean ± sample std (n pairs). supports: every pair above 0; contradicts: every "
               "pair below 0; undecided: pairs of both signs (vitexp/protocols.py). A verdict is given only where "
-              "the measured protocols agree." + (f" A cell with fewer than {spec['pairs']} pairs is incomplete: "
+              f"the measured {noun}s agree." + (f" A cell with fewer than {spec['pairs']} pairs is incomplete: "
               "it is shown but not judged, and counts as not measured." if spec.get("pairs", 1) > 1 else "")]
     if costs is not None:
         lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) summed over the runs in the cells and "
                   "the runs whose weights they loaded (a shared start counted once), in hours; in all, a run that two "
-                  "protocols share counted once."]
-    lines += ["", "Protocols (rows from the tables named):", ""]
+                  f"{noun}s share counted once."]
+    lines += ["", f"{noun.capitalize()}s (rows from the tables named):", ""]
     lines += [f"- **{p['label']}**: " + ", ".join(f"{role} = `{ref}`" for role, ref in p["rows"].items())
               for p in spec["protocols"]]
     lines += [f"- {n}" for n in spec.get("notes") or []]

@@ -21,12 +21,16 @@ def detector_for(cfg, model: nn.Module, data_config: dict[str, Any]) -> nn.Modul
 
 
 def detection_flops(cfg, detector: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(metrics, protocol) of the whole detector at ``detector.flops_size`` (height, width)."""
+    """(metrics, protocol) of the whole detector at ``detector.flops_size`` (height, width), with
+    what the method records about the backbone's forward at that size (BSPF-ViT: the chunks of
+    each attention stage, the realised keep fractions; :func:`vitexp.flops.register_model_record`)."""
     from vitexp.detection.model import detector_macs
-    from vitexp.flops import count_params
+    from vitexp.flops import count_params, model_records
 
     height, width = (int(v) for v in cfg.detector.flops_size)
     report = detector_macs(detector, height, width)
+    method_protocol, method_metrics = model_records(detector.backbone.body.model)
     metrics = {"gmacs": report["gmacs"], "gflops": report["gflops"], "params_m": count_params(detector) / 1e6,
-               **{f"gmacs_{k}": v for k, v in report["by_part_gmacs"].items()}}
-    return metrics, {**report["protocol"], "objective": "detect", "throughput": "not measured for detectors"}
+               **{f"gmacs_{k}": v for k, v in report["by_part_gmacs"].items()}, **method_metrics}
+    return metrics, {**report["protocol"], **method_protocol, "objective": "detect",
+                     "throughput": "not measured for detectors"}

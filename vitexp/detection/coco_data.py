@@ -6,8 +6,14 @@ Decisions:
 - A sample is ``(image, target)``: the image as float in [0, 1] (3, H, W) at its own size, the
   target with ``boxes`` (x0, y0, x1, y1), ``labels`` (1..K: COCO's category ids in sorted order,
   0 is background for torchvision's detectors), ``masks`` (uint8, N×H×W, from the annotation's
-  polygon or RLE) and ``image_id``. Crowd annotations and boxes under 1 px are dropped, as in
-  torchvision's detection reference.
+  polygon or RLE) and ``image_id``.
+- Crowd regions as COCO treats them: a training target drops crowd annotations (``iscrowd: 1``)
+  and boxes under 1 px and clamps boxes to the image, as torchvision's detection reference does
+  (a crowd is no instance to learn). An evaluation target (validation and test) keeps every
+  annotation of the image as the JSON holds it (box unclamped, ``area`` from the file) and adds
+  ``iscrowd``, which ``MeanAveragePrecision`` hands to COCOeval: a detection that falls on a crowd
+  region is ignored, neither true nor false positive, and AP equals pycocotools' COCOeval on the
+  same predictions (tests/test_coco_eval.py).
 - Resizing and normalisation belong to the detector (torchvision's ``GeneralizedRCNNTransform``:
   the recipe's ``min_size`` / ``max_size``), not to the data, so evaluation sees every image
   at one scale rule.
@@ -34,30 +40,38 @@ from vitexp.data import SEED_STRIDE, EpochSeededSampler, train_sampler
 class CocoInstances(Dataset):
     """torchvision's ``CocoDetection`` turned into Mask R-CNN targets."""
 
-    def __init__(self, images: Path, annotations: Path, hflip: float = 0.0, seed: int = 0):
+    def __init__(self, images: Path, annotations: Path, hflip: float = 0.0, seed: int = 0, evaluation: bool = False):
         from torchvision.datasets import CocoDetection
 
         self.coco_ds = CocoDetection(str(images), str(annotations))
         self.coco = self.coco_ds.coco
         self.cat_ids = sorted(self.coco.getCatIds())
         self.label_of = {c: i + 1 for i, c in enumerate(self.cat_ids)}
-        self.hflip, self.seed = float(hflip), int(seed)
+        self.hflip, self.seed, self.evaluation = float(hflip), int(seed), bool(evaluation)
 
     def __len__(self) -> int:
         return len(self.coco_ds)
 
     def target(self, index: int, height: int, width: int) -> dict[str, torch.Tensor]:
+        """A training target, or with ``evaluation`` every annotation with ``iscrowd`` and ``area``
+        (module docstring)."""
         image_id = self.coco_ds.ids[index]
-        anns = [a for a in self.coco.loadAnns(self.coco.getAnnIds(imgIds=image_id)) if not a.get("iscrowd", 0)]
-        anns = [a for a in anns if a["bbox"][2] >= 1 and a["bbox"][3] >= 1]
+        anns = self.coco.loadAnns(self.coco.getAnnIds(imgIds=image_id))
+        if not self.evaluation:
+            anns = [a for a in anns if not a.get("iscrowd", 0) and a["bbox"][2] >= 1 and a["bbox"][3] >= 1]
         boxes = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in anns)],
                              dtype=torch.float32).reshape(-1, 4)
-        boxes[:, 0::2].clamp_(0, width)
-        boxes[:, 1::2].clamp_(0, height)
+        if not self.evaluation:
+            boxes[:, 0::2].clamp_(0, width)
+            boxes[:, 1::2].clamp_(0, height)
         masks = torch.stack([torch.from_numpy(self.coco.annToMask(a)) for a in anns]) if anns else \
             torch.zeros((0, height, width), dtype=torch.uint8)
         labels = torch.tensor([self.label_of[a["category_id"]] for a in anns], dtype=torch.int64)
-        return {"boxes": boxes, "labels": labels, "masks": masks, "image_id": torch.tensor(image_id)}
+        target = {"boxes": boxes, "labels": labels, "masks": masks, "image_id": torch.tensor(image_id)}
+        if self.evaluation:
+            target["iscrowd"] = torch.tensor([int(a.get("iscrowd", 0)) for a in anns], dtype=torch.int64)
+            target["area"] = torch.tensor([float(a["area"]) for a in anns], dtype=torch.float64)
+        return target
 
     def __getitem__(self, key: int | tuple[int, int]):
         """``key``: an index, or an ``(epoch, index)`` pair from the training samplers."""
@@ -118,6 +132,8 @@ class CocoDataModule(L.LightningDataModule):
         self.train_set = self.val_set = self.test_set = None
 
     def _split(self, split: str, hflip: float) -> CocoInstances:
+        """The split's dataset: training targets for ``train``, evaluation targets (crowds kept,
+        flagged) for ``val``."""
         sub = self.dirs[split]
         images = self.root / sub
         annotations = self.root / "annotations" / f"instances_{sub}.json"
@@ -125,7 +141,7 @@ class CocoDataModule(L.LightningDataModule):
             if not path.exists():
                 raise FileNotFoundError(f"{self.name} {split} split: {path} not found (COCO 2017 layout: "
                                         f"<root>/{sub}/ and <root>/annotations/instances_{sub}.json)")
-        ds = CocoInstances(images, annotations, hflip=hflip, seed=self.loader_seed)
+        ds = CocoInstances(images, annotations, hflip=hflip, seed=self.loader_seed, evaluation=split != "train")
         if len(ds.cat_ids) != self.num_classes:
             raise ValueError(f"{annotations} has {len(ds.cat_ids)} categories but data.num_classes={self.num_classes}")
         return ds

@@ -1,7 +1,8 @@
 """The ``detect`` objective: a LightningModule that trains torchvision's Mask R-CNN (its own losses:
 RPN objectness and box, RoI class, box and mask) and evaluates COCO box and mask AP with
 ``torchmetrics.detection.MeanAveragePrecision`` (``iou_type=("bbox", "segm")``, pycocotools
-backend). It never knows which method produced the backbone.
+backend, crowd regions flagged ``iscrowd``: COCOeval's own numbers). It never knows which method
+produced the backbone.
 
 Logged as ``{split}/ap_box``, ``ap_mask`` (COCO AP@[.5:.95]) and ``ap_box_50``, ``ap_box_75``,
 ``ap_mask_50``, ``ap_mask_75``, in [0, 1]; the ledger stores them × 100, as COCO tables print them.
@@ -25,17 +26,33 @@ AP_KEYS = {"bbox_map": "ap_box", "bbox_map_50": "ap_box_50", "bbox_map_75": "ap_
 
 
 def mean_average_precision():
+    """torchmetrics' ``MeanAveragePrecision`` on pycocotools' COCOeval with COCOeval's own IoU and
+    recall thresholds (``pycocotools.cocoeval.Params``): torchmetrics' defaults are the same values
+    from ``torch.linspace``, which differ in the last bits, and an IoU or a recall that falls exactly
+    on a threshold (integer boxes do) would then count differently from COCOeval's."""
+    from pycocotools.cocoeval import Params
     from torchmetrics.detection import MeanAveragePrecision
 
-    return MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools")
+    coco = Params(iouType="bbox")
+    return MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools",
+                                iou_thresholds=coco.iouThrs.tolist(), rec_thresholds=coco.recThrs.tolist(),
+                                max_detection_thresholds=list(coco.maxDets))
+
+
+#: Target keys the metric reads besides boxes, labels and masks: crowd flags (COCOeval ignores the
+#: detections that fall on a crowd) and the annotation's area (which sets its small / medium / large range).
+EVALUATION_KEYS = ("iscrowd", "area")
 
 
 def to_metric_inputs(preds: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]],
                      mask_threshold: float = 0.5):
-    """Mask R-CNN outputs and dataset targets as MeanAveragePrecision wants them (boolean N×H×W masks)."""
+    """Mask R-CNN outputs and dataset targets as MeanAveragePrecision wants them (boolean N×H×W masks;
+    a target's ``iscrowd`` and ``area`` passed on where the dataset gives them: evaluation targets,
+    :mod:`vitexp.detection.coco_data`)."""
     p = [{"boxes": o["boxes"], "scores": o["scores"], "labels": o["labels"],
           "masks": (o["masks"][:, 0] > mask_threshold) if o["masks"].dim() == 4 else o["masks"].bool()} for o in preds]
-    t = [{"boxes": g["boxes"], "labels": g["labels"], "masks": g["masks"].bool()} for g in targets]
+    t = [{"boxes": g["boxes"], "labels": g["labels"], "masks": g["masks"].bool(),
+          **{k: g[k] for k in EVALUATION_KEYS if k in g}} for g in targets]
     return p, t
 
 

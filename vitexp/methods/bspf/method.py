@@ -21,9 +21,9 @@ from timm.models.shvit import SHViT
 
 from vitexp.flops import register_model_record
 from vitexp.methods.base import Method
-from vitexp.methods.bspf.layout import CHUNK_LAYOUTS, check_layout, window_order
+from vitexp.methods.bspf.layout import CHUNK_LAYOUTS, check_layout, square_side, window_order
 from vitexp.methods.bspf.pruning import FUSIONS, MIRRORS, SCORES, TokenPruner
-from vitexp.methods.bspf.shvit import ChunkSHSA, patch_shvit
+from vitexp.methods.bspf.shvit import ChunkSHSA, TokenStage, patch_shvit
 from vitexp.methods.bspf.surgery import (ChunkAttention, PruneBlock, PruneMetaBlock, RestoringSequential,
                                          patch_attention, put_in_window_order)
 
@@ -80,8 +80,9 @@ class BSPF(Method):
 
         super().validate_budget(budget, arch)
         if arch.get("family") == "shvit" and self.symmetric:
-            raise ConfigError("method.symmetric=true: shared Q/K is not implemented for SHViT's single-head "
-                              "attention (docs/reading-backbones.md, SHViT); use method.symmetric=false")
+            raise ConfigError("method.symmetric=true: shared Q/K is refused on SHViT: its attention computes q and k "
+                              "with one convolution and BatchNorm, and no shared layer keeps their two "
+                              "normalisations (docs/reading-bspf.md, 'Shared Q/K on SHViT'); use method.symmetric=false")
         if budget["kind"] == "keep_ratio" and not 0 < float(budget["keep_ratio"]) <= 1:
             raise ConfigError(f"budget.keep_ratio: {budget['keep_ratio']} must be in (0, 1]")
         depth = int(arch["depth"])
@@ -91,7 +92,11 @@ class BSPF(Method):
         if "img_size" in arch and "patch_size" in arch:
             side = int(arch["img_size"]) // int(arch["patch_size"])
             try:
-                check_layout((side, side), self.chunk_size, self.chunk_layout)
+                if arch.get("family") == "shvit":  # its token stages pad any grid to whole windows
+                    if self.chunk_layout == "window" and self.chunk_size is not None:
+                        square_side(self.chunk_size)
+                else:
+                    check_layout((side, side), self.chunk_size, self.chunk_layout)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         if self.keep_warmup_epochs < 0 or self.keep_warmup_start < 0:
@@ -200,14 +205,20 @@ class ChunkOnly(BSPF):
 
 def bspf_record(model: nn.Module) -> dict[str, dict[str, Any]]:
     """What a FLOPs count records about a BSPF model, read after the counted forward: the chunk
-    layout and chunk count (protocol), and each pruning layer's realised keep fraction, kept /
-    input patch tokens = ⌈ρΩ⌉/Ω, with ``keep_fraction`` their geometric mean: the constant
-    per-layer fraction that leaves as many tokens (metrics)."""
+    layout and chunk count (protocol; SHViT: the first attention stage's, and ``chunks_by_stage``,
+    each attention stage's grid, the grid padded to whole windows and its chunk count), and each
+    pruning layer's realised keep fraction, kept / input patch tokens = ⌈ρΩ⌉/Ω, with
+    ``keep_fraction`` their geometric mean: the constant per-layer fraction that leaves as many
+    tokens (metrics)."""
     attns = [m for m in model.modules() if isinstance(m, (ChunkAttention, ChunkSHSA))]
     if not attns:
         return {}
-    record: dict[str, dict[str, Any]] = {  # SHViT: the first attention stage's chunks in the counted forward
+    record: dict[str, dict[str, Any]] = {
         "protocol": {"chunk_layout": attns[0].chunk_layout, "chunks": attns[0].num_chunks or 1}}
+    stages = {name.removesuffix(".blocks"): m.last_chunks for name, m in model.named_modules()
+              if isinstance(m, TokenStage) and getattr(m, "last_chunks", None)}
+    if stages:
+        record["protocol"]["chunks_by_stage"] = stages
     realised = [m.realised for m in model.modules() if isinstance(m, TokenPruner) and m.realised]
     if realised:
         layers = [kept / total for kept, total in realised]

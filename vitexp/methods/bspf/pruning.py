@@ -26,6 +26,15 @@
   one factor alone (cos(x_i, x_j), or 1 − Hamming(m_i, m_j)/Ω); ``none`` drops pruned tokens; ``paper_literal`` is Eq. 8 as the public review reads
   it, x⊙k + (x⊙(1−k))⊙k, which adds exactly zero.
 
+- **Partial chunks** (``counts``: a padded grid, :func:`~vitexp.methods.bspf.layout.padded_chunks`):
+  a chunk with r real tokens in its first slots is scored, pruned and fused as a chunk of those r
+  tokens alone: its empty slots' rows and columns are left out of the scores, it keeps the top
+  ⌈ρr²⌉ entries and the ⌈ρr⌉ most important tokens, divides by r where a full chunk divides by Ω,
+  and merges only its real pruned tokens, only into its real kept tokens. The output has
+  ⌈ρΩ⌉ slots per chunk, its first ⌈ρr⌉ holding the kept tokens. Two tokens of exactly equal
+  importance (two tokens and the anti-diagonal kept: each counts one entry as query and one as key,
+  of the same summed score) go to the earlier one, by a stable sort.
+
 Selection and matching run in float32 even under autocast (they are O(C·Ω²) and a bf16 ranking of
 attention probabilities would be mostly ties); the tokens keep the dtype they arrive in.
 """
@@ -119,7 +128,39 @@ class TokenPruner(nn.Module):
         keep = (count + 0.25 * tie).topk(n_keep, dim=-1).indices.sort(dim=-1).values
         return keep, mask, scores, soft
 
-    def forward(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    def select_partial(self, blocks: torch.Tensor, counts: tuple[int, ...]):
+        """:meth:`select` for chunks whose first ``counts[c]`` slots hold tokens (module docstring):
+        (kept slots (B, C, K) with the ⌈ρr⌉ kept ones first, in order, then filler slots; their
+        count per chunk; M; S; soft importance)."""
+        B, C, L, _ = blocks.shape
+        rho = self.ratio()
+        dev = blocks.device
+        r = torch.tensor(counts, device=dev)
+        valid = torch.arange(L, device=dev) < r[:, None]  # C, L
+        blocks = blocks * (valid[:, :, None] & valid[:, None, :])  # an empty slot's row (its column is 0 already)
+        scores = self.scorer(blocks)
+        n_entries = torch.tensor([max(1, math.ceil(rho * c * c)) for c in counts], device=dev)
+        flat = scores.masked_fill(~(valid[:, :, None] & valid[:, None, :]), float("-inf")).reshape(B, C, L * L)
+        top = flat.topk(int(n_entries.max()), dim=-1).indices
+        take = (torch.arange(top.shape[-1], device=dev) < n_entries[:, None]).to(scores.dtype).expand(B, C, -1)
+        mask = torch.zeros_like(flat).scatter_(-1, top, take).reshape(B, C, L, L)
+        count = mask.sum(-1) + mask.sum(-2)
+        kept_scores = mask * scores
+        soft = (kept_scores.sum(-1) + kept_scores.sum(-2)) / r[:, None].to(scores.dtype)
+        tie = soft.detach() / (soft.detach().abs().amax(-1, keepdim=True) + 1e-12)
+        n_keep = tuple(max(1, math.ceil(rho * c)) for c in counts)
+        K = max(1, math.ceil(rho * L))
+        key = (count + 0.25 * tie).masked_fill(~valid, float("-inf"))
+        ranked = key.sort(dim=-1, descending=True, stable=True).indices[..., :K]  # an exact tie: the earlier token
+        chosen = torch.arange(K, device=dev) < torch.tensor(n_keep, device=dev)[:, None]  # C, K
+        keep = torch.where(chosen, ranked, L - 1).sort(dim=-1).values  # filler: the last slot, empty wherever used
+        return keep, n_keep, mask, scores, soft
+
+    def forward(self, x: torch.Tensor, blocks: torch.Tensor, counts: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x (B, P + C·L, D), blocks (B, C, L, L) -> (B, P + C·K, D). ``counts``: the real tokens of each
+        chunk when chunks have empty slots (module docstring); ``last["counts"]`` then holds the kept ones."""
+        if counts is not None:
+            return self._forward_partial(x, blocks, tuple(int(c) for c in counts))
         B, N, D = x.shape
         P, C = self.num_prefix, self.num_chunks
         L = (N - P) // C
@@ -146,6 +187,63 @@ class TokenPruner(nn.Module):
         if self.record_decisions:
             self.decision = self._decision(keep, match, L)
         return torch.cat([x[:, :P], kept.reshape(B, C * n_keep, D)], dim=1)
+
+    def _forward_partial(self, x: torch.Tensor, blocks: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """:meth:`forward` over chunks with empty slots (module docstring); no prefix tokens."""
+        B, N, D = x.shape
+        C = len(counts)
+        L = N // C
+        if self.num_prefix or C * L != N or self.record_decisions or self.fusion == "paper_literal":
+            raise ValueError("partial chunks are pruned without prefix tokens, decision records or the "
+                             "paper_literal fusion (SHViT's token stages)")
+        with torch.autocast(x.device.type, enabled=False):
+            keep, n_keep, mask, scores, soft = self.select_partial(blocks.float(), counts)
+        K = keep.shape[-1]
+        patches = x.reshape(B, C, L, D)
+        kept = patches.gather(2, keep.unsqueeze(-1).expand(B, C, K, D))
+        g = 1.0 + soft - soft.detach()
+        kept = kept * g.gather(2, keep).unsqueeze(-1).to(kept.dtype)
+        match = None
+        merging = self.fusion in MERGING_FUSIONS
+        if K < L and (merging or self.track):
+            with torch.autocast(x.device.type, enabled=False):
+                match = self._match_partial(patches, kept, keep, mask, counts, n_keep,
+                                            self.fusion if merging else "similarity")
+        if merging and match is not None:
+            kept = self._merge(kept, *match)
+        self.last = {"keep": keep.detach(), "mask": mask.detach(), "counts": n_keep}
+        self.realised = (int(sum(n_keep)), int(sum(counts)))
+        if self.track:
+            self.last["assign"] = self._assignment(keep, match, L)
+        return kept.reshape(B, C * K, D)
+
+    @staticmethod
+    def _match_partial(patches, kept, keep, mask, counts, n_keep, kind: str = "similarity"):
+        """:meth:`_match` within the real tokens of each chunk: a real pruned token's best real kept
+        token, by the Hamming distance over the chunk's r tokens; the weight of an empty slot is 0."""
+        B, C, L, D = patches.shape
+        K = keep.shape[-1]
+        dev = patches.device
+        r = torch.tensor(counts, device=dev)
+        valid = torch.arange(L, device=dev) < r[:, None]
+        kept_real = (torch.arange(K, device=dev) < torch.tensor(n_keep, device=dev)[:, None]).expand(B, C, K)
+        is_kept = torch.zeros(B, C, L, device=dev).scatter_(2, keep, kept_real.float())
+        status = 2 * is_kept + (~valid).float()  # 0: real and pruned, 1: empty, 2: kept
+        pruned_idx = status.argsort(dim=-1, stable=True)[..., : L - K]  # every real pruned token, then empty slots
+        real = status.gather(2, pruned_idx) == 0
+        pruned = patches.gather(2, pruned_idx.unsqueeze(-1).expand(B, C, L - K, D))
+        cos = F.normalize(pruned.float(), dim=-1) @ F.normalize(kept.float(), dim=-1).transpose(-1, -2)
+        mask = mask.float()
+        m_pruned = mask.gather(2, pruned_idx.unsqueeze(-1).expand(B, C, L - K, L))
+        m_kept = mask.gather(2, keep.unsqueeze(-1).expand(B, C, K, L))
+        inter = m_pruned @ m_kept.transpose(-1, -2)
+        hamming = m_pruned.sum(-1, keepdim=True) + m_kept.sum(-1).unsqueeze(-2) - 2 * inter
+        overlap = 1.0 - hamming / r.view(1, C, 1, 1).float()
+        sim = {"similarity": cos * overlap, "cosine": cos, "hamming": overlap}[kind]
+        sim = sim.masked_fill(~kept_real.unsqueeze(-2), float("-inf"))  # targets: real kept tokens only
+        best, target = sim.max(dim=-1)
+        best = torch.where(real, best, torch.zeros_like(best))  # an empty slot merges nothing
+        return pruned_idx, pruned, target, best
 
     @staticmethod
     def _fuse_paper_literal(patches: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -169,6 +169,10 @@ class RestoringSequential(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, D = x.shape
         order = getattr(self, "window_order", None)
+        if order is not None and order.numel() != N:
+            raise RuntimeError(f"BSPF on a MetaFormer fixes its windows for the grid of backbone.img_size "
+                               f"({order.numel()} tokens); this input gives {N}: run it at backbone.img_size "
+                               "(SHViT's token stages take any grid)")
         if order is not None:
             x = x.index_select(1, order)
             where = torch.argsort(order).expand(B, N)  # raster position -> its window-order slot
