@@ -177,3 +177,59 @@ def test_resume_in_the_middle_of_recover_does_not_select_again(make_cfg, results
     for key in ("top1", "selected_top1", "soft_top1", "steps"):
         assert resumed[key] == pytest.approx(whole[key]), key
     assert resumed["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5)
+
+
+def _recovery_start(mode: str, selection: str, overrides: tuple[str, ...] = ()):
+    """The model one fmnist_saper_table1 row (k = 6) enters ``recover`` with, built from the composed
+    config on the same backbone weights (seed 0), and its method; LapSum's ``select`` is taken as
+    over (progress 1) with the scores it is handed afterwards (:func:`_lapsum_keeping`)."""
+    import vitexp.config as vconfig
+    from vitexp import rows
+    from vitexp.build import build_configured_backbone
+    from vitexp.methods import method_from_config
+
+    row = {"experiment": "fmnist_saper_dinov2_micro",
+           "overrides": [f"method=saper_{mode}", "budget.k=6", f"method.selection={selection}", *overrides]}
+    cfg = vconfig.compose([o for o in rows.job_arguments(row, seeded=False) if not o.startswith("name=")]
+                          + ["backbone.pretrained=null", "+backbone.kwargs.init_values=1.0"])
+    method = method_from_config(cfg.method)
+    torch.manual_seed(0)
+    backbone = build_configured_backbone(cfg)
+    return method, method.apply(backbone, cfg.budget)
+
+
+def _lapsum_keeping(model, kept: list[list[int]]) -> None:
+    """LapSum's scores after a selection that keeps ``kept``: those heads 0.02 above the others,
+    close enough that their final gates stay well below 1 (what the Fashion-MNIST runs ended with)."""
+    selector = (model.student if hasattr(model, "student") else model).selector
+    with torch.no_grad():
+        selector.scores.zero_()
+        for layer, heads in enumerate(kept):
+            for h in heads:
+                selector.scores[layer * selector.heads + h] = 0.02
+        selector.progress.fill_(1.0)
+    assert float(selector.final_gates().max()) < 0.9  # a fold would scale every kept head
+
+
+@pytest.mark.parametrize("mode", ["ft", "kd"])
+def test_lapsum_and_a_fixed_rule_keeping_the_same_heads_start_recover_from_the_same_tensors(mode):
+    """Two rules at the same k that keep the same heads enter ``recover`` with the same model, tensor
+    by tensor: the backbone less the other heads, each kept head's q, k, v rows and output-projection
+    columns as the backbone has them (LapSum's final gates, well below 1 here, are not folded in).
+    Only the probe, which ``select`` fits, may differ. Fails with the gates folded (fold_gates=true)."""
+    from vitexp.methods.saper.selection import magnitude_scores, top_k_heads
+
+    magnitude, fixed = _recovery_start(mode, "magnitude")
+    lapsum, learned = _recovery_start(mode, "lapsum")
+    kept = top_k_heads(magnitude_scores(learned.student.backbone if mode == "kd" else learned.backbone), 6)
+    assert kept == magnitude.kept_heads and sum(map(len, kept)) == 6
+    _lapsum_keeping(learned, kept)
+    a = magnitude.recovery_model(fixed).state_dict()
+    b = lapsum.recovery_model(learned).state_dict()
+    assert lapsum.kept_heads == kept
+    probe = {k for k in a if k.startswith("head.")} if mode == "ft" else set()
+    assert a.keys() == b.keys() and len(a) > len(probe) + 40
+    differ = [k for k in a if k not in probe and not torch.equal(a[k], b[k])]
+    assert not differ, f"the recovery starts differ in {differ}"
+    projection = [k for k in a if k.endswith("attn.proj.weight")]
+    assert projection and all(a[k].shape[1] > 0 for k in projection if k in b)
