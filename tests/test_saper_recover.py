@@ -233,3 +233,41 @@ def test_lapsum_and_a_fixed_rule_keeping_the_same_heads_start_recover_from_the_s
     assert not differ, f"the recovery starts differ in {differ}"
     projection = [k for k in a if k.endswith("attn.proj.weight")]
     assert projection and all(a[k].shape[1] > 0 for k in projection if k in b)
+
+
+class KillAfterLastEpoch(Callback):
+    """Ends the run at the end of ``stage``'s fit, once the checkpoint of its last epoch is written."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.checkpoint_callback.dirpath.endswith(f"checkpoints/{self.stage}"):
+            raise RuntimeError("preempted")
+
+
+@pytest.mark.parametrize("selection, stage", [("lapsum", "select"), ("lapsum", "recover"), ("random", "select")])
+def test_a_run_killed_after_the_last_epoch_of_a_stage_resumes_with_every_metric(selection, stage, make_cfg,
+                                                                                 results_dir, tmp_path):
+    """Killed once a stage's last epoch is checkpointed, the resumed run restores that stage without
+    validating it again: its last validation metrics (LapSum's soft_val_*, a fixed rule's
+    selected_val_*, recover's val_*) come back from the checkpoint, every metric but the times equals
+    an uninterrupted run's, and wall_time_s sums the attempts, as fit_time_s does."""
+    from vitexp.train import train
+
+    over = RUN + ["resume=auto", f"method.selection={selection}"]
+    whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]
+    with pytest.raises(RuntimeError, match="preempted"):
+        train(make_cfg(over, tmp_path / "split"), callbacks=[KillAfterLastEpoch(stage)])
+    resumed = train(make_cfg(over, tmp_path / "split"))["metrics"]
+    val = {k for k in whole if "val_" in k}
+    assert {"val_top1", "soft_val_top1" if selection == "lapsum" else "selected_val_top1"} <= val
+    assert all(whole[k] is not None for k in val)
+    assert resumed.keys() == whole.keys()
+    for key in sorted(k for k in whole if not k.endswith("time_s") and "throughput" not in k):
+        assert resumed[key] == pytest.approx(whole[key], rel=1e-5), key
+    (entry,) = [e for e in ledger_entries(results_dir) if len(e.get("attempts") or []) == 1]
+    attempts = sum(a["wall_time_s"] for a in entry["attempts"]) + entry["attempt_wall_time_s"]
+    assert entry["attempts"][0]["wall_time_s"] > 0
+    assert resumed["wall_time_s"] == pytest.approx(attempts, abs=1.0)
+    assert resumed["wall_time_s"] >= resumed["fit_time_s"]
