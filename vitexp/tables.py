@@ -9,7 +9,9 @@ metric (the soft-gated accuracy of an unpruned row); a row marked
 ``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
 number ever comes from anywhere but a run or the spec's paper value.
 
-Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``, ``optional``); ``plot``
+Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``, ``optional``,
+``same_as``: ``{key, when, text}``, the text shown instead of a cell that repeats column ``key`` in every
+seed where the row's runs have the config values ``when``, :func:`vitexp.render._same_as`); ``plot``
 (``x``, ``y`` metric keys, optional); ``seeds`` (optional); ``rows`` (``label``, ``experiment``,
 ``overrides``, ``name``, ``grid`` (:mod:`vitexp.rows`: a row is a base experiment plus overrides,
 recorded under its name; a grid expands into rows), ``run``: train | flops | bench, ``cited``,
