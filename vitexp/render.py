@@ -114,18 +114,30 @@ def footnotes(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
 MARK_NOTES = {
     marks.STALE: "trained under a protocol today's code no longer reproduces (no data_order: the sampler before "
                  "seed * 1000003 + epoch); vitexp-train of today gives another number",
-    marks.NO_DIFF: "trained from a dirty tree whose diff was not kept: the code behind it cannot be rebuilt",
+    marks.NO_DIFF: "trained from a dirty tree whose diff was not kept, and not rebuilt by a rerun at its recorded "
+                   "commit: the code behind it cannot be rebuilt from the repository",
     marks.BUSY: "timed while the machine had more runnable threads than cores: the throughput shared its cores",
 }
 
 
+#: Why a cell trained from a dirty tree without its diff carries no ‡ (:func:`vitexp.tables._mark`).
+REBUILT_NOTE = ("recorded as trained from a dirty tree without its diff, carry no {mark}: every such run behind them "
+                "was rerun at its recorded commit and gave every recorded metric again (python -m vitexp.rebuild; "
+                "its rebuild entries in the ledger), so the repository at that commit rebuilds them (the dirty flag "
+                "of commits before 6014b6c counted every tracked file, tables and specs included)")
+
+
 def mark_notes(rows: list[dict[str, Any]]) -> list[str]:
-    """One footnote per cell mark the table uses, with how many of its runs carry it."""
+    """One footnote per cell mark the table uses, with how many of its runs carry it; and how many
+    cells lost their ‡ to a rebuild."""
     notes = []
     for mark, text in MARK_NOTES.items():
         cells = [c for r in rows for c in r["cells"].values() if mark in (c.get("marks") or "")]
         if cells:
             notes.append(f"{mark} {text} ({len(cells)} cell{'s' if len(cells) > 1 else ''}).")
+    rebuilt = sum(bool(c.get("rebuilt")) for r in rows for c in r["cells"].values())
+    if rebuilt:
+        notes.append(f"{rebuilt} cell{'s' if rebuilt > 1 else ''}, " + REBUILT_NOTE.format(mark=marks.NO_DIFF) + ".")
     return notes
 
 
