@@ -19,7 +19,9 @@ Decisions:
 - The command is the run's name read as vitexp-sweep launched it: ``experiment=<name before '+'>``,
   ``seed=<s>`` for a ``+seed=<s>`` name, the recorded ``backbone.pretrained`` when it pins a run
   (its entry is copied into the scratch ledger the rerun writes to; its weights must be on this
-  machine), ``logger=none`` (the logger is not part of what a run measures).
+  machine), ``logger=none`` (the logger is not part of what a run measures). A run whose name is no
+  experiment file at its commit (launched with overrides under ``name=``) is rerun from its recorded
+  config instead (:func:`config_arguments`).
 - Each check is one ledger entry of kind ``rebuild`` (experiment ``rebuild_check``): ``rebuilds``
   (the run id), ``rebuilt`` (true or false), ``differences`` (what kept it from being rebuilt),
   its metrics the number of values compared. The rerun itself is written to a scratch folder and
@@ -62,6 +64,42 @@ def arguments(run: Mapping[str, Any]) -> list[str]:
     if pretrained.startswith(fp.RUN_PREFIX):
         args.append(f"backbone.pretrained={pretrained}")
     return [*args, "logger=none", "trainer.enable_progress_bar=false"]
+
+
+def _hydra_value(value: Any) -> str:
+    """``value`` in Hydra's override grammar (strings quoted)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+#: Groups whose option a recorded config names: (group, the key holding the option's name).
+GROUP_NAMES = (("backbone", "name"), ("method", "name"), ("budget", "kind"), ("data", "name"), ("recipe", "name"))
+
+
+def config_arguments(run: Mapping[str, Any]) -> list[str]:
+    """The command of a run launched with overrides under a ``name=`` (no experiment file of its
+    name at its commit): its groups' options, then every recorded leaf that the fingerprint keeps
+    (``++key=value``); the comparison of the rerun's config with the recorded one checks the result."""
+    config = run.get("config") or {}
+    args = [f"{group}={(config.get(group) or {}).get(key)}" for group, key in GROUP_NAMES
+            if (config.get(group) or {}).get(key) is not None]
+    args += [f"++{k}={_hydra_value(v)}" for k, v in fp.leaves(config).items() if not fp.excluded(k)]
+    return [*args, f"name={_hydra_value(str(run['experiment']))}", "logger=none"]
+
+
+def _has_experiment(commit: str, run: Mapping[str, Any]) -> bool:
+    base = str(run["experiment"]).partition("+")[0]
+    return subprocess.run(["git", "cat-file", "-e", f"{commit}:conf/experiment/{base}.yaml"], cwd=PROJECT_ROOT,
+                          capture_output=True).returncode == 0
 
 
 def compared(original: Mapping[str, Any], rerun: Mapping[str, Any]) -> tuple[int, list[str]]:
@@ -113,14 +151,16 @@ def rerun(run: Mapping[str, Any], ledger: Ledger, scratch: Path) -> tuple[dict[s
     start = ledger.get(pinned) if pinned else None
     if start is not None:
         (results / "runs" / f"{pinned}.json").write_text(json.dumps(start))
-    args = [*arguments(run), f"hydra.run.dir={scratch / ('out-' + run['run_id'])}"]
+    own = arguments(run) if _has_experiment(commit, run) else config_arguments(run)
+    args = [*own, f"hydra.run.dir={scratch / ('out-' + run['run_id'])}"]
     code = (f"import sys; from vitexp.cli import {ENTRY_POINTS[run['kind']]} as main; "
             f"sys.argv = ['vitexp-{run['kind']}', *{args!r}]; main()")
     env = {**os.environ, **RERUN_ENV, "PYTHONPATH": str(tree), "VITEXP_RESULTS": str(results)}
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True)
     entries = [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json")) if p.stem != pinned]
     made = [e for e in entries if e.get("kind") == run["kind"] and e.get("status") == "completed"]
-    return (made[-1] if made else None), (done.stdout + done.stderr)[-2000:]
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if "rror" in line or "invalid" in line]
+    return (made[-1] if made else None), "\n".join(errors[-3:]) or (done.stdout + done.stderr)[-600:]
 
 
 def check(run: Mapping[str, Any], ledger: Ledger, scratch: Path, results_dir: Path) -> dict[str, Any]:
@@ -131,7 +171,8 @@ def check(run: Mapping[str, Any], ledger: Ledger, scratch: Path, results_dir: Pa
         made, tail = rerun(run, ledger, scratch)
         n, differences = compared(run, made) if made else (0, ["the rerun did not complete: " + tail.strip()[-400:]])
     config = {"rebuilds": run["run_id"], "commit": (run.get("env") or {}).get("git_commit"),
-              "arguments": arguments(run)}
+              "arguments": arguments(run) if _has_experiment((run.get("env") or {}).get("git_commit"), run)
+              else config_arguments(run)}
     entry = LedgerEntry(REBUILD_NAME, REBUILD_KIND, config, results_dir).start()
     entry.finish({"compared": n, "differing": len(differences)}, {"rule": "every untimed metric equal (vitexp.rebuild)"},
                  rebuilds=run["run_id"], rebuilt=bool(made) and n > 0 and not differences, differences=differences)
