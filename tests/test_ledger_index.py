@@ -186,6 +186,29 @@ def test_a_run_from_before_an_option_that_changed_what_runs_do_is_not_a_cell_of_
     assert row["cells"]["top1"]["run_ids"] == [old]
 
 
+def test_lapsum_runs_from_before_fold_gates_fill_only_a_folded_row_and_the_fixed_rules_keep_theirs(results_dir):
+    """method.fold_gates (default false) changed what LapSum deploys: a LapSum run recorded without it
+    folded its gates, so it fills a row with fold_gates=true and not today's row; a fixed rule's run
+    without the key folded nothing and still fills its row (fingerprint.CHANGED_DEFAULTS)."""
+    base = ("experiment=fmnist_saper_dinov2_micro", "method=saper_ft", "budget.k=6")
+    made = {}
+    for selection in ("lapsum", "random"):
+        config = copy.deepcopy(composed_config((*base, f"method.selection={selection}"), 0))
+        assert config["method"].pop("fold_gates") is False
+        made[selection] = _entry(results_dir, f"{selection}_k6+seed=0", config, 80.0, "2026-01-01T00:00:00+00:00")
+    spec = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
+            "rows": [{"label": f"{s}", "experiment": "fmnist_saper_dinov2_micro", "name": f"{s}_k6",
+                      "overrides": ["method=saper_ft", "budget.k=6", f"method.selection={s}"]}
+                     for s in ("lapsum", "random")]}
+    lapsum, random = tables.fill(spec, Ledger.load(results_dir))
+    assert lapsum["cells"]["top1"]["value"] is None
+    assert random["cells"]["top1"]["run_ids"] == [made["random"]]
+    spec["rows"][0]["overrides"].append("method.fold_gates=true")
+    rows._COMPOSED.clear()
+    lapsum, _ = tables.fill(spec, Ledger.load(results_dir))
+    assert lapsum["cells"]["top1"]["run_ids"] == [made["lapsum"]]
+
+
 def test_a_comparison_bench_entry_is_a_cell_of_its_models_row(results_dir):
     """vitexp-bench experiment=peers_throughput_cpu times each model with the comparison's bench
     settings (bench.compare, rounds, device): its entries are cells of the models' rows, whose

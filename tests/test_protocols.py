@@ -99,3 +99,17 @@ def test_every_verdict_names_rows_of_its_tables_and_regenerates_its_committed_ta
     fill = lambda t: tables.fill(tables.load_spec(t), ledger)  # noqa: E731
     text = protocols.render(spec, protocols.evaluate(spec, fill), protocols.cost(spec, fill, ledger))
     assert text == (PROJECT_ROOT / "results" / "tables" / f"{name}.md").read_text()
+
+
+def test_a_cell_carries_the_marks_of_the_cells_it_pairs_and_the_verdict_says_where_it_rests_on_them():
+    """A claim whose difference uses a ‡ run says so in its cell, in its verdict and in a note."""
+    filled = {"t1": [_row("full", {0: 80.0, 1: 81.0, 2: 82.0}), _row("m", {0: 81.0, 1: 81.5, 2: 82.2})],
+              "t2": [_row("full", {0: 80.0, 1: 81.0, 2: 82.0}), _row("m", {0: 81.0, 1: 81.5, 2: 82.2})],
+              "t3": [_row("full", {}), _row("m", {})]}
+    filled["t2"][1]["cells"]["top1"]["marks"] = "‡"
+    filled["t3"][1]["cells"]["top1"]["marks"] = "‡"  # no pair: nothing rests on it
+    (claim,) = protocols.evaluate(SPEC, filled.__getitem__)
+    assert [c["text"] for c in claim["cells"]] == ["+0.57 ± 0.40 (3)", "+0.57 ± 0.40 (3) ‡", "not run"]
+    assert claim["verdict"] == ("holds under every measured protocol so far (2 of 3 protocols measured); "
+                                "rests on marked runs under P2 (‡)")
+    assert "A mark after a cell is carried over" in protocols.render(SPEC, [claim])

@@ -24,25 +24,26 @@ def micro(num_classes: int = 10, **kwargs):
     return timm.create_model("vit_micro_patch14_dinov2", num_classes=num_classes, **kwargs)
 
 
-def attention_matters_model(k: int):
+def attention_matters_model(k: int, fold_gates: bool = False):
     """SAPER on the micro DINOv2 with LayerScale 1 (not 1e-5), in float64, so attention moves the
     output; the scores are random."""
-    model = SaperHeads().apply(micro(init_values=1.0), {"kind": "heads", "k": k}).double()
+    model = SaperHeads(fold_gates=fold_gates).apply(micro(init_values=1.0), {"kind": "heads", "k": k}).double()
     with torch.no_grad():
         model.selector.scores.copy_(torch.randn(16, generator=torch.Generator().manual_seed(k)))
     return model
 
 
-def hard_gated_output(model, x: torch.Tensor) -> torch.Tensor:
-    """The gated model's output with the top-k heads by score at their final gates (the soft top-k
-    at k and alpha_end), the others 0, the mask computed here (not by the code under test)."""
+def hard_gated_output(model, x: torch.Tensor, folded: bool = False) -> torch.Tensor:
+    """The gated model's output with the top-k heads by score at 1 (``folded``: at their final
+    gates, the soft top-k at k and alpha_end), the others 0, the mask computed here (not by the code
+    under test)."""
     from vitexp.methods.lapsum import soft_topk
 
     sel = model.selector
     scores = sel.scores.detach()
     mask = torch.zeros_like(scores)
     mask[scores.topk(sel.k).indices] = 1.0
-    gates = soft_topk(scores, float(sel.k), sel.alpha_end) * mask
+    gates = soft_topk(scores, float(sel.k), sel.alpha_end) * mask if folded else mask
     for block, g in zip(model.backbone.blocks, gates.view(sel.depth, sel.heads)):
         block.attn.gate_values = g
     return ProbeModel.forward(model, x)  # the probe's forward with the gates set above
@@ -50,7 +51,7 @@ def hard_gated_output(model, x: torch.Tensor) -> torch.Tensor:
 
 def assert_deploys_the_top_k_heads(model, x: torch.Tensor) -> None:
     model.eval()
-    expected = hard_gated_output(model, x)
+    expected = hard_gated_output(model, x, folded=model.selector.fold_gates)
     deployed = model.deploy().eval()
     assert head_count(deployed) == model.selector.k
     torch.testing.assert_close(deployed(x), expected, rtol=1e-10, atol=1e-10)
@@ -64,27 +65,20 @@ def test_deployed_model_has_k_heads_and_equals_the_hard_gated_model(k):
     assert count_macs(model.deploy().float(), 56).gmacs < count_macs(ProbeModel(micro(), 10), 56).gmacs
 
 
-def test_kept_gates_below_one_are_folded_into_the_deployed_projection():
-    """Scores close together leave the final gates well short of 1: the deployed model equals the
-    gated model with those gates (dropped heads at 0), and a deployment with the kept heads at 1
-    (no folding) does not."""
-    model = attention_matters_model(6)
+@pytest.mark.parametrize("fold_gates", [False, True])
+def test_kept_heads_deploy_at_one_unless_the_gates_are_folded(fold_gates):
+    """Scores close together leave the final gates well short of 1. By default the deployed model
+    equals the gated model with the kept heads at 1 (dropped heads at 0), whatever the final gates;
+    with ``fold_gates`` it equals the gated model at those final gates instead, and the two differ."""
+    model = attention_matters_model(6, fold_gates)
     with torch.no_grad():
         model.selector.scores.mul_(0.01)
     summary = model.selector.gate_summary()
     assert summary["kept_gate_min"] < 0.9 and summary["dropped_gate_mass"] > 0.1
     x = torch.randn(3, 3, 56, 56, dtype=torch.float64)
     assert_deploys_the_top_k_heads(model, x)
-    from vitexp.methods.saper.surgery import prune_probe_model
-
-    import copy
-
-    unfolded = copy.deepcopy(model)
-    for block in unfolded.backbone.blocks:
-        block.attn.gate_values = None
-    unfolded = prune_probe_model(unfolded.backbone, unfolded.kept_heads(), unfolded.head, unfolded.pool,
-                                 unfolded.attention_classes).eval()
-    assert (unfolded(x) - hard_gated_output(model.eval(), x)).abs().max() > 1e-4
+    other = hard_gated_output(model.eval(), x, folded=not fold_gates)
+    assert (model.deploy().eval()(x) - other).abs().max() > 1e-4
 
 
 def test_deploying_the_lowest_scoring_heads_fails_the_check(monkeypatch):

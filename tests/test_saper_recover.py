@@ -177,3 +177,97 @@ def test_resume_in_the_middle_of_recover_does_not_select_again(make_cfg, results
     for key in ("top1", "selected_top1", "soft_top1", "steps"):
         assert resumed[key] == pytest.approx(whole[key]), key
     assert resumed["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-5)
+
+
+def _recovery_start(mode: str, selection: str, overrides: tuple[str, ...] = ()):
+    """The model one fmnist_saper_table1 row (k = 6) enters ``recover`` with, built from the composed
+    config on the same backbone weights (seed 0), and its method; LapSum's ``select`` is taken as
+    over (progress 1) with the scores it is handed afterwards (:func:`_lapsum_keeping`)."""
+    import vitexp.config as vconfig
+    from vitexp import rows
+    from vitexp.build import build_configured_backbone
+    from vitexp.methods import method_from_config
+
+    row = {"experiment": "fmnist_saper_dinov2_micro",
+           "overrides": [f"method=saper_{mode}", "budget.k=6", f"method.selection={selection}", *overrides]}
+    cfg = vconfig.compose([o for o in rows.job_arguments(row, seeded=False) if not o.startswith("name=")]
+                          + ["backbone.pretrained=null", "+backbone.kwargs.init_values=1.0"])
+    method = method_from_config(cfg.method)
+    torch.manual_seed(0)
+    backbone = build_configured_backbone(cfg)
+    return method, method.apply(backbone, cfg.budget)
+
+
+def _lapsum_keeping(model, kept: list[list[int]]) -> None:
+    """LapSum's scores after a selection that keeps ``kept``: those heads 0.02 above the others,
+    close enough that their final gates stay well below 1 (what the Fashion-MNIST runs ended with)."""
+    selector = (model.student if hasattr(model, "student") else model).selector
+    with torch.no_grad():
+        selector.scores.zero_()
+        for layer, heads in enumerate(kept):
+            for h in heads:
+                selector.scores[layer * selector.heads + h] = 0.02
+        selector.progress.fill_(1.0)
+    assert float(selector.final_gates().max()) < 0.9  # a fold would scale every kept head
+
+
+@pytest.mark.parametrize("mode", ["ft", "kd"])
+def test_lapsum_and_a_fixed_rule_keeping_the_same_heads_start_recover_from_the_same_tensors(mode):
+    """Two rules at the same k that keep the same heads enter ``recover`` with the same model, tensor
+    by tensor: the backbone less the other heads, each kept head's q, k, v rows and output-projection
+    columns as the backbone has them (LapSum's final gates, well below 1 here, are not folded in).
+    Only the probe, which ``select`` fits, may differ. Fails with the gates folded (fold_gates=true)."""
+    from vitexp.methods.saper.selection import magnitude_scores, top_k_heads
+
+    magnitude, fixed = _recovery_start(mode, "magnitude")
+    lapsum, learned = _recovery_start(mode, "lapsum")
+    kept = top_k_heads(magnitude_scores(learned.student.backbone if mode == "kd" else learned.backbone), 6)
+    assert kept == magnitude.kept_heads and sum(map(len, kept)) == 6
+    _lapsum_keeping(learned, kept)
+    a = magnitude.recovery_model(fixed).state_dict()
+    b = lapsum.recovery_model(learned).state_dict()
+    assert lapsum.kept_heads == kept
+    probe = {k for k in a if k.startswith("head.")} if mode == "ft" else set()
+    assert a.keys() == b.keys() and len(a) > len(probe) + 40
+    differ = [k for k in a if k not in probe and not torch.equal(a[k], b[k])]
+    assert not differ, f"the recovery starts differ in {differ}"
+    projection = [k for k in a if k.endswith("attn.proj.weight")]
+    assert projection and all(a[k].shape[1] > 0 for k in projection if k in b)
+
+
+class KillAfterLastEpoch(Callback):
+    """Ends the run at the end of ``stage``'s fit, once the checkpoint of its last epoch is written."""
+
+    def __init__(self, stage: str):
+        self.stage = stage
+
+    def on_train_end(self, trainer, pl_module):
+        if trainer.checkpoint_callback.dirpath.endswith(f"checkpoints/{self.stage}"):
+            raise RuntimeError("preempted")
+
+
+@pytest.mark.parametrize("selection, stage", [("lapsum", "select"), ("lapsum", "recover"), ("random", "select")])
+def test_a_run_killed_after_the_last_epoch_of_a_stage_resumes_with_every_metric(selection, stage, make_cfg,
+                                                                                 results_dir, tmp_path):
+    """Killed once a stage's last epoch is checkpointed, the resumed run restores that stage without
+    validating it again: its last validation metrics (LapSum's soft_val_*, a fixed rule's
+    selected_val_*, recover's val_*) come back from the checkpoint, every metric but the times equals
+    an uninterrupted run's, and wall_time_s sums the attempts, as fit_time_s does."""
+    from vitexp.train import train
+
+    over = RUN + ["resume=auto", f"method.selection={selection}"]
+    whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]
+    with pytest.raises(RuntimeError, match="preempted"):
+        train(make_cfg(over, tmp_path / "split"), callbacks=[KillAfterLastEpoch(stage)])
+    resumed = train(make_cfg(over, tmp_path / "split"))["metrics"]
+    val = {k for k in whole if "val_" in k}
+    assert {"val_top1", "soft_val_top1" if selection == "lapsum" else "selected_val_top1"} <= val
+    assert all(whole[k] is not None for k in val)
+    assert resumed.keys() == whole.keys()
+    for key in sorted(k for k in whole if not k.endswith("time_s") and "throughput" not in k):
+        assert resumed[key] == pytest.approx(whole[key], rel=1e-5), key
+    (entry,) = [e for e in ledger_entries(results_dir) if len(e.get("attempts") or []) == 1]
+    attempts = sum(a["wall_time_s"] for a in entry["attempts"]) + entry["attempt_wall_time_s"]
+    assert entry["attempts"][0]["wall_time_s"] > 0
+    assert resumed["wall_time_s"] == pytest.approx(attempts, abs=1.0)
+    assert resumed["wall_time_s"] >= resumed["fit_time_s"]

@@ -158,3 +158,27 @@ def test_seeded_row_trained_without_an_optional_metric_says_na(results_dir):
     assert "| Probe | 80.5 ± 0.7 (2) | — | n/a | — | not run | — |" in md  # only an optional column says n/a
     assert "| Pruned | 60.0 ± 0.0 (2) | — | 70.0 ± 0.0 (2) | — | not run | — |" in md
     assert "| Missing | not run | — | not run | — | not run | — |" in md
+
+
+def test_a_column_that_repeats_another_by_construction_says_so_and_shows_its_number_elsewhere(results_dir):
+    """SAPER's soft-gated top-1 repeats the selected top-1 under straight-through: such a row says
+    "= selected (straight-through)"; a row trained without it, and a straight-through row whose two
+    values differ in one seed, show their numbers."""
+    from vitexp.data import DATA_ORDER
+    from vitexp.results import iter_runs
+
+    same = {"key": "selected_top1", "when": {"method.straight_through": True}, "text": "= selected (straight-through)"}
+    spec = {"name": "soft", "title": "t", "seeds": [0, 1],
+            "columns": [{"key": "selected_top1", "label": "Selected", "digits": 1},
+                        {"key": "soft_top1", "label": "Soft", "digits": 1, "optional": True, "same_as": same}],
+            "rows": [{"label": "ST", "experiment": "st"}, {"label": "no ST", "experiment": "soft"},
+                     {"label": "ST, one seed off", "experiment": "off"}]}
+    for name, st, soft in (("st", True, (70.0, 71.0)), ("soft", False, (70.0, 71.0)), ("off", True, (70.0, 71.1))):
+        for seed in (0, 1):
+            LedgerEntry(f"{name}+seed={seed}", "train", {"seed": seed, "method": {"straight_through": st}},
+                        results_dir).start().finish({"selected_top1": 70.0 + seed, "soft_top1": soft[seed]},
+                                                    {"data_order": DATA_ORDER})
+    md = re.sub(r" +", " ", tables.render_markdown(spec, tables.fill(spec, list(iter_runs(results_dir)))))
+    assert "| ST | 70.5 ± 0.7 (2) | — | = selected (straight-through) | — |" in md
+    assert "| no ST | 70.5 ± 0.7 (2) | — | 70.5 ± 0.7 (2) | — |" in md
+    assert "| ST, one seed off | 70.5 ± 0.7 (2) | — | 70.5 ± 0.8 (2) | — |" in md

@@ -36,6 +36,25 @@ class BestValidation(Callback):
         self.best, self.best_epoch = state_dict["best"], state_dict.get("best_epoch")
 
 
+class LastValidation(Callback):
+    """The ``val/*`` metrics of the trainer's last validation (sanity checks aside), which travel
+    with checkpoints: a stage restored from a checkpoint written after its last epoch runs no
+    validation, and reports those of the epoch that wrote it, as the uninterrupted stage does."""
+
+    def __init__(self):
+        self.metrics: dict[str, float] = {}
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"metrics": dict(self.metrics)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.metrics = dict(state_dict.get("metrics") or {})
+
+
 class Heartbeat(Callback):
     """Beats the run's ledger entry (:meth:`vitexp.ledger.LedgerEntry.beat`) after every training
     epoch and validation, on rank zero: a running entry from a cluster node stays "running" while

@@ -20,6 +20,9 @@ Decisions:
   protocols not run or incomplete are counted ("k of M protocols measured, j incomplete") and the
   verdict says "so far", so it never speaks for them; an incomplete cell's difference follows the
   verdict ("not yet judged: ..."), whichever way it points.
+- A cell carries the marks of the two table cells it pairs (:mod:`vitexp.ledger.marks`: ‡ a run whose
+  code cannot be rebuilt, § a protocol today's code does not reproduce), and a verdict that rests on
+  a marked cell names the protocols where it does, so a claim never leans on such a run unsaid.
 - A protocol's cost is the training time of every run its cells use plus the runs whose weights
   those loaded (``backbone.pretrained=run:``, followed back to a run that loaded none), each counted
   once: the ledger's ``fit_time_s`` (training only, test excluded) summed and shown in hours, on the
@@ -70,10 +73,6 @@ def _cell(fill: Callable[[str], list[dict[str, Any]]], ref: str, key: str) -> di
     if not match:
         raise ValueError(f"{ref}: table {table} has no row recorded as {row!r}")
     return match[0]["cells"][key]
-
-
-def _seeds(fill: Callable[[str], list[dict[str, Any]]], ref: str, key: str) -> dict[int, float]:
-    return _cell(fill, ref, key).get("seeds") or {}
 
 
 def sign(pairs: list[float], needed: int = 1) -> str:
@@ -145,14 +144,21 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
             if claim["a"] not in rows or claim["b"] not in rows:
                 cells.append({"protocol": proto["label"], "text": "not in this protocol", "sign": None})
                 continue
-            a, b = _seeds(fill, rows[claim["a"]], key), _seeds(fill, rows[claim["b"]], key)
+            pair = [_cell(fill, rows[claim[role]], key) for role in ("a", "b")]
+            a, b = (c.get("seeds") or {} for c in pair)
             diff = paired_difference(a, b)
             pairs = [a[s] - b[s] for s in diff["seeds"]]
-            text = format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run"
-            cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs, needed), "needed": needed, **diff})
+            marked = "".join(sorted(set("".join(c.get("marks") or "" for c in pair)))) if diff["n"] else ""
+            text = (format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run") + \
+                (f" {marked}" if marked else "")
+            cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs, needed), "needed": needed,
+                          "marks": marked, **diff})
         judged = [(c["protocol"], c["sign"]) for c in cells if c["sign"] is not None]
         pending = [f"{c['protocol']}: {c['text']}" for c in cells if c["sign"] == "incomplete"]
-        text = verdict(judged, noun) + (f"; not yet judged: {'; '.join(pending)}" if pending else "")
+        leaning = [f"{c['protocol']} ({c['marks']})" for c in cells
+                   if c.get("marks") and c["sign"] in ("supports", "contradicts", "undecided")]
+        text = verdict(judged, noun) + (f"; not yet judged: {'; '.join(pending)}" if pending else "") + \
+            (f"; rests on marked runs under {', '.join(leaning)}" if leaning else "")
         out.append({"claim": claim["label"], "cells": cells, "verdict": text})
     return out
 
@@ -178,6 +184,10 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
               "pair below 0; undecided: pairs of both signs (vitexp/protocols.py). A verdict is given only where "
               f"the measured {noun}s agree." + (f" A cell with fewer than {spec['pairs']} pairs is incomplete: "
               "it is shown but not judged, and counts as not measured." if spec.get("pairs", 1) > 1 else "")]
+    if any(x.get("marks") for c in claims for x in c["cells"]):
+        lines += ["", "A mark after a cell is carried over from a table cell it pairs (‡: a run trained from a dirty "
+                  "tree whose code cannot be rebuilt; §: a protocol today's code does not reproduce): that table's "
+                  "notes say which runs."]
     if costs is not None:
         lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) summed over the runs in the cells and "
                   "the runs whose weights they loaded (a shared start counted once), in hours; in all, a run that two "

@@ -5,7 +5,8 @@ A cell shows vitexp's value (a seeded row: mean ± std (n)) followed by its mark
 (:mod:`vitexp.ledger.marks`: § stale protocol, ‡ dirty tree without its diff, ≈ throughput timed on a
 busy machine), each explained once in the notes; a cell without a value says why ("not run",
 "running"/"interrupted", "n/a" for an optional metric its trained row does not record, "cited,
-not run"). The CSV keeps numbers only (the marks are in the Markdown and LaTeX).
+not run"); a cell that only repeats another column by construction says so (a column's
+``same_as``: :func:`_same_as`). The CSV keeps numbers only (the marks are in the Markdown and LaTeX).
 """
 from __future__ import annotations
 
@@ -31,10 +32,37 @@ def _fmt(value: Any, digits: int) -> str:
     return str(value)
 
 
+def _same_as(row: dict[str, Any], col: dict[str, Any]) -> str | None:
+    """A column's ``same_as`` text (``{key, when, text}``) where this row's cell only repeats column
+    ``key``: every run behind the row has the config values of ``when`` (dotted keys: the runs'
+    training makes the two equal, e.g. ``method.straight_through: true``) and the two cells hold the
+    same value in every seed, to the digits shown. Elsewhere ``None``: the cell shows its number."""
+    same = col.get("same_as")
+    runs = row.get("runs") or []
+    if not same or not runs:
+        return None
+    from vitexp.ledger.fingerprint import leaves
+
+    if not all(leaves(r.get("config") or {}).get(k, object()) == v for r in runs for k, v in same["when"].items()):
+        return None
+    digits = int(col.get("digits", 2))
+    mine, theirs = row["cells"][col["key"]], row["cells"][same["key"]]
+    if "n" in mine:
+        a, b = mine.get("seeds") or {}, theirs.get("seeds") or {}
+    else:
+        a, b = {None: mine["value"]}, {None: theirs["value"]}
+    if not a or a.keys() != b.keys() or any(v is None for v in [*a.values(), *b.values()]):
+        return None
+    return same["text"] if all(round(a[s], digits) == round(b[s], digits) for s in a) else None
+
+
 def _cell_texts(row: dict[str, Any], col: dict[str, Any]) -> tuple[str, str]:
     cell = row["cells"][col["key"]]
     digits = int(col.get("digits", 2))
-    if "n" in cell:  # a seeded row: mean ± std (n); a cost equal in every seed (GMACs) without "± 0"
+    same = _same_as(row, col)
+    if same is not None:
+        ours = same + _marks(cell)
+    elif "n" in cell:  # a seeded row: mean ± std (n); a cost equal in every seed (GMACs) without "± 0"
         same = marks.cost_metric(col["key"]) and cell["std"] == 0 and cell["n"] > 1
         stat = aggregate.format_stat(cell["value"], None if same else cell["std"], cell["n"], digits, cell["expected"])
         ours = stat + _marks(cell) if stat else _missing(row, col)
@@ -86,18 +114,30 @@ def footnotes(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
 MARK_NOTES = {
     marks.STALE: "trained under a protocol today's code no longer reproduces (no data_order: the sampler before "
                  "seed * 1000003 + epoch); vitexp-train of today gives another number",
-    marks.NO_DIFF: "trained from a dirty tree whose diff was not kept: the code behind it cannot be rebuilt",
+    marks.NO_DIFF: "trained from a dirty tree whose diff was not kept, and not rebuilt by a rerun at its recorded "
+                   "commit: the code behind it cannot be rebuilt from the repository",
     marks.BUSY: "timed while the machine had more runnable threads than cores: the throughput shared its cores",
 }
 
 
+#: Why a cell trained from a dirty tree without its diff carries no ‡ (:func:`vitexp.tables._mark`).
+REBUILT_NOTE = ("recorded as trained from a dirty tree without its diff, carry no {mark}: every such run behind them "
+                "was rerun at its recorded commit and gave every recorded metric again (python -m vitexp.rebuild; "
+                "its rebuild entries in the ledger), so the repository at that commit rebuilds them (the dirty flag "
+                "of commits before 6014b6c counted every tracked file, tables and specs included)")
+
+
 def mark_notes(rows: list[dict[str, Any]]) -> list[str]:
-    """One footnote per cell mark the table uses, with how many of its runs carry it."""
+    """One footnote per cell mark the table uses, with how many of its runs carry it; and how many
+    cells lost their ‡ to a rebuild."""
     notes = []
     for mark, text in MARK_NOTES.items():
         cells = [c for r in rows for c in r["cells"].values() if mark in (c.get("marks") or "")]
         if cells:
             notes.append(f"{mark} {text} ({len(cells)} cell{'s' if len(cells) > 1 else ''}).")
+    rebuilt = sum(bool(c.get("rebuilt")) for r in rows for c in r["cells"].values())
+    if rebuilt:
+        notes.append(f"{rebuilt} cell{'s' if rebuilt > 1 else ''}, " + REBUILT_NOTE.format(mark=marks.NO_DIFF) + ".")
     return notes
 
 

@@ -9,7 +9,9 @@ metric (the soft-gated accuracy of an unpruned row); a row marked
 ``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
 number ever comes from anywhere but a run or the spec's paper value.
 
-Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``, ``optional``); ``plot``
+Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``, ``optional``,
+``same_as``: ``{key, when, text}``, the text shown instead of a cell that repeats column ``key`` in every
+seed where the row's runs have the config values ``when``, :func:`vitexp.render._same_as`); ``plot``
 (``x``, ``y`` metric keys, optional); ``seeds`` (optional); ``rows`` (``label``, ``experiment``,
 ``overrides``, ``name``, ``grid`` (:mod:`vitexp.rows`: a row is a base experiment plus overrides,
 recorded under its name; a grid expands into rows), ``run``: train | flops | bench, ``cited``,
@@ -125,16 +127,21 @@ def _cells(spec: dict[str, Any], row: dict[str, Any], by_seed: dict[int | None, 
     return cells
 
 
-def _mark(cells: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]]) -> None:
+def _mark(cells: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]], rebuilt: set[str] = frozenset()) -> None:
     """Each cell's ``marks`` (:mod:`vitexp.ledger.marks`) from the runs behind it: a stale protocol
-    (not on a cost metric, which the data order does not change), a dirty tree without its diff,
+    (not on a cost metric, which the data order does not change), a dirty tree without its diff that
+    no rerun at its commit rebuilt (``rebuilt``: such a cell is flagged ``rebuilt`` for the notes),
     and, in a throughput column, a busy machine."""
+    def no_diff(r):
+        return marks.diff_missing(r) and r["run_id"] not in rebuilt
+
     for key, cell in cells.items():
         behind = [runs[i] for i in (cell.get("run_ids") or [cell.get("run_id")]) if i in runs]
         stale = None if marks.cost_metric(key) else marks.stale
-        cell["marks"] = "".join(mark for mark, hit in ((marks.STALE, stale), (marks.NO_DIFF, marks.diff_missing),
+        cell["marks"] = "".join(mark for mark, hit in ((marks.STALE, stale), (marks.NO_DIFF, no_diff),
                                                         (marks.BUSY, marks.busy if "throughput" in key else None))
                                 if hit and any(hit(r) for r in behind))
+        cell["rebuilt"] = marks.NO_DIFF not in cell["marks"] and any(marks.diff_missing(r) for r in behind)
 
 
 def fill(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
@@ -171,7 +178,7 @@ def _fill_row(spec: dict[str, Any], row: dict[str, Any], ledger: Ledger, keys: l
     by_seed = {seed: aggregate.chosen(rs, keys) for seed, rs in done.items()}
     seeds = query.seeds if query else None
     cells = _cells(spec, row, by_seed, seeds is not None)
-    _mark(cells, {r["run_id"]: r for rs in by_seed.values() for r in rs})
+    _mark(cells, {r["run_id"]: r for rs in by_seed.values() for r in rs}, ledger.rebuilt)
     cited_ids = {i for c in cells.values() for i in (c.get("run_ids") or [c.get("run_id")]) if i}
     cited = [r for rs in by_seed.values() for r in rs if r["run_id"] in cited_ids]
     pending = [effective_status(r) for r in ledger.named(name) if r["status"] == "running"] if name else []

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from vitexp.build import (build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir,
                           pretrained_artifacts)
-from vitexp.callbacks import BestValidation, DataOrderMark, Heartbeat
+from vitexp.callbacks import BestValidation, DataOrderMark, Heartbeat, LastValidation
 from vitexp.config import to_container, validate
 from vitexp.data import DATA_ORDER
 from vitexp.methods import Method, Stage
@@ -76,11 +76,14 @@ def evaluate_stage(objective: Objective, trainer: L.Trainer, module: L.Lightning
 
 
 def fit_stage(objective: Objective, cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir: Path,
-              callbacks, first: bool) -> tuple[L.LightningModule, L.Trainer, float, DictConfig]:
-    """Fit ``stage``: its module, its Trainer, the seconds the fit took, and the stage's config."""
+              callbacks, first: bool) -> tuple[L.LightningModule, L.Trainer, float, DictConfig, dict[str, float]]:
+    """Fit ``stage``: its module, its Trainer, the seconds the fit took, the stage's config, and the
+    ``val/*`` metrics of its last validation (restored with a stage whose checkpoint is past its last
+    epoch, which validates nothing again: :class:`~vitexp.callbacks.LastValidation`)."""
     scfg = stage_config(cfg, stage)
     module = objective.module(scfg, stage)
-    best = [BestValidation(f"val/{objective.headline[0]}")]  # the objective's headline metric on validation
+    last = LastValidation()
+    best = [BestValidation(f"val/{objective.headline[0]}"), last]  # the objective's headline metric on validation
     trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best], stage=stage.name)
     start = time.perf_counter()
     if int(scfg.recipe.epochs) > 0:  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
@@ -93,7 +96,7 @@ def fit_stage(objective: Objective, cfg: DictConfig, stage: Stage, datamodule_fo
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt)
         finally:
             datamodule.train_augment = True
-    return module, trainer, time.perf_counter() - start, scfg
+    return module, trainer, time.perf_counter() - start, scfg, last.metrics
 
 
 def datamodule_cache(data_config: dict[str, Any]) -> Callable[[DictConfig], L.LightningDataModule]:
@@ -148,8 +151,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
         order = DataOrderMark(DATA_ORDER)
         for i, stage in enumerate(stages):
             stage_keys(run.logger, stage.metrics_prefix)
-            module, trainer, fit_s, scfg = fit_stage(objective, cfg, stage, datamodule_for, run.logger, output_dir,
-                                                     [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0)
+            module, trainer, fit_s, scfg, val = fit_stage(objective, cfg, stage, datamodule_for, run.logger, output_dir,
+                                                          [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0)
             if run.ledger is not None:
                 run.ledger.fitting(stage.name, fit_s)
             metrics["epochs"] += trainer.current_epoch
@@ -157,7 +160,6 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
             metrics[f"{stage.name}_fit_time_s" if stage.name != "main" else "fit_time_s"] = fit_s
             if stage.metrics_prefix is not None:
                 p = stage.metrics_prefix
-                val = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
                 metrics.update(evaluate_stage(objective, trainer, module, method, stage, datamodule_for(scfg), p))
                 # validation saw the model the stage trained (the soft model when there is one)
                 metrics.update(objective.validation_metrics(val, stage.soft_prefix or p))
@@ -165,8 +167,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
                 if best:  # the best validation headline (top-1) of the model the stage trained, and after how many epochs
                     metrics[f"{stage.soft_prefix or p}best_val_{objective.headline[0]}"] = 100.0 * best[0].best
                     metrics[f"{stage.soft_prefix or p}best_val_epoch"] = best[0].best_epoch
-            elif "val/loss" in trainer.callback_metrics:
-                metrics[f"{stage.name}_val_loss"] = float(trainer.callback_metrics["val/loss"])
+            elif "val/loss" in val:
+                metrics[f"{stage.name}_val_loss"] = val["val/loss"]
             if stage.deployed:
                 deployed_model = module.model
             metrics["world_size"] = trainer.world_size
@@ -183,7 +185,8 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
             deployed_metrics, protocol = objective.deployed_cost(cfg, method.deploy(deployed_model))
             protocol.update(order.protocol())
             metrics.update(deployed_metrics)
-            metrics["wall_time_s"] = time.perf_counter() - started
+            # a resumed run: every attempt's, as fit_time_s (vitexp.ledger.LedgerEntry.previous_wall_time)
+            metrics["wall_time_s"] = time.perf_counter() - started + run.ledger.previous_wall_time()
             if measured is not None:
                 extra_metrics, extra_protocol = measured()
                 metrics.update(extra_metrics)

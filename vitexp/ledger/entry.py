@@ -10,7 +10,11 @@ Decisions:
   (``resume=auto|true``), which reopens its own unfinished entry (:meth:`LedgerEntry.reopen`): the
   earlier attempt moves to ``attempts`` with its times, its fit seconds per stage and how it ended;
   an attempt whose process died without closing the entry (SIGKILL, a lost node) is closed there
-  as ``interrupted``. The run's ``fit_time_s`` is then the sum over its attempts.
+  as ``interrupted``. The run's ``fit_time_s`` and ``wall_time_s`` are then sums over its attempts:
+  each attempt records its seconds so far with every beat and at its close
+  (``attempt_fit_time_s`` per stage, ``attempt_wall_time_s``), which :meth:`LedgerEntry.reopen`
+  keeps with the attempt (``fit_time_s``, ``wall_time_s``; an attempt recorded before the wall
+  clock counts from its ``started`` to its ``finished``).
 - Code provenance: ``env.git_commit`` and ``env.git_dirty`` describe the code (``vitexp/``,
   ``conf/``, ``pyproject.toml``: :data:`CODE_PATHS`; results and specs are not code). A run from a
   dirty tree stores ``git diff HEAD`` of those paths as ``<results>/patches/<sha256[:16]>.patch``
@@ -29,6 +33,7 @@ import json
 import os
 import platform
 import subprocess
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -119,6 +124,14 @@ def environment(run_dir: Path | None = None, results_dir: Path | None = None) ->
     return env
 
 
+def _seconds(started: Any, finished: Any) -> float:
+    """Seconds from ``started`` to ``finished`` (ISO times as :func:`~vitexp.ledger.status.now` writes
+    them); 0 when either is missing."""
+    if not started or not finished:
+        return 0.0
+    return max(0.0, (_dt.datetime.fromisoformat(str(finished)) - _dt.datetime.fromisoformat(str(started))).total_seconds())
+
+
 class LedgerEntry:
     """One run's ledger file. ``start`` writes it as running; ``finish`` / ``fail`` / ``interrupt`` close it."""
 
@@ -129,6 +142,7 @@ class LedgerEntry:
         self.path = self.dir / "runs" / f"{self.run_id}.json"
         self.run_dir = Path(run_dir) if run_dir else None
         self.fit_times: dict[str, float] = {}
+        self.clock = time.perf_counter()  # this attempt's start (attempt_wall_time_s)
         self.record: dict[str, Any] = {
             "run_id": self.run_id, "experiment": experiment, "status": "running", "kind": kind,
             "config": config or {}, "metrics": {}, "protocol": {}, "env": environment(self.run_dir, self.dir),
@@ -141,7 +155,7 @@ class LedgerEntry:
         """The existing entry ``run_id`` (to reopen it), or None when there is no readable file."""
         entry = cls.__new__(cls)
         entry.dir = Path(results_dir) if results_dir else default_results_dir()
-        entry.run_id, entry.run_dir, entry.fit_times = run_id, None, {}
+        entry.run_id, entry.run_dir, entry.fit_times, entry.clock = run_id, None, {}, time.perf_counter()
         entry.path = entry.dir / "runs" / f"{run_id}.json"
         try:
             entry.record = json.loads(entry.path.read_text())
@@ -171,10 +185,13 @@ class LedgerEntry:
         if previous["status"] == "running":  # its process died without closing it
             previous.update(status=INTERRUPTED, finished=self.record.get("heartbeat") or self.record.get("started"),
                             error="the process ended without closing its entry (killed)")
+        wall = self.record.get("attempt_wall_time_s")
+        previous["wall_time_s"] = float(wall) if wall is not None else _seconds(previous["started"], previous["finished"])
         self.record["attempts"] = [*self.record.get("attempts", []), previous]
         self._fingerprint(config)
+        self.clock = time.perf_counter()
         self.record.update(status="running", config=config, env=environment(self.run_dir, self.dir), finished=None, error=None, signal=None,
-                           attempt_fit_time_s={})
+                           attempt_fit_time_s={}, attempt_wall_time_s=0.0)
         self._write()
         return self
 
@@ -194,6 +211,13 @@ class LedgerEntry:
                 out[stage] = out.get(stage, 0.0) + float(seconds)
         return out
 
+    def previous_wall_time(self) -> float:
+        """Seconds of wall time of the earlier attempts of this run (module docstring)."""
+        return sum(float(a.get("wall_time_s") or 0.0) for a in self.record.get("attempts") or [])
+
+    def _clock(self) -> None:
+        self.record["attempt_wall_time_s"] = round(time.perf_counter() - self.clock, 3)
+
     def fitting(self, stage: str, seconds: float) -> None:
         """This attempt has fitted ``stage`` for ``seconds`` so far (written with the next beat or close)."""
         self.fit_times[stage] = float(seconds)
@@ -209,6 +233,7 @@ class LedgerEntry:
         host (a cluster node) is told apart from one whose job died (:func:`vitexp.ledger.status.effective_status`)."""
         if self.record.get("status") == "running":
             self.record["heartbeat"] = now()
+            self._clock()
             self._write()
             if getattr(self, "on_beat", None):  # the run folder's lock, kept fresh
                 self.on_beat()
@@ -225,6 +250,7 @@ class LedgerEntry:
         self.record.update(fields)
         self.record["status"] = status
         self.record["finished"] = now()
+        self._clock()
         self._write()
         return self.path
 

@@ -91,13 +91,22 @@ WEIGHTLESS_KINDS = ("flops", "bench")
 WEIGHTLESS_EXCLUDED = (*EXCLUDED, "backbone.pretrained")
 
 
+def _lapsum_folded(recorded: Mapping[str, Any]) -> bool:
+    """``method.fold_gates`` of a SAPER run recorded before it: LapSum deployed its final gates folded
+    into the projection; a fixed rule has no gates, so nothing was folded (it keeps its row)."""
+    return recorded.get("method.selection", "lapsum") == "lapsum"
+
+
 #: Options added with a default that is NOT what runs before them did: {dotted key: (the methods it
-#: applies to, the value a run without the key had)}. A run recorded without such a key is read as
-#: having had that value (:func:`differences`, :func:`changed_defaults`), so that, e.g., SAPER's
-#: one-stage runs (before ``method.recover_epochs``: no recovery) never fill a two-stage row.
+#: applies to, the value a run without the key had, or a function of the run's recorded leaves that
+#: gives it)}. A run recorded without such a key is read as having had that value
+#: (:func:`differences`, :func:`changed_defaults`), so that, e.g., SAPER's one-stage runs (before
+#: ``method.recover_epochs``: no recovery) never fill a two-stage row, nor its LapSum runs that folded
+#: their gates a row of today's unfolded start.
 CHANGED_DEFAULTS: dict[str, tuple[tuple[str, ...], Any]] = {
     "method.recover_epochs": (("saper_ft", "saper_kd"), 0),
     "method.straight_through": (("saper_ft", "saper_kd"), False),
+    "method.fold_gates": (("saper_ft", "saper_kd"), _lapsum_folded),
 }
 
 
@@ -122,7 +131,7 @@ def changed_defaults(recorded: Mapping[str, Any], today: Mapping[str, Any]) -> l
     another than the one such a run had."""
     name, old, new = _method_name(recorded), leaves(recorded), leaves(today)
     return sorted(k for k, (methods, was) in CHANGED_DEFAULTS.items()
-                  if name in methods and k not in old and k in new and new[k] != was)
+                  if name in methods and k not in old and k in new and new[k] != (was(old) if callable(was) else was))
 
 
 def differences(recorded: Mapping[str, Any], today: Mapping[str, Any],

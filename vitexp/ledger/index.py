@@ -168,6 +168,15 @@ class Ledger:
     def get(self, run_id: str) -> dict[str, Any] | None:
         return self._by_id.get(run_id)
 
+    @property
+    def rebuilt(self) -> set[str]:
+        """The runs a rerun at their recorded commit rebuilt (:func:`vitexp.ledger.marks.rebuilt`)."""
+        if not hasattr(self, "_rebuilt"):
+            from vitexp.ledger.marks import rebuilt
+
+            self._rebuilt = rebuilt(self.records)
+        return self._rebuilt
+
     def experiment_of(self, run_id: str) -> str:
         """The experiment of entry ``run_id`` (``run_id`` itself when there is none: an experiment)."""
         run = self._by_id.get(run_id)

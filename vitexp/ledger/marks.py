@@ -10,11 +10,15 @@
   ``protocol[...]["load"]``; a ``bench.compare`` entry's load average before and after): the timing
   shared its cores. A timing recorded without a load is not judged.
 - **no diff** (:func:`diff_missing`): trained from a dirty tree (``env.git_dirty``) whose diff was
-  not kept (no ``env.code_patch``): the code that produced the number cannot be rebuilt.
+  not kept (no ``env.code_patch``): the code that produced the number cannot be rebuilt from the
+  repository, unless a rerun at the recorded commit gave every recorded metric again
+  (:func:`rebuilt`, :mod:`vitexp.rebuild`), in which case the table drops the mark and counts it in
+  its notes. Before commit 6014b6c the dirty flag covered every tracked file (a table or spec
+  rewritten by ``vitexp-tables`` set it), so the flag alone says nothing about the code.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 STALE, BUSY, NO_DIFF = "§", "≈", "‡"
 #: Metrics of the model's cost, which the order of the training data does not change (a stale
@@ -69,3 +73,13 @@ def busy(run: Mapping[str, Any]) -> bool:
 def diff_missing(run: Mapping[str, Any]) -> bool:
     env = run.get("env") or {}
     return env.get("git_dirty") is True and not env.get("code_patch")
+
+
+def rebuilt(records: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The run ids whose newest completed ``rebuild`` entry (:mod:`vitexp.rebuild`) says ``rebuilt``;
+    ``records`` oldest first, as a ledger holds them."""
+    verdict: dict[str, bool] = {}
+    for r in records:
+        if r.get("kind") == "rebuild" and r.get("status") == "completed" and r.get("rebuilds"):
+            verdict[str(r["rebuilds"])] = r.get("rebuilt") is True
+    return {run_id for run_id, ok in verdict.items() if ok}

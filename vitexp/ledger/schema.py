@@ -23,7 +23,7 @@ from typing import Any, Iterable
 #: ``interrupted``: closed by a signal (SIGINT, SIGTERM), or a running attempt found dead on resume.
 STATUSES = ("running", "completed", "failed", "interrupted")
 FINAL_STATUSES = ("completed", "failed", "interrupted")
-KINDS = ("train", "flops", "bench", "eval", "audit", "analyze", "rehearsal")
+KINDS = ("train", "flops", "bench", "eval", "audit", "analyze", "rehearsal", "rebuild")
 
 _STR, _OPT_STR, _DICT, _LIST = (str,), (str, type(None)), (dict,), (list,)
 #: Optional fields and their types.

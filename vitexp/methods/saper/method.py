@@ -23,8 +23,13 @@ distills the surviving subset", ``../shared/reference.md``), each with its check
    Fine-tune mode continues the linear probe of ``select`` on the deployed features (every rule
    trained its probe in ``select`` for as long; a probe refitted from scratch at the recovery's lr,
    a tenth of the selection's, ended below the selected model on digits); distillation mode trains
-   the pruned student against the unpruned frozen teacher with the same token loss. Every rule gets this identical stage: they differ only in which heads
-   survive. Its test is the run's ``top1``, of the model whose FLOPs and weights are recorded.
+   the pruned student against the unpruned frozen teacher with the same token loss. Every rule gets
+   this identical stage from the same kind of start: the backbone less the other heads, each kept
+   head as it is in the backbone (LapSum deploys its heads at gate 1, as the fixed rules do:
+   :mod:`~vitexp.methods.saper.selector`; ``method.fold_gates`` measures the earlier reading, its
+   final gates folded into the frozen projection). What differs at the start of ``recover`` is
+   which heads survive and the probe ``select`` fitted. Its test is the run's ``top1``, of the
+   model whose FLOPs and weights are recorded.
    ``recover_epochs=0`` skips it (``top1`` = ``selected_top1``).
 
 The ledger keeps the kept heads per layer (``kept_heads``), from which
@@ -82,7 +87,7 @@ class SaperHeads(Method):
                  anneal_fraction: float = 0.7, trainable: str = "scores", selection: str = "lapsum",
                  selection_seed: int = 0, importance_batches: int = 8, recover_epochs: int = 0,
                  recover_lr: float | None = None, recover_trainable: str = "non_attention",
-                 straight_through: bool = False):
+                 straight_through: bool = False, fold_gates: bool = False):
         from vitexp.errors import ConfigError
 
         super().__init__(name)
@@ -100,7 +105,10 @@ class SaperHeads(Method):
         if self.recover_lr is not None and not self.recover_lr > 0:
             raise ConfigError(f"method.recover_lr: {recover_lr} must be > 0 (null: the recipe's lr)")
         self.recover_trainable = check_choice("method.recover_trainable", recover_trainable, RECOVER_TRAINABLE)
-        self.straight_through = bool(straight_through)
+        self.straight_through, self.fold_gates = bool(straight_through), bool(fold_gates)
+        if self.fold_gates and self.selection != "lapsum":
+            raise ConfigError(f"method.fold_gates: true folds LapSum's gates; selection={selection} has none "
+                              "(fold_gates applies to selection=lapsum only)")
         self.kept_heads: list[list[int]] | None = None
         self.importance: torch.Tensor | None = None
         self.selection_source: str | None = None
@@ -145,7 +153,7 @@ class SaperHeads(Method):
             set_trainable(backbone, self.trainable)
             depth, heads = len(backbone.blocks), backbone.blocks[0].attn.num_heads
             selector = HeadSelector(depth, heads, int(budget["k"]), self.alpha_start, self.alpha_end,
-                                    self.anneal_fraction, self.straight_through)
+                                    self.anneal_fraction, self.straight_through, self.fold_gates)
             head, pool = self.deployed_head(backbone)
             return HeadPrunedModel(backbone, 0, selector, head=head, pool=pool)
         self.kept_heads = top_k_heads(self.fixed_head_scores(backbone), int(budget["k"]))
@@ -267,9 +275,10 @@ class SaperDistill(SaperHeads):
                  selection_seed: int = 0, importance_batches: int = 8, recover_epochs: int = 0,
                  recover_lr: float | None = None, recover_trainable: str = "non_attention",
                  straight_through: bool = False, loss: str = "mse", knn_k: int = 20, knn_temperature: float = 0.07,
-                 knn_features: str = "cls"):
+                 knn_features: str = "cls", fold_gates: bool = False):
         super().__init__(name, alpha_start, alpha_end, anneal_fraction, trainable, selection, selection_seed,
-                         importance_batches, recover_epochs, recover_lr, recover_trainable, straight_through)
+                         importance_batches, recover_epochs, recover_lr, recover_trainable, straight_through,
+                         fold_gates)
         self.loss, self.knn_k, self.knn_temperature = loss, int(knn_k), float(knn_temperature)
         self.knn_features = self.feature_pool = check_choice("method.knn_features", knn_features, POOLS)
 

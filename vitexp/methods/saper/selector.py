@@ -7,20 +7,22 @@ gates, and the gated model that deploys to a physically pruned one.
 - k_t anneals from the total head count (less ½, as the soft top-k needs k < n) to the budget k by
   a cosine over the first ``anneal_fraction`` of training; α_t falls geometrically from
   ``alpha_start`` to ``alpha_end`` over the same span.
-- ``straight_through``: after the anneal, the forward pass uses the deployed gates (the top-k
-  heads at their gates, the others at 0) while the scores' gradient flows through the soft gates
-  (straight-through estimator), so the model's last phase of training is the deployed model. The
-  soft top-k alone does not reach 0/1: α is absolute, and scores that move by a few hundredths
-  leave gates of 0.3–0.6 at α = 0.01 (measured on the micro tiers: ``gate_summary`` in the
-  ledger), on which the soft model relies and which deployment drops.
+- ``straight_through``: after the anneal, the forward pass uses the deployed gates while the
+  scores' gradient flows through the soft gates (straight-through estimator), so the model's last
+  phase of training is the deployed model. The soft top-k alone does not reach 0/1: α is absolute,
+  and scores that move by a few hundredths leave gates of 0.3–0.6 at α = 0.01 (measured on the
+  micro tiers: ``gate_summary`` in the ledger), on which the soft model relies and which deployment
+  drops.
 - Deployment keeps the top-k heads by score (:meth:`HeadPrunedModel.kept_heads`) and removes the
-  rest (:func:`~vitexp.methods.saper.surgery.prune_probe_model`). Each kept head's final gate (the
-  soft top-k at the budget k and ``alpha_end``, :meth:`HeadSelector.deployed_gates`) is folded into
-  its columns of the output projection, so the deployed model computes what the gated model
-  computes with the removed heads' gates set to 0: the soft-to-hard step loses only the removed
-  heads' leftover gate mass (:meth:`HeadSelector.gate_summary` measures it), not the kept heads'
-  shortfall from 1. With well separated scores the final gates are 1 and 0 and folding changes
-  nothing.
+  rest (:func:`~vitexp.methods.saper.surgery.prune_probe_model`). The kept heads enter the deployed
+  model as they are in the backbone, at weight 1 (the deployed gates: 1 for the top k, 0 elsewhere),
+  as every fixed selection rule's do, so the recovery stage starts each rule from the same kind of
+  model: the backbone less the other heads (decision, docs/reading-saper.md, "One recovery start").
+  ``fold_gates`` (``method.fold_gates``, off by default) is the earlier reading, kept to measure it:
+  each kept head's final gate (the soft top-k at the budget k and ``alpha_end``,
+  :meth:`HeadSelector.final_gates`) is then its deployed gate, folded into its columns of the
+  output projection (which ``recover`` keeps frozen), and the straight-through forward uses those
+  gates.
 """
 from __future__ import annotations
 
@@ -40,11 +42,11 @@ class HeadSelector(nn.Module):
     """Per-head scores and the annealed LapSum gates."""
 
     def __init__(self, depth: int, heads: int, k: int, alpha_start: float, alpha_end: float, anneal_fraction: float,
-                 straight_through: bool = False):
+                 straight_through: bool = False, fold_gates: bool = False):
         super().__init__()
         self.depth, self.heads, self.k = depth, heads, int(k)
         self.alpha_start, self.alpha_end, self.anneal_fraction = alpha_start, alpha_end, anneal_fraction
-        self.straight_through = bool(straight_through)
+        self.straight_through, self.fold_gates = bool(straight_through), bool(fold_gates)
         self.scores = nn.Parameter(1e-3 * torch.randn(depth * heads))
         self.register_buffer("progress", torch.zeros(()))
 
@@ -66,7 +68,7 @@ class HeadSelector(nn.Module):
         k_t, alpha_t = self.schedule()
         soft = soft_topk(self.scores, k_t, alpha_t).view(self.depth, self.heads)
         if self.straight_through and float(self.progress) >= self.anneal_fraction:
-            return (soft * self.hard_mask()).detach() + soft - soft.detach()
+            return self.deployed_gates().to(soft).detach() + soft - soft.detach()
         return soft
 
     def hard_mask(self) -> torch.Tensor:
@@ -80,8 +82,10 @@ class HeadSelector(nn.Module):
         return soft_topk(self.scores.detach(), float(self.k), self.alpha_end).view(self.depth, self.heads)
 
     def deployed_gates(self) -> torch.Tensor:
-        """(L, H): the final gates of the top-k heads, 0 elsewhere (what deployment computes)."""
-        return self.final_gates() * self.hard_mask()
+        """(L, H): 1 for the top-k heads, 0 elsewhere (what deployment computes); with
+        ``fold_gates`` the top-k heads' final gates instead of 1."""
+        mask = self.hard_mask()
+        return self.final_gates() * mask if self.fold_gates else mask
 
     def gate_summary(self) -> dict[str, float]:
         """How far the final gates are from the hard top-k: the kept heads' smallest and mean gate,
@@ -129,12 +133,13 @@ class HeadPrunedModel(ProbeModel):
         return [m.nonzero().flatten().tolist() for m in self.selector.hard_mask()]
 
     def deploy(self) -> ProbeModel:
-        """Keep the top-k heads by score, their final gates folded into the output projection;
-        remove the others physically (no gates left)."""
+        """Keep the top-k heads by score as they are (with ``fold_gates``: their final gates folded
+        into the output projection); remove the others physically (no gates left)."""
         for block in self.backbone.blocks:  # the last forward's gates (part of its autograd graph)
             block.attn.gate_values = None
         deployed = copy.deepcopy(self)
         kept, gates = deployed.kept_heads(), deployed.selector.final_gates()
-        scales = [[float(gates[layer, h]) for h in heads] for layer, heads in enumerate(kept)]
+        scales = ([[float(gates[layer, h]) for h in heads] for layer, heads in enumerate(kept)]
+                  if deployed.selector.fold_gates else None)
         return prune_probe_model(deployed.backbone, kept, deployed.head, deployed.pool, deployed.attention_classes,
                                  scales)

@@ -1,0 +1,64 @@
+"""‡ with a stated rule (vitexp/rebuild.py, vitexp/ledger/marks.py): a run recorded as dirty without
+its diff keeps its mark unless a rerun at its recorded commit gave every recorded metric again."""
+from __future__ import annotations
+
+import re
+
+from vitexp import rebuild, tables
+from vitexp.ledger import Ledger, LedgerEntry, marks
+
+RUN = {"run_id": "r", "experiment": "fmnist_evit_vit_micro+seed=1", "kind": "train",
+       "config": {"seed": 1, "backbone": {"pretrained": "run:20261130-093404-train-start-420a24"}, "recipe": {"lr": 1e-3}},
+       "metrics": {"top1": 85.21, "test_loss": 0.41, "fit_time_s": 167.2, "wall_time_s": 190.0, "throughput": 812.0},
+       "artifacts": {"weights_sha256": "ab"}}
+
+
+def _rerun(**changes):
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in RUN.items()}
+    out["metrics"] = {**RUN["metrics"], "fit_time_s": 171.9, "wall_time_s": 201.3, "throughput": 640.0}
+    for key, value in changes.items():
+        where, _, name = key.partition("__")
+        out[where] = {**out[where], name: value}
+    return out
+
+
+def test_a_rebuild_compares_every_untimed_metric_the_weights_and_the_config():
+    assert rebuild.compared(RUN, _rerun()) == (3, [])  # top1, test_loss, the weights' hash; no timing
+    n, differences = rebuild.compared(RUN, _rerun(metrics__top1=85.22))
+    assert differences == ["metrics.top1: 85.21 recorded, 85.22 rebuilt"]
+    assert rebuild.compared(RUN, _rerun(artifacts__weights_sha256="cd"))[1] == ["artifacts.weights_sha256 differs"]
+    assert rebuild.compared(RUN, _rerun(config__recipe={"lr": 2e-3}))[1] == ["config.recipe.lr differs"]
+    assert rebuild.compared(RUN, {**_rerun(), "config": {**RUN["config"], "extra": 1}})[1] == ["config.extra differs"]
+
+
+def test_the_rerun_is_the_runs_own_command():
+    assert rebuild.arguments(RUN) == ["experiment=fmnist_evit_vit_micro", "seed=1",
+                                      "backbone.pretrained=run:20261130-093404-train-start-420a24", "logger=none",
+                                      "trainer.enable_progress_bar=false"]
+
+
+def _verdict(results_dir, run_id: str, ok: bool, started: str) -> None:
+    entry = LedgerEntry(rebuild.REBUILD_NAME, rebuild.REBUILD_KIND, {"rebuilds": run_id}, results_dir).start()
+    entry.record["started"] = started
+    entry.finish({"compared": 3}, rebuilds=run_id, rebuilt=ok, differences=[] if ok else ["metrics.top1 differs"])
+
+
+def test_a_table_drops_the_mark_of_a_rebuilt_run_only_and_counts_it(results_dir):
+    """Two dirty runs without a kept diff: the one whose newest rebuild entry says rebuilt loses its
+    ‡ and is counted in the notes; the other (rebuilt once, then not) keeps it."""
+    ids = {}
+    for name in ("a", "b"):
+        entry = LedgerEntry(name, "train", {}, results_dir).start()
+        entry.record["env"].update(git_dirty=True, code_patch=None)
+        entry.finish({"top1": 80.0})
+        ids[name] = entry.run_id
+    _verdict(results_dir, ids["a"], True, "2026-01-01T00:00:00+00:00")
+    _verdict(results_dir, ids["b"], True, "2026-01-01T00:00:00+00:00")
+    _verdict(results_dir, ids["b"], False, "2026-01-02T00:00:00+00:00")
+    ledger = Ledger.load(results_dir)
+    assert ledger.rebuilt == {ids["a"]} and all(marks.diff_missing(ledger.get(i)) for i in ids.values())
+    spec = {"name": "t", "title": "t", "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
+            "rows": [{"label": "A", "experiment": "a"}, {"label": "B", "experiment": "b"}]}
+    md = re.sub(r" +", " ", tables.render_markdown(spec, tables.fill(spec, ledger)))
+    assert "| A | 80.0 | — |" in md and "| B | 80.0 ‡ | — |" in md
+    assert "(1 cell)." in md and "- 1 cell, recorded as trained from a dirty tree without its diff, carry no ‡" in md
