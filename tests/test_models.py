@@ -95,7 +95,7 @@ def test_lvvit_official_checkpoint_layout_loads_exactly(tmp_path, wrapper):
     ({"state_dict": "w"}, True, r"backbone\.use_ema=true: .* holds no EMA weights .*\['state_dict'\]"),
     ("w", True, r"backbone\.use_ema=true: .* holds no EMA weights .*plain state dict"),
     ({"state_dict_ema": "w"}, None, r"holds only EMA weights \(\['state_dict_ema'\]\); TokenLabeling's validate\.py "
-                                    r"loads state_dict \(.*validate\.py:150.*\); \+\+backbone\.use_ema=true loads these"),
+                                    r"loads state_dict or model \(.*validate\.py:150.*\); \+\+backbone\.use_ema=true loads these"),
 ], ids=["state_dict_ema alone", "model_ema alone", "use_ema without EMA weights", "use_ema on a plain state dict",
         "state_dict_ema alone, no override"])
 def test_use_ema_never_falls_back_to_other_weights(saved, use_ema, match, tmp_path):

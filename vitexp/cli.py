@@ -12,7 +12,6 @@ on stderr, ``<prog>: invalid|failed: ...`` naming the key or the file
 """
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import sys
@@ -24,26 +23,12 @@ from omegaconf import DictConfig, open_dict
 
 from vitexp import CONF_DIR
 from vitexp import config as _config  # noqa: F401  (registers the resolvers conf/train.yaml uses)
-from vitexp.errors import HYDRA_FULL_ERROR_BY_VITEXP, ConfigError, debug_mode, one_line
+from vitexp.errors import HYDRA_FULL_ERROR_BY_VITEXP, ConfigError, console_script, debug_mode, one_line
 from vitexp.run import emit, remove_if_empty
 from vitexp.run import ArgumentParser
 
 #: Lightning strategies that re-run the command line in worker processes.
 _SUBPROCESS_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true")
-
-
-def _console_script(main: Callable[..., None]) -> Callable[..., None]:
-    """A console script ends on Ctrl-C as the shell expects of a process stopped by SIGINT: exit 130,
-    no traceback (the run's own entry and closing line were written by :func:`vitexp.run.owned_run`)."""
-
-    @functools.wraps(main)
-    def script(*args: Any, **kwargs: Any) -> None:
-        try:
-            main(*args, **kwargs)
-        except KeyboardInterrupt:
-            raise SystemExit(128 + int(signal.SIGINT)) from None
-
-    return script
 
 
 def _report(status: str, err: BaseException, prog: str, message: str | None = None, debug: bool | None = None) -> None:
@@ -208,25 +193,25 @@ def _rehearse_body(cfg: DictConfig) -> dict[str, Any]:
     return rehearse(cfg)
 
 
-@_console_script
+@console_script
 def rehearse_main() -> None:
     """One row's rehearsal (``python -m vitexp.rehearsal``; ``vitexp-sweep TABLE --rehearse`` launches it)."""
     _run_hydra(_rehearse_body, "vitexp-rehearse")
 
 
-@_console_script
+@console_script
 def train_main() -> None:
     """Train, test and record one run (or a multirun with -m)."""
     _run_hydra(_train_body, "vitexp-train")
 
 
-@_console_script
+@console_script
 def flops_main() -> None:
     """Count params and FLOPs of a configured model (no training)."""
     _run_hydra(_flops_body, "vitexp-flops")
 
 
-@_console_script
+@console_script
 def bench_main() -> None:
     """Throughput of a method against its backbone, or Lightning's step overhead."""
     _run_hydra(_bench_body, "vitexp-bench")
@@ -238,7 +223,7 @@ def _exit_failed(err: BaseException, prog: str) -> None:
     raise SystemExit(1) from None
 
 
-@_console_script
+@console_script
 def eval_main(argv: list[str] | None = None) -> None:
     """``vitexp-eval RUN_ID_OR_EXPERIMENT [overrides] [--weights PATH]``: rebuild the model a
     completed train run saved and test it on the run's test split (a ledger entry of kind eval)."""
@@ -276,21 +261,21 @@ def _closing_line_on_error(main: Callable[[list[str] | None], int], argv: list[s
     raise SystemExit(code)
 
 
-@_console_script
+@console_script
 def sweep_main(argv: list[str] | None = None) -> None:
     from vitexp.sweep import main
 
     _closing_line_on_error(main, argv, "vitexp-sweep")
 
 
-@_console_script
+@console_script
 def tables_main(argv: list[str] | None = None) -> None:
     from vitexp.tables import main
 
     _closing_line_on_error(main, argv, "vitexp-tables")
 
 
-@_console_script
+@console_script
 def audit_main(argv: list[str] | None = None) -> None:
     """``vitexp-audit {bspf,saper,raptor}``: measure the public review's objections (BSPF-ViT, SAPER) or
     decompose SAPER's FLOPs comparison with RAPTOR; writes ``results/audit/<paper>.md`` and a ledger
@@ -326,7 +311,7 @@ def audit_main(argv: list[str] | None = None) -> None:
         _exit_failed(err, "vitexp-audit")
 
 
-@_console_script
+@console_script
 def analyze_main(argv: list[str] | None = None) -> None:
     """``vitexp-analyze {laplace,clusters,phases,tokens,heads} [options] [overrides]``: Laplace maps
     or head clustering of the configured backbone (``backbone.pretrained`` for real weights) on the

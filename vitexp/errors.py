@@ -3,8 +3,11 @@ from vitexp, so any module (config, methods, modules, the run owner) can raise t
 importing another and without an import cycle."""
 from __future__ import annotations
 
+import functools
 import os
 import re
+import signal
+from typing import Any, Callable
 
 
 class ConfigError(ValueError):
@@ -62,3 +65,17 @@ def join_lines(text: str) -> str:
             out += ("" if out.endswith((".", ";", ":")) else ";") + " " + line
         listing = listing or out.endswith(":")
     return out
+
+
+def console_script(main: Callable[..., None]) -> Callable[..., None]:
+    """A console script ends on Ctrl-C as the shell expects of a process stopped by SIGINT: exit 130,
+    no traceback (the run's own entry and closing line were written by :func:`vitexp.run.owned_run`)."""
+
+    @functools.wraps(main)
+    def script(*args: Any, **kwargs: Any) -> None:
+        try:
+            main(*args, **kwargs)
+        except KeyboardInterrupt:
+            raise SystemExit(128 + int(signal.SIGINT)) from None
+
+    return script
