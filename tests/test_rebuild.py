@@ -62,3 +62,22 @@ def test_a_table_drops_the_mark_of_a_rebuilt_run_only_and_counts_it(results_dir)
     md = re.sub(r" +", " ", tables.render_markdown(spec, tables.fill(spec, ledger)))
     assert "| A | 80.0 | — |" in md and "| B | 80.0 ‡ | — |" in md
     assert "(1 cell)." in md and "- 1 cell, recorded as trained from a dirty tree without its diff, carry no ‡" in md
+
+
+def test_a_run_launched_under_a_name_is_rerun_from_its_recorded_config():
+    """Every leaf the fingerprint keeps becomes ++key=value that Hydra's parser reads back to the
+    recorded value (strings with quotes, lists, empty mappings, null); excluded keys are left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    run = {"experiment": "evit_deit_small_keep09", "config": {
+        "name": "evit_deit_small_keep09", "output_dir": "/x", "seed": 42,
+        "backbone": {"name": "deit_small", "kwargs": {}, "pretrained": None, "bspf": {"prune_layers": [4, 6, 9]}},
+        "method": {"_target_": "vitexp.methods.evit.EViT", "name": "evit", "note": "it's a:b"},
+        "budget": {"kind": "keep_ratio", "keep_ratio": 0.9}, "recipe": {"name": "r", "warmup_lr": 1e-06}}}
+    args = rebuild.config_arguments(run)
+    assert args[:3] == ["backbone=deit_small", "method=evit", "budget=keep_ratio"] and "recipe=r" in args
+    parsed = {o.key_or_group: o.value() for o in OverridesParser.create().parse_overrides(
+        [a for a in args if a.startswith("++")])}
+    assert parsed == {"seed": 42, "backbone.name": "deit_small", "backbone.kwargs": {}, "backbone.pretrained": None,
+                      "backbone.bspf.prune_layers": [4, 6, 9], "method.name": "evit", "method.note": "it's a:b",
+                      "budget.kind": "keep_ratio", "budget.keep_ratio": 0.9, "recipe.name": "r", "recipe.warmup_lr": 1e-06}
