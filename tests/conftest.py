@@ -106,6 +106,63 @@ def trained_run(_trained_once, tmp_path):
     return get
 
 
+def recorded(spec: dict | None, runs: list[dict], start: str = "2026-01-01T00:00:00+00:00") -> list[dict]:
+    """Stub records as vitexp records a run (the ledger matches a row's runs by their config and
+    orders them by ``started``): each gets a ``started``, one second apart in the given order, unless
+    it has one; one named like a row of ``spec`` that composes (the row's name, or
+    ``<name>+seed=<s>``) gets that row's composed config for its seed, its own config keys on top."""
+    import copy
+    import datetime as dt
+    import re
+
+    from vitexp import rows as vrows
+
+    queries = {}
+    if spec is not None:
+        for row in vrows.expand_rows(spec["rows"]):
+            if row.get("experiment") and not row.get("cited"):
+                queries.setdefault(vrows.row_name(row), vrows.row_query(spec, row))
+    first = dt.datetime.fromisoformat(start)
+    out = []
+    for i, run in enumerate(runs):
+        run = copy.deepcopy(run)
+        run.setdefault("started", (first + dt.timedelta(seconds=i)).isoformat())
+        name = run["experiment"]
+        match = re.fullmatch(r"(.*)\+seed=(\d+)", name)
+        query = queries.get(name) or (queries.get(match.group(1)) if match else None)
+        if query is not None:
+            seed = (run.get("config") or {}).get("seed", int(match.group(2)) if match else None)
+            with vrows.composing():
+                config = query.composed(seed if query.seeds is not None else None)
+            if config is not None:
+                run["config"] = _merged(copy.deepcopy(dict(config)), run.get("config") or {})
+        out.append(run)
+    return out
+
+
+def config_of(name: str, seed: int | None = None, top: dict | None = None) -> dict:
+    """The config a run of ``name`` records: its experiment (the name before ``+``) composed with
+    ``seed`` (``None``: the experiment's own), ``top`` on top; for a name with no experiment file,
+    ``{"seed": seed}`` and ``top`` (a stub, matched by name)."""
+    import copy
+
+    from vitexp import CONF_DIR
+    from vitexp.rows import composed_config, composing
+
+    base = name.split("+", 1)[0]
+    config: dict = {"seed": seed}
+    if (CONF_DIR / "experiment" / f"{base}.yaml").is_file():
+        with composing():
+            config = copy.deepcopy(composed_config((f"experiment={base}",), seed))
+    return _merged(config, top or {})
+
+
+def _merged(base: dict, top: dict) -> dict:
+    for k, v in top.items():
+        base[k] = _merged(base.get(k) if isinstance(base.get(k), dict) else {}, v) if isinstance(v, dict) else v
+    return base
+
+
 def ledger_entries(results_dir: Path) -> list[dict]:
     runs = results_dir / "runs"
     return [json.loads(p.read_text()) for p in sorted(runs.glob("*.json"))] if runs.exists() else []

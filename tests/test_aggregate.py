@@ -10,6 +10,7 @@ import math
 
 import pytest
 
+from conftest import config_of
 from vitexp import aggregate, tables
 from vitexp.data import DATA_ORDER
 from vitexp.ledger import Ledger
@@ -38,7 +39,7 @@ METH = {0: 90.5, 1: 91.2}
 
 def _run(results_dir, name, seed, metrics, started=None, fail=False, order=DATA_ORDER):
     """A train run; ``order=None``: one from the sampler that drew ``seed + epoch`` (no data_order)."""
-    entry = LedgerEntry(name, "train", {"seed": seed}, results_dir).start()
+    entry = LedgerEntry(name, "train", config_of(name, seed), results_dir).start()
     if started:
         entry.record["started"] = started
     if fail:
@@ -54,7 +55,7 @@ def seeded_ledger(results_dir):
     for seed, v in BASE.items():
         _run(results_dir, aggregate.seeded_name("base", seed), seed, {"top1": v, "gmacs": 0.0201})
     _run(results_dir, "meth+seed=0", 0, {"top1": 10.0, "gmacs": 0.01}, started="2000-01-01T00:00:00+00:00")  # older
-    _run(results_dir, "meth+seed=0", 0, {"top1": METH[0], "gmacs": 0.0101}, started="9999-01-01T00:00:00+00:00")
+    _run(results_dir, "meth+seed=0", 0, {"top1": METH[0], "gmacs": 0.0101})  # newer: started now
     _run(results_dir, "meth", 1, {"top1": METH[1], "gmacs": 0.0101})  # by hand: `experiment=meth seed=1` named meth
     _run(results_dir, "meth+seed=2", 2, {}, fail=True)
     _run(results_dir, "meth+seed=7", 7, {"top1": 0.0, "gmacs": 0.0101})  # a seed the spec does not ask for
@@ -129,7 +130,7 @@ def test_sweep_reruns_a_shared_start_whose_weights_are_not_on_this_machine(resul
     spec = {"name": "s", "seeds": [0], "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
                                                 {"label": "ft", "experiment": "chunk_demo"}]}
     weights = tmp_path / "weights.pth"
-    LedgerEntry("demo", "train", {"seed": 0}, results_dir).start().finish(
+    LedgerEntry("demo", "train", config_of("demo", 0), results_dir).start().finish(
         {"top1": 1.0}, artifacts={"weights": str(weights)})  # a committed ledger, weights elsewhere
     assert plan(spec, None, False, results_dir)["train"]["launch"] == ["demo", "chunk_demo+seed=0"]
     weights.write_bytes(b"weights")
@@ -137,6 +138,8 @@ def test_sweep_reruns_a_shared_start_whose_weights_are_not_on_this_machine(resul
     assert todo["launch"] == ["chunk_demo+seed=0"] and todo["skip"] == ["demo"]
     unseeded = {**spec, "seeds": None}  # not a shared start: a completed run is enough
     weights.unlink()
+    LedgerEntry("demo", "train", config_of("demo"), results_dir).start().finish(  # the experiment's own seed
+        {"top1": 1.0}, artifacts={"weights": str(weights)})
     assert plan(unseeded, None, False, results_dir)["train"]["skip"] == ["demo"]
 
 
@@ -174,7 +177,7 @@ def test_seeds_from_the_overlapping_sampler_are_flagged_and_trained_again(result
     assert todo["seeds"] == {"chunk_demo": [1]} and todo["skip"] == ["chunk_demo+seed=0", "chunk_demo+seed=2"]
     md = tables.render_markdown(spec, tables.fill(spec, list(iter_runs(results_dir))))
     assert "1 of the seeded runs" in md and f"`{old}`" in md.split("not independent")[1]
-    _run(results_dir, "chunk_demo+seed=1", 1, {"top1": 91.0}, started="9999-01-01T00:00:00+00:00")
+    _run(results_dir, "chunk_demo+seed=1", 1, {"top1": 91.0})  # started now: newer than the 2000 run
     assert plan(spec, None, False, results_dir)["train"]["launch"] == []
     rows = tables.fill(spec, list(iter_runs(results_dir)))
     assert rows[0]["cells"]["top1"]["value"] == pytest.approx(91.0) and rows[0]["overlapping"] == []
@@ -183,7 +186,7 @@ def test_seeds_from_the_overlapping_sampler_are_flagged_and_trained_again(result
 
 def _ft(results_dir, name, seed, start, started):
     """A completed fine-tuning of ``seed`` that loaded ``backbone.pretrained=start``."""
-    entry = LedgerEntry(name, "train", {"seed": seed, "backbone": {"pretrained": start}}, results_dir).start()
+    entry = LedgerEntry(name, "train", config_of(name, seed, {"backbone": {"pretrained": start}}), results_dir).start()
     entry.record["started"] = started
     entry.finish({"top1": 90.0 + seed}, {"data_order": DATA_ORDER})
     return entry.run_id
@@ -193,7 +196,7 @@ def _start(results_dir, tmp_path, started, finished):
     """A completed run of the shared start ``demo`` with its weights file on this machine."""
     weights = tmp_path / f"w-{started[:4]}.pth"
     weights.write_bytes(b"weights")
-    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir).start()
+    entry = LedgerEntry("demo", "train", config_of("demo", 0), results_dir).start()
     entry.record["started"] = started
     entry.finish({"top1": 1.0}, artifacts={"weights": str(weights)})
     entry.record["finished"] = finished
@@ -208,7 +211,7 @@ def test_seeds_fine_tuned_from_another_run_of_the_shared_start_train_again(resul
 
     spec = {"name": "s", "title": "t", "seeds": [0, 1, 2], "columns": SPEC["columns"],
             "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
-                     {"label": "ft", "experiment": "chunk_demo"}]}
+                     {"label": "ft", "experiment": "chunk_demo", "weights": "run:demo"}]}
     old = _start(results_dir, tmp_path, "2001-01-01T00:00:00+00:00", "2001-01-01T01:00:00+00:00")
     new = _start(results_dir, tmp_path, "2002-01-01T00:00:00+00:00", "2002-01-01T01:00:00+00:00")
     by_time = _ft(results_dir, "chunk_demo+seed=0", 0, "run:demo", "2001-06-01T00:00:00+00:00")  # loaded `old`

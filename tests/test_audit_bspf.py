@@ -49,12 +49,12 @@ def test_scoring_cost_is_quadratic_for_all_blocks():
 
 
 def test_audit_is_reproducible_from_the_runs_it_pins(results_dir, tmp_path):
-    old = _demo_run(results_dir, tmp_path, seed=0)
+    old = _demo_run(results_dir, tmp_path, seed=0, started="2000-01-01T00:00:00+00:00")
     first = audit_bspf.micro_findings("run:demo", images=2, results_dir=results_dir)
     assert first["pinned"]["run_id"] == old and first["pinned"]["weights"].endswith("weights_0.pth")
     assert audit_bspf.micro_findings(f"run:{old}", images=2, results_dir=results_dir) == first
     # a newer demo run is what run:demo now pins; the old run id still reproduces the old numbers
-    new = _demo_run(results_dir, tmp_path, seed=1, started="9999-01-01T00:00:00+00:00")
+    new = _demo_run(results_dir, tmp_path, seed=1)  # started now: the newest
     newer = audit_bspf.micro_findings("run:demo", images=2, results_dir=results_dir)
     assert newer["pinned"]["run_id"] == new and newer["attn_asym_max"] != first["attn_asym_max"]
     assert audit_bspf.micro_findings(f"run:{old}", images=2, results_dir=results_dir) == first

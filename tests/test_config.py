@@ -59,6 +59,23 @@ def test_out_of_range_values_name_the_key(override, key):
         validate(vconfig.compose([override]))
 
 
+@pytest.mark.parametrize("accelerator", ["cpu", "auto"])
+def test_a_precision_the_cpu_does_not_run_is_refused_at_start(accelerator, monkeypatch):
+    """Reproduction 9 of issue 47: trainer.precision=16-mixed on the CPU ran as bf16-mixed (Lightning's
+    warning) while the ledger recorded 16-mixed. Refused before anything runs, naming what does run;
+    on a GPU (accelerator auto with CUDA) it is left to run."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = vconfig.compose([f"trainer.accelerator={accelerator}", "trainer.precision=16-mixed"])
+    with pytest.raises(ConfigError, match=r"trainer.precision=16-mixed: .*does not run on the CPU.*bf16-mixed"):
+        validate(cfg)
+    validate(vconfig.compose([f"trainer.accelerator={accelerator}", "trainer.precision=bf16-mixed"]))
+    if accelerator == "auto":
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        validate(cfg)
+
+
 def test_missing_dataset_root_and_checkpoint_are_named(tmp_path):
     with pytest.raises(ConfigError, match="data.root: required"):
         validate(vconfig.compose(["data=imagenet"]))

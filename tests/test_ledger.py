@@ -74,7 +74,8 @@ def test_a_broken_file_is_an_error_that_names_it_never_skipped(results_dir):
     (results_dir / "runs").mkdir(parents=True)
     (results_dir / "runs" / "broken.json").write_text("{not json")
     (results_dir / "runs" / "wrong.json").write_text(json.dumps({"run_id": "wrong", "experiment": "demo",
-                                                                  "status": "done", "kind": "train"}))
+                                                                  "status": "done", "kind": "train",
+                                                                  "started": "2026-01-01T00:00:00+00:00"}))
     LedgerEntry("demo", "flops", {}, results_dir).start().finish({"gmacs": 1.0})
     ledger = Ledger.load(results_dir)
     assert [r["experiment"] for r in ledger] == ["demo"]
@@ -181,3 +182,31 @@ def test_an_error_texts_absolute_paths_become_portable_and_a_placeholder_path_st
 
     text = portable_text(f"no file {tmp_path}/x.pth; `wandb sync <run dir>/wandb/offline-run-*`", tmp_path)
     assert text == "no file x.pth; `wandb sync <run dir>/wandb/offline-run-*`"
+
+
+def test_only_paths_in_the_checkout_or_the_results_root_are_rewritten(tmp_path):
+    """Reproduction 5 of issue 47: the ``data=imagenet`` hint ``/path/to/dataset`` became
+    ``../../../path/to/dataset``. A placeholder or a system path stays as written; a path in the
+    results root or the checkout becomes relative."""
+    from vitexp import PROJECT_ROOT
+    from vitexp.ledger import portable_text
+
+    results = tmp_path / "results"
+    text = (f"data.root=/path/to/dataset; no {results}/outputs/x/last.ckpt; /usr/share/datasets/fashion-mnist; "
+            f"{PROJECT_ROOT}/conf/train.yaml")
+    assert portable_text(text, results) == ("data.root=/path/to/dataset; no outputs/x/last.ckpt; "
+                                           "/usr/share/datasets/fashion-mnist; conf/train.yaml")
+
+
+def test_stderr_and_the_closing_line_name_a_path_alike(tmp_path, capsys, monkeypatch):
+    """A bad checkpoint's path was relative in the closing line and absolute on stderr: both now say
+    it the same way (relative to the results root)."""
+    from vitexp.cli import _report
+
+    results = tmp_path / "results"
+    monkeypatch.setenv("VITEXP_RESULTS", str(results))
+    _report("failed", FileNotFoundError(f"no checkpoint at {results}/outputs/r1/checkpoints/last.ckpt"), "vitexp-train")
+    captured = capsys.readouterr()
+    closing = json.loads(captured.out.strip().splitlines()[-1])
+    assert closing["error"] == "FileNotFoundError: no checkpoint at outputs/r1/checkpoints/last.ckpt"
+    assert captured.err.strip() == f"vitexp-train: failed: {closing['error']}"

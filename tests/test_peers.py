@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import vitexp  # noqa: F401  (registers the micro backbones)
 import vitexp.config as vconfig
-from conftest import vit_analytic_macs
+from conftest import vit_analytic_macs, recorded
 from vitexp.flops import count_macs
 from vitexp.methods.evit import EViT
 from vitexp.methods.evit.fuse import keep_count, keep_rate_at, prune_and_fuse
@@ -307,7 +307,7 @@ def test_rows_of_a_series_become_one_curve_each_in_the_plot():
     runs = [{"run_id": f"r{i}", "experiment": e, "status": "completed", "kind": "flops", "metrics": {"gmacs": g, "top1": t}}
             for i, (e, g, t) in enumerate([("evit_deit_small_keep07", 3.0, 79.0), ("evit_deit_small_keep05", 2.3, 78.0),
                                            ("tome_deit_small_r13", 2.7, 79.1)])]
-    curves = series_curves(fill(spec, runs), "gmacs", "top1")
+    curves = series_curves(fill(spec, recorded(spec, runs)), "gmacs", "top1")
     assert curves["EViT"]["vitexp"] == [(2.3, 78.0), (3.0, 79.0)]  # sorted by GMACs
     assert curves["EViT"]["paper"] == [(2.3, 78.5), (2.6, 78.9), (3.0, 79.5)]
     assert "vitexp" not in curves["ToMe"] and "BSPF-ViT" in curves  # one ToMe point is no curve

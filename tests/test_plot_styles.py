@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_rgba
 
+from conftest import recorded
 from vitexp import PROJECT_ROOT, SWEEPS_DIR, aggregate, dodge, plots, tables
 from vitexp.ledger import Ledger
 from vitexp.plot_styles import MIN_DELTA_E, ciede2000, delta_e
@@ -91,7 +92,7 @@ def values_of(rows: list[dict], xk: str, yk: str) -> dict[str, tuple]:
 @pytest.mark.parametrize("name", PLOTTED)
 def test_no_two_rows_with_different_values_share_a_style(name):
     spec = tables.load_spec(name)
-    filled = tables.fill(spec, _runs(spec))
+    filled = tables.fill(spec, recorded(spec, _runs(spec)))
     fig = plots.draw(spec, filled)
     try:
         xk, yk = spec["plot"]["x"], spec["plot"]["y"]
@@ -122,7 +123,7 @@ def test_no_two_rows_with_different_values_share_a_style(name):
 @pytest.mark.parametrize("name", [n for n in PLOTTED if any(r.get("control") for r in tables.load_spec(n)["rows"])])
 def test_a_control_is_grey_and_hollow(name):
     spec = tables.load_spec(name)
-    fig = plots.draw(spec, tables.fill(spec, _runs(spec)))
+    fig = plots.draw(spec, tables.fill(spec, recorded(spec, _runs(spec))))
     try:
         controls = {r["label"] for r in spec["rows"] if r.get("control")}
         lines = {line.get_gid().split(":", 1)[1]: line for ax in fig.axes for line in ax.lines
@@ -292,7 +293,7 @@ def test_a_plot_says_when_a_marker_was_set_apart_from_its_values():
     def texts(top1_b: float) -> list[str]:
         runs = [{"run_id": n, "experiment": n, "status": "completed", "kind": "train", "config": {},
                  "metrics": {"gmacs": 0.02, "top1": y}} for n, y in (("demo", 80.0), ("bspf_demo", top1_b))]
-        fig = plots.draw(spec, tables.fill(spec, runs))
+        fig = plots.draw(spec, tables.fill(spec, recorded(spec, runs)))
         try:
             return [" ".join(t.get_text().split()) for t in fig.texts]  # the notes are wrapped
         finally:
@@ -317,7 +318,7 @@ def test_a_paper_cost_obtained_by_arithmetic_is_marked_in_the_cost_only_strip(to
     metrics = {"gmacs": 0.02} if top1_a is None else {"gmacs": 0.02, "top1": top1_a}
     runs = [{"run_id": "demo", "experiment": "demo", "status": "completed", "kind": "train", "config": {},
              "metrics": metrics}]
-    fig = plots.draw(spec, tables.fill(spec, runs))
+    fig = plots.draw(spec, tables.fill(spec, recorded(spec, runs)))
     try:
         marks = [t for ax in fig.axes for t in ax.texts if t.get_text() == plots.DERIVED_MARK]
     finally:

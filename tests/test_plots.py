@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 import pytest
 from matplotlib.colors import to_rgba
 
+from conftest import recorded
 from vitexp import plots, rows, tables
 
 SPEC = {
@@ -49,7 +50,7 @@ def _figure():
             _run(5, "bspf_deit_small", {"gmacs": 2.39}),
             _run(6, "evit_deit_small_keep07", {"top1": 79.0, "gmacs": 3.03}),
             _run(7, "evit_deit_small_keep06", {"top1": 78.0, "gmacs": 2.62})]
-    return plots.draw(SPEC, tables.fill(SPEC, runs))
+    return plots.draw(SPEC, tables.fill(SPEC, recorded(SPEC, runs)))
 
 
 @pytest.fixture
@@ -86,7 +87,7 @@ def test_a_row_with_fewer_seeds_than_asked_says_so_in_the_legend():
         runs = [_run(0, "demo", {"top1": 95.0, "gmacs": 0.0226}),
                 *(_run(1 + s, f"fmnist_bspf_vit_micro+seed={s}", {"top1": SEEDED_TOP1[s], "gmacs": 0.012}, seed=s)
                   for s in seeds)]
-        fig = plots.draw(SPEC, tables.fill(SPEC, runs))
+        fig = plots.draw(SPEC, tables.fill(SPEC, recorded(SPEC, runs)))
         (box,) = [ax.get_legend() for ax in fig.axes if ax.get_legend()]
         texts = [t.get_text().replace("\n", " ") for t in box.get_texts()]
         plt.close(fig)
@@ -165,7 +166,7 @@ def test_a_sweep_is_joined_by_a_line_and_the_legend_stays_short(artists):
 def test_a_table_of_costs_alone_is_never_an_empty_frame():
     spec = tables.load_spec("bspf_table7")
     runs = [_run(i, rows.row_name(row), {"gmacs": 2.0 + 0.25 * i}) for i, row in enumerate(spec["rows"])]
-    fig = plots.draw(spec, tables.fill(spec, runs))
+    fig = plots.draw(spec, tables.fill(spec, recorded(spec, runs)))
     (ax,) = fig.axes
     ticks = [line for line in ax.lines if (line.get_gid() or "").startswith("tick-vitexp:")]
     assert len(ticks) == len(spec["rows"]) == 7
@@ -196,7 +197,7 @@ def test_panels_split_an_axis_and_a_panel_less_row_is_on_each():
     runs = [_run(i, tables.row_name(row) if once else f"{tables.row_name(row)}+seed=0",
                  {"top1": 50.0 + i, "gflops": 0.006 + i / 1e4}, seed=None if once else 0)
             for i, (row, once) in enumerate(zip(spec["rows"], unseeded))]
-    fig = plots.draw(spec, tables.fill(spec, runs))
+    fig = plots.draw(spec, tables.fill(spec, recorded(spec, runs)))
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["Fashion-MNIST: fine-tune (linear probe)", "Fashion-MNIST: distill (k-NN)"]
     drawn = {ax.get_title(): {line.get_gid().split(":", 1)[1] for line in ax.lines if (line.get_gid() or "").startswith("vitexp:")}

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from conftest import recorded
 from vitexp import SWEEPS_DIR, results_page, tables
 
 VERDICTS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml") if "verdict:" in p.read_text())
@@ -35,16 +36,16 @@ def _runs():
 def test_placeholders_fill_from_the_cells():
     spec = {**SPEC, "verdict": "{cell:demo:top1}; {cell:demo:gmacs}; {delta:bspf_demo:top1}; "
                                "{diff:bspf_demo:demo:top1}; {paper:demo:top1}; {cell:bspf_demo:top1}"}
-    text = results_page.fill_verdict(spec, tables.fill(spec, _runs()))
+    text = results_page.fill_verdict(spec, tables.fill(spec, recorded(spec, _runs())))
     # 82 ± 2; cost without std; paired Δ: (−1, −2, 0) → −1 ± 1; the same as diff; the paper's 79.8 as published; 81 ± 2.65
     assert text == "82.00 ± 2.00; 0.023; −1.00 ± 1.00; −1.00 ± 1.00; 79.8; 81.00 ± 2.65"
     partial = {**SPEC, "verdict": "{cell:bspf_demo:top1}; {delta:bspf_demo:top1}; {diff:bspf_demo:demo:top1}; "
                                   "{cell:demo:top1}"}
     runs = [r for r in _runs() if r["run_id"] != "bspf_demo-2"]  # a seed still running: the prose says so
-    assert results_page.fill_verdict(partial, tables.fill(partial, runs)) == \
+    assert results_page.fill_verdict(partial, tables.fill(partial, recorded(partial, runs))) == \
         "79.50 ± 0.71 (2 of 3 seeds); −1.50 ± 0.71 (2 of 3 seeds); −1.50 ± 0.71 (2 of 3 seeds); 82.00 ± 2.00"
     saved = {**SPEC, "verdict": "{saved:bspf_demo:demo:top1}"}  # 1 − 81 / 82 of the means
-    assert results_page.fill_verdict(saved, tables.fill(saved, _runs())) == "1"
+    assert results_page.fill_verdict(saved, tables.fill(saved, recorded(saved, _runs()))) == "1"
     assert results_page.fill_verdict(spec, tables.fill(spec, [])).startswith("not run; not run; not run")
 
 
@@ -53,7 +54,7 @@ def test_placeholders_fill_from_the_cells():
 def test_a_placeholder_the_table_cannot_fill_is_refused(verdict, complaint):
     spec = {**SPEC, "verdict": verdict}
     with pytest.raises(ValueError, match=re.escape(complaint)):
-        results_page.fill_verdict(spec, tables.fill(spec, _runs()))
+        results_page.fill_verdict(spec, tables.fill(spec, recorded(spec, _runs())))
 
 
 @pytest.mark.parametrize("name", VERDICTS)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import QUIET, cli_env, ledger_entries
+from conftest import QUIET, cli_env, ledger_entries, config_of
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_RUN = ["data=synthetic", "data.num_train=64", "data.num_val=16", "data.num_test=32", "recipe.batch_size=16",
@@ -137,7 +137,7 @@ def test_a_running_entry_whose_process_is_gone_is_interrupted(results_dir, tmp_p
     from vitexp.sweep import plan
     from vitexp.tables import fill, load_spec, render_markdown
 
-    alive = LedgerEntry("demo", "train", {}, results_dir).start()
+    alive = LedgerEntry("demo", "train", config_of("demo"), results_dir).start()
     assert effective_status(alive.record) == "running"  # this process
     spec = load_spec("demo")
     assert plan(spec, "train", False, results_dir)["train"]["skip"] == ["demo"]  # running now: not launched twice
@@ -536,8 +536,8 @@ def test_a_run_folder_outside_the_repository_leaves_no_absolute_path(make_cfg, r
     elsewhere = tmp_path / "scratch" / "me" / "run1"
     run_flops(make_cfg(["experiment=demo", "logger=csv"], output_dir=elsewhere))
     closing = capsys.readouterr().out.strip().splitlines()[-1]
-    failed = LedgerEntry("demo", "train", {}, results_dir).start()
-    failed.fail(FileNotFoundError(f"[Errno 2] No such file or directory: '{elsewhere}/weights.pth'"))
+    failed = LedgerEntry("demo", "train", {}, results_dir).start()  # closed as Run._fail closes it: with its folder
+    failed.fail(FileNotFoundError(f"[Errno 2] No such file or directory: '{elsewhere}/weights.pth'"), output_dir=elsewhere)
     texts = [closing] + [p.read_text() for p in (results_dir / "runs").glob("*.json")]
     for text in texts:
         assert str(tmp_path) not in text and str(PROJECT_ROOT) not in text, text[:2000]

@@ -17,6 +17,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from conftest import config_of
 from vitexp import CONF_DIR, PROJECT_ROOT, aggregate, rows, tables
 from vitexp.results import LedgerEntry, iter_runs
 
@@ -92,9 +93,10 @@ def test_every_table_renders_the_cells_it_rendered_before_rows_from_overrides(na
     assert [[r[i] for i in keep] for r in body if r[0] in labels] == [[_unmarked(c) for c in r] for r in before["rows"]]
 
 
-def _fake_run(name: str, seed: int | None, metrics: dict) -> dict:
+def _fake_run(name: str, seed: int | None, metrics: dict, query) -> dict:
+    """A run under ``name`` of the row ``query`` composes (a row's runs are those of its config)."""
     return {"run_id": f"fake-{name}-{seed}", "experiment": name, "status": "completed", "kind": "train",
-            "config": {"seed": 42 if seed is None else seed}, "metrics": metrics, "started": "2000-01-01"}
+            "config": dict(query.composed(seed)), "metrics": metrics, "started": "2000-01-01"}
 
 
 @pytest.mark.parametrize("name", sorted(BEFORE["tables"]))
@@ -103,12 +105,14 @@ def test_every_row_finds_the_runs_recorded_under_its_old_name(name):
     row: every captured row shows its own value, so no row lost or swapped its runs."""
     spec = tables.load_spec(name)
     fake, expect = [], {}
+    queries = {row["label"]: rows.row_query(spec, row) for row in spec["rows"] if row.get("experiment")}
     for i, (label, old, seeds, _kind) in enumerate(BEFORE["tables"][name]["identity"]):
         if not old:
             continue
         metrics = {c["key"]: 1000.0 + i for c in spec["columns"]}
-        fake += [_fake_run(old, None, metrics)] if seeds is None else \
-            [_fake_run(aggregate.seeded_name(old, s), s, metrics) for s in seeds]
+        with rows.composing():
+            fake += [_fake_run(old, None, metrics, queries[label])] if seeds is None else \
+                [_fake_run(aggregate.seeded_name(old, s), s, metrics, queries[label]) for s in seeds]
         for run in fake:  # of the protocol the spec's cells are read from (peers_throughput_cpu: compare)
             run["protocol"] = dict(spec.get("protocol") or {})
         expect[label] = (1000.0 + i, seeds)
@@ -203,10 +207,11 @@ def test_sweep_dry_run_launches_an_override_rows_missing_seeds_with_its_override
     from vitexp.sweep import main
 
     name = "bspf_demo+budget.keep_ratio=0.7"
-    done = LedgerEntry(aggregate.seeded_name(name, 0), "flops", {"seed": 0}, results_dir).start()
+    row = {"budget": {"keep_ratio": 0.7}}
+    done = LedgerEntry(aggregate.seeded_name(name, 0), "flops", config_of(name, 0, row), results_dir).start()
     done.finish({"gmacs": 0.01})
-    LedgerEntry(name, "flops", {"seed": 5}, results_dir).start().finish({"gmacs": 0.01})  # a seed not asked for
-    LedgerEntry("bspf_demo+seed=1", "flops", {"seed": 1}, results_dir).start().finish({})  # the base, not the row
+    LedgerEntry(name, "flops", config_of(name, 5, row), results_dir).start().finish({"gmacs": 0.01})  # a seed not asked for
+    LedgerEntry("bspf_demo+seed=1", "flops", config_of("bspf_demo", 1), results_dir).start().finish({})  # the base
     assert main([str(_spec_file(tmp_path, seeds=(0, 1, 2))), "--dry-run", "logger=none"]) == 0
     out, err = capsys.readouterr()
     summary = json.loads(out.strip().splitlines()[-1])

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import recorded
 from vitexp import SWEEPS_DIR, tables
 from vitexp.results import LedgerEntry
 
@@ -33,9 +34,9 @@ SPEC = {
 @pytest.fixture
 def ledger(results_dir):
     old = LedgerEntry("exp_a", "train", {}, results_dir).start()
+    old.record["started"] = "2000-01-01T00:00:00+00:00"  # the older of the two
     old.finish({"top1": 50.0, "gmacs": 1.0})
     new = LedgerEntry("exp_a", "train", {}, results_dir).start()
-    new.record["started"] = "9999-01-01T00:00:00+00:00"  # newest
     new.finish({"top1": 71.23, "gmacs": 1.254})
     LedgerEntry("exp_b", "flops", {}, results_dir).start().finish({"gmacs": 4.5989})
     failed = LedgerEntry("exp_c", "train", {}, results_dir).start()
@@ -131,10 +132,10 @@ def test_a_protocol_filter_keeps_a_row_on_the_runs_of_that_protocol():
 
     spec = {"name": "t", "protocol": {"mode": "compare"}, "columns": [{"key": "throughput", "digits": 1}],
             "rows": [{"label": "BSPF", "experiment": "bspf_deit_small", "paper": {}}]}
-    runs = [{"run_id": "old", "experiment": "bspf_deit_small", "status": "completed", "kind": "bench",
-             "protocol": {"mode": "compare"}, "metrics": {"throughput": 2.7}},
-            {"run_id": "new", "experiment": "bspf_deit_small", "status": "completed", "kind": "bench",
-             "protocol": {"mode": "throughput"}, "metrics": {"throughput": 6.2}}]
+    runs = recorded(spec, [{"run_id": "old", "experiment": "bspf_deit_small", "status": "completed", "kind": "bench",
+                            "protocol": {"mode": "compare"}, "metrics": {"throughput": 2.7}},
+                           {"run_id": "new", "experiment": "bspf_deit_small", "status": "completed", "kind": "bench",
+                            "protocol": {"mode": "throughput"}, "metrics": {"throughput": 6.2}}])
     assert fill(spec, runs)[0]["cells"]["throughput"]["run_id"] == "old"
     assert fill({**spec, "protocol": None}, runs)[0]["cells"]["throughput"]["run_id"] == "new"
 

@@ -102,9 +102,30 @@ def check_backbone_weights(cfg: DictConfig, weights: str | Path) -> None:
                               f"({type(err).__name__}: {one_line(err)[:300]})") from None
 
 
+#: ``trainer.precision`` values Lightning does not run on the CPU: fp16 AMP, which it replaces by bf16 AMP.
+CPU_REPLACED_PRECISIONS = {"16-mixed": "bf16-mixed", "16": "bf16-mixed"}
+
+
+def _check_cpu_precision(trainer: Any, accelerator: str) -> None:
+    """A precision the CPU does not run is refused (Lightning would run another one in its place,
+    with a warning, and the ledger would record the one asked for): ``trainer.precision=16-mixed``
+    on ``trainer.accelerator=cpu``, or ``auto`` on a machine without a GPU."""
+    import torch
+
+    mps = getattr(torch.backends, "mps", None)
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()
+                                      and not (mps is not None and mps.is_available()))
+    precision = str(trainer.get("precision", "32-true"))
+    if on_cpu and precision in CPU_REPLACED_PRECISIONS:
+        raise ConfigError(f"trainer.precision={precision}: fp16 mixed precision does not run on the CPU (Lightning "
+                          f"would run {CPU_REPLACED_PRECISIONS[precision]} instead); use trainer.precision="
+                          f"{CPU_REPLACED_PRECISIONS[precision]} or 32-true, or a GPU (trainer=gpu)")
+
+
 def check_accelerator(trainer: Any) -> None:
-    """``trainer.accelerator=gpu`` (or ``cuda``) on a machine without a CUDA GPU, or more GPUs in
-    ``trainer.devices`` than it has: a :class:`ConfigError` now, not Lightning's inside the run."""
+    """``trainer.accelerator=gpu`` (or ``cuda``) on a machine without a CUDA GPU, more GPUs in
+    ``trainer.devices`` than it has, or a precision the CPU does not run: a :class:`ConfigError` now,
+    not Lightning's inside the run (or its silent replacement)."""
     import torch
 
     accelerator = str(trainer.get("accelerator", "auto"))
@@ -122,6 +143,7 @@ def check_accelerator(trainer: Any) -> None:
                               "run with trainer=cpu, or trainer=gpu on a GPU machine")
         return
     if accelerator not in ("gpu", "cuda"):
+        _check_cpu_precision(trainer, accelerator)
         return
     if not torch.cuda.is_available():
         raise ConfigError(f"trainer.accelerator={accelerator}: this machine has no CUDA GPU "

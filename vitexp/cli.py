@@ -35,15 +35,17 @@ def _report(status: str, err: BaseException, prog: str, message: str | None = No
     """One line on stderr (``<prog>: invalid|failed: ...``, naming the key or the file; the
     traceback before it only under :func:`~vitexp.errors.debug_mode`), and the closing JSON line
     unless the run owner printed it already."""
-    message = message or one_line(err)
+    from vitexp.ledger import portable_text
+
+    # stderr and the closing line name a path alike: relative when it lies in the checkout, the results or the run
+    message = portable_text(message or one_line(err), getattr(err, "vitexp_results_dir", None),
+                            [getattr(err, "vitexp_run_dir", None)])
     if debug_mode() if debug is None else debug:
         traceback.print_exception(err)
     print(f"{prog}: {status}: " + (message if status == "invalid" else f"{type(err).__name__}: {message}"),
           file=sys.stderr)
-    if not getattr(err, "vitexp_reported", False):  # the line's paths relative, as the ledger's
-        from vitexp.ledger import portable_text
-
-        emit({"status": status, "error": portable_text(f"{type(err).__name__}: {message}"), "ledger": None})
+    if not getattr(err, "vitexp_reported", False):
+        emit({"status": status, "error": f"{type(err).__name__}: {message}", "ledger": None})
 
 
 def _invalid(err: BaseException, prog: str = "vitexp") -> None:
@@ -120,10 +122,27 @@ def _hydra_app(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> Calla
     return task
 
 
+def _check_ledger(prog: str) -> None:
+    """Refuse to start, before Hydra writes anything, while a pack of the results root the run would
+    resume from or load weights by (its ``results_dir=`` override, else ``$VITEXP_RESULTS`` or
+    ``results/``; not checked for a sweep or an interpolation of it) cannot be read."""
+    from vitexp.ledger import LedgerError, default_results_dir
+    from vitexp.ledger.packs import check_packs
+
+    given = [a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+").startswith("results_dir=")]
+    if given and any(c in given[-1] for c in ",${}"):
+        return
+    try:
+        check_packs(Path(given[-1]) if given else default_results_dir())
+    except LedgerError as err:
+        _report("failed", err, prog, f"{one_line(err)}; nothing was started (fix or remove the file)")
+        raise SystemExit(1) from None
+
+
 def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
     """Run a Hydra app; a composition error (``backbone=nope``, ``recipe.lrr=1``) also ends with
     the JSON line, in one line (:func:`vitexp.config.composition_error`); a multirun ends with
-    its summary line (:func:`vitexp.multirun.summary`)."""
+    its summary line (:func:`vitexp.multirun.summary`); an unreadable pack stops it first (:func:`_check_ledger`)."""
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -131,6 +150,8 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
     from vitexp import multirun
     from vitexp.config import composition_error
 
+    if not any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") for a in sys.argv[1:]):
+        _check_ledger(prog)
     main = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_hydra_app(body, prog))
     debug = debug_mode()
     previous = os.environ.get("HYDRA_FULL_ERROR")

@@ -20,6 +20,9 @@ from the derived one keeps a row on the runs of an experiment file it replaced.
 Decision: a row's runs are those of its configuration (:meth:`vitexp.ledger.Ledger.row_runs`):
 :func:`row_query` composes the row's job as vitexp-sweep launches it (plus the overrides the sweep
 was given, ``trainer=ddp``), per seed, and the ledger matches runs by that config's fingerprint.
+A key today's config has and an older run lacks is read at its default in the group file the row
+composes (:func:`group_default`: ``conf/<group>/<choice>.yaml`` with the group files it extends;
+a top-level key, ``conf/train.yaml``), an interpolation resolved in the row's config.
 
 Grid: ``grid: {variable: [values]}`` expands into one row per combination, the first variable
 outermost. A value is a scalar (the variable's value) or a mapping that sets several variables at
@@ -161,6 +164,10 @@ def check_rows(rows: list[dict[str, Any]], where: str) -> None:
 
 #: {job arguments: the composed, unresolved config (``None``: it does not compose today)}, per process.
 _COMPOSED: dict[tuple[str, ...], Any] = {}
+#: {job arguments: Hydra's group choices of its composition ({group: option})}, per process.
+_CHOICES: dict[tuple[str, ...], dict[str, str]] = {}
+#: {(group, option): the group file's contents, unresolved, with the files it extends}, per process.
+_GROUP_FILES: dict[tuple[str, str], dict[str, Any] | None] = {}
 #: Inside :func:`composing`: the Hydra instance rows compose with, and the one it replaced.
 _HYDRA: dict[str, Any] = {}
 
@@ -181,7 +188,7 @@ def _compose(job: tuple[str, ...]) -> Any:
     ours = _HYDRA.get("ours")
     if ours is not None and hydra.hydra is ours:  # inside composing(): initialised once for many rows
         try:
-            return compose("train", overrides=list(job))
+            return _with_choices(job, compose("train", overrides=list(job), return_hydra_config=True))
         except Exception:  # noqa: BLE001 - a row that no longer composes is matched by name
             return None
     running = hydra.hydra
@@ -191,7 +198,7 @@ def _compose(job: tuple[str, ...]) -> Any:
         if "depth" in _HYDRA:
             _HYDRA["ours"], _HYDRA["running"] = hydra.hydra, running
             running = None  # restored when composing() ends
-        return compose("train", overrides=list(job))
+        return _with_choices(job, compose("train", overrides=list(job), return_hydra_config=True))
     except Exception:  # noqa: BLE001 - a row that no longer composes is matched by name
         return None
     finally:
@@ -199,6 +206,79 @@ def _compose(job: tuple[str, ...]) -> Any:
             hydra.clear()
         if running is not None and not hydra.is_initialized():
             hydra.initialize(running)
+
+
+def _with_choices(job: tuple[str, ...], cfg: Any) -> Any:
+    """``cfg`` without its ``hydra`` node, whose group choices are kept in :data:`_CHOICES`."""
+    from omegaconf import OmegaConf, open_dict
+
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    _CHOICES[job] = {g: str(o) for g, o in choices.items() if o is not None and not g.startswith("hydra/")}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
+
+
+def _group_file(group: str, option: str) -> dict[str, Any] | None:
+    """``conf/<group>/<option>.yaml``, unresolved, merged over the files of its group it extends
+    (its ``defaults`` list; ``_self_`` last unless placed); ``None`` when there is no such file."""
+    from omegaconf import OmegaConf
+
+    from vitexp import CONF_DIR
+
+    if (group, option) in _GROUP_FILES:
+        return _GROUP_FILES[group, option]
+    path = CONF_DIR / group / f"{option}.yaml"
+    own = OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else None
+    merged: dict[str, Any] | None = None
+    if isinstance(own, dict):
+        parents = own.pop("defaults", None) or []
+        order = parents if "_self_" in parents else [*parents, "_self_"]
+        merged = {}
+        for item in order:
+            part = own if item == "_self_" else _group_file(group, item) if isinstance(item, str) else None
+            if part is None:  # an entry of another form: this group file has no plain default
+                merged = None
+                break
+            merged = OmegaConf.to_container(OmegaConf.merge(merged, part), resolve=False)
+    _GROUP_FILES[group, option] = merged
+    return merged
+
+
+def _primary() -> dict[str, Any]:
+    """``conf/train.yaml``'s own keys (no defaults list, no ``hydra``), unresolved."""
+    from omegaconf import OmegaConf
+
+    from vitexp import CONF_DIR
+
+    if ("", "train") not in _GROUP_FILES:
+        own = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "train.yaml"), resolve=False)
+        _GROUP_FILES["", "train"] = {k: v for k, v in own.items() if k not in ("defaults", "hydra")}
+    return _GROUP_FILES["", "train"]
+
+
+def group_default(key: str, choices: Mapping[str, str], config: Mapping[str, Any]) -> Any:
+    """The default of the dotted ``key`` where it is written: the group file of its first part's
+    choice (``choices``, Hydra's), or ``conf/train.yaml`` for a key of no group; an interpolation
+    resolved in ``config`` (the row's resolved config). :data:`vitexp.ledger.fingerprint.NO_DEFAULT`
+    when no file gives it one (a key an experiment added, a group file that extends another kind)."""
+    from omegaconf import OmegaConf
+
+    from vitexp.ledger.fingerprint import NO_DEFAULT
+
+    group, _, rest = key.partition(".")
+    node: Any = _group_file(group, choices[group]) if group in choices else _primary()
+    for part in (rest if group in choices else key).split("."):
+        if not isinstance(node, dict) or part not in node:
+            return NO_DEFAULT
+        node = node[part]
+    if isinstance(node, str) and "${" in node:
+        try:
+            value = OmegaConf.create({**config, "_default_": node})._default_
+            return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+        except Exception:  # noqa: BLE001 - an interpolation that needs a running app: no default to compare
+            return NO_DEFAULT
+    return node
 
 
 @contextmanager
@@ -268,4 +348,5 @@ def row_query(spec: Mapping[str, Any], row: dict[str, Any], overrides: Sequence[
     changing = [ov for ov in overrides if not excluded(key := ov.split("=", 1)[0].lstrip("+~")) and "/" not in key]
     job = (*job_arguments(row, seeded=False), *changing)
     return RowQuery(name, row["experiment"], row_seeds(dict(spec), row), lambda seed: composed_config(job, seed),
-                    own_name=bool(row.get("start") or shared_start(dict(spec), row)))
+                    own_name=bool(row.get("start") or shared_start(dict(spec), row)),
+                    default_of=lambda key, config: group_default(key, _CHOICES.get(job, {}), config))

@@ -161,7 +161,7 @@ class Run:
         previous = json.loads(marker.read_text()) if marker and marker.is_file() else {}
         if self.resume != "false" and previous.get("run_id"):
             self._check_same_run(previous, marker)
-            entry = LedgerEntry.load(previous["run_id"], self.results_dir)
+            entry = LedgerEntry.load(previous["run_id"], self.results_dir, strict=True)  # never a new entry in its place
             if entry is None:
                 from vitexp.ledger.packs import packed
 
@@ -288,7 +288,8 @@ class Run:
         if signame:
             return {"status": "interrupted", "signal": signame, "error": f"interrupted by {signame}", "ledger": ledger}
         return {"status": "invalid" if invalid else "failed",
-                "error": portable_text(f"{type(err).__name__}: {one_line(err)}", self.results_dir), "ledger": ledger}
+                "error": portable_text(f"{type(err).__name__}: {one_line(err)}", self.results_dir, [self.output_dir]),
+                "ledger": ledger}
 
 
 @contextmanager
@@ -318,6 +319,7 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
             emit(payload)
         try:
             err.vitexp_reported = True  # the CLI prints no second closing line
+            err.vitexp_results_dir, err.vitexp_run_dir = run.results_dir, run.output_dir  # stderr names paths alike
         except AttributeError:
             pass
         if not (run.signal or isinstance(err, KeyboardInterrupt)):

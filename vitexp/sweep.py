@@ -41,11 +41,11 @@ from vitexp import CONF_DIR
 from vitexp import recheck, rehearsal
 from vitexp.aggregate import other_start, overlapping_order, row_seeds, seeded_name, shared_start
 from vitexp.errors import one_line
-from vitexp.ledger import (RUN_WEIGHTS_PREFIX, KeptWeightsError, Ledger, default_results_dir, effective_status, keep,
-                           portable_text, weights_run)
+from vitexp.ledger import (RUN_WEIGHTS_PREFIX, KeptWeightsError, Ledger, LedgerError, default_results_dir,
+                           effective_status, keep, portable_text, weights_run)
 from vitexp.ledger.fingerprint import WEIGHTLESS_KINDS
 from vitexp.rows import composing, expand_rows, job_arguments, row_name, row_query
-from vitexp.tables import all_specs, load_spec, table_names
+from vitexp.tables import all_specs, broken_for, load_spec
 from vitexp.run import ArgumentParser
 
 APPS = {"train": "vitexp-train", "flops": "vitexp-flops", "bench": "vitexp-bench"}
@@ -71,7 +71,9 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides
     stops the plan (:class:`vitexp.ledger.LedgerError`)."""
     out: dict[str, dict] = {}
     ledger = Ledger.load(results_dir)
-    ledger.check(table_names(spec))
+    broken = broken_for(spec, ledger, overrides)  # by name, and by the config a broken entry holds
+    if broken:
+        raise LedgerError(broken, ledger.source)
     starts = _current_starts(spec, ledger, force, results_dir) if kind in (None, "train") else {}
     with composing():
         for row in expand_rows(spec["rows"]):

@@ -51,8 +51,9 @@ from vitexp.errors import one_line
 from vitexp.logging_utils import log_tables
 from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
 from vitexp.provenance import provenance_errors
-from vitexp.ledger import Ledger, LedgerError, atomic_write, default_results_dir, effective_status, marks, portable_path
-from vitexp.ledger.sources import write_snapshot
+from vitexp.ledger import (BrokenEntry, Ledger, LedgerError, atomic_write, default_results_dir, effective_status, marks,
+                           portable_path)
+from vitexp.ledger.sources import WandbError, write_snapshot
 from vitexp.cost import write_cost
 from vitexp import results_page
 from vitexp.rows import check_rows, composing, expand_rows, row_name, row_query
@@ -152,7 +153,7 @@ def fill(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overri
     under ``skipped_broken`` (``vitexp-tables --skip-broken``)."""
     ledger = Ledger.of(runs)
     skipped = set(spec.get("skipped_broken") or ())
-    unexpected = [b for b in ledger.broken_for(table_names(spec)) if str(b) not in skipped]
+    unexpected = [b for b in broken_for(spec, ledger, overrides) if str(b) not in skipped]
     if unexpected:
         raise LedgerError(unexpected, ledger.source)
     keys = [c["key"] for c in spec["columns"]]
@@ -206,6 +207,17 @@ def _write(spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> d
         written["png"] = str(atomic_write(out_dir / f"{spec['name']}.png",
                                           lambda tmp: render_plot(spec, rows, Path(tmp), footnotes(spec, rows))))
     return written
+
+
+def broken_for(spec: dict[str, Any], ledger: Ledger, overrides: Sequence[str] = ()) -> list[BrokenEntry]:
+    """The broken entries that could change a cell of ``spec``: named like one of its rows, or
+    holding a config that could be one of its rows' (:meth:`vitexp.ledger.Ledger.broken_for`)."""
+    if not ledger.broken:
+        return []
+    with composing():
+        queries = [row_query(spec, row, overrides) for row in expand_rows(spec["rows"])
+                   if row.get("experiment") and not row.get("cited")]
+        return ledger.broken_for(table_names(spec), [q for q in queries if q is not None])
 
 
 def table_names(spec: dict[str, Any]) -> list[str]:
@@ -275,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{packed['left']} left in runs/", file=sys.stderr)
     try:
         ledger = Ledger.wandb(args.wandb) if args.wandb else Ledger.load(args.ledger or results_dir)
-    except Exception as err:  # no W&B login, no network, no such project
-        return _closing("failed", f"W&B {args.wandb}: {type(err).__name__}: {one_line(err)}", 1)
-    skipped = {spec["name"]: ledger.broken_for(table_names(spec)) for spec in specs}
+    except WandbError as err:  # no W&B login, no network, no such project
+        return _closing("failed", one_line(err), 1)
+    except FileNotFoundError as err:  # --ledger names no file
+        return _closing("invalid", f"--ledger: {one_line(err)}", 2)
+    skipped = {spec["name"]: broken_for(spec, ledger, overrides) for spec in specs}
     if not args.skip_broken and any(skipped.values()):
         refused = sorted({str(b) for bs in skipped.values() for b in bs})
         return _closing("failed", f"{LedgerError([b for bs in skipped.values() for b in bs], ledger.source)}; "
@@ -287,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def filled_spec(spec: dict[str, Any]) -> list[dict]:  # each table filled once: its files, verdicts, the page
         if spec["name"] not in cache:
-            skip = [str(b) for b in ledger.broken_for(table_names(spec))] if args.skip_broken else []
+            skip = [str(b) for b in broken_for(spec, ledger, overrides)] if args.skip_broken else []
             cache[spec["name"]] = fill({**spec, "skipped_broken": skip}, ledger, overrides)
         return cache[spec["name"]]
 
@@ -327,5 +341,6 @@ def main(argv: list[str] | None = None) -> int:
              for name, files in written.items()}
     print(json.dumps({"status": "completed", "tables": shown, "runs_read": len(ledger),
                       "skipped_broken": sorted({str(b) for bs in skipped.values() for b in bs}),
-                      "source": args.wandb or portable_path(Path(ledger.source).resolve(), results_dir), "wandb": url}))
+                      "source": args.wandb or portable_path(Path(ledger.source).resolve(), results_dir),
+                      "wandb": portable_path(url, results_dir)}))  # an offline run's folder, relative
     return 0

@@ -16,8 +16,11 @@ Decisions:
   keeps with the attempt (``fit_time_s``, ``wall_time_s``; an attempt recorded before the wall
   clock counts from its ``started`` to its ``finished``).
 - Code provenance: ``env.git_commit`` and ``env.git_dirty`` describe the code (``vitexp/``,
-  ``conf/``, ``pyproject.toml``: :data:`CODE_PATHS`; results and specs are not code). A run from a
-  dirty tree stores ``git diff HEAD`` of those paths as ``<results>/patches/<sha256[:16]>.patch``
+  ``conf/``, ``sweeps/`` (the specs a sweep launches runs from), ``pyproject.toml``:
+  :data:`CODE_PATHS`; results are not code). A file of those folders that git does not track and
+  does not ignore (a new module, a new method's config) is code too: the tree is dirty and the
+  patch adds it. A run from a dirty tree stores ``git diff HEAD`` of those paths, followed by
+  each untracked file as a new file, as ``<results>/patches/<sha256[:16]>.patch``
   (beside the ledger, committed with its entries: run folders are not; one file per distinct
   diff), a copy as ``<run folder>/code.patch``, and the hash and results-relative path in
   ``env.code_patch``, so the code that produced a number can be rebuilt from a clone; the run's W&B
@@ -41,11 +44,11 @@ from typing import Any
 
 from vitexp.ledger import fingerprint as fp
 from vitexp.ledger.paths import PROJECT_ROOT, atomic_write, atomic_write_json, default_results_dir, portable_path, portable_paths
-from vitexp.ledger.schema import FINAL_STATUSES
+from vitexp.ledger.schema import FINAL_STATUSES, BrokenEntry, LedgerError
 from vitexp.ledger.status import INTERRUPTED, now
 
-#: What ``git_dirty`` and the stored diff cover: the code a run executes.
-CODE_PATHS = ("vitexp", "conf", "pyproject.toml")
+#: What ``git_dirty`` and the stored diff cover: the code a run executes and the specs it is launched from.
+CODE_PATHS = ("vitexp", "conf", "sweeps", "pyproject.toml")
 PATCH_NAME = "code.patch"
 
 
@@ -63,20 +66,25 @@ def new_run_id(experiment: str, kind: str) -> str:
     return f"{stamp}-{kind}-{short_name(experiment)}-{uuid.uuid4().hex[:6]}"
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, ok: tuple[int, ...] = (0,), root: Path = PROJECT_ROOT) -> str | None:
     try:
-        done = subprocess.run(["git", *args], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=20)
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
-    return done.stdout if done.returncode == 0 else None
+    return done.stdout if done.returncode in ok else None
 
 
-def code_state() -> tuple[str | None, bool | None, str]:
-    """(commit, dirty, diff) of :data:`CODE_PATHS` in the checkout (``None`` outside a git checkout)."""
-    commit = (_git("rev-parse", "HEAD") or "").strip() or None
+def code_state(root: Path = PROJECT_ROOT) -> tuple[str | None, bool | None, str]:
+    """(commit, dirty, diff) of :data:`CODE_PATHS` in the checkout ``root`` (``None`` outside a git
+    checkout): ``git diff HEAD`` of the tracked files, then every untracked, not ignored file as a
+    new file (``git diff --no-index /dev/null FILE``, which ``git apply`` takes), in path order."""
+    commit = (_git("rev-parse", "HEAD", root=root) or "").strip() or None
     if commit is None:
         return None, None, ""
-    diff = _git("diff", "HEAD", "--binary", "--", *CODE_PATHS) or ""
+    diff = _git("diff", "HEAD", "--binary", "--", *CODE_PATHS, root=root) or ""
+    listed = _git("ls-files", "--others", "--exclude-standard", "-z", "--", *CODE_PATHS, root=root) or ""
+    for path in sorted(p for p in listed.split("\0") if p):
+        diff += _git("diff", "--no-index", "--binary", "--", "/dev/null", path, ok=(0, 1), root=root) or ""  # 1: differ
     return commit, bool(diff.strip()), diff
 
 
@@ -151,15 +159,21 @@ class LedgerEntry:
         self._fingerprint(config)
 
     @classmethod
-    def load(cls, run_id: str, results_dir: Path | str | None = None) -> "LedgerEntry | None":
-        """The existing entry ``run_id`` (to reopen it), or None when there is no readable file."""
+    def load(cls, run_id: str, results_dir: Path | str | None = None, strict: bool = False) -> "LedgerEntry | None":
+        """The existing entry ``run_id`` (to reopen it), or None when there is no readable file;
+        ``strict``: a file that is there but unreadable raises :class:`LedgerError` naming it."""
         entry = cls.__new__(cls)
         entry.dir = Path(results_dir) if results_dir else default_results_dir()
         entry.run_id, entry.run_dir, entry.fit_times, entry.clock = run_id, None, {}, time.perf_counter()
         entry.path = entry.dir / "runs" / f"{run_id}.json"
         try:
             entry.record = json.loads(entry.path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            if strict:
+                raise LedgerError([BrokenEntry(f"runs/{entry.path.name}", f"unreadable ({type(err).__name__}: {err})")],
+                                  str(entry.dir / "runs")) from None
             return None
         return entry if isinstance(entry.record, dict) else None
 

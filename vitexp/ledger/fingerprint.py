@@ -22,21 +22,34 @@ Decisions:
 - ``backbone.pretrained: run:<run_id>`` (what validation pins ``run:<experiment>`` to) is read as
   ``run:<experiment>``: each run pins the newest run of its start anew, and which one it loaded is
   the table's concern (:meth:`vitexp.ledger.Ledger.start_of`), not the configuration's.
-- A ledger entry stores ``fingerprint`` as ``<VERSION>:<hash>``; an entry of another version (or
-  none: entries written before fingerprints) is fingerprinted from its recorded config when needed.
-- A key that today's config has and a run's recorded config lacks (an option added since, whose
-  default is the behaviour the run had) does not separate the run from its row: besides the exact
-  hash, :func:`differences` compares the recorded leaves with today's (the ledger's row lookup).
-  A key the run has and today's config lacks, or another value, does; so does an option of
-  :data:`CHANGED_DEFAULTS` (added with a default that changed what runs do) at another value.
+- A group that only one objective reads (:data:`OBJECTIVE_GROUPS`: ``detector``, read by
+  ``objective=detect``) is left out of every other run's fingerprint: a classification run is the
+  same whatever its Mask R-CNN settings.
+- Keys whose values reach a run only through the interpolations of other keys (:data:`INTERPOLATED`:
+  the per-backbone BSPF defaults ``bspf_spec.*``, before them ``backbone.bspf.*``, which method=bspf
+  and chunk read as ``${bspf_spec.chunk_size}``) are left out: the keys that read them are recorded
+  resolved (``method.chunk_size``), and say what the run did.
+- A key that moved keeps its meaning (:data:`MOVED`): a run recorded before the move is read with
+  the key where it lies today (``method.freeze_backbone: true`` is ``method.trainable: scores``).
+- A ledger entry stores ``fingerprint`` as ``<VERSION>:<hash>``; an entry of another version, or
+  without one (entries written before fingerprints, W&B runs), is fingerprinted from its recorded
+  config (:func:`of_record`): every entry with a run's config is matched by its config.
+- A key that today's config has and a run's recorded config lacks (an option added since) separates
+  the run from its row unless today's value is the one such a run had: the key's default in its
+  config group, read from the group file (:func:`differences`, given the row's ``default_of``), or,
+  for an option added with a default that is not what runs before it did, the value of
+  :data:`CHANGED_DEFAULTS`. A key the run has and today's config lacks, or another value, separates
+  it too.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping
 
-VERSION = "v2"  # v2: bench, eval.throughput_*, trainer.num_sanity_val_steps excluded
+VERSION = "v3"  # v3: bspf_spec and the groups of another objective left out, moved keys read where they lie
 RUN_PREFIX = "run:"
 #: Config keys (dotted; ``*.key`` at any depth) that do not change what a run measures.
 EXCLUDED = (
@@ -46,37 +59,107 @@ EXCLUDED = (
     "eval.flops", "eval.throughput", "eval.throughput_batch", "eval.throughput_iters", "trainer.num_sanity_val_steps",
     "bench", "*._target_",
 )
+#: {config group: the objective that reads it}; any other run's fingerprint leaves the group out
+#: (a test checks this against the groups each objective declares, :mod:`vitexp.objectives`).
+OBJECTIVE_GROUPS: dict[str, str] = {"detector": "detect"}
+#: Keys read only through interpolations in other keys, which the config records resolved.
+INTERPOLATED = ("bspf_spec", "backbone.bspf")
+#: Keys that moved: {old dotted key: (today's dotted key, {old value: today's value} or ``None``: the
+#: value as it was)}. An old key that is a mapping moves with everything under it.
+MOVED: dict[str, tuple[str, dict[Any, Any] | None]] = {
+    "method.freeze_backbone": ("method.trainable", {True: "scores", False: "all"}),  # SAPER's trainable parts
+}
+#: Returned by a ``default_of`` for a key that has no default in a group file.
+NO_DEFAULT = object()
+
+
+@lru_cache(maxsize=None)
+def _compiled(exclusions: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str]]:
+    """(dotted keys, ``*.`` leaf names) of ``exclusions``."""
+    return (frozenset(e for e in exclusions if not e.startswith("*.")),
+            frozenset(e[2:] for e in exclusions if e.startswith("*.")))
 
 
 def excluded(key: str, exclusions: Iterable[str] = EXCLUDED) -> bool:
     """Whether the dotted config key ``key`` (or a group it lies in) is one of ``exclusions``."""
+    keys, leaves_ = _compiled(tuple(exclusions))
     parts = key.split(".")
-    for ex in exclusions:
-        if ex.startswith("*."):
-            if parts[-1] == ex[2:]:
-                return True
-        elif key == ex or key.startswith(ex + "."):
-            return True
-    return False
+    if parts[-1] in leaves_:
+        return True
+    return any(".".join(parts[:i]) in keys for i in range(1, len(parts) + 1))
 
 
 def strip(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED, prefix: str = "") -> dict[str, Any]:
     """``config`` without the keys in ``exclusions`` (at any depth)."""
-    exclusions = tuple(exclusions)
-    out = {}
-    for k, v in config.items():
-        key = f"{prefix}{k}"
-        if excluded(key, exclusions):
+    keys, leaves_ = _compiled(tuple(exclusions))
+
+    def walk(node: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        out = {}
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if key in keys or k in leaves_:
+                continue
+            out[k] = walk(v, key + ".") if isinstance(v, Mapping) else v
+        return out
+
+    return walk(config, prefix)
+
+
+def _pop(config: dict[str, Any], key: str) -> Any:
+    node = config
+    *path, leaf = key.split(".")
+    for part in path:
+        node = node.get(part)
+        if not isinstance(node, dict):
+            return NO_DEFAULT
+    return node.pop(leaf, NO_DEFAULT)
+
+
+def _put(config: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` unless it is there already (a run recorded after the move keeps its own)."""
+    node = config
+    *path, leaf = key.split(".")
+    for part in path:
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            return
+        node = nxt
+    if leaf not in node:
+        node[leaf] = value
+
+
+def moved(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with every key of :data:`MOVED` where it lies today (a copy when one moved)."""
+    if not any(_has(config, old) for old in MOVED):
+        return dict(config)
+    out = copy.deepcopy(dict(config))
+    for old, (new, values) in MOVED.items():
+        value = _pop(out, old)
+        if value is NO_DEFAULT:
             continue
-        out[k] = strip(v, exclusions, key + ".") if isinstance(v, Mapping) else v
+        if values is not None:
+            value = values.get(value, value) if isinstance(value, (str, int, float, bool, type(None))) else value
+        _put(out, new, value)
     return out
+
+
+def _has(config: Mapping[str, Any], key: str) -> bool:
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
                experiment_of: Callable[[str], str] | None = None) -> dict[str, Any]:
-    """``config`` without ``exclusions``, a pinned ``backbone.pretrained: run:<run_id>`` read as
-    ``run:<experiment>`` (what :func:`digest` hashes)."""
-    kept = strip(config, exclusions)
+    """``config`` with moved keys where they lie today (:data:`MOVED`), without ``exclusions``, the
+    keys of :data:`INTERPOLATED` and the groups of another objective (:data:`OBJECTIVE_GROUPS`), a
+    pinned ``backbone.pretrained: run:<run_id>`` read as ``run:<experiment>`` (what :func:`digest` hashes)."""
+    objective = str(config.get("objective") or "auto")
+    others = (g for g, o in OBJECTIVE_GROUPS.items() if o != objective)
+    kept = strip(moved(config), (*exclusions, *INTERPOLATED, *others))
     backbone = kept.get("backbone")
     ref = str((backbone or {}).get("pretrained") or "") if isinstance(backbone, Mapping) else ""
     if ref.startswith(RUN_PREFIX) and experiment_of is not None:
@@ -86,9 +169,12 @@ def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
 
 #: Kinds whose measurement does not depend on the weights (a FLOPs count, a timing): their runs are
 #: cells of a row whatever ``backbone.pretrained`` they had (a row that trains from ``weights:<tag>``
-#: is counted and timed without the file).
+#: is counted and timed without the file), and whatever says only how the model would be trained:
+#: the ``recipe`` and the recipe a method carries for the probes it trains (``method.probe``). Every
+#: key that builds the model (the backbone, the method, the budget, the data's resolution and classes,
+#: the detector) still separates them.
 WEIGHTLESS_KINDS = ("flops", "bench")
-WEIGHTLESS_EXCLUDED = (*EXCLUDED, "backbone.pretrained")
+WEIGHTLESS_EXCLUDED = (*EXCLUDED, "backbone.pretrained", "recipe", "method.probe")
 
 
 def _lapsum_folded(recorded: Mapping[str, Any]) -> bool:
@@ -99,10 +185,10 @@ def _lapsum_folded(recorded: Mapping[str, Any]) -> bool:
 
 #: Options added with a default that is NOT what runs before them did: {dotted key: (the methods it
 #: applies to, the value a run without the key had, or a function of the run's recorded leaves that
-#: gives it)}. A run recorded without such a key is read as having had that value
-#: (:func:`differences`, :func:`changed_defaults`), so that, e.g., SAPER's one-stage runs (before
-#: ``method.recover_epochs``: no recovery) never fill a two-stage row, nor its LapSum runs that folded
-#: their gates a row of today's unfolded start.
+#: gives it)}. A training run recorded without such a key is read as having had that value
+#: (:func:`differences`), so that, e.g., SAPER's one-stage runs (before ``method.recover_epochs``: no
+#: recovery) never fill a two-stage row, nor its LapSum runs that folded their gates a row of today's
+#: unfolded start. Every other key a run lacks is read at its group file's default.
 CHANGED_DEFAULTS: dict[str, tuple[tuple[str, ...], Any]] = {
     "method.recover_epochs": (("saper_ft", "saper_kd"), 0),
     "method.straight_through": (("saper_ft", "saper_kd"), False),
@@ -115,40 +201,41 @@ def _method_name(config: Mapping[str, Any]) -> str | None:
     return method.get("name") if isinstance(method, Mapping) else None
 
 
-def lacks_changed_default(recorded: Mapping[str, Any]) -> bool:
-    """Whether ``recorded`` (a run's config) predates an option of :data:`CHANGED_DEFAULTS` of its method."""
-    name, flat = _method_name(recorded), None
-    for key, (methods, _) in CHANGED_DEFAULTS.items():
-        if name in methods:
-            flat = flat if flat is not None else leaves(recorded)
-            if key not in flat:
-                return True
-    return False
+def _text(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
-def changed_defaults(recorded: Mapping[str, Any], today: Mapping[str, Any]) -> list[str]:
-    """The keys of :data:`CHANGED_DEFAULTS` that ``recorded`` lacks and whose value ``today`` is
-    another than the one such a run had."""
-    name, old, new = _method_name(recorded), leaves(recorded), leaves(today)
-    return sorted(k for k, (methods, was) in CHANGED_DEFAULTS.items()
-                  if name in methods and k not in old and k in new and new[k] != (was(old) if callable(was) else was))
+def flattened(config: Mapping[str, Any], weightless: bool = False,
+              experiment_of: Callable[[str], str] | None = None) -> dict[str, str]:
+    """{dotted key: its value as JSON} of :func:`normalised` ``config`` (what :func:`differences` compares)."""
+    exclusions = WEIGHTLESS_EXCLUDED if weightless else EXCLUDED
+    return {k: _text(v) for k, v in leaves(normalised(config, exclusions, experiment_of)).items()}
 
 
 def differences(recorded: Mapping[str, Any], today: Mapping[str, Any],
-                experiment_of: Callable[[str], str] | None = None, weightless: bool = False) -> list[str]:
+                experiment_of: Callable[[str], str] | None = None, weightless: bool = False,
+                default_of: Callable[[str], Any] | None = None, today_flat: dict[str, str] | None = None) -> list[str]:
     """The dotted keys that separate a run's ``recorded`` config from ``today``'s composition of its
-    row: a leaf the run has with another value, or one that today's config lacks. A leaf only today's
-    config has (an option added since the run) is not a difference (module docstring).
-    ``weightless``: a FLOPs count or a timing (:data:`WEIGHTLESS_KINDS`): neither its weights nor how
-    it would train (:data:`CHANGED_DEFAULTS`) separate it."""
-    exclusions = WEIGHTLESS_EXCLUDED if weightless else EXCLUDED
-
-    def flat(config):
-        return {k: json.dumps(v, sort_keys=True, default=str)
-                for k, v in leaves(normalised(config, exclusions, experiment_of)).items()}
-    old, new = flat(recorded), flat(today)
-    return sorted({*(k for k, v in old.items() if new.get(k) != v),
-                   *(changed_defaults(recorded, today) if not weightless else ())})
+    row: a leaf the run has with another value, or one that today's config lacks; and a leaf only
+    today's config has (an option added since the run) whose value is not the one such a run had:
+    for a training run, :data:`CHANGED_DEFAULTS`' value; else ``default_of(key)``, the key's default
+    in its group file (:data:`NO_DEFAULT`, or no ``default_of``: the key separates the run).
+    ``weightless``: a FLOPs count or a timing (:data:`WEIGHTLESS_KINDS`): its weights do not
+    separate it, nor how it would have trained (:data:`CHANGED_DEFAULTS`). ``today_flat``:
+    :func:`flattened` ``today``, when the caller compares many runs with it."""
+    old = flattened(recorded, weightless, experiment_of)
+    new = today_flat if today_flat is not None else flattened(today, weightless, experiment_of)
+    out = {k for k, v in old.items() if new.get(k) != v}
+    method = _method_name(moved(recorded))
+    for key in new.keys() - old.keys():
+        methods, was = CHANGED_DEFAULTS.get(key, ((), NO_DEFAULT))
+        if weightless or method not in methods:
+            was = default_of(key) if default_of is not None else NO_DEFAULT
+        if callable(was):
+            was = was(leaves(recorded))
+        if was is NO_DEFAULT or _text(was) != new[key]:
+            out.add(key)
+    return sorted(out)
 
 
 def digest(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
@@ -160,10 +247,8 @@ def digest(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
 
 
 def fingerprint(config: Mapping[str, Any], experiment_of: Callable[[str], str] | None = None) -> str:
-    """The versioned fingerprint a ledger entry stores (``v1:<hash>``)."""
+    """The versioned fingerprint a ledger entry stores (``v3:<hash>``, :data:`VERSION`)."""
     return f"{VERSION}:{digest(config, EXCLUDED, experiment_of)}"
-
-
 
 
 def weightless(config: Mapping[str, Any]) -> str:
@@ -176,22 +261,26 @@ def weightless(config: Mapping[str, Any]) -> str:
 RUN_GROUPS = ("backbone", "method", "budget", "data", "recipe", "trainer")
 
 
+def is_run_config(config: Any) -> bool:
+    """Whether ``config`` is a composed run config (:data:`RUN_GROUPS`)."""
+    return isinstance(config, Mapping) and all(isinstance(config.get(g), Mapping) for g in RUN_GROUPS)
+
+
 def of_config(config: Mapping[str, Any] | None, experiment_of: Callable[[str], str] | None = None) -> str | None:
     """:func:`fingerprint` of a composed run config; ``None`` for anything else (:data:`RUN_GROUPS`)."""
-    if not config or not all(isinstance(config.get(g), Mapping) for g in RUN_GROUPS):
+    if not is_run_config(config):
         return None
     return fingerprint(config, experiment_of)
 
 
 def of_record(record: Mapping[str, Any], experiment_of: Callable[[str], str] | None = None) -> str | None:
-    """The entry's fingerprint: as stored when of this :data:`VERSION`; recomputed from its config
-    when stored under another; ``None`` for an entry written before fingerprints (it has none)."""
+    """The entry's fingerprint: as stored when of this :data:`VERSION`; else (another version, or
+    none: an entry written before fingerprints, a W&B run) computed from its recorded config;
+    ``None`` for an entry whose config is not a run's (:func:`of_config`)."""
     stored = record.get("fingerprint")
-    if not stored:
-        return None
-    if str(stored).startswith(VERSION + ":"):
+    if stored and str(stored).startswith(VERSION + ":"):
         return str(stored)
-    return fingerprint(record.get("config") or {}, experiment_of)
+    return of_config(record.get("config"), experiment_of)
 
 
 def leaves(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

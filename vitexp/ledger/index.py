@@ -6,17 +6,22 @@ is linear in runs + cells.
 Decisions:
 - Entries are ordered oldest first by ``started`` (files: then by run id; records handed in: then
   in the order given); "the newest" is the last in that order.
-- A row's runs (:meth:`Ledger.row_runs`): the runs whose fingerprint is the row's composed config's
-  (:mod:`vitexp.ledger.fingerprint`), whatever their name; plus the entries written before
-  fingerprints, which are matched by their name (the row's, or ``<name>+seed=<s>``) as they were
-  when the committed tables were made. Such older runs of one row that disagree with one another on
-  what their names never said (the ``trainer`` keys, ``backbone.pretrained``) are checked against
-  the row's config, and only those that agree with it are kept (a ``trainer.limit_train_batches=1``
-  run recorded under the experiment's name is never a cell). A start row (``RowQuery.own_name``)
-  keeps only the runs under its own names: ``run:<name>`` loads the newest run so named, and a
-  from-scratch row with the start's exact configuration must not take its place.
-- The row's config is composed (Hydra, a fraction of a second) only for a row that needs it: one
-  whose experiment or name has fingerprinted runs, or whose older runs disagree.
+- A row's runs (:meth:`Ledger.row_runs`) are found by their configuration only: the runs whose
+  fingerprint (:func:`vitexp.ledger.fingerprint.of_record`: stored, or computed from the recorded
+  config for entries written before fingerprints and W&B runs) is the row's composed config's,
+  whatever their name, and the runs under the row's names (the row's, or ``<name>+seed=<s>``)
+  whose recorded config differs from today's only by keys added since at the value such a run had
+  (:func:`vitexp.ledger.fingerprint.differences`, each missing key read at its group file's default,
+  :attr:`RowQuery.default_of`). The other runs under the row's name are left out and listed in
+  :attr:`Ledger.unmatched`. A row that does not compose today (its experiment file removed) has no
+  config to match by: its runs are those recorded under its names. A start row
+  (``RowQuery.own_name``) keeps only the runs under its own names: ``run:<name>`` loads the newest
+  run so named, and a from-scratch row with the start's exact configuration must not take its place.
+- A broken entry is reported for a row it could be a run of (:meth:`Ledger.broken_for`): by the
+  name it records (or its file's name), or by the config it still holds; one that holds no
+  readable config could be any configuration's, so it is reported for every row that composes.
+- The index is linear in entries: keyed by run id, by name and by fingerprint, each entry's
+  fingerprint computed once; a row's config is composed once per seed (Hydra, a fraction of a second).
 """
 from __future__ import annotations
 
@@ -32,8 +37,6 @@ from vitexp.ledger.sources import is_snapshot, read_snapshot, read_wandb
 
 RUN_PREFIX = fp.RUN_PREFIX
 SEED_NAME = "{name}+seed={seed}"
-#: Keys an older entry's name never reflected and that change what is measured (the legacy check).
-LEGACY_CHECKED = ("trainer.", "backbone.pretrained")
 
 
 def seeded_name(name: str, seed: int | str) -> str:
@@ -57,7 +60,9 @@ def _order(r: Mapping[str, Any]) -> tuple[str, str]:
 @dataclass
 class RowQuery:
     """What a table row asks of the ledger: its ledger ``name``, base ``experiment``, ``seeds``
-    (``None``: unseeded), ``config(seed)``, its composed resolved config (called only when needed), and
+    (``None``: unseeded), ``config(seed)``, its composed resolved config (``None``: it does not
+    compose today), ``default_of(key, config)``, the default of a dotted key in its group file,
+    resolved in ``config`` (:data:`vitexp.ledger.fingerprint.NO_DEFAULT` when it has none), and
     ``own_name``: only runs recorded under ``name`` (a start that other rows load by ``run:<name>``,
     whose configuration another row's run may share)."""
 
@@ -66,12 +71,29 @@ class RowQuery:
     seeds: Sequence[int] | None = None
     config: Callable[[int | None], Mapping[str, Any] | None] | None = None
     own_name: bool = False
+    default_of: Callable[[str, Mapping[str, Any]], Any] | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
     def composed(self, seed: int | None) -> Mapping[str, Any] | None:
         if seed not in self._memo:
             self._memo[seed] = self.config(seed) if self.config else None
         return self._memo[seed]
+
+    def defaults(self, seed: int | None) -> Callable[[str], Any] | None:
+        """``default_of`` for the row's config of ``seed``."""
+        config = self.composed(seed)
+        if self.default_of is None or config is None:
+            return None
+        known = self._memo.setdefault(("defaults", seed), {})
+
+        def default(key: str) -> Any:
+            if key not in known:
+                known[key] = self.default_of(key, config)
+            return known[key]
+        return default
+
+    def all_seeds(self) -> list[int | None]:
+        return list(self.seeds) if self.seeds is not None else [None]
 
 
 class Ledger:
@@ -85,15 +107,13 @@ class Ledger:
         self._by_id = {r["run_id"]: r for r in self.records}
         self._by_name: dict[str, list[dict[str, Any]]] = {}
         self._by_fp: dict[str, list[dict[str, Any]]] = {}
-        self._fp_bases: set[str] = set()
+        self._by_weightless: dict[str, list[dict[str, Any]]] = {}
         for r in self.records:
             self._by_name.setdefault(r["experiment"], []).append(r)
-        self._by_weightless: dict[str, list[dict[str, Any]]] = {}
         for r in self.records:
             key = fp.of_record(r, self.experiment_of)
             if key:
                 self._by_fp.setdefault(key, []).append(r)
-                self._fp_bases.add(base_of(r["experiment"]))
                 if r["kind"] in fp.WEIGHTLESS_KINDS:
                     self._by_weightless.setdefault(fp.weightless(r.get("config") or {}), []).append(r)
         self._finished: dict[str, tuple[list[str], list[tuple[str, str]]]] = {}
@@ -139,13 +159,18 @@ class Ledger:
         return len(self.records)
 
     # -- broken entries ----------------------------------------------------------------------------
-    def broken_for(self, names: Iterable[str] | None = None) -> list[BrokenEntry]:
-        """The broken entries a result about ``names`` (ledger names; ``None``: anything) could
-        depend on: those recorded under one of their experiments, or that do not say."""
+    def broken_for(self, names: Iterable[str] | None = None, rows: Iterable[RowQuery] = ()) -> list[BrokenEntry]:
+        """The broken entries a result about ``names`` (ledger names; ``None``: anything) and ``rows``
+        could depend on (module docstring): those recorded under one of the names' experiments (by
+        the entry, else by its file's name), or that do not say; and those whose config could be one
+        of the ``rows``' (no readable config: any row that composes)."""
         if names is None:
             return list(self.broken)
+        if not self.broken:
+            return []
         bases = {base_of(n) for n in names}
         safe = {"".join(c if c.isalnum() or c in "-_" else "-" for c in b) for b in bases}
+        rows = list(rows)
         out = []
         for b in self.broken:
             named = (b.record or {}).get("experiment")
@@ -154,9 +179,25 @@ class Ledger:
             else:  # by the file's name: <date>-<time>-<kind>-<experiment>-<suffix>.json
                 parts = Path(b.path.split(":")[0]).stem.split("-", 3)
                 hit = len(parts) < 4 or any(parts[3].rsplit("-", 1)[0].startswith(s) for s in safe)
-            if hit:
+            if hit or any(self._could_be(b, row) for row in rows):
                 out.append(b)
         return out
+
+    def _could_be(self, broken: BrokenEntry, row: RowQuery) -> bool:
+        """Whether ``broken`` could be a run of ``row`` by its config (module docstring)."""
+        config = (broken.record or {}).get("config")
+        if isinstance(config, Mapping) and not fp.is_run_config(config):
+            return False  # a config that is no run's (an audit's arguments) matches no row
+        weightless = (broken.record or {}).get("kind") in fp.WEIGHTLESS_KINDS
+        for seed in row.all_seeds():
+            today = row.composed(seed)
+            if today is None:
+                return False  # a row that does not compose is matched by name only
+            if not isinstance(config, Mapping):  # lost with the rest of the file: it could be this row's
+                return True
+            if not fp.differences(config, today, self.experiment_of, weightless, row.defaults(seed)):
+                return True
+        return False
 
     def check(self, names: Iterable[str] | None = None, what: str | None = None) -> None:
         """Raise :class:`LedgerError` naming the broken entries :meth:`broken_for` ``names`` finds."""
@@ -240,74 +281,41 @@ class Ledger:
     # -- rows --------------------------------------------------------------------------------------
     def row_runs(self, row: RowQuery) -> dict[int | None, list[dict[str, Any]]]:
         """{seed (``None`` for an unseeded row): the row's runs of that seed, any status, oldest
-        first} (module docstring). Fingerprinted runs under the row's names whose config cannot be
-        composed today (an experiment file since removed) are matched by name."""
-        seeds: Sequence[int | None] = list(row.seeds) if row.seeds is not None else [None]
-        elsewhere = bool({base_of(row.name), row.experiment} & self._fp_bases)
+        first} (module docstring)."""
         out = {}
-        for seed in seeds:
+        for seed in row.all_seeds():
             names = [row.name] if seed is None else [seeded_name(row.name, seed), row.name]
             by_name = [r for n in dict.fromkeys(names) for r in self.named(n) if seed is None or run_seed(r) == seed]
-            legacy = self._agreeing(self._current_options([r for r in by_name if not r.get("fingerprint")], row, seed),
-                                    row, seed)
-            newer = [r for r in by_name if r.get("fingerprint")]
-            config = row.composed(seed) if newer or elsewhere else None
-            found = newer if config is None else self._matching(row.name, newer, config)
+            config = row.composed(seed) if row.config else None
+            found = by_name if config is None else self._matching(row.name, by_name, config, row.defaults(seed))
             if seed is not None:
                 found = [r for r in found if run_seed(r) == seed]
             if row.own_name:
                 found = [r for r in found if r["experiment"] in names]
-            out[seed] = sorted({id(r): r for r in [*legacy, *found]}.values(), key=lambda r: self._rank[id(r)])
+            out[seed] = sorted(found, key=lambda r: self._rank[id(r)])
         return out
 
-    def _matching(self, name: str, named: list[dict[str, Any]], config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def _matching(self, name: str, named: list[dict[str, Any]], config: Mapping[str, Any],
+                  default_of: Callable[[str], Any] | None) -> list[dict[str, Any]]:
         """The runs of ``config``: every run with its fingerprint (a FLOPs count or a timing: whatever its
         ``backbone.pretrained``, :data:`vitexp.ledger.fingerprint.WEIGHTLESS_KINDS`), and those of ``named`` (the row's
-        fingerprinted runs under its name) whose recorded config differs from today's only by keys
-        added since (:func:`vitexp.ledger.fingerprint.differences`). The other runs under the row's
-        name are kept in :attr:`unmatched` with the keys that separate them (``vitexp-tables`` says so)."""
-        found = list(self._by_fp.get(fp.fingerprint(config, self.experiment_of), []))
-        found += [r for r in self._by_weightless.get(fp.weightless(config), []) if r not in found]
-        exact = {id(r) for r in found}
+        runs under its names) whose recorded config differs from today's by no key
+        (:func:`vitexp.ledger.fingerprint.differences`). The other runs under the row's names are
+        kept in :attr:`unmatched` with the keys that separate them (``vitexp-tables`` says so)."""
+        found = {id(r): r for r in self._by_fp.get(fp.fingerprint(config, self.experiment_of), [])}
+        for r in self._by_weightless.get(fp.weightless(config), []):
+            found.setdefault(id(r), r)
+        flat: dict[bool, dict[str, str]] = {}  # today's config flattened once, compared with each run
         for r in named:
-            if id(r) in exact:
+            if id(r) in found:
                 continue
-            keys = fp.differences(r.get("config") or {}, config, self.experiment_of, r["kind"] in fp.WEIGHTLESS_KINDS)
+            weightless = r["kind"] in fp.WEIGHTLESS_KINDS
+            if weightless not in flat:
+                flat[weightless] = fp.flattened(config, weightless, self.experiment_of)
+            keys = fp.differences(r.get("config") or {}, config, self.experiment_of, weightless, default_of,
+                                  flat[weightless])
             if keys:
                 self.unmatched.setdefault(name, {})[r["run_id"]] = keys
             else:
-                found.append(r)
-        return found
-
-    def _checked(self, run: Mapping[str, Any]) -> tuple:
-        config = fp.strip(run.get("config") or {})
-        leaves = fp.leaves(config)
-        ref = str(leaves.get("backbone.pretrained") or "")
-        if ref.startswith(RUN_PREFIX):
-            leaves["backbone.pretrained"] = RUN_PREFIX + self.experiment_of(ref[len(RUN_PREFIX):])
-        return tuple(sorted((k, repr(v)) for k, v in leaves.items() if k.startswith(LEGACY_CHECKED)))
-
-    def _current_options(self, legacy: list[dict[str, Any]], row: RowQuery, seed: int | None) -> list[dict[str, Any]]:
-        """The older runs of a row without those that predate an option of
-        :data:`vitexp.ledger.fingerprint.CHANGED_DEFAULTS` the row sets to another value (the row is
-        composed only when a run lacks such an option)."""
-        suspects = [r for r in legacy if r["kind"] not in fp.WEIGHTLESS_KINDS  # how it trains: not what it costs
-                    and fp.lacks_changed_default(r.get("config") or {})]
-        config = row.composed(seed) if suspects and row.config is not None else None
-        if config is None:
-            return legacy
-        stale = {id(r) for r in suspects if fp.changed_defaults(r.get("config") or {}, config)}
-        return [r for r in legacy if id(r) not in stale]
-
-    def _agreeing(self, legacy: list[dict[str, Any]], row: RowQuery, seed: int | None) -> list[dict[str, Any]]:
-        """The older runs of a row that agree with its config where they disagree with one another."""
-        done = [r for r in legacy if r["status"] == "completed"]
-        if len({self._checked(r) for r in done}) < 2 or row.config is None:
-            return legacy
-        config = row.composed(seed)
-        if config is None:
-            return legacy
-        want = self._checked({"config": config})
-        keys = {k for k, _ in want}
-        kept = [r for r in legacy if {(k, v) for k, v in self._checked(r) if k in keys} <= set(want)]
-        return kept if any(r["status"] == "completed" for r in kept) else legacy
+                found[id(r)] = r
+        return list(found.values())

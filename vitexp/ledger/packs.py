@@ -13,22 +13,35 @@ Decisions:
 - Only ``completed`` entries are packed: a failed or interrupted entry may still be reopened by
   ``resume=auto`` (:meth:`vitexp.ledger.LedgerEntry.load` reads ``runs/<run_id>.json``).
 - Written, read back and compared before any file is removed; a pack never rewrites an older pack,
-  so the history of ``main`` grows by the compressed new entries only. The pack's file is created
-  exclusively (a second ``--pack`` in the same second removes nothing), and an entry written in the
-  last :data:`SETTLED_S` seconds waits for the next pack.
+  so the history of ``main`` grows by the compressed new entries only. A pack holds the ledger's lock
+  (``<root>/ledger/.lock``, ``flock``) from reading ``runs/`` to its last removal: two packs at once
+  run one after the other, and the second finds the first's entries packed (an entry already in a
+  pack is not packed again; its file, if it is still there, is removed once it is the pack's
+  copy byte for byte in JSON). The pack's file is created exclusively (two in the same second: the
+  second stops before it removes anything), and an entry written in the last :data:`SETTLED_S`
+  seconds waits for the next pack.
 - An entry found both in a pack and in ``runs/`` (a copy put back by hand) is read from ``runs/``.
+- Packs are read once per process (:func:`pack_index`, keyed by each file's size and modification
+  time): a lookup by run id is a dictionary's. A pack that cannot be read to its end is one broken
+  entry naming it; a lookup that does not find its run in the readable packs then raises
+  :class:`~vitexp.ledger.schema.LedgerError` naming it, since the run could be in it.
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from vitexp.ledger.schema import BrokenEntry
+from vitexp.ledger.schema import BrokenEntry, LedgerError
 from vitexp.ledger.sources import read_folder, read_snapshot, write_snapshot
 
 PACKS = "ledger"
+LOCK = ".lock"
 #: An entry written in the last SETTLED_S seconds is left in ``runs/`` (its process may still be closing it).
 SETTLED_S = 300
 
@@ -39,21 +52,63 @@ def pack_files(root: Path) -> list[Path]:
     return sorted(folder.glob("*.jsonl.gz")) if folder.is_dir() else []
 
 
+@dataclass
+class PackIndex:
+    """The packs of one results root as read now: their records oldest pack first (a run id in two
+    packs: the older's), by run id, and the packs that could not be read."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    by_id: dict[str, dict[str, Any]] = field(default_factory=dict)
+    broken: list[BrokenEntry] = field(default_factory=list)
+
+
+#: {pack path: ((size, mtime_ns), its records, its broken entries)}: each pack parsed once per process.
+_PARSED: dict[str, tuple[tuple[int, int], list[dict[str, Any]], list[BrokenEntry]]] = {}
+
+
+def _read_pack(path: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return [], []
+    key, signature = str(path.resolve()), (st.st_size, st.st_mtime_ns)
+    cached = _PARSED.get(key)
+    if cached is None or cached[0] != signature:
+        records, broken = read_snapshot(path, f"{PACKS}/{path.name}")
+        _PARSED[key] = cached = (signature, records, broken)
+    return cached[1], cached[2]
+
+
+def pack_index(root: Path) -> PackIndex:
+    """The packs of ``root`` (module docstring: parsed once per process)."""
+    index = PackIndex()
+    for path in pack_files(root):
+        records, broken = _read_pack(path)
+        for r in records:
+            if r["run_id"] not in index.by_id:
+                index.by_id[r["run_id"]] = r
+                index.records.append(r)
+        index.broken += broken
+    return index
+
+
 def read_root(root: Path, runs: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
     """The entries of the packs of ``root`` and of the folder ``runs``, one per run id (module docstring)."""
     records, broken = read_folder(runs)
     seen = {r["run_id"] for r in records}
-    for pack in pack_files(root):
-        packed, bad = read_snapshot(pack)
-        records += [r for r in packed if r["run_id"] not in seen]
-        seen |= {r["run_id"] for r in packed}
-        broken += bad
-    return records, broken
+    index = pack_index(root)
+    return records + [r for r in index.records if r["run_id"] not in seen], broken + index.broken
 
 
 def packed_record(root: Path, run_id: str) -> dict[str, Any] | None:
-    """The record of ``run_id`` in a pack of ``root`` (a completed run whose file was folded), or ``None``."""
-    return next((r for p in pack_files(root) for r in read_snapshot(p)[0] if r["run_id"] == run_id), None)
+    """The record of ``run_id`` in a pack of ``root`` (a completed run whose file was folded), or
+    ``None``; :class:`LedgerError` naming the unreadable packs when it is in none of the others."""
+    index = pack_index(root)
+    if run_id in index.by_id:
+        return index.by_id[run_id]
+    if index.broken:
+        raise LedgerError(index.broken, f"{Path(root) / PACKS} (looking for run {run_id})")
+    return None
 
 
 def packed(root: Path, run_id: str) -> bool:
@@ -61,30 +116,73 @@ def packed(root: Path, run_id: str) -> bool:
     return packed_record(root, run_id) is not None
 
 
+def check_packs(root: Path) -> None:
+    """:class:`LedgerError` naming every pack of ``root`` that cannot be read (what a run that may
+    resume from, or load weights by, the ledger checks before it starts)."""
+    broken = pack_index(root).broken
+    if broken:
+        raise LedgerError(broken, f"{Path(root) / PACKS}")
+
+
+@contextmanager
+def ledger_lock(root: Path) -> Iterator[None]:
+    """The ledger's lock: an exclusive ``flock`` on ``<root>/ledger/.lock`` while the block runs
+    (a second holder waits; the kernel releases it with a killed process)."""
+    folder = Path(root) / PACKS
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the lock
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
 def pack(root: Path) -> dict[str, Any]:
-    """Fold the completed entries of ``<root>/runs/`` into a new pack (module docstring):
-    ``{"pack": path or None, "packed": n, "left": n}``."""
+    """Fold the completed entries of ``<root>/runs/`` into a new pack under the ledger's lock (module
+    docstring): ``{"pack": path or None, "packed": n, "left": n, "removed": n}`` (``removed``: files
+    of entries another pack already held)."""
     root = Path(root)
     runs = root / "runs"
-    records, broken = read_folder(runs)
-    if broken:
-        raise ValueError(f"{len(broken)} broken entries in {runs} (first: {broken[0]}): fix them before packing")
-    settled = time.time() - SETTLED_S
-    done = [r for r in records if r.get("status") == "completed"
-            and (runs / f"{r['run_id']}.json").stat().st_mtime < settled]
-    if not done:
-        return {"pack": None, "packed": 0, "left": len(records)}
-    path = root / PACKS / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.jsonl.gz"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:  # reserved: a second pack started in the same second stops here, before it removes anything
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-    except FileExistsError:
-        raise FileExistsError(f"{path} exists: pack again in a second") from None
-    write_snapshot(done, path)
-    back, bad = read_snapshot(path)
-    if bad or sorted(back, key=lambda r: r["run_id"]) != sorted(done, key=lambda r: r["run_id"]):
-        path.unlink()
-        raise RuntimeError(f"{path} did not read back as written; nothing removed")
-    for r in done:
-        (runs / f"{r['run_id']}.json").unlink()
-    return {"pack": str(path), "packed": len(done), "left": len(records) - len(done)}
+    with ledger_lock(root):
+        records, broken = read_folder(runs)
+        if broken:
+            raise ValueError(f"{len(broken)} broken entries in {runs} (first: {broken[0]}): fix them before packing")
+        index = pack_index(root)
+        if index.broken:
+            raise LedgerError(index.broken, f"{root / PACKS} (nothing packed)")
+        settled = time.time() - SETTLED_S
+        done, again = [], []
+        for r in records:
+            if r.get("status") != "completed":
+                continue
+            try:
+                mtime = (runs / f"{r['run_id']}.json").stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if r["run_id"] in index.by_id:
+                again += [r] if _same(index.by_id[r["run_id"]], r) else []
+            elif mtime < settled:
+                done.append(r)
+        for r in again:  # packed by an earlier pack that stopped before removing it
+            (runs / f"{r['run_id']}.json").unlink(missing_ok=True)
+        left = len(records) - len(done) - len(again)
+        if not done:
+            return {"pack": None, "packed": 0, "left": left, "removed": len(again)}
+        path = root / PACKS / f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.jsonl.gz"
+        try:  # reserved: a second pack started in the same second stops here, before it removes anything
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            raise FileExistsError(f"{path} exists: pack again in a second") from None
+        write_snapshot(done, path)
+        back, bad = read_snapshot(path)
+        if bad or sorted(back, key=lambda r: r["run_id"]) != sorted(done, key=lambda r: r["run_id"]):
+            path.unlink()
+            raise RuntimeError(f"{path} did not read back as written; nothing removed")
+        for r in done:
+            (runs / f"{r['run_id']}.json").unlink(missing_ok=True)
+        return {"pack": str(path), "packed": len(done), "left": left, "removed": len(again)}

@@ -11,7 +11,9 @@ Decisions:
   project root when it lies inside the checkout (what the committed entries hold), else to the
   results root, with ``..`` when it lies outside both (a run folder under ``/scratch``). No absolute
   path of a machine is ever stored; :func:`local_path` turns a stored path back into one here.
-  Error texts get the same treatment for every absolute path they quote (:func:`portable_text`).
+  Error texts get the same treatment for every absolute path they quote that lies in the checkout,
+  the results root or the run's folder (:func:`portable_text`); a system path or a placeholder
+  stays as written.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 #: The source checkout (:data:`vitexp.PROJECT_ROOT`), found without importing the package (whose
 #: models import the ledger: no import cycle).
@@ -104,8 +106,10 @@ def portable_paths(value: Any, results_dir: Path | str | None = None) -> Any:
     """``value`` (a ledger record, or any part of one) with every string that is an absolute path
     made :func:`portable_path`, at any depth, and every error text made :func:`portable_text`."""
     if isinstance(value, dict):
-        return {k: (portable_text(v, results_dir) if k == "error" and isinstance(v, str) else portable_paths(v, results_dir))
-                for k, v in value.items()}
+        run_dir = value.get("output_dir") if isinstance(value.get("output_dir"), (str, Path)) else None
+        run_dirs = (local_path(str(run_dir), results_dir),) if run_dir else ()  # an error may quote the run's folder
+        return {k: (portable_text(v, results_dir, run_dirs) if k == "error" and isinstance(v, str)
+                    else portable_paths(v, results_dir)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [portable_paths(v, results_dir) for v in value]
     if isinstance(value, Path):
@@ -120,11 +124,22 @@ def portable_paths(value: Any, results_dir: Path | str | None = None) -> Any:
 _QUOTED_PATH = re.compile(r"(?<![\w.~:/>])/[^\s'\"`,;:()\[\]{}<>]+")
 
 
-def portable_text(text: str | None, results_dir: Path | str | None = None) -> str | None:
-    """``text`` (an error message) with every absolute path it quotes made :func:`portable_path`."""
+def portable_text(text: str | None, results_dir: Path | str | None = None,
+                  run_dirs: Iterable[Path | str | None] = ()) -> str | None:
+    """``text`` (an error message) with every absolute path it quotes that lies in the checkout, the
+    results root or one of ``run_dirs`` (the run's own folder, wherever it is) made
+    :func:`portable_path`; any other (a system file, a placeholder such as ``/path/to/dataset``) is
+    left as written: it names no folder of this machine's runs."""
     if not text:
         return text
-    return _QUOTED_PATH.sub(lambda m: portable_path(m.group(0), results_dir) or m.group(0), text)
+    results = Path(results_dir) if results_dir else default_results_dir()
+    roots = [os.path.realpath(r) for r in (PROJECT_ROOT, results, *run_dirs) if r]
+
+    def rewrite(match: re.Match) -> str:
+        where = os.path.realpath(match.group(0))
+        inside = any(where == r or where.startswith(r.rstrip("/") + "/") for r in roots)
+        return (portable_path(match.group(0), results) or match.group(0)) if inside else match.group(0)
+    return _QUOTED_PATH.sub(rewrite, text)
 
 
 def local_path(path: str | None, results_dir: Path | str | None = None) -> Path | None:

@@ -2,7 +2,8 @@
 
 An entry (``<results>/runs/<run_id>.json``) is one JSON object. Required: ``run_id`` (the file's
 name without ``.json``), ``experiment`` (the name the run was recorded under), ``status`` (one of
-:data:`STATUSES`) and ``kind`` (one of :data:`KINDS`). Every other field is optional (entries
+:data:`STATUSES`), ``kind`` (one of :data:`KINDS`) and ``started`` (an ISO 8601 time, UTC when it
+names no zone, not later than now + :data:`CLOCK_SKEW_S`). Every other field is optional (entries
 written by older code lack the newer ones) but, when present, has the type :data:`FIELDS` gives:
 ``config``, ``metrics``, ``protocol``, ``env`` and ``artifacts`` are objects, ``attempts`` a list
 of objects, times and ids are strings (``finished`` and ``error`` may be null), and a metric is a
@@ -12,11 +13,15 @@ Decisions:
 - A file that does not parse, or whose object breaks the schema, is a :class:`BrokenEntry`: the
   ledger keeps it aside with the file's name and what is wrong, and never skips it in silence
   (:class:`LedgerError`, :meth:`vitexp.ledger.Ledger.check`).
+- ``started`` orders a row's runs (the newest wins a cell): an entry without one, or whose start
+  lies in the future (a wrong clock, a hand edit), would win or lose every cell without a word, so
+  it is broken. :data:`CLOCK_SKEW_S` allows the clocks of a cluster's nodes to disagree a little.
 - Unknown top-level keys are allowed: a method's record (``kept_heads``, ``phases``, ...) lives
   beside the fixed fields.
 """
 from __future__ import annotations
 
+import datetime as _dt
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -33,7 +38,9 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "wandb_url": _OPT_STR, "wandb_id": _OPT_STR, "output_dir": _OPT_STR, "evaluates": _STR,
     "fingerprint": _STR, "signal": _OPT_STR,
 }
-REQUIRED = ("run_id", "experiment", "status", "kind")
+REQUIRED = ("run_id", "experiment", "status", "kind", "started")
+#: Seconds a ``started`` may lie ahead of this machine's clock (another node's clock) before the entry is broken.
+CLOCK_SKEW_S = 300
 _METRIC = (int, float, str, bool, list, dict, type(None))
 
 
@@ -80,9 +87,28 @@ def problems(record: Any, stem: str | None = None) -> list[str]:
     for key, types in FIELDS.items():
         if key in record and not isinstance(record[key], types):
             out.append(f"{key!r} is {type(record[key]).__name__}, not {' or '.join(t.__name__ for t in types)}")
+    if isinstance(record.get("started"), str):
+        out += _start_problems(record["started"])
     for key, value in (record.get("metrics") or {}).items() if isinstance(record.get("metrics"), dict) else ():
         if not isinstance(value, _METRIC):
             out.append(f"metric {key!r} is {type(value).__name__}")
     if isinstance(record.get("attempts"), list) and not all(isinstance(a, dict) for a in record["attempts"]):
         out.append("'attempts' holds something other than objects")
     return out
+
+
+def started_at(stamp: str) -> _dt.datetime:
+    """``started`` as a time (UTC when it names no zone, as W&B's ``created_at``); ``ValueError`` when it is none."""
+    then = _dt.datetime.fromisoformat(stamp)
+    return then if then.tzinfo is not None else then.replace(tzinfo=_dt.timezone.utc)
+
+
+def _start_problems(stamp: str, when: _dt.datetime | None = None) -> list[str]:
+    try:
+        then = started_at(stamp)
+    except ValueError:
+        return [f"started {stamp!r} is not an ISO 8601 time"]
+    now = when or _dt.datetime.now(_dt.timezone.utc)
+    if (then - now).total_seconds() > CLOCK_SKEW_S:
+        return [f"started {stamp} is in the future (this machine's clock says {now.isoformat(timespec='seconds')})"]
+    return []

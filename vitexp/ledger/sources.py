@@ -11,12 +11,19 @@ Decisions:
   branch checked out as a worktree (``export VITEXP_RESULTS=../vitexp-results``).
 - Every entry is checked against :mod:`vitexp.ledger.schema` as it is read; a file that does not
   parse or breaks the schema is kept aside as a :class:`~vitexp.ledger.schema.BrokenEntry`, never
-  skipped in silence.
+  skipped in silence. A snapshot or pack that cannot be read to its end (truncated, not gzip, not
+  UTF-8) is one broken entry naming the file, and none of its entries is read: what it lost could
+  be any run's newest. A W&B project that cannot be listed raises :class:`WandbError`; one run that
+  cannot be read is a broken entry naming the run.
+- What a broken file still says is kept with it (:func:`salvage`: its ``experiment``, ``kind`` and a
+  ``config`` that parses whole), so a table can tell whether it could be one of its rows' runs.
 """
 from __future__ import annotations
 
 import gzip
 import json
+import re
+import zlib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -37,6 +44,32 @@ def check(record: Any, where: str, stem: str | None = None) -> tuple[dict[str, A
     return record, None
 
 
+def salvage(text: str) -> dict[str, Any] | None:
+    """What a file that does not parse as a whole still says: its ``experiment`` and ``kind`` (as
+    written, before the config) and its ``config`` when that object is whole; ``None`` when none."""
+    found: dict[str, Any] = {}
+    for key in ("run_id", "experiment", "kind"):
+        match = re.search(rf'"{key}"\s*:\s*"((?:[^"\\]|\\.)*)"', text)
+        if match:
+            try:
+                found[key] = json.loads(f'"{match.group(1)}"')
+            except json.JSONDecodeError:
+                pass
+    match = re.search(r'"config"\s*:\s*', text)
+    if match:
+        try:
+            config, _ = json.JSONDecoder().raw_decode(text, match.end())
+        except json.JSONDecodeError:
+            config = None
+        if isinstance(config, dict):
+            found["config"] = config
+    return found or None
+
+
+def _not_json(where: str, text: str, err: json.JSONDecodeError, hint: str = "") -> BrokenEntry:
+    return BrokenEntry(where, f"not JSON ({err.msg} at line {err.lineno}, column {err.colno}{hint})", salvage(text))
+
+
 def read_folder(runs_dir: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
     """Every ``*.json`` of ``runs_dir`` but hidden files (:func:`vitexp.ledger.paths.atomic_write`'s
     ``.<name>.XXXX.json`` before its rename), checked; (records, broken)."""
@@ -46,13 +79,16 @@ def read_folder(runs_dir: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]
             continue
         where = f"{runs_dir.name}/{file.name}"
         try:
-            record = json.loads(file.read_text())
-        except (OSError, UnicodeDecodeError) as err:
-            broken.append(BrokenEntry(where, f"unreadable ({type(err).__name__}: {err.strerror or err})"))
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:  # removed since the listing (a pack folded it)
             continue
+        except (OSError, UnicodeDecodeError) as err:
+            broken.append(BrokenEntry(where, f"unreadable ({type(err).__name__}: {getattr(err, 'strerror', None) or err})"))
+            continue
+        try:
+            record = json.loads(text)
         except json.JSONDecodeError as err:
-            broken.append(BrokenEntry(where, f"not JSON ({err.msg} at line {err.lineno}, column {err.colno}: "
-                                             "a truncated copy or a merge conflict?)"))
+            broken.append(_not_json(where, text, err, ": a truncated copy or a merge conflict?"))
             continue
         good, bad = check(record, where, file.stem)
         records += [good] if good else []
@@ -60,23 +96,36 @@ def read_folder(runs_dir: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]
     return records, broken
 
 
-def read_snapshot(path: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
-    """The entries of a snapshot file (one JSON object a line, gzip'ed when it ends ``.gz``)."""
+#: What reading a compressed or text file to its end raises when it is truncated, not gzip or not UTF-8.
+UNREADABLE = (OSError, EOFError, zlib.error, UnicodeDecodeError)
+
+
+def read_snapshot(path: Path, where: str | None = None) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
+    """The entries of a snapshot file (one JSON object a line, gzip'ed when it ends ``.gz``), each
+    broken one named ``<where>:<line>`` (``where``: how the file is named, default its name). A file
+    that cannot be read to its end is one broken entry, and none of its entries is read."""
+    where = where or Path(path).name
     opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as fh:
+            lines = fh.read().split("\n")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{where}: no such snapshot file") from None
+    except UNREADABLE as err:
+        kind = "truncated" if isinstance(err, EOFError) else "unreadable"
+        return [], [BrokenEntry(where, f"{kind} ({type(err).__name__}: {err}): none of its entries was read")]
     records, broken = [], []
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{Path(path).name}:{i}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                broken.append(BrokenEntry(where, f"not JSON ({err.msg})"))
-                continue
-            good, bad = check(record, where)
-            records += [good] if good else []
-            broken += [bad] if bad else []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            broken.append(BrokenEntry(f"{where}:{i}", f"not JSON ({err.msg})", salvage(line)))
+            continue
+        good, bad = check(record, f"{where}:{i}")
+        records += [good] if good else []
+        broken += [bad] if bad else []
     return records, broken
 
 
@@ -94,23 +143,38 @@ WANDB_STATES = {"finished": "completed", "crashed": "failed", "failed": "failed"
                 "preempted": "interrupted", "preempting": "running"}
 
 
+class WandbError(RuntimeError):
+    """A W&B project that cannot be listed (no login, no network, no such project)."""
+
+
 def read_wandb(path: str) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
-    """Runs of a W&B project (``ENTITY/PROJECT``) as ledger records, checked like files."""
+    """Runs of a W&B project (``ENTITY/PROJECT``) as ledger records, checked like files: each
+    fingerprinted from its config like any entry without one (:func:`vitexp.ledger.fingerprint.of_record`)."""
     import wandb
 
+    try:
+        runs = list(wandb.Api().runs(path))
+    except Exception as err:  # noqa: BLE001 - wandb raises its own types, and requests' and OSError
+        raise WandbError(f"W&B {path}: {type(err).__name__}: {err}") from None
     records, broken = [], []
-    for run in wandb.Api().runs(path):
-        config = dict(run.config)
-        summary = {k: v for k, v in dict(run.summary).items() if not k.startswith("_")}
-        record = {
-            "run_id": run.id, "experiment": config.get("name", run.name),
-            "status": WANDB_STATES.get(run.state, run.state), "kind": getattr(run, "job_type", None) or "train",
-            "config": config,  # its seed places the run in a seeded row
-            "metrics": summary, "started": str(getattr(run, "created_at", "")), "wandb_url": getattr(run, "url", None),
-        }
+    for run in runs:
+        where = f"W&B run {path}/{getattr(run, 'id', '?')}"
+        try:
+            config = dict(run.config)
+            summary = {k: v for k, v in dict(run.summary).items() if not k.startswith("_")}
+            record = {
+                "run_id": run.id, "experiment": config.get("name", run.name),
+                "status": WANDB_STATES.get(run.state, run.state), "kind": getattr(run, "job_type", None) or "train",
+                "config": config,  # its seed places the run in a seeded row; its fingerprint is computed from it
+                "metrics": summary, "started": str(getattr(run, "created_at", None) or ""),
+                "wandb_url": getattr(run, "url", None),
+            }
+        except Exception as err:  # noqa: BLE001 - one run W&B cannot give back: named, never skipped
+            broken.append(BrokenEntry(where, f"unreadable ({type(err).__name__}: {err})"))
+            continue
         if config.get("fingerprint"):
             record["fingerprint"] = config["fingerprint"]
-        good, bad = check(record, f"W&B run {path}/{run.id}")
+        good, bad = check(record, where)
         records += [good] if good else []
         broken += [bad] if bad else []
     return records, broken

@@ -144,7 +144,7 @@ def _already(job: Job, settings: Settings, ledger) -> str | None:
     cuda = settings.trainer in ("gpu", "ddp")
     for record in reversed(ledger.named(job.name)):
         device = str((record.get("metrics") or {}).get("device") or "")
-        if record["kind"] == KIND and record["status"] == "completed" and record.get("fingerprint") == want \
+        if record["kind"] == KIND and record["status"] == "completed" and fp.of_record(record) == want \
                 and device.startswith("cuda") == cuda:
             return record["run_id"]
     return None
