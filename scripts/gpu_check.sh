@@ -18,7 +18,12 @@
 #     table by table, until REHEARSE_BUDGET_S (default 420 s) has passed: the rows not reached are listed
 #     in each table's closing line (status partial). The GPU rehearsals already in the ledger are
 #     copied in first, so a later session skips them and goes on where this one stopped.
-#  The entries (kind rehearsal, device cuda:...) are what vitexp/cost.py measures GPU-hours from.
+#  The entries (kind rehearsal, device cuda:...) are what vitexp/cost/ measures GPU-hours from.
+# `bash scripts/gpu_check.sh anchor` measures the GPU itself instead (issue 43):
+#  7. DeiT-S's training step (vitexp-bench bench.mode=train_step experiment=deit_small_baseline: AdamW, bf16
+#     autocast, batch 256, synthetic 224 px images, median of 5 rounds of 10 steps). That rate over timm's
+#     DeiT-S rate on the RTX 3090 becomes the GPU's factor (vitexp/cost/anchors.py gpu_factors), in place of the
+#     vendor table's; then every table's cost on that GPU: vitexp-tables with conf/cost.yaml target_gpu set to it.
 # Ledger entries go to $OUT/results/runs (copy its new files into results/runs afterwards).
 set -uo pipefail
 export PYTHONPATH="$PWD/.gpu_site:$PWD" VITEXP_RESULTS="$OUT/results" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
@@ -47,6 +52,12 @@ PY
     [ "$left" -gt 30 ] || { echo "budget spent: $table and later tables not started"; break; }
     rehearse "$table" --rehearse-trainer gpu --rehearse-budget-s "$left"
   done
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader
+  exit 0
+fi
+if [ "${1:-1}" = anchor ]; then
+  run bench bench.mode=train_step experiment=deit_small_baseline bench.device=cuda bench.batch_size=256 bench.amp=true \
+      bench.rounds=5 bench.iters=10 bench.warmup=5
   nvidia-smi --query-gpu=memory.used --format=csv,noheader
   exit 0
 fi

@@ -48,6 +48,17 @@ def test_bench_throughput_records_both_models(results_dir, tmp_path, monkeypatch
     assert entry["kind"] == "bench" and entry["protocol"]["interleaved"] is True
 
 
+def test_bench_train_step_records_training_images_per_second(results_dir, tmp_path, monkeypatch, capfd):
+    """The measurement a lent GPU's factor comes from (scripts/gpu_check.sh anchor), here on the CPU."""
+    code, out, err = _in_process("bench", ["logger=none", "bench.mode=train_step", "bench.batch_size=4", "bench.rounds=2",
+                                           "bench.iters=2", "bench.warmup=1"], results_dir, tmp_path, monkeypatch, capfd)
+    assert code == 0, err[-2000:]
+    (entry,) = ledger_entries(results_dir)
+    assert entry["kind"] == "bench" and entry["protocol"]["mode"] == "train_step" and entry["protocol"]["batch_size"] == 4
+    assert entry["metrics"]["train_images_per_s"] > 0 and entry["protocol"]["device"] == "cpu"
+    assert entry["protocol"]["train_images_per_s_min"] <= entry["metrics"]["train_images_per_s"]
+
+
 def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path, monkeypatch, capfd):
     """vitexp-sweep and vitexp-tables through their entry points in this process; the flops
     multirun the sweep launches is the real console script."""

@@ -17,10 +17,8 @@ PLUGINS = ("vitexp/objectives/", "vitexp/detection/")
 #: The objective's words (detect, detection, detector, DetectModule, wants_detection ...); the
 #: English verb's other forms ("Lightning detects", "was detected": a statistical test) are not it.
 OBJECTIVE_WORD = re.compile(r"detect(?!s\b|ed\b)", re.IGNORECASE)
-#: Mentions that are not the objective: Lightning's API, and a note whose text the committed
-#: results/tables/*.cost.md carry (rewording it would leave every committed cost table stale).
-ALLOWED = {"vitexp/slurm.py": "SLURMEnvironment.detect()",
-           "vitexp/cost.py": "and a detector (RoIAlign, NMS, 2 images"}
+#: Mentions that are not the objective: Lightning's API.
+ALLOWED = {"vitexp/slurm.py": "SLURMEnvironment.detect()"}
 
 
 def test_no_module_outside_the_objective_plugins_names_detection():
@@ -51,7 +49,7 @@ def test_the_objective_is_checked_before_anything_is_built(overrides, message, m
 
 def test_vitexp_bench_refuses_a_detector_before_its_entry(make_cfg, results_dir):
     """Invalid, nothing written: the protocol does not time detectors (vitexp-flops counts them)."""
-    from vitexp.commands import run_bench
+    from vitexp.bench_modes import run_bench
     from vitexp.errors import ConfigError
 
     with pytest.raises(ConfigError, match="a detector's throughput is not measured"):

@@ -246,7 +246,7 @@ def test_bench_compare_takes_a_table_rows_name_composed_as_its_row():
     """bench.compare names experiments or table rows: EViT's keep rates and ToMe's r are rows of the
     DeiT-S specs (a base experiment + overrides), composed as the sweep composes them and recorded
     under the row's name; a name that is neither is refused with both places named."""
-    from vitexp.commands import _compose_experiment
+    from vitexp.bench_modes import _compose_experiment
 
     evit = _compose_experiment("evit_deit_small_keep05")
     assert (evit.name, evit.budget.keep_ratio, evit.method.name) == ("evit_deit_small_keep05", 0.5, "evit")
@@ -259,7 +259,7 @@ def test_bench_compare_takes_a_table_rows_name_composed_as_its_row():
 def test_bench_compare_times_several_experiments_together_one_entry_each(make_cfg, results_dir):
     from conftest import QUIET, ledger_entries
 
-    from vitexp.commands import run_bench
+    from vitexp.bench_modes import run_bench
 
     names = ["demo", "tome_demo", "evit_demo"]
     cfg = make_cfg(QUIET + [f"bench.compare=[{','.join(names)}]", "bench.rounds=1", "bench.iters=1",
@@ -286,7 +286,7 @@ def test_a_comparison_that_fails_marks_its_entries_failed_and_says_so(make_cfg, 
 
     import vitexp.bench
     from conftest import QUIET, ledger_entries
-    from vitexp.commands import run_bench
+    from vitexp.bench_modes import run_bench
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")

@@ -12,6 +12,9 @@
   load average exceeded the CPU count (:mod:`vitexp.ledger.marks`).
 - :func:`lightning_overhead`: seconds per training step of the same model on the same batches,
   in a plain PyTorch loop and under ``lightning.Trainer``; the overhead is their ratio − 1.
+- :func:`measure_train_step`: training images/s of a model on its device (forward, cross-entropy,
+  backward, AdamW step on one synthetic batch; bf16 autocast where the protocol says), the
+  measurement timm's training benchmark makes, which :mod:`vitexp.cost` anchors GPU-hours on.
 """
 from __future__ import annotations
 
@@ -182,3 +185,46 @@ def lightning_overhead(make_model: Callable[[], nn.Module], make_loader: Callabl
         light_s.append(lightning())
     p, lt = min(plain_s), min(light_s)
     return {"plain_step_s": p, "lightning_step_s": lt, "lightning_overhead": lt / p - 1.0, "steps": steps}
+
+
+def measure_train_step(model: nn.Module, num_classes: int, batch_size: int, img_size: int, amp: bool = False,
+                       warmup: int = 2, iters: int = 5, rounds: int = 3) -> dict[str, Any]:
+    """Training images per second of ``model`` on its device: ``rounds`` timings of ``iters`` steps
+    (forward under bf16 autocast when ``amp``, cross-entropy on random labels, backward, AdamW step)
+    on one random batch after ``warmup`` steps; the median round (CUDA synchronised at both ends)."""
+    from vitexp.ledger import machine_load
+
+    load = machine_load()
+    device = _device_of(model)
+    model.train()
+    x = torch.randn(batch_size, 3, img_size, img_size, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(max(1, warmup)):
+        step()
+    rates = []
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            step()
+        sync()
+        rates.append(batch_size * iters / (time.perf_counter() - start))
+    return {"train_images_per_s": statistics.median(rates), "train_images_per_s_min": min(rates),
+            "train_images_per_s_max": max(rates), "batch_size": batch_size, "img_size": img_size,
+            "rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "precision": "bf16 autocast" if amp else "fp32", "optimizer": "AdamW",
+            "timer": "time.perf_counter over iters steps, median over rounds", "load": load}

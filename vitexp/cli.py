@@ -203,7 +203,7 @@ def _flops_body(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _bench_body(cfg: DictConfig) -> dict[str, Any]:
-    from vitexp.commands import run_bench
+    from vitexp.bench_modes import run_bench
 
     return run_bench(cfg)
 
@@ -341,7 +341,7 @@ def analyze_main(argv: list[str] | None = None) -> None:
     run's kept heads and scores beside the head clusters (``heads --run RUN``); PNGs under
     ``results/analysis/``, a ledger entry (kind analyze), W&B images."""
 
-    from vitexp.commands import run_analyze
+    from vitexp.commands import analyze_config, heads_config, run_analyze
 
     parser = ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
     parser.add_argument("analysis", choices=("laplace", "clusters", "phases", "tokens", "heads"))
@@ -360,9 +360,9 @@ def analyze_main(argv: list[str] | None = None) -> None:
     record = None
     try:
         if args.analysis == "heads":
-            cfg, record = _heads_config(args)
+            cfg, record = heads_config(args.run, args.overrides)
         else:
-            cfg = _analyze_config(args)
+            cfg = analyze_config(args.overrides)
     except Exception as err:  # composition: nothing written
         _invalid(err, "vitexp-analyze")
     try:
@@ -371,34 +371,6 @@ def analyze_main(argv: list[str] | None = None) -> None:
         _invalid(err, "vitexp-analyze")
     except Exception as err:
         _exit_failed(err, "vitexp-analyze")
-
-
-def _analyze_config(args):
-    """The composed config of ``vitexp-analyze``: its figures go to ``results/analysis/``, its run's
-    own files (lock, code patch) to ``results/analysis/run/<name>/`` (not committed)."""
-    from vitexp.config import check_overrides, compose, run_name
-
-    cfg = compose(args.overrides, return_hydra_config=True)
-    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if v}
-    with open_dict(cfg):  # no Hydra run directory here: the run's folder is results/analysis/run/<name>
-        del cfg["hydra"]
-        cfg.name = run_name(cfg, choices, args.overrides)
-        cfg.output_dir = str(Path(cfg.results_dir) / "analysis" / "run" / cfg.name)
-    check_overrides(cfg, args.overrides)
-    return cfg
-
-
-def _heads_config(args):
-    """The SAPER run's own config (overrides as ``vitexp-eval`` takes them) and its ledger record."""
-    from vitexp.evaluate import eval_config
-
-    if not args.run:
-        raise ConfigError("vitexp-analyze heads needs --run <SAPER train run id or experiment>")
-    cfg, record = eval_config(args.run, args.overrides)
-    with open_dict(cfg):
-        cfg.name = f"{record['experiment']}_heads"
-        cfg.output_dir = str(Path(cfg.results_dir) / "analysis" / "run" / cfg.name)
-    return cfg, record
 
 
 _APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "eval": eval_main, "sweep": sweep_main,

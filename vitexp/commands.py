@@ -1,4 +1,4 @@
-"""The bodies of the commands that do not train: ``vitexp-flops``, ``vitexp-bench``,
+"""The bodies of the commands that do not train: ``vitexp-flops``,
 ``vitexp-audit``, ``vitexp-analyze``. Each runs inside :func:`vitexp.run.owned_run`, which owns
 its ledger entry, logger and closing JSON line; :mod:`vitexp.cli` parses the command lines."""
 from __future__ import annotations
@@ -9,10 +9,9 @@ from typing import Any
 
 from omegaconf import DictConfig, open_dict
 
-from vitexp import CONF_DIR
 from vitexp.config import to_container, validate
-from vitexp.errors import ConfigError, one_line
-from vitexp.ledger import atomic_write, portable_path, portable_text
+from vitexp.errors import ConfigError
+from vitexp.ledger import atomic_write, portable_path
 from vitexp.objectives import objective_for
 from vitexp.run import owned_run
 
@@ -39,73 +38,6 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
               f"attention matmuls counted; by module (GMACs): "
               + ", ".join(f"{k} {v:.3f}" for k, v in count.parts.items() if v > 0))
         run.complete(metrics, protocol, out={"protocol": protocol}, by_module=count.by_module, **method.record())
-    return run.result
-
-
-def run_bench(cfg: DictConfig) -> dict[str, Any]:
-    """``bench.mode=throughput``: the method's deployed model against its unmodified backbone,
-    interleaved, images/s and their ratio beside the GMACs ratio. ``bench.mode=overhead``:
-    Lightning's per-step overhead against a plain PyTorch loop on the same model and batches."""
-    from vitexp.bench import bench_device, compare_throughput, lightning_overhead
-    from vitexp.build import build_configured_backbone, build_datamodule, build_model
-    from vitexp.flops import count_macs
-
-    if cfg.bench.mode == "throughput" and cfg.bench.get("compare"):
-        from vitexp.run import emit
-
-        result = run_compare(cfg)
-        emit(result)
-        return result
-    with owned_run(cfg.name, "bench", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
-        if cfg.bench.mode not in ("throughput", "overhead"):
-            raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of ('throughput', 'overhead')")
-        method = validate(cfg, need_data=cfg.bench.mode == "overhead", need_trainer=False)
-        objective_for(cfg).check_timed(cfg)
-        run.start(to_container(cfg))
-        import torch
-
-        img = int(cfg.backbone.img_size)
-        b = cfg.bench
-        model, method, data_config = build_model(cfg, method)
-        if b.mode == "throughput":
-            deployed = method.deploy(model)
-            baseline = build_configured_backbone(cfg)
-            macs_m, macs_b = count_macs(deployed, img).gmacs, count_macs(baseline, img).gmacs
-            device = bench_device(str(b.device))
-            res = compare_throughput({"method": deployed.to(device), "baseline": baseline.to(device)}, b.batch_size,
-                                     img, warmup=int(b.warmup), rounds=int(b.rounds), iters=int(b.iters), amp=b.amp,
-                                     progress=True)
-            metrics = {"throughput": res["method"]["throughput"], "baseline_throughput": res["baseline"]["throughput"],
-                       "throughput_ratio": res["method"]["throughput"] / res["baseline"]["throughput"],
-                       "gmacs": macs_m, "baseline_gmacs": macs_b, "gmacs_ratio": macs_b / macs_m}
-            protocol = {"mode": "throughput", "interleaved": True, **res["method"]}
-            protocol.pop("throughput", None)
-            print(f"{cfg.name}: {metrics['throughput']:.1f} vs baseline {metrics['baseline_throughput']:.1f} images/s "
-                  f"(ratio {metrics['throughput_ratio']:.2f}; GMACs ratio {metrics['gmacs_ratio']:.2f}), "
-                  f"batch {protocol['batch_size']}, {img} px, {protocol['device_name']}, {protocol['precision']}, "
-                  f"{torch.get_num_threads()} threads")
-        else:
-            if method.objective != "classify":
-                raise ConfigError(f"bench.mode=overhead times the classify objective; method {method.name} is {method.objective}")
-            import copy
-
-            datamodule = build_datamodule(cfg, data_config)
-            datamodule.setup("fit")
-            state = copy.deepcopy(model.state_dict())
-
-            def make_model():
-                m = copy.deepcopy(model)
-                m.load_state_dict(state)
-                return m
-
-            metrics = lightning_overhead(make_model, datamodule.train_dataloader, int(cfg.data.num_classes),
-                                         dict(cfg.recipe), steps=int(b.steps), warmup=int(b.warmup) + 3)
-            protocol = {"mode": "overhead", "batch_size": int(cfg.recipe.batch_size), "img_size": img,
-                        "device": "cpu", "threads": torch.get_num_threads(),
-                        "statistic": "median seconds between consecutive batch starts, best of 2 alternations"}
-            print(f"{cfg.name}: plain loop {metrics['plain_step_s'] * 1e3:.2f} ms/step, Lightning "
-                  f"{metrics['lightning_step_s'] * 1e3:.2f} ms/step: overhead {100 * metrics['lightning_overhead']:+.1f} %")
-        run.complete(metrics, protocol)
     return run.result
 
 
@@ -210,104 +142,29 @@ def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
     return run.result
 
 
-def _compose_experiment(name: str) -> DictConfig:
-    """The config of experiment ``name`` (``conf/experiment/<name>.yaml``), else of the table row
-    recorded under ``name`` (a base experiment and overrides, :mod:`vitexp.rows`: EViT's keep rates
-    and ToMe's r are rows of the DeiT-S specs), composed beside the running Hydra app (or standalone)."""
-    from hydra import compose as hydra_compose
-    from hydra.core.global_hydra import GlobalHydra
+def analyze_config(overrides: list[str]) -> DictConfig:
+    """The composed config of ``vitexp-analyze``: its figures go to ``results/analysis/``, its run's
+    own files (lock, code patch) to ``results/analysis/run/<name>/`` (not committed)."""
+    from vitexp.config import check_overrides, compose, run_name
 
-    overrides = [f"experiment={name}"] if (CONF_DIR / "experiment" / f"{name}.yaml").is_file() else _row_job(name)
-    if GlobalHydra.instance().is_initialized():
-        return hydra_compose(config_name="train", overrides=overrides)
-    from vitexp.config import compose
-
-    return compose(overrides)
-
-
-def _row_job(name: str) -> list[str]:
-    """The job of the table row recorded under ``name`` (unseeded, no weights: a timing needs none)."""
-    from vitexp.rows import job_arguments
-    from vitexp.tables import row_by_name
-
-    row = row_by_name(name)
-    if row is not None:
-        return job_arguments(row, seeded=False, weights=False)
-    raise ConfigError(f"bench.compare: {name!r} is neither an experiment (conf/experiment/{name}.yaml) nor the "
-                      f"name of a table row (sweeps/*.yaml)")
+    cfg = compose(overrides, return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if v}
+    with open_dict(cfg):  # no Hydra run directory here: the run's folder is results/analysis/run/<name>
+        del cfg["hydra"]
+        cfg.name = run_name(cfg, choices, overrides)
+        cfg.output_dir = str(Path(cfg.results_dir) / "analysis" / "run" / cfg.name)
+    check_overrides(cfg, overrides)
+    return cfg
 
 
-def run_compare(cfg: DictConfig) -> dict[str, Any]:
-    """``bench.compare=[A, B, ...]``: the deployed models of several experiments timed in one
-    interleaved run (:func:`vitexp.bench.compare_throughput`) on ``bench.*``'s device, batch and
-    precision. A is the reference: each experiment gets a bench ledger entry with its images/s,
-    its speedup over A (``throughput_ratio``) and A's GMACs over its own (``gmacs_ratio``). The
-    machine's load average before and after goes into the protocol (a shared CPU shows there).
-    Each entry has its own :func:`vitexp.run.owned_run` (no logger: one W&B run per row would split
-    one measurement); one closing JSON line lists them all, also when the timing fails (then each
-    entry is marked failed)."""
-    import contextlib
-    import os
+def heads_config(run: str | None, overrides: list[str]) -> tuple[DictConfig, dict[str, Any]]:
+    """The SAPER run's own config (overrides as ``vitexp-eval`` takes them) and its ledger record."""
+    from vitexp.evaluate import eval_config
 
-    from vitexp.bench import bench_device, compare_throughput
-    from vitexp.build import build_model
-    from vitexp.flops import count_macs
-    from vitexp.run import emit
-
-    names = [str(n) for n in cfg.bench.compare]
-    if len(names) < 2 or len(set(names)) != len(names):
-        raise ConfigError(f"bench.compare: {names} must name at least two different experiments (the first is the reference)")
-    subs = {}
-    for name in names:
-        sub = _compose_experiment(name)
-        with open_dict(sub):
-            sub.output_dir, sub.results_dir, sub.bench, sub.logger = cfg.output_dir, cfg.results_dir, cfg.bench, cfg.logger
-        validate(sub, need_data=False)
-        objective_for(sub).check_timed(sub)
-        subs[name] = sub
-    sizes = {int(sub.backbone.img_size) for sub in subs.values()}
-    if len(sizes) != 1:
-        raise ConfigError(f"bench.compare: the experiments run at different resolutions {sorted(sizes)}")
-    img = sizes.pop()
-    runs: dict[str, Any] = {}  # the owners entered so far: a failure names the entries they started
-    try:
-        with contextlib.ExitStack() as stack:  # one owner per experiment's entry, one closing line for all
-            for name in names:
-                runs[name] = stack.enter_context(owned_run(name, "bench", cfg.results_dir, None, None, emits=False))
-                runs[name].start(to_container(subs[name]))
-            b = cfg.bench
-            device = bench_device(str(b.device))
-            models, gmacs = {}, {}
-            for name, sub in subs.items():
-                model, method, _ = build_model(sub)
-                deployed = method.deploy(model)
-                gmacs[name] = count_macs(deployed, img).gmacs
-                models[name] = deployed.to(device)
-            load_before = os.getloadavg()
-            res = compare_throughput(models, b.batch_size, img, warmup=int(b.warmup), rounds=int(b.rounds),
-                                     iters=int(b.iters), amp=b.amp, progress=True)
-            load_after = os.getloadavg()
-            ref = names[0]
-            for name in names:
-                metrics = {"throughput": res[name]["throughput"], "baseline_throughput": res[ref]["throughput"],
-                           "throughput_ratio": res[name]["throughput"] / res[ref]["throughput"],
-                           "gmacs": gmacs[name], "baseline_gmacs": gmacs[ref], "gmacs_ratio": gmacs[ref] / gmacs[name]}
-                protocol = {"mode": "compare", "interleaved": True, "interleaved_with": names, "reference": ref,
-                            **{k: v for k, v in res[name].items() if k != "throughput"}, "statistic": "median over rounds",
-                            "load_average_1m_before_after": [load_before[0], load_after[0]], "cpu_count": os.cpu_count()}
-                print(f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f} over {ref} "
-                      f"(GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)")
-                runs[name].complete(metrics, protocol)
-            print(f"batch {res[ref]['batch_size']}, {img} px, {res[ref]['device_name']}, {res[ref]['precision']}, "
-                  f"{res[ref]['threads']} threads, load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
-                  f"on {os.cpu_count()} CPUs")
-    except Exception as err:  # each owner marked its entry failed; one closing line names them
-        started = [r for r in runs.values() if r.ledger is not None]
-        emit({"status": "failed", "error": portable_text(f"{type(err).__name__}: {one_line(err)}", cfg.results_dir),
-              "ledger": [portable_path(r.ledger.path, cfg.results_dir) for r in started],
-              "run_id": [r.ledger.run_id for r in started]})
-        err.vitexp_reported = True
-        raise
-    return {"metrics": {n: r.result["metrics"] for n, r in runs.items()},
-            "ledger": [r.result["ledger"] for r in runs.values()],
-            "run_id": [r.result["run_id"] for r in runs.values()], "status": "completed"}
+    if not run:
+        raise ConfigError("vitexp-analyze heads needs --run <SAPER train run id or experiment>")
+    cfg, record = eval_config(run, overrides)
+    with open_dict(cfg):
+        cfg.name = f"{record['experiment']}_heads"
+        cfg.output_dir = str(Path(cfg.results_dir) / "analysis" / "run" / cfg.name)
+    return cfg, record

@@ -262,6 +262,10 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
             if data.get("package") else ""
         _check(root is not None and Path(str(root)).expanduser().is_dir(), "data.root",
                f"dataset root not found: {root}{package}")
+    if "decoder" in data:
+        from vitexp.tensor_images import DECODERS
+
+        _check(data.decoder in DECODERS, "data.decoder", f"{data.decoder!r} is not one of {DECODERS}")
     if "split" in data:
         split = list(data.split)
         _check(len(split) == 3 and all(0 < s < 1 for s in split) and math.isclose(sum(split), 1.0),

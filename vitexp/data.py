@@ -290,35 +290,70 @@ def timm_transforms(data_config: dict[str, Any], train: bool, auto_augment: str 
 
 class ImageFolderDataModule(VitexpDataModule):
     """ImageNet or any ImageFolder dataset: ``<root>/<train_dir>``, ``<root>/<val_dir>``,
-    optional ``<root>/<test_dir>`` (else the val split is the test split)."""
+    optional ``<root>/<test_dir>`` (else the val split is the test split).
+
+    ``decoder``: ``tensor`` (:mod:`vitexp.tensor_images`: ``decode_jpeg`` and transforms v2 on uint8; the
+    default, the faster loader beyond the spread of repeated runs, docs/cluster.md; the training split's
+    batches are normalised and randomly erased on the device by :meth:`on_after_batch_transfer`, the
+    other splits are normalised in the workers, since code reads them outside Lightning's hooks) or
+    ``pil`` (timm's PIL transforms, :func:`timm_transforms`, as the papers' recipes ran)."""
 
     def __init__(self, root: str, name: str = "imagefolder", num_classes: int = 1000, batch_size: int = 128,
                  num_workers: int = 8, train_dir: str = "train", val_dir: str = "val",
                  test_dir: str | None = None, auto_augment: str | None = None, random_erase: float = 0.0,
-                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+                 data_config: dict[str, Any] | None = None, loader_seed: int = 0, decoder: str = "tensor"):
+        from vitexp.tensor_images import DECODERS
+
         super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
+        if decoder not in DECODERS:
+            raise ValueError(f"data.decoder={decoder!r}: valid decoders are {DECODERS}")
         self.root = Path(str(root)).expanduser()
         self.dirs = {"train": train_dir, "val": val_dir, "test": test_dir or val_dir}
         self.auto_augment, self.random_erase = auto_augment, float(random_erase or 0.0)
+        self.decoder = decoder
+        self.device_normalize = None
+
+    def _dataset(self, folder: Path, split: str):
+        """The ImageFolder of ``split`` (``train_eval``: the training images, evaluation transforms)."""
+        from torchvision.datasets import ImageFolder
+
+        train = split == "train"
+        if self.decoder == "pil":
+            tf = timm_transforms(self.data_config, train, self.auto_augment, self.random_erase)
+            return ImageFolder(str(folder), transform=tf)
+        from vitexp.tensor_images import decode_rgb, normalised_eval_transform, tensor_transform
+
+        tf = tensor_transform(self.data_config, True, self.auto_augment) if train else \
+            normalised_eval_transform(self.data_config)
+        return ImageFolder(str(folder), transform=tf, loader=decode_rgb)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        from torchvision.datasets import ImageFolder
-
         _require_dir(self.root, f"{self.name} root")
         sets = {}
         for split, sub in self.dirs.items():
             folder = _require_dir(self.root / sub, f"{self.name} {split} split")
-            tf = timm_transforms(self.data_config, split == "train", self.auto_augment, self.random_erase)
-            sets[split] = ImageFolder(str(folder), transform=tf)
+            sets[split] = self._dataset(folder, split)
             if split == "train":
-                self.train_eval_set = ImageFolder(str(folder), transform=timm_transforms(self.data_config, False))
+                self.train_eval_set = self._dataset(folder, "train_eval")
             if len(sets[split].classes) != self.num_classes:
                 raise ValueError(
                     f"{folder} has {len(sets[split].classes)} class folders but data.num_classes={self.num_classes}"
                 )
         self.train_set, self.val_set, self.test_set = sets["train"], sets["val"], sets["test"]
+        if self.decoder == "tensor":
+            from vitexp.tensor_images import DeviceNormalize
+
+            self.device_normalize = DeviceNormalize(self.data_config["mean"], self.data_config["std"], self.random_erase)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """``decoder=tensor``: a uint8 batch on the device normalised (and erased while training)."""
+        if self.device_normalize is None:
+            return batch
+        x, *rest = batch
+        training = self.trainer is not None and self.trainer.training
+        return [self.device_normalize(x, train=training), *rest]
 
 
 class CIFAR100DataModule(VitexpDataModule):

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from vitexp import PROJECT_ROOT
-from vitexp.ledger import Ledger, LedgerEntry, default_results_dir, marks
+from vitexp.ledger import Ledger, LedgerEntry, copy_entry, default_results_dir, marks
 from vitexp.ledger import fingerprint as fp
 
 REBUILD_KIND, REBUILD_NAME = "rebuild", "rebuild_check"
@@ -146,18 +146,17 @@ def rerun(run: Mapping[str, Any], ledger: Ledger, scratch: Path) -> tuple[dict[s
     commit = (run.get("env") or {}).get("git_commit")
     tree = _checkout(commit, scratch)
     results = scratch / f"results-{run['run_id']}"
-    (results / "runs").mkdir(parents=True, exist_ok=True)
     pinned = str(((run.get("config") or {}).get("backbone") or {}).get("pretrained") or "").removeprefix(fp.RUN_PREFIX)
     start = ledger.get(pinned) if pinned else None
     if start is not None:
-        (results / "runs" / f"{pinned}.json").write_text(json.dumps(start))
+        copy_entry(start, results)
     own = arguments(run) if _has_experiment(commit, run) else config_arguments(run)
     args = [*own, f"hydra.run.dir={scratch / ('out-' + run['run_id'])}"]
     code = (f"import sys; from vitexp.cli import {ENTRY_POINTS[run['kind']]} as main; "
             f"sys.argv = ['vitexp-{run['kind']}', *{args!r}]; main()")
     env = {**os.environ, **RERUN_ENV, "PYTHONPATH": str(tree), "VITEXP_RESULTS": str(results)}
     done = subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True)
-    entries = [json.loads(p.read_text()) for p in sorted((results / "runs").glob("*.json")) if p.stem != pinned]
+    entries = [e for e in Ledger.load(results) if e.get("run_id") != pinned] if results.is_dir() else []
     made = [e for e in entries if e.get("kind") == run["kind"] and e.get("status") == "completed"]
     errors = [line for line in (done.stdout + done.stderr).splitlines() if "rror" in line or "invalid" in line]
     return (made[-1] if made else None), "\n".join(errors[-3:]) or (done.stdout + done.stderr)[-600:]

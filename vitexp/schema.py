@@ -89,6 +89,7 @@ class Data:
     augment: bool
     auto_augment: Optional[str]
     random_erase: float
+    decoder: str
     hflip: float
     translate: int
     generate: Optional[Dict[str, Any]]
@@ -159,6 +160,17 @@ class Eval:
 
 
 @dataclass
+class BenchLoader:
+    root: Optional[str]
+    split: str
+    decoders: List[str]
+    workers: int
+    batches: int
+    train_per_class: int
+    val_per_class: int
+
+
+@dataclass
 class Bench:
     mode: str
     device: str
@@ -169,6 +181,7 @@ class Bench:
     warmup: int
     steps: int
     compare: List[str]
+    loader: BenchLoader
 
 
 @dataclass

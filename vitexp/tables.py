@@ -54,7 +54,7 @@ from vitexp.provenance import provenance_errors
 from vitexp.ledger import (BrokenEntry, Ledger, LedgerError, atomic_write, default_results_dir, effective_status, marks,
                            portable_path)
 from vitexp.ledger.sources import WandbError, write_snapshot
-from vitexp.cost import write_cost
+from vitexp.cost import CostContext, table_cost, write_cost, write_summary
 from vitexp import results_page
 from vitexp.rows import check_rows, composing, expand_rows, row_name, row_query
 from vitexp.run import ArgumentParser
@@ -305,12 +305,13 @@ def main(argv: list[str] | None = None) -> int:
             cache[spec["name"]] = fill({**spec, "skipped_broken": skip}, ledger, overrides)
         return cache[spec["name"]]
 
-    written = {}
+    written, costs, cost_context = {}, {}, CostContext.of(ledger)
     for spec in specs:
         spec = {**spec, "skipped_broken": [str(b) for b in skipped[spec["name"]]]}
         written[spec["name"]] = _write(spec, filled_spec(spec), out_dir)
         print(Path(written[spec["name"]]["md"]).read_text())
-        cost = write_cost(spec, ledger, out_dir)  # GPU-hours from the rows' rehearsals (vitexp.cost)
+        costs[spec["name"]] = table_cost(spec, ledger, cost_context)  # GPU-hours of the rows (vitexp.cost)
+        cost = write_cost(costs[spec["name"]], out_dir)
         if cost is not None:
             written[spec["name"]]["cost"] = str(cost)
             print(cost.read_text())
@@ -333,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if page:  # every spec's verdict, filled from the same ledger (vitexp.results_page)
         claims = [(name, claim_text(name)) for name in protocols.verdict_files()]
         results_page.write([load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir, claims)
+        every_cost = [costs.get(n) or table_cost(load_spec(n), ledger, cost_context) for n in all_specs()]
+        write_summary(every_cost, ledger=ledger)  # docs/cluster.md's generated section "What each table costs"
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
     logs = args.log_wandb is not None or bool(args.wandb)

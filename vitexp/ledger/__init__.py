@@ -35,7 +35,7 @@ __all__ = ["Ledger", "LedgerEntry", "LedgerError", "BrokenEntry", "RowQuery", "I
            "FINAL_STATUSES", "KINDS", "STATUSES", "RUN_WEIGHTS_PREFIX", "atomic_write", "atomic_write_json",
            "default_results_dir", "effective_status", "environment", "local_path", "machine_load", "new_run_id",
            "portable_path", "portable_paths", "portable_text", "resolve_weights", "run_seed", "seeded_name",
-           "weights_run", "load_entry", "KeptWeightsError", "keep", "kept_path", "sha256", "weights_file"]
+           "weights_run", "load_entry", "copy_entry", "KeptWeightsError", "keep", "kept_path", "sha256", "weights_file"]
 
 
 def load_entry(run_id: str, results_dir: Path | str | None = None) -> dict[str, Any] | None:
@@ -47,6 +47,16 @@ def load_entry(run_id: str, results_dir: Path | str | None = None) -> dict[str, 
     from vitexp.ledger.packs import packed_record
 
     return packed_record(Path(results_dir) if results_dir else default_results_dir(), run_id)
+
+
+def copy_entry(record: dict[str, Any], results_dir: Path | str) -> Path:
+    """Write ``record`` as an entry of the results root ``results_dir`` (atomically), so a command run
+    there finds it (a rerun's pinned start); the entry's path."""
+    from vitexp.ledger.paths import atomic_write_json
+
+    path = Path(results_dir) / "runs" / f"{record['run_id']}.json"
+    atomic_write_json(path, record)
+    return path
 
 
 def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger | None = None) -> dict[str, Any]:

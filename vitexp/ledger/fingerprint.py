@@ -22,9 +22,9 @@ Decisions:
 - ``backbone.pretrained: run:<run_id>`` (what validation pins ``run:<experiment>`` to) is read as
   ``run:<experiment>``: each run pins the newest run of its start anew, and which one it loaded is
   the table's concern (:meth:`vitexp.ledger.Ledger.start_of`), not the configuration's.
-- A group that only one objective reads (:data:`OBJECTIVE_GROUPS`: ``detector``, read by
-  ``objective=detect``) is left out of every other run's fingerprint: a classification run is the
-  same whatever its Mask R-CNN settings.
+- A group that only one objective reads (its plug-in's ``config_groups``:
+  :func:`vitexp.objectives.group_owners`) is left out of every other run's fingerprint: a
+  classification run is the same whatever the settings of another objective's group.
 - Keys whose values reach a run only through the interpolations of other keys (:data:`INTERPOLATED`:
   the per-backbone BSPF defaults ``bspf_spec.*``, before them ``backbone.bspf.*``, which method=bspf
   and chunk read as ``${bspf_spec.chunk_size}``) are left out: the keys that read them are recorded
@@ -59,9 +59,6 @@ EXCLUDED = (
     "eval.flops", "eval.throughput", "eval.throughput_batch", "eval.throughput_iters", "trainer.num_sanity_val_steps",
     "bench", "*._target_",
 )
-#: {config group: the objective that reads it}; any other run's fingerprint leaves the group out
-#: (a test checks this against the groups each objective declares, :mod:`vitexp.objectives`).
-OBJECTIVE_GROUPS: dict[str, str] = {"detector": "detect"}
 #: Keys read only through interpolations in other keys, which the config records resolved.
 INTERPOLATED = ("bspf_spec", "backbone.bspf")
 #: Keys that moved: {old dotted key: (today's dotted key, {old value: today's value} or ``None``: the
@@ -152,13 +149,22 @@ def _has(config: Mapping[str, Any], key: str) -> bool:
     return True
 
 
+@lru_cache(maxsize=1)
+def _group_owners() -> dict[str, str]:
+    """{config group: the objective whose plug-in owns it} (imported here, not at the top: the
+    plug-ins' declarations need nothing of the ledger, and the ledger loads first)."""
+    from vitexp.objectives import group_owners
+
+    return group_owners()
+
+
 def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
                experiment_of: Callable[[str], str] | None = None) -> dict[str, Any]:
     """``config`` with moved keys where they lie today (:data:`MOVED`), without ``exclusions``, the
-    keys of :data:`INTERPOLATED` and the groups of another objective (:data:`OBJECTIVE_GROUPS`), a
+    keys of :data:`INTERPOLATED` and the groups of another objective (:func:`_group_owners`), a
     pinned ``backbone.pretrained: run:<run_id>`` read as ``run:<experiment>`` (what :func:`digest` hashes)."""
     objective = str(config.get("objective") or "auto")
-    others = (g for g, o in OBJECTIVE_GROUPS.items() if o != objective)
+    others = (g for g, o in _group_owners().items() if o != objective)
     kept = strip(moved(config), (*exclusions, *INTERPOLATED, *others))
     backbone = kept.get("backbone")
     ref = str((backbone or {}).get("pretrained") or "") if isinstance(backbone, Mapping) else ""
@@ -172,7 +178,7 @@ def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
 #: is counted and timed without the file), and whatever says only how the model would be trained:
 #: the ``recipe`` and the recipe a method carries for the probes it trains (``method.probe``). Every
 #: key that builds the model (the backbone, the method, the budget, the data's resolution and classes,
-#: the detector) still separates them.
+#: the groups of its objective) still separates them.
 WEIGHTLESS_KINDS = ("flops", "bench")
 WEIGHTLESS_EXCLUDED = (*EXCLUDED, "backbone.pretrained", "recipe", "method.probe")
 
@@ -183,22 +189,25 @@ def _lapsum_folded(recorded: Mapping[str, Any]) -> bool:
     return recorded.get("method.selection", "lapsum") == "lapsum"
 
 
-#: Options added with a default that is NOT what runs before them did: {dotted key: (the methods it
-#: applies to, the value a run without the key had, or a function of the run's recorded leaves that
-#: gives it)}. A training run recorded without such a key is read as having had that value
+#: Options added with a default that is NOT what runs before them did: {dotted key: (the choices of
+#: its group it applies to (the ``name`` of ``method`` or ``data``), the value a run without the key
+#: had, or a function of the run's recorded leaves that gives it)}. A training run recorded without such a key is read as having had that value
 #: (:func:`differences`), so that, e.g., SAPER's one-stage runs (before ``method.recover_epochs``: no
 #: recovery) never fill a two-stage row, nor its LapSum runs that folded their gates a row of today's
-#: unfolded start. Every other key a run lacks is read at its group file's default.
+#: unfolded start, nor a run that read its JPEGs with PIL (before ``data.decoder``) a row of today's
+#: tensor decoder. Every other key a run lacks is read at its group file's default.
 CHANGED_DEFAULTS: dict[str, tuple[tuple[str, ...], Any]] = {
     "method.recover_epochs": (("saper_ft", "saper_kd"), 0),
     "method.straight_through": (("saper_ft", "saper_kd"), False),
     "method.fold_gates": (("saper_ft", "saper_kd"), _lapsum_folded),
+    "data.decoder": (("imagenet", "imagefolder"), "pil"),
 }
 
 
-def _method_name(config: Mapping[str, Any]) -> str | None:
-    method = config.get("method")
-    return method.get("name") if isinstance(method, Mapping) else None
+def _choice(config: Mapping[str, Any], key: str) -> str | None:
+    """The ``name`` of the group ``key`` lies in (``method.x``: the method's)."""
+    group = config.get(key.split(".", 1)[0])
+    return group.get("name") if isinstance(group, Mapping) else None
 
 
 def _text(value: Any) -> str:
@@ -226,10 +235,10 @@ def differences(recorded: Mapping[str, Any], today: Mapping[str, Any],
     old = flattened(recorded, weightless, experiment_of)
     new = today_flat if today_flat is not None else flattened(today, weightless, experiment_of)
     out = {k for k, v in old.items() if new.get(k) != v}
-    method = _method_name(moved(recorded))
+    groups = moved(recorded)
     for key in new.keys() - old.keys():
-        methods, was = CHANGED_DEFAULTS.get(key, ((), NO_DEFAULT))
-        if weightless or method not in methods:
+        choices, was = CHANGED_DEFAULTS.get(key, ((), NO_DEFAULT))
+        if weightless or _choice(groups, key) not in choices:
             was = default_of(key) if default_of is not None else NO_DEFAULT
         if callable(was):
             was = was(leaves(recorded))

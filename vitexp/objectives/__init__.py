@@ -49,4 +49,10 @@ def config_schemas() -> dict[str, type]:
     return {group: schema for name in OBJECTIVES for group, schema in _load(name).config_groups.items()}
 
 
-__all__ = ["OBJECTIVES", "OBJECTIVE_CHOICES", "Count", "Objective", "config_schemas", "objective_for"]
+def group_owners() -> dict[str, str]:
+    """{config group: the ``objective`` choice whose plug-in owns it}: a run of another objective
+    leaves the group out of its fingerprint (:mod:`vitexp.ledger.fingerprint`)."""
+    return {group: name for name in OBJECTIVES for group in _load(name).config_groups}
+
+
+__all__ = ["OBJECTIVES", "OBJECTIVE_CHOICES", "Count", "Objective", "config_schemas", "group_owners", "objective_for"]

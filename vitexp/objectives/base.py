@@ -113,6 +113,11 @@ class Objective(abc.ABC):
         :data:`vitexp.cost.DATASETS`)."""
         return None
 
+    def cost_anchor(self, config: Mapping[str, Any]) -> str | None:
+        """The ``conf/cost.yaml`` anchor a row of this objective is timed from (:mod:`vitexp.cost`);
+        ``None``: its backbone's. Default: ``None``."""
+        return None
+
     def check_timed(self, cfg: DictConfig) -> None:
         """Raise :class:`~vitexp.errors.ConfigError` when ``vitexp-bench`` cannot time this
         objective's model (a forward on a batch of images at ``backbone.img_size``). Default: it can."""

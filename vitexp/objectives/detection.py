@@ -112,6 +112,11 @@ class Detection(Objective):
             return None
         return {"train": int(generate["n_train"]), "val": int(generate["n_val"]), "test": int(generate["n_val"])}
 
+    def cost_anchor(self, config: Mapping[str, Any]) -> str | None:
+        """A published detector's training time (torchvision's Mask R-CNN R50-FPN;
+        :mod:`vitexp.detection.reference` counts it as a row is counted)."""
+        return "maskrcnn_r50_fpn"
+
     def check_timed(self, cfg) -> None:
         raise ConfigError("objective=detect: vitexp-bench times a model on a batch of images at backbone.img_size; "
                           "a detector's throughput is not measured (its RoI heads' time depends on its detections): "

@@ -41,6 +41,17 @@ def _batch_size(batch: Any) -> int | None:
     return None
 
 
+def flop_counting() -> tuple[ExitStack, Any]:
+    """(an entered ``ExitStack``, its ``FlopCounterMode``): torch's FLOP counter with the math kernel of
+    ``scaled_dot_product_attention`` (module docstring); close the stack to stop counting."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    stack = ExitStack()
+    stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+    return stack, stack.enter_context(FlopCounterMode(display=False))
+
+
 def _sync(module: L.LightningModule) -> None:
     if module.device.type == "cuda":
         torch.cuda.synchronize(module.device)
@@ -82,12 +93,7 @@ class StepMeter(Callback):
             return
         stage["batch"] = _batch_size(batch)
         if self.count_flops and stage["train_gflops"] is None and not stage.get("counted"):
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            from torch.utils.flop_counter import FlopCounterMode
-
-            self._counting = ExitStack()
-            self._counting.enter_context(sdpa_kernel(SDPBackend.MATH))
-            self._counter = self._counting.enter_context(FlopCounterMode(display=False))
+            self._counting, self._counter = flop_counting()
         _sync(pl_module)
         self._t0 = time.perf_counter()
 

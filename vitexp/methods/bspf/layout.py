@@ -12,7 +12,7 @@
 Both layouts run the same token counts through the same layers, so their MACs are identical; the
 one-off reordering is a gather (no MACs).
 
-A grid the chunks do not tile (SHViT's stages at a detector's 1280 × 800: a 25 × 40 grid and 4 × 4
+A grid the chunks do not tile (SHViT's stages on 1280 × 800 COCO canvases: a 25 × 40 grid and 4 × 4
 windows) is padded, not given up: :func:`padded_chunks` (used by the SHViT token stages, whose grid
 is known only at each call) pads the grid to whole windows (the sequence to whole chunks for
 ``raster``), and each chunk holds its real tokens first, in window order, then empty slots

@@ -21,7 +21,7 @@ Decisions (docs/reading-backbones.md, SHViT):
   never used again. The stage hands the next stage's downsampling (and the head, or a feature
   pyramid) the restored grid.
 - **Chunks follow the grid**: the layout is decided from each call's grid. Where the windows do
-  not tile it (the grids of a detector's 1280 × 800 images), the grid is padded to whole windows
+  not tile it (the grids of 1280 × 800 COCO canvases), the grid is padded to whole windows
   and each window's chunk holds its real tokens, then empty slots (docs/reading-bspf.md, "Chunks on
   any grid"; :func:`~vitexp.methods.bspf.layout.padded_chunks`). The tokens stay a sequence of real
   tokens only: the GroupNorm, the 1×1 convolutions and their BatchNorm, the FFN and the pruner's

@@ -1,0 +1,108 @@
+"""The loader side of a row's cost: how fast its data loader prepares images, and how many workers it
+gets on a cluster node.
+
+- **Rate**: images per second per worker of the row's transform (its split, resolution, RandAugment,
+  random erasing) and decoder (``data.decoder``): the median over the completed ``vitexp-bench
+  bench.mode=loader`` runs that timed that transform (each run's own figure the median of its rounds) (:mod:`vitexp.loader_bench`: the worker's CPU
+  time, i.e. one dedicated core). A row whose data has no decoder (CIFAR-100 from memory, COCO,
+  Fashion-MNIST) has no measured rate: its loader is not counted, which its cost table says.
+- **Workers**: ``min(data.num_workers, cpus_per_task − main_process_cores)``: the SLURM task's cores
+  (``conf/hydra/launcher/slurm.yaml``) less the training process's own (``conf/cost.yaml``).
+- **Which decoder is faster** (:func:`decoder_verdicts`): over the repeated bench runs of one transform,
+  a decoder wins when its slowest run (median of its rounds) beats every other decoder's fastest run: a
+  margin beyond the spread between repeated runs. ``data.decoder``'s default is the winner, else ``pil``.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+
+@functools.lru_cache(maxsize=1)
+def cpus_per_task() -> int:
+    """``cpus_per_task`` of vitexp's SLURM launcher config (one task per GPU)."""
+    import yaml
+
+    from vitexp import CONF_DIR
+
+    return int(yaml.safe_load((CONF_DIR / "hydra" / "launcher" / "slurm.yaml").read_text())["cpus_per_task"])
+
+
+def workers(config: Mapping[str, Any], cpus: int, main_cores: int) -> int:
+    """Loader workers a row gets per GPU: ``min(data.num_workers, cpus − main_cores)``, at least 1."""
+    return max(1, min(int((config.get("data") or {}).get("num_workers") or 0) or cpus, cpus - main_cores))
+
+
+@dataclass(frozen=True)
+class LoaderRate:
+    """Images/s per worker of one transform and decoder: the median over the bench runs that measured it
+    (``runs``), and the lowest and highest of their medians."""
+
+    per_worker: float
+    low: float
+    high: float
+    decoder: str
+    runs: tuple[str, ...]
+    cpu: str
+
+
+def transform_key(config: Mapping[str, Any], split: str) -> tuple | None:
+    """What a loader's rate depends on: (split, resolution, RandAugment, random erasing), the last two
+    for the training split only; ``None`` for data without a decoder (not an image folder)."""
+    data = config.get("data") or {}
+    if "decoder" not in data:
+        return None
+    img = int((config.get("backbone") or {}).get("img_size") or 224)
+    if split == "train":
+        return ("train", img, data.get("auto_augment") or None, float(data.get("random_erase") or 0.0))
+    return ("eval", img, None, 0.0)
+
+
+def _bench_key(protocol: Mapping[str, Any]) -> tuple:
+    train = protocol.get("split") == "train"
+    return (protocol.get("split"), int(protocol.get("img_size") or 0),
+            (protocol.get("auto_augment") or None) if train else None,
+            float(protocol.get("random_erase") or 0.0) if train else 0.0)
+
+
+def loader_runs(ledger) -> list[dict[str, Any]]:
+    """The completed ``bench.mode=loader`` runs of ``ledger``, oldest first."""
+    if ledger is None:
+        return []
+    return [r for r in ledger if r.get("kind") == "bench" and r.get("status") == "completed"
+            and (r.get("protocol") or {}).get("mode") == "loader"]
+
+
+def rate_for(config: Mapping[str, Any], split: str, runs: Iterable[Mapping[str, Any]]) -> LoaderRate | None:
+    """The row's rate for ``split`` (module docstring), or ``None`` (not measured)."""
+    key = transform_key(config, split)
+    if key is None:
+        return None
+    decoder = str(config["data"]["decoder"])
+    found = [(run, float((run.get("metrics") or {})[f"{decoder}_images_per_s_per_worker"])) for run in runs
+             if _bench_key(run.get("protocol") or {}) == key
+             and (run.get("metrics") or {}).get(f"{decoder}_images_per_s_per_worker")]
+    if not found:
+        return None
+    rates = [rate for _, rate in found]
+    return LoaderRate(statistics.median(rates), min(rates), max(rates), decoder, tuple(r["run_id"] for r, _ in found),
+                      str((found[-1][0].get("protocol") or {}).get("cpu") or "?"))
+
+
+def decoder_verdicts(runs: Iterable[Mapping[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """{transform key: {runs: [run ids], medians: {decoder: [per-run median images/s per worker]}, winner}}
+    over the loader benches ``runs`` (module docstring); ``winner`` is ``None`` with fewer than two runs."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for run in runs:
+        protocol, metrics = run.get("protocol") or {}, run.get("metrics") or {}
+        entry = out.setdefault(_bench_key(protocol), {"runs": [], "medians": {}})
+        entry["runs"].append(run["run_id"])
+        for d in protocol.get("decoders") or []:
+            entry["medians"].setdefault(d, []).append(float(metrics[f"{d}_images_per_s_per_worker"]))
+    for entry in out.values():
+        m, entry["winner"] = entry["medians"], None
+        if len(entry["runs"]) >= 2:
+            entry["winner"] = next((d for d, v in m.items() if all(min(v) > max(w) for o, w in m.items() if o != d)), None)
+    return out
