@@ -17,7 +17,7 @@ from vitexp.objectives import objective_for
 from vitexp.run import owned_run
 
 #: ``bench.mode`` choices.
-BENCH_MODES = ("throughput", "overhead", "loader", "train_step")
+BENCH_MODES = ("throughput", "overhead", "loader", "train_step", "demo")
 
 
 def run_bench(cfg: DictConfig) -> dict[str, Any]:
@@ -26,7 +26,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     Lightning's per-step overhead against a plain PyTorch loop on the same model and batches.
     ``bench.mode=loader``: the row's training (or evaluation) loader, images/s per worker for each
     decoder (:mod:`vitexp.loader_bench`). ``bench.mode=train_step``: training images/s of the
-    configured model on its device (:func:`vitexp.bench.measure_train_step`)."""
+    configured model on its device (:func:`vitexp.bench.measure_train_step`). ``bench.mode=demo``:
+    the first command a newcomer runs, ``vitexp-train``, timed as they run it (:func:`_run_demo`)."""
     if cfg.bench.mode == "throughput" and cfg.bench.get("compare"):
         from vitexp.run import emit
 
@@ -40,6 +41,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
             _run_loader(cfg, run)
         elif cfg.bench.mode == "train_step":
             _run_train_step(cfg, run)
+        elif cfg.bench.mode == "demo":
+            _run_demo(cfg, run)
         else:
             _run_model_timing(cfg, run)
     return run.result
@@ -203,6 +206,59 @@ def _run_train_step(cfg: DictConfig, run) -> None:
     print(f"{cfg.name}: {metrics['train_images_per_s']:.1f} training images/s on {res['device_name']} "
           f"(batch {batch}, {res['precision']}, {int(cfg.backbone.img_size)} px)")
     run.complete(metrics, {"mode": "train_step", **res, "threads": torch.get_num_threads()})
+
+
+def _run_demo(cfg: DictConfig, run) -> None:
+    """``bench.mode=demo``: ``vitexp-train`` with no arguments (the digits demo; ``bench.demo_args``
+    appends overrides, e.g. a shorter recipe) in a fresh process,
+    its results in a scratch folder that is then removed, as a newcomer runs it. Two numbers: the
+    demo's ``fit_time_s`` (its own closing line) and the rest of the command's wall clock
+    (interpreter start, imports, composition, building, test, FLOPs count, throughput timing,
+    ledger writes), with the machine's load before and after; its top-1 beside them, so a faster
+    demo that learns less shows."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from vitexp.ledger import Ledger, machine_load
+
+    validate(cfg, need_data=False, need_trainer=False)
+    run.start(to_container(cfg))
+    scratch = Path(tempfile.mkdtemp(prefix="vitexp-demo-bench-"))
+    try:
+        env = {**os.environ, "VITEXP_RESULTS": str(scratch / "results")}
+        extra = [str(a) for a in (cfg.bench.get("demo_args") or [])]
+        command = [sys.executable, "-m", "vitexp.cli", "train", *extra, f"hydra.run.dir={scratch / 'outputs'}"]
+        load_before = machine_load()
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - started
+        load_after = machine_load()
+        lines = done.stdout.strip().splitlines()
+        closing = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+        if done.returncode != 0 or closing.get("status") != "completed":
+            raise RuntimeError(f"the demo did not complete (exit {done.returncode}): "
+                               + (one_line(RuntimeError(done.stderr.strip()[-400:])) or "no output"))
+        demo = closing["metrics"]
+        child = next(iter(Ledger.load(scratch / "results")), {})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    fit = float(demo["fit_time_s"])
+    metrics = {"demo_wall_s": wall, "demo_fit_s": fit, "demo_overhead_s": wall - fit, "top1": float(demo["top1"]),
+               "epochs": int(demo["epochs"]), "steps": int(demo["steps"])}
+    protocol = {"mode": "demo", "command": " ".join(["vitexp-train", *extra]) + " (results in a scratch folder)",
+                "wall": "process start to exit", "overhead": "wall - fit_time_s",
+                "load_before": load_before, "load_after": load_after,
+                "demo_threads": ((child.get("env") or {}).get("load") or {}).get("threads"),
+                "cpu": _cpu_model(), "demo_commit": (child.get("env") or {}).get("git_commit")}
+    print(f"{cfg.name}: vitexp-train took {wall:.1f} s: fit {fit:.1f} s, the rest {wall - fit:.1f} s "
+          f"(top-1 {metrics['top1']:.2f}; load {load_before['loadavg']} -> {load_after['loadavg']} on "
+          f"{load_before['cpus']} CPUs)")
+    run.complete(metrics, protocol)
 
 
 def _compose_experiment(name: str) -> DictConfig:

@@ -301,6 +301,9 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
     ``resumable`` run (training) keeps ``run.json`` in its folder and continues its entry.
     ``emits=False``: the caller prints the closing line (one command owning several runs, such as
     ``bench.compare``, closes with one line naming them all)."""
+    from vitexp.cpus import fit_threads
+
+    fit_threads()  # torch's threads no more than the CPUs this process may use (vitexp.cpus)
     run = Run(name, kind, results_dir, output_dir, logger_cfg, resume, job_type, resumable)
     restore = _catch_signals(run)
     stopped_by: str | None = None

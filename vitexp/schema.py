@@ -180,6 +180,7 @@ class Bench:
     iters: int
     warmup: int
     steps: int
+    demo_args: List[str]
     compare: List[str]
     loader: BenchLoader
 
