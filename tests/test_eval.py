@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -122,7 +123,11 @@ def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, re
     assert artifact.type == "model" and list(artifact.manifest.entries) == ["weights.pth"]
     assert artifact.metadata["run_id"] == trained["run_id"] and artifact.metadata["metrics"]["top1"] == trained["metrics"]["top1"]
     offline_run = local_path(entry["wandb_url"].removeprefix("offline:"), results_dir).parent
-    assert name.encode() in next(offline_run.glob("run-*.wandb")).read_bytes()  # kept for wandb sync
+    # kept for wandb sync; W&B's service process may still be writing the file after finish() returns
+    deadline = time.monotonic() + 60
+    while name.encode() not in next(offline_run.glob("run-*.wandb")).read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert name.encode() in next(offline_run.glob("run-*.wandb")).read_bytes()
 
     weights = tmp_path / "downloaded.pth"
     shutil.copy(tmp_path / "run" / "weights.pth", weights)
