@@ -26,15 +26,17 @@ def _relation(c: Mapping[str, Any]) -> str:
     if a["relation"] == "published":
         return f"`{a['name']}` published time ({a['gpu']}{shown} not applied)"
     if a["relation"] == "flops-only":
-        return f"**FLOPs-only** at `{a['name']}`'s FLOPs rate{shown}"
+        return f"**FLOPs-only** at `{a['name']}`'s FLOPs rate ({a['train_tflops']:.0f} TFLOP/s of training on the {c['gpu']}){shown}"
     return f"`{a['name']}` ({a['relation']}{shown})"
 
 
 def _loader_cell(c: Mapping[str, Any]) -> str:
-    rate = c["loader"]["train"]
+    """The loader's hours and the rate behind them: the training transform's, or for a row that only
+    evaluates (a k-NN bank) the evaluation transform's."""
+    rate = c["loader"]["train"] if c["stages"] else c["loader"]["eval"]
     if rate is None:
-        return "not measured" if c["stages"] else "—"
-    return f"{hours(c['loader_hours'])} ({c['workers']} × {rate.per_worker:.0f}/s)"
+        return "not measured"
+    return f"{hours(c['loader_hours'])} ({c['workers']} × {rate.per_worker:.0f}/s{'' if c['stages'] else ', eval'})"
 
 
 def render_cost(cost: Mapping[str, Any]) -> str:
@@ -85,8 +87,9 @@ def _notes(cost: Mapping[str, Any]) -> list[str]:
         out.append(f"- Loader not measured for {len(unmeasured)} row(s), GPU time only: "
                    + ", ".join(part for part in (
                        f"{images} on image folders whose transform no `vitexp-bench bench.mode=loader` has timed" if images else "",
-                       f"{other} whose data has no JPEG decoder (CIFAR-100 from memory, COCO, Fashion-MNIST): "
-                       "their loaders are not benchmarked" if other else "") if part) + ".")
+                       f"{other} on data `bench.mode=loader` does not time (it times image folders only; COCO "
+                       "decodes its JPEGs with PIL and builds masks, CIFAR-100 and Fashion-MNIST load from memory): "
+                       "the CPU cores these rows need per GPU are not known" if other else "") if part) + ".")
     return out
 
 

@@ -10,7 +10,8 @@ the counted FLOPs of one training step per image) and for its evaluation:
   row's transform was timed; else not counted (the table says so).
 - The phase costs the larger of the two; the row is **loader-bound** when that makes it cost more than
   its GPU time. **Workers to keep one GPU busy** = ⌈GPU images/s ÷ images/s per worker⌉ of the row's
-  busiest training stage; the CPU cores per GPU it needs are those plus the training process's.
+  busiest training stage (of its evaluation, for a row that only evaluates: a k-NN bank); the CPU cores
+  per GPU it needs are those plus the training process's.
 
 Images: training = a stage's epochs × the training split; evaluation = the validation split after every
 epoch of every stage, the test split once, and for a k-NN row (:data:`KNN_METHODS`) the training split
@@ -125,6 +126,8 @@ def row_cost(config: Mapping[str, Any], rehearsal: Mapping[str, Any], ctx: CostC
     eval_gpu_s = seconds_per_image(anchor.anchor, fwd if scaled else anchor.anchor.forward_gflops, ctx.gpu,
                                    ctx.factors, train=False)
     evaluation = _phase(eval_images, eval_gpu_s, 1.0 / (eval_rate.per_worker * given) if eval_rate else None)
+    if not stages and eval_rate:  # an evaluation-only row (a k-NN bank): the workers its forward passes need
+        needed = math.ceil(1.0 / eval_gpu_s / eval_rate.per_worker)
     phases = [*stages.values(), evaluation]
     hours, gpu_hours = sum(p["hours"] for p in phases), sum(p["gpu_hours"] for p in phases)
     loader_counted = [p["loader_hours"] for p in phases if p["loader_hours"] is not None]
@@ -134,7 +137,9 @@ def row_cost(config: Mapping[str, Any], rehearsal: Mapping[str, Any], ctx: CostC
             "workers": given, "workers_needed": needed or None, "cores_needed": needed + ctx.main_cores if needed else None,
             "loader": {"train": train_rate, "eval": eval_rate}, "decoder": (config.get("data") or {}).get("decoder"),
             "anchor": {"name": anchor.anchor.name, "relation": anchor.relation, "source": anchor.anchor.source,
-                       "scaled": scaled, "flops_ratio": ratios, "gpu": anchor.anchor.gpu},
+                       "scaled": scaled, "flops_ratio": ratios, "gpu": anchor.anchor.gpu,
+                       "train_tflops": anchor.anchor.train_gflops / 1000 / seconds_per_image(
+                           anchor.anchor, anchor.anchor.train_gflops, ctx.gpu, ctx.factors)},
             "basis": "measured" if measured else "anchored", "device": str(m.get("device") or "cpu"),
             "rehearsal": rehearsal["run_id"], "finished": str(rehearsal.get("finished") or "")[:10]}
 
