@@ -64,7 +64,7 @@ SlurmdPort=$node_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$socket
+AuthInfo=socket=$socket,cred_expire=10
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -75,7 +75,8 @@ JobRequeue=1
 ReturnToService=2
 KillWait=10
 MinJobAge=600
-SchedulerType=sched/backfill
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
