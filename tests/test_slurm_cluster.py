@@ -204,9 +204,9 @@ def test_the_sbatch_template_as_written(slurm_cluster, tmp_path):
     results = tmp_path / "results"
     env = slurm_cluster.env(results)
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")  # the guide's paths are the checkout's; the jobs' files stay here
-    submitted = [run_doc("sbatch scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=2", env=env, cwd=tmp_path,
+    submitted = [run_doc("sbatch scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=3", env=env, cwd=tmp_path,
                          timeout=60),
-                 run_doc("sbatch --ntasks-per-node=2 scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=2 "
+                 run_doc("sbatch --ntasks-per-node=2 scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=3 "
                          "trainer=ddp_cpu", env=env, cwd=tmp_path, timeout=60)]
     assert all(done.returncode == 0 for done in submitted), [done.stderr for done in submitted]
     ids = [re.search(r"Submitted batch job (\d+)", done.stdout).group(1) for done in submitted]
