@@ -48,13 +48,22 @@ def test_raptor_stages_run_under_ddp_cpu(results_dir, tmp_path):
     assert m["steps"] == 16
 
 
-def _fixed_model_on_two_processes_and_one(results_dir, tmp_path, make_cfg, data: list[str]) -> tuple[dict, dict]:
-    """The metrics of a fixed model (method=knn: the frozen backbone, no training) on the synthetic
-    data ``data`` under trainer=ddp_cpu and on one process."""
+#: A model that training leaves as it was built (the same seed: the same weights on 2 processes and on
+#: one): a classifier trained one epoch at learning rate 1e-30 (no schedule, no warm-up; recipe.lr must be
+#: > 0), a step far below float32's resolution of its outputs.
+FROZEN_CLASSIFIER = ["backbone=vit_micro", "method=baseline", "budget=none", "recipe.lr=1e-30", "recipe.sched=none",
+                     "recipe.warmup_epochs=0", "recipe.epochs=1", "recipe.batch_size=4"]
+
+
+def _fixed_model_on_two_processes_and_one(results_dir, tmp_path, make_cfg, data: list[str],
+                                          model: list[str] | None = None) -> tuple[dict, dict]:
+    """The metrics of a fixed model (``model``; default method=knn: the frozen backbone, no training) on
+    the synthetic data ``data`` under trainer=ddp_cpu and on one process."""
     from vitexp.train import train
 
-    overrides = ["backbone=dinov2_micro", "method=knn", "budget=none", "method.knn_features=cls_mean",
-                 "data=synthetic", *data, "data.noise=1.5", "recipe.batch_size=32", "logger=none",
+    model = model or ["backbone=dinov2_micro", "method=knn", "budget=none", "method.knn_features=cls_mean",
+                      "recipe.batch_size=32"]
+    overrides = [*model, "data=synthetic", *data, "data.noise=1.5", "logger=none",
                  "trainer.enable_progress_bar=false", "eval.flops=false", "eval.throughput=false"]
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "vitexp-train"), "trainer=ddp_cpu", *overrides, f"hydra.run.dir={tmp_path / 'ddp'}"],
@@ -79,10 +88,24 @@ def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp
 
 @pytest.mark.slow  # a second classification DDP run (test_ddp_cpu_two_processes_one_ledger_entry is the default one)
 def test_test_split_of_seven_images_counts_each_once_under_ddp(results_dir, tmp_path, make_cfg):
-    """7 test images on 2 processes: a padding sampler (Lightning's default ``DistributedSampler``)
-    scores 8, image 0 twice, which moves top-1 from k/7 to (k ± 1)/8 unless k is 0 or 7; the
-    unpadded evaluation sampler (:func:`vitexp.data.eval_sampler`) scores each image once, as one
-    process does (seen to fail with the padding sampler: 62.5 against 57.14)."""
+    """7 test images (and 5 validation images) on 2 processes: a padding sampler (Lightning's default
+    ``DistributedSampler``) scores 8, image 0 twice, which moves top-1 from k/7 to (k ± 1)/8 unless k is
+    0 or 7; the unpadded evaluation sampler (:func:`vitexp.data.eval_sampler`) scores each image once, as
+    one process does (seen to fail with the padding sampler: 62.5 against 57.14). The losses are means
+    over the split's images (torchmetrics' ``MeanMetric``): Lightning's ``sync_dist`` mean of the ranks'
+    batch means gives another number when the ranks hold 4 and 3 images (seen to fail: test loss 2.6695
+    against 2.2881 on one process)."""
+    data = ["data.num_train=16", "data.num_val=5", "data.num_test=7"]
+    ddp, single = _fixed_model_on_two_processes_and_one(results_dir, tmp_path, make_cfg, data, FROZEN_CLASSIFIER)
+    for key in ("top1", "top5", "val_top1"):
+        assert ddp[key] == single[key], key
+    for key in ("test_loss", "val_loss"):
+        assert single[key] is not None and ddp[key] == pytest.approx(single[key], rel=1e-6, abs=0), key
+
+
+@pytest.mark.slow
+def test_knn_top1_on_seven_test_images_under_ddp_equals_one_process(results_dir, tmp_path, make_cfg):
+    """The same 7 test images scored by k-NN (method=knn), whose top-1 is neither 0 nor 100 %."""
     ddp, single = _fixed_model_on_two_processes_and_one(
         results_dir, tmp_path, make_cfg, ["method.knn_k=20", "data.num_train=96", "data.num_val=5", "data.num_test=7"])
     assert 0 < single["top1"] < 100, single["top1"]  # at 0 or 100 % a repeated image changes nothing

@@ -138,3 +138,31 @@ def test_a_multirun_ends_with_one_summary_line(results_dir, tmp_path):
     assert not summary["multirun"].startswith("/")  # relative to the results root: no machine path in a closing line
     assert (results_dir / summary["multirun"]).resolve().parent == (tmp_path / "multirun").resolve()
     assert "Error executing job" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("trainer, asked", [
+    (["trainer=cpu"], {"gpus_per_node": None, "tasks_per_node": 1, "cpus_per_task": 1, "mem_gb": 4}),
+    (["trainer=ddp_cpu"], {"gpus_per_node": None, "tasks_per_node": 2, "cpus_per_task": 1, "mem_gb": 4}),
+    (["trainer=ddp", "trainer.devices=8"], {"gpus_per_node": 8, "tasks_per_node": 8, "cpus_per_task": 10, "mem_gb": 64}),
+    (["trainer=ddp", "trainer.devices=8", "hydra.launcher.cpus_per_task=16"],
+     {"gpus_per_node": 8, "tasks_per_node": 8, "cpus_per_task": 16, "mem_gb": 64}),
+])
+def test_a_slurm_jobs_resources_follow_its_trainer(trainer, asked, monkeypatch, capsys):
+    """The CPU demo asks no GPU (the guide's first sweep runs as written on a CPU partition); DDP on GPUs
+    asks one task per GPU; a launcher override wins (vitexp.slurm.resources)."""
+    from vitexp import cli
+
+    monkeypatch.setattr(sys, "argv", ["vitexp-train", "--cfg", "hydra", "--resolve", "hydra/launcher=slurm", *trainer])
+    cli.train_main()
+    launcher = yaml.safe_load(capsys.readouterr().out)["hydra"]["launcher"]
+    assert {k: launcher[k] for k in asked} == asked
+
+
+def test_gpu_ddp_under_slurm_needs_a_gpu_count():
+    from omegaconf import OmegaConf
+
+    from vitexp.errors import ConfigError
+    from vitexp.slurm import resources
+
+    with pytest.raises(ConfigError, match=r"trainer.devices=auto .*trainer.devices=8"):
+        resources(OmegaConf.create({"accelerator": "gpu", "devices": "auto", "strategy": "ddp"}))

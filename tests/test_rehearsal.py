@@ -199,6 +199,10 @@ def test_only_names_rows_and_a_spent_budget_starts_none(results_dir, tmp_path):
                          budget_s=0)
     assert out["status"] == "partial" and out["not_reached"] == ["deit_small_baseline+rehearsal", "bspf_deit_small+rehearsal"]
     assert ledger_entries(results_dir) == []
+    # 100 s left but a row may take its timeout, 300 s: it is not started (seen to fail when the budget
+    # only stopped rows from starting once spent: the row ran)
+    out = rehearse_table(spec, Settings(), results_dir, tmp_path, only=["deit_small_baseline"], budget_s=100, timeout=300)
+    assert out["not_reached"] == ["deit_small_baseline+rehearsal"] and ledger_entries(results_dir) == []
 
 
 @pytest.mark.parametrize("overrides, named", [(["data=digits"], "data=digits is not synthetic"),

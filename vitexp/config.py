@@ -94,6 +94,9 @@ if not OmegaConf.has_resolver("vitexp_stamp"):
     OmegaConf.register_new_resolver("vitexp_stamp", run_stamp)
 if not OmegaConf.has_resolver("vitexp_job"):  # ${vitexp_job:trainer.num_nodes} in the hydra node
     OmegaConf.register_new_resolver("vitexp_job", lambda key, *, _root_: _job_value(key, _root_))
+if not OmegaConf.has_resolver("vitexp_slurm"):  # ${vitexp_slurm:gpus_per_node}: a job's resources by its trainer
+    OmegaConf.register_new_resolver(
+        "vitexp_slurm", lambda key, *, _root_: __import__("vitexp.slurm").slurm.resources(_job_value("trainer", _root_))[key])
 
 #: Groups whose choice defines what a run is (a change renames the run).
 IDENTITY_GROUPS = ("backbone", "method", "budget", "data", "recipe")

@@ -3,6 +3,10 @@ never knows which method produced it.
 
 ``classify``: cross-entropy (label smoothing, or soft targets under timm's Mixup/CutMix),
 timm optimizer and scheduler, torchmetrics top-1/top-5 (synced across DDP ranks).
+Validation and test losses are per-image means over the whole split under any number of processes:
+torchmetrics' ``MeanMetric`` sums loss × images and images on each rank and reduces both sums as
+floats (Lightning's ``sync_dist`` mean of batch means divides by an integer batch count, wrong when
+ranks hold unequal shares of a split).
 ``distill``: feature distillation with k-NN evaluation (SAPER). ``raptor``: one stage of
 RAPTOR's surrogate training. All register in :data:`OBJECTIVE_MODULES`.
 """
@@ -16,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitexp.errors import NonFiniteLossError
@@ -111,6 +116,14 @@ class ClassifyModule(ObjectiveModule):
         for split in ("val", "test"):
             setattr(self, f"{split}_top1", MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro"))
             setattr(self, f"{split}_top5", MulticlassAccuracy(num_classes=self.num_classes, top_k=top_k, average="micro"))
+            setattr(self, f"{split}_loss", MeanMetric())
+
+    def log_eval_loss(self, split: str, loss: torch.Tensor, images: int, **kwargs: Any) -> None:
+        """``<split>/loss``: the mean over every image of the split, on all ranks together (module docstring);
+        ``loss`` is the batch's mean over its ``images``."""
+        metric = getattr(self, f"{split}_loss")
+        metric.update(loss.detach().float(), weight=images)
+        self.log(f"{split}/loss", metric, on_step=False, on_epoch=True, **kwargs)
 
     # -- steps ---------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
@@ -132,7 +145,7 @@ class ClassifyModule(ObjectiveModule):
         top1, top5 = getattr(self, f"{split}_top1"), getattr(self, f"{split}_top5")
         top1.update(logits, y)
         top5.update(logits, y)
-        self.log(f"{split}/loss", loss, prog_bar=split == "val", on_epoch=True, sync_dist=True)
+        self.log_eval_loss(split, loss, len(y), prog_bar=split == "val")
         self.log(f"{split}/top1", top1, prog_bar=True, on_epoch=True)
         self.log(f"{split}/top5", top5, on_epoch=True)
 
@@ -233,7 +246,7 @@ class DistillModule(ClassifyModule):
         self._eval_feats.append(self(x).detach())
         self._eval_labels.append(y)
         if hasattr(self.model, "distill_targets"):
-            self.log(f"{split}/loss", self.distill_loss(x), on_epoch=True, sync_dist=True)
+            self.log_eval_loss(split, self.distill_loss(x), len(x))
 
     def gather_shards(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's ``t`` (n_r, ...), concatenated in rank order; the n_r may differ
@@ -303,8 +316,7 @@ class RaptorStageModule(ClassifyModule):
         return loss
 
     def _eval_step(self, batch, split: str) -> None:
-        loss = self.model.stage_loss(batch[0], self.stage, 1.0)
-        self.log(f"{split}/loss", loss, prog_bar=True, on_epoch=True, sync_dist=True)
+        self.log_eval_loss(split, self.model.stage_loss(batch[0], self.stage, 1.0), len(batch[0]), prog_bar=True)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """``recipe.grad_clip`` clips the norm of each of the model's ``clip_groups(stage)`` on

@@ -312,7 +312,7 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
         run.result = run._close()
     except BaseException as err:
         payload = run._fail(err)  # the entry is closed before SLURM's requeue kills the job
-        if run.requeued:
+        if run.requeued and run.signal == "SIGUSR1":  # (submitit's SIGUSR2 has requeued the job itself)
             from vitexp import slurm
 
             answer = slurm.requeue()  # every rank asks: a rank stuck in a collective cannot stop the others'
@@ -369,7 +369,7 @@ def _catch_signals(run: Run):
     (``sbatch --signal=USR1@<s>``): the run ends ``interrupted`` as under SIGTERM, its entry closed
     first, then every rank asks SLURM to requeue the job (:func:`vitexp.slurm.requeue`); the requeued job runs the same command in the same
     folder and ``resume=auto`` continues it (:mod:`vitexp.slurm`). SIGUSR2, submitit's signal, stays
-    submitit's (``hydra/launcher=slurm`` requeues through it)."""
+    submitit's (``hydra/launcher=slurm`` requeues through it), noted first (:func:`vitexp.slurm.note_submitit_requeue`)."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     from vitexp import slurm
@@ -378,15 +378,16 @@ def _catch_signals(run: Run):
     previous = {s: signal.getsignal(s) for s in caught}
 
     def handler(signum, frame):
-        run.signal = signal.Signals(signum).name
+        run.signal = run.signal or signal.Signals(signum).name  # SLURM's SIGTERM after a requeue keeps the first
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         if signum == signal.SIGUSR1:
             run.requeued = slurm.command()  # asked once the entry is closed (owned_run)
         raise Interrupted(run.signal)
 
-    for s in previous:
+    for s in list(previous):
         signal.signal(s, handler)
+    previous.update(slurm.note_submitit_requeue(run))
 
     def restore() -> None:
         for s, h in previous.items():

@@ -19,12 +19,23 @@ Decisions:
   (:func:`vitexp.config.run_stamp`), which the requeued job (same id) finds again; with
   ``hydra.run.dir`` set, the same folder is whatever it names.
 - Hydra's submitit launcher (``hydra/launcher=slurm``) warns with SIGUSR2 and requeues through
-  submitit itself; vitexp leaves SIGUSR2 to it.
+  submitit itself: submitit's handler pickles the job again, runs ``scontrol requeue`` and raises
+  ``SystemExit(-1)`` inside the run (rank 0; other ranks return and go on until SLURM stops them).
+  :func:`note_submitit_requeue` wraps that handler so the run notes the signal first: the entry then
+  closes ``interrupted`` (``SIGUSR2``, ``requeued``: submitit's requeue), never ``failed``, and vitexp
+  asks SLURM nothing itself. Where submitit declines (timed out too often, not checkpointable) the run
+  is still ``interrupted``, with no ``requeued``.
+
+A job's resources under ``hydra/launcher=slurm`` follow its trainer (:func:`resources`): a GPU
+trainer asks one task and 10 CPUs per GPU (``trainer.devices`` GPUs per node, 64 GB); a CPU trainer
+asks no GPU, one CPU per task and 4 GB, one task per DDP process (``trainer=ddp_cpu``: 2), so the
+CPU demo never holds a GPU node. ``hydra.launcher.<key>=...`` overrides any of them.
 """
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 
 
@@ -62,3 +73,44 @@ def plugins() -> list:
     from lightning.pytorch.plugins.environments import SLURMEnvironment
 
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
+
+#: What a run interrupted by submitit's SIGUSR2 records under ``requeued``.
+SUBMITIT_REQUEUE = "submitit: checkpoint and scontrol requeue"
+
+
+def note_submitit_requeue(run) -> dict:
+    """Inside a SLURM job whose SIGUSR2 handler is submitit's, wrap it (module docstring): the run's
+    ``signal`` and ``requeued`` are set before submitit requeues and exits. Returns ``{SIGUSR2:
+    submitit's handler}`` for the caller to restore (empty when nothing was wrapped)."""
+    previous = signal.getsignal(signal.SIGUSR2)
+    if job_id() is None or not callable(previous) or "submitit" not in getattr(previous, "__module__", ""):
+        return {}
+
+    def handler(signum, frame):
+        run.signal, run.requeued = "SIGUSR2", SUBMITIT_REQUEUE
+        try:
+            previous(signum, frame)
+        except Exception:  # submitit declined to requeue (UncompletedJobError): the run stops, not requeued
+            run.requeued = None
+            raise
+        run.signal = run.requeued = None  # returned: a rank other than 0, which submitit leaves running
+
+    signal.signal(signal.SIGUSR2, handler)
+    return {signal.SIGUSR2: previous}
+
+
+def resources(trainer) -> dict:
+    """The SLURM resources of one job of ``trainer`` (its config: ``accelerator``, ``devices``,
+    ``strategy``), the keys of ``conf/hydra/launcher/slurm.yaml`` that follow it (module docstring)."""
+    from vitexp.errors import ConfigError
+
+    accelerator, devices = str(trainer.get("accelerator", "cpu")), trainer.get("devices", 1)
+    count = len(devices) if isinstance(devices, (list, tuple)) else int(devices) if str(devices).isdigit() else None
+    if accelerator in ("gpu", "cuda"):
+        if count is None:
+            raise ConfigError(f"trainer.devices={devices} with hydra/launcher=slurm: give the GPUs per node as a "
+                              "number (trainer.devices=8), as many tasks as GPUs are started on each node")
+        return {"gpus_per_node": count, "tasks_per_node": count, "cpus_per_task": 10, "mem_gb": 64}
+    tasks = count if count and str(trainer.get("strategy", "auto")).startswith("ddp") else 1
+    return {"gpus_per_node": None, "tasks_per_node": tasks, "cpus_per_task": 1, "mem_gb": 4}

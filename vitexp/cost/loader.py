@@ -22,12 +22,11 @@ from typing import Any, Iterable, Mapping
 
 @functools.lru_cache(maxsize=1)
 def cpus_per_task() -> int:
-    """``cpus_per_task`` of vitexp's SLURM launcher config (one task per GPU)."""
-    import yaml
+    """``cpus_per_task`` that vitexp's SLURM launcher asks for a GPU job (one task per GPU:
+    :func:`vitexp.slurm.resources`)."""
+    from vitexp.slurm import resources
 
-    from vitexp import CONF_DIR
-
-    return int(yaml.safe_load((CONF_DIR / "hydra" / "launcher" / "slurm.yaml").read_text())["cpus_per_task"])
+    return int(resources({"accelerator": "gpu", "devices": 1, "strategy": "ddp"})["cpus_per_task"])
 
 
 def workers(config: Mapping[str, Any], cpus: int, main_cores: int) -> int:

@@ -8,7 +8,8 @@ Decisions:
   :func:`vitexp.ledger.paths.atomic_write`; run ids carry a random suffix, so concurrent runs never collide.
 - A closed entry is never overwritten: closing twice raises. The one exception is a resumed run
   (``resume=auto|true``), which reopens its own unfinished entry (:meth:`LedgerEntry.reopen`): the
-  earlier attempt moves to ``attempts`` with its times, its fit seconds per stage and how it ended;
+  earlier attempt moves to ``attempts`` with its times, its fit seconds per stage and how it ended
+  (and how SLURM requeued it, ``requeued``);
   an attempt whose process died without closing the entry (SIGKILL, a lost node) is closed there
   as ``interrupted``. The run's ``fit_time_s`` and ``wall_time_s`` are then sums over its attempts:
   each attempt records its seconds so far with every beat and at its close
@@ -194,6 +195,8 @@ class LedgerEntry:
             raise RuntimeError(f"ledger entry {self.path} is completed; finished results are never overwritten")
         self.run_dir = Path(run_dir) if run_dir else self.run_dir
         previous = {k: self.record.get(k) for k in ("started", "finished", "status", "error", "signal")}
+        if self.record.get("requeued"):  # how the attempt was requeued (vitexp.slurm): the attempt's, not the run's
+            previous["requeued"] = self.record.pop("requeued")
         previous["env"] = {k: (self.record.get("env") or {}).get(k) for k in ("hostname", "pid")}
         previous["fit_time_s"] = dict(self.record.get("attempt_fit_time_s") or {})
         if previous["status"] == "running":  # its process died without closing it

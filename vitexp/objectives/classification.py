@@ -32,8 +32,10 @@ class Classification(Objective):
                 f"{prefix}test_loss": logged.get("test/loss")}
 
     def validation_metrics(self, logged: Mapping[str, float], prefix: str) -> dict[str, Any]:
-        """``<prefix>val_top1`` (None for a stage that validates no accuracy: RAPTOR's distillation)."""
-        return {f"{prefix}val_top1": 100.0 * logged["val/top1"] if "val/top1" in logged else None}
+        """``<prefix>val_top1`` (None for a stage that validates no accuracy: RAPTOR's distillation) and
+        ``<prefix>val_loss`` (None where the model has no loss to validate: a deployed k-NN model)."""
+        return {f"{prefix}val_top1": 100.0 * logged["val/top1"] if "val/top1" in logged else None,
+                f"{prefix}val_loss": logged.get("val/loss")}
 
     def measured(self, cfg, deployed, data_config):
         return deployed

@@ -57,7 +57,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rehearse-only", default=None, metavar="NAME,...",
                         help="rehearse only the rows recorded under these names (default: every row)")
     parser.add_argument("--rehearse-budget-s", type=float, default=None,
-                        help="start no row after this many seconds; the rows not reached are listed (status partial)")
+                        help="start no row that could not end (--rehearse-timeout) inside this many seconds; the rows "
+                             "not reached are listed (status partial)")
 
 
 def settings_from(args) -> Settings:
@@ -166,8 +167,8 @@ def rehearse_table(spec: dict[str, Any], settings: Settings, results_dir: Path, 
                    timeout: float = DEFAULT_TIMEOUT_S, only: Sequence[str] | None = None,
                    budget_s: float | None = None) -> dict[str, Any]:
     """Rehearse every runnable row of ``spec`` (module docstring), or those whose ledger names are in
-    ``only``; no row starts after ``budget_s`` seconds (those left are ``not_reached``, status
-    ``partial``). Returns the closing line's object."""
+    ``only``; no row starts that could not end inside ``budget_s`` seconds, each row's worst case being
+    ``timeout`` (those left are ``not_reached``, status ``partial``). Returns the closing line's object."""
     from vitexp.ledger import Ledger
     from vitexp.ledger.entry import short_name
 
@@ -184,7 +185,7 @@ def rehearse_table(spec: dict[str, Any], settings: Settings, results_dir: Path, 
                                "batch": settings.batch or "recipe", "steps": settings.steps,
                                "rows": {}, "skipped": {}, "failed": [], "not_reached": []}
     for job in jobs:
-        if budget_s is not None and time.monotonic() - start > budget_s and not dry_run:
+        if budget_s is not None and budget_s - (time.monotonic() - start) < timeout and not dry_run:  # its worst case
             summary["not_reached"].append(job.name)
             continue
         done = None if force or job.config is None else _already(job, settings, ledger)
