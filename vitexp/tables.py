@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         claims = [(name, claim_text(name)) for name in protocols.verdict_files()]
         results_page.write([load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir, claims)
         every_cost = [costs.get(n) or table_cost(load_spec(n), ledger, cost_context) for n in all_specs()]
-        write_summary(every_cost, ledger=ledger)  # docs/cluster.md's generated section "What each table costs"
+        if page == results_page.DEFAULT_PAGE:  # the project's own ledger: docs/cluster.md's generated section
+            write_summary(every_cost, ledger=ledger)  # "What each table costs" (another ledger's page has none)
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
     logs = args.log_wandb is not None or bool(args.wandb)
