@@ -57,13 +57,14 @@ PY
 fi
 export PYTHONPATH="$PWD/.gpu_site:$PWD" VITEXP_RESULTS="${OUT:-/tmp}/results" PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 left() { echo $(( budget - (SECONDS - start) )); }
-# row WORST_S command...: runs the command (vitexp: under `timeout WORST_S`) when WORST_S fits in what is left
+# row WORST_S command...: runs the command when WORST_S fits in what is left (vitexp: SIGTERM at WORST_S - 10,
+# SIGKILL 10 s later; a rehearsal: vitexp-sweep stops each of its rows at --rehearse-timeout, so WORST_S counts its rows)
 row() {
   local worst=$1; shift
   if [ "$(left)" -lt "$worst" ]; then echo "gpu_check: skipped, needs up to ${worst} s, $(left) s left: $*"; return 0; fi
   if [ "$dry" = 1 ]; then echo "gpu_check: would run (up to ${worst} s, $(left) s left): $*"; start=$(( start - worst )); return 0; fi
   if declare -F "$1" >/dev/null; then "$@"; return; fi  # rehearse: vitexp-sweep bounds its own rows
-  timeout "$worst" "$@" logger=none 2>&1 | grep -v -i warn | tail -4 | cut -c1-1500
+  timeout -k 10 "$(( worst - 10 ))" "$@" logger=none 2>&1 | grep -v -i warn | tail -4 | cut -c1-1500  # SIGKILL 10 s after SIGTERM
 }
 vx=(python3 -m vitexp.cli)
 if [ "$dry" = 0 ]; then  # the device first: nothing starts on a machine that cannot run it
@@ -97,7 +98,7 @@ PY
   rehearse() { "${vx[@]}" sweep "$@" --rehearse --rehearse-batch 0 --rehearse-steps 3 --rehearse-timeout "$per_row" \
       --rehearse-dir "${OUT:-/tmp}/rehearsal" 2>&1 | grep '^vitexp-sweep: rehearsal\|^{' | cut -c1-400; }
   row "$per_row" rehearse bspf_table1 --rehearse-only deit_tiny_baseline --rehearse-trainer ddp
-  row "$per_row" rehearse saper_table1 --rehearse-only saper_kd_vits14_k6_in1k,raptor_vits14_k2_in1k --rehearse-trainer ddp
+  row "$(( 2 * per_row ))" rehearse saper_table1 --rehearse-only saper_kd_vits14_k6_in1k,raptor_vits14_k2_in1k --rehearse-trainer ddp
   row "$per_row" rehearse bspf_coco --rehearse-only maskrcnn_shvit_s4_coco --rehearse-trainer ddp
   for table in bspf_table1 bspf_table2 bspf_coco saper_table1 bspf_table6 bspf_table7 bspf_table8 peers_deit_small saper_table2 demo; do
     row "$per_row" rehearse "$table" --rehearse-trainer gpu --rehearse-budget-s "$(( $(left) - 10 ))"

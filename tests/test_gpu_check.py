@@ -40,3 +40,12 @@ def test_a_row_with_31_s_left_is_skipped():
     """The issue's case: 31 s of budget left and a row that may run 300 s."""
     (first, *_) = dry_run("2", 31)
     assert first[0] == "skip" and first[2] == 31
+
+
+def test_a_rehearsal_of_two_rows_counts_both_worst_cases():
+    """saper_table1's DDP rehearsal runs two rows, each stopped at REHEARSE_ROW_S (150 s): its worst
+    case is 300 s, so it does not start with 299 s left."""
+    rows = dry_run("rehearse", 10_000)
+    assert [worst for _, worst, _ in rows[:3]] == [150, 300, 150]
+    skipped = dry_run("rehearse", 150 + 299)
+    assert skipped[0][0] == "run" and skipped[1] == ("skip", 300, 299)
