@@ -96,14 +96,14 @@ def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_ru
     (entry,) = [e for e in entries if e["run_id"] == resumed["run_id"]]
     assert len(entries) == 2 and entry["run_id"] == first[0]["run_id"] and entry["status"] == "completed"
     assert entry["attempts"][0]["status"] == "failed" and "preempted" in entry["attempts"][0]["error"]
-    assert first[0]["resumed_from"] is None and entry["attempts"][0]["resumed_from"] is None
-    ckpt = portable_path(tmp_path / "split" / "checkpoints" / "last.ckpt", results_dir)
-    assert entry["resumed_from"] == {"main": {"checkpoint": ckpt, "epoch": 1, "global_step": 2}}  # 32 images, batch 16
-    assert [e["resumed_from"] for e in entries if e["run_id"] != entry["run_id"]] == [None]  # the uninterrupted run
     assert entry["wandb_id"] == json.loads((tmp_path / "split" / "run.json").read_text())["wandb_id"]
     assert resumed["metrics"]["steps"] == whole["steps"]
     assert resumed["metrics"]["top1"] == pytest.approx(whole["top1"]) and \
         resumed["metrics"]["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-6)
+    assert first[0]["resumed_from"] is None and entry["attempts"][0]["resumed_from"] is None
+    ckpt = portable_path(tmp_path / "split" / "checkpoints" / "last.ckpt", results_dir)
+    assert entry["resumed_from"] == {"main": {"checkpoint": ckpt, "epoch": 1, "global_step": 2}}  # 32 images, batch 16
+    assert [e["resumed_from"] for e in entries if e["run_id"] != entry["run_id"]] == [None]  # the uninterrupted run
 
 
 def test_resume_refuses_a_folder_that_holds_another_run(make_cfg, results_dir, tmp_path):

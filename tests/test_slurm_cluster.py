@@ -82,12 +82,12 @@ def assert_requeued_once(entry: dict, signal: str, expected: dict) -> None:
     with the same metrics)."""
     assert [a["status"] for a in entry["attempts"]] == ["interrupted"], entry["attempts"]
     assert entry["attempts"][0]["signal"] == signal
+    for key in COMPARED:
+        assert entry["metrics"][key] == pytest.approx(expected[key], rel=1e-6, abs=0), key
     assert entry["attempts"][0]["resumed_from"] is None  # the first attempt started fresh
     resumed = (entry["resumed_from"] or {}).get("main")
     assert resumed and resumed["checkpoint"] == f"{entry['output_dir']}/checkpoints/last.ckpt", entry["resumed_from"]
     assert 0 < resumed["epoch"] <= 3 and resumed["global_step"] == 4 * resumed["epoch"], resumed  # 64 images, batch 16
-    for key in COMPARED:
-        assert entry["metrics"][key] == pytest.approx(expected[key], rel=1e-6, abs=0), key
 
 
 def test_the_guides_local_cluster_runs_jobs(slurm_cluster, tmp_path):
