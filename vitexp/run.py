@@ -147,7 +147,7 @@ class Run:
         self.lock = None
         self.signal: str | None = None
         self.requeued: str | None = None  # the requeue SIGUSR1 asks SLURM for (vitexp.slurm)
-        self.closing = False  # from the first line of _close or _fail: signals noted in deferred (vitexp.runsignals)
+        self.entry_closing = False  # from the first line of _close or _fail: signals noted in deferred (vitexp.runsignals)
         self.deferred: list[str] = []
 
     # -- opening ----------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class Run:
     def _close(self) -> dict[str, Any]:
         from vitexp.logging_utils import finish, log_final, wandb_url
 
-        self.closing = True
+        self.entry_closing = True
         if self._closing is None:
             raise RuntimeError(f"{self.kind} run {self.name} ended without run.complete(...)")
         c = self._closing
@@ -275,7 +275,7 @@ class Run:
             c["record"]["artifacts"] = {**artifacts, "wandb_model": reference}
 
     def _fail(self, err: BaseException) -> dict[str, Any]:
-        self.closing = True
+        self.entry_closing = True
         from vitexp.logging_utils import finish
 
         invalid = isinstance(err, ConfigError) and self.ledger is None

@@ -7,7 +7,7 @@
   SIGUSR2, submitit's signal, stays submitit's, noted first (:func:`vitexp.slurm.note_submitit_requeue`).
   Lightning would turn them into ``SystemExit(1)``; the note (``run.signal``, the first signal
   only) is what closes the entry ``interrupted``.
-- A run that is closing its entry (``run.closing``: from the first line of ``Run._close`` or
+- A run that is closing its entry (``run.entry_closing``: from the first line of ``Run._close`` or
   ``Run._fail`` until the handlers are restored) is not stopped again: SIGTERM, SIGUSR1 and SIGUSR2
   are only noted in ``run.deferred``. SLURM sends them in bursts: ``scontrol requeue`` (submitit's
   under SIGUSR2, vitexp's after SIGUSR1) ends the job with SIGTERM to the batch step and srun's
@@ -37,7 +37,7 @@ class Interrupted(BaseException):
 
 def deferred(run: Any, signum: int) -> bool:
     """Whether ``run`` is closing and ``signum`` is one it notes (in ``run.deferred``) instead of raising."""
-    if not getattr(run, "closing", False) or signum not in DEFERRED_WHILE_CLOSING:
+    if not getattr(run, "entry_closing", False) or signum not in DEFERRED_WHILE_CLOSING:
         return False
     run.deferred.append(signal.Signals(signum).name)
     return True

@@ -90,7 +90,7 @@ def note_submitit_requeue(run) -> dict:
         return {}
 
     def handler(signum, frame):
-        if run.closing:  # the entry is closing (completed, or interrupted by a first signal): noted, no requeue
+        if run.entry_closing:  # the entry is closing (completed, or interrupted by a first signal): noted, no requeue
             run.deferred.append("SIGUSR2")  # (vitexp.runsignals)
             return
         run.signal, run.requeued = "SIGUSR2", SUBMITIT_REQUEUE
