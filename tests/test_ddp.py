@@ -55,10 +55,20 @@ FROZEN_CLASSIFIER = ["backbone=vit_micro", "method=baseline", "budget=none", "re
                      "recipe.warmup_epochs=0", "recipe.epochs=1", "recipe.batch_size=4"]
 
 
+def assert_same_bank(ddp: dict, single: dict, images: int) -> None:
+    """Two k-NN memory banks as the ledger's protocol records them (``knn_bank``:
+    :func:`vitexp.module.bank_summary`) are one bank of the training split's ``images``: the same size,
+    the same images per label, and the same sum of feature magnitudes up to float32 rounding across
+    batchings (rel 1e-6; one image twice or swapped for another moves it by about 1/``images``)."""
+    assert ddp["size"] == single["size"] == images, (ddp["size"], single["size"])
+    assert ddp["labels"] == single["labels"] and sum(single["labels"].values()) == images
+    assert ddp["feature_abs_sum"] == pytest.approx(single["feature_abs_sum"], rel=1e-6, abs=0)
+
+
 def _fixed_model_on_two_processes_and_one(results_dir, tmp_path, make_cfg, data: list[str],
                                           model: list[str] | None = None) -> tuple[dict, dict]:
-    """The metrics of a fixed model (``model``; default method=knn: the frozen backbone, no training) on
-    the synthetic data ``data`` under trainer=ddp_cpu and on one process."""
+    """The ledger entries of a fixed model (``model``; default method=knn: the frozen backbone, no training)
+    on the synthetic data ``data`` under trainer=ddp_cpu and on one process."""
     from vitexp.train import train
 
     model = model or ["backbone=dinov2_micro", "method=knn", "budget=none", "method.knn_features=cls_mean",
@@ -70,18 +80,22 @@ def _fixed_model_on_two_processes_and_one(results_dir, tmp_path, make_cfg, data:
         capture_output=True, text=True, cwd=tmp_path, env=cli_env(results_dir), timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    single = train(make_cfg(overrides, tmp_path / "single"))["metrics"]
+    single = train(make_cfg(overrides, tmp_path / "single"))
     ddp, one = sorted(ledger_entries(results_dir), key=lambda e: -e["metrics"]["world_size"])
     assert ddp["metrics"]["world_size"] == 2 and one["metrics"]["world_size"] == 1
-    return ddp["metrics"], single
+    assert one["run_id"] == single["run_id"]
+    return ddp, one
 
 
 def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp_path, make_cfg):
     """The k-NN memory bank under DDP holds each training image once (301 images: a padding
-    sampler would repeat one, and a bank encoded whole on every rank would hold each twice), so a
-    fixed model (method=knn: the frozen backbone) scores the same top-1 on 2 processes as on one."""
+    sampler would repeat one, and a bank encoded whole on every rank would hold each twice): the
+    bank recorded in the protocol is one process's (:func:`assert_same_bank`), and a fixed model
+    (method=knn: the frozen backbone) scores the same top-1 on 2 processes as on one."""
     ddp, single = _fixed_model_on_two_processes_and_one(
         results_dir, tmp_path, make_cfg, ["method.knn_k=50", "data.num_train=301", "data.num_val=16", "data.num_test=64"])
+    assert_same_bank(ddp["protocol"]["knn_bank"], single["protocol"]["knn_bank"], 301)
+    ddp, single = ddp["metrics"], single["metrics"]
     assert 20 < single["top1"] < 100  # the features carry the classes (chance: 10 %), so duplicates change votes
     assert ddp["top1"] == single["top1"] and ddp["top5"] == single["top5"]
 
@@ -96,7 +110,8 @@ def test_test_split_of_seven_images_counts_each_once_under_ddp(results_dir, tmp_
     batch means gives another number when the ranks hold 4 and 3 images (seen to fail: test loss 2.6695
     against 2.2881 on one process)."""
     data = ["data.num_train=16", "data.num_val=5", "data.num_test=7"]
-    ddp, single = _fixed_model_on_two_processes_and_one(results_dir, tmp_path, make_cfg, data, FROZEN_CLASSIFIER)
+    ddp, single = (e["metrics"] for e in _fixed_model_on_two_processes_and_one(results_dir, tmp_path, make_cfg, data,
+                                                                               FROZEN_CLASSIFIER))
     for key in ("top1", "top5", "val_top1"):
         assert ddp[key] == single[key], key
     for key in ("test_loss", "val_loss"):
@@ -108,5 +123,7 @@ def test_knn_top1_on_seven_test_images_under_ddp_equals_one_process(results_dir,
     """The same 7 test images scored by k-NN (method=knn), whose top-1 is neither 0 nor 100 %."""
     ddp, single = _fixed_model_on_two_processes_and_one(
         results_dir, tmp_path, make_cfg, ["method.knn_k=20", "data.num_train=96", "data.num_val=5", "data.num_test=7"])
+    assert_same_bank(ddp["protocol"]["knn_bank"], single["protocol"]["knn_bank"], 96)
+    ddp, single = ddp["metrics"], single["metrics"]
     assert 0 < single["top1"] < 100, single["top1"]  # at 0 or 100 % a repeated image changes nothing
     assert ddp["top1"] == single["top1"]

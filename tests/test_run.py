@@ -78,7 +78,11 @@ class _CrashAtEpoch:
 
 
 def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_run(make_cfg, results_dir, tmp_path):
-    """The fast variant: a run stopped at epoch 1, then the same config again with resume=auto."""
+    """The fast variant: a run stopped at epoch 1, then the same config again with resume=auto. The
+    same seed trained again from scratch would end with the same metrics: the second attempt's
+    ``resumed_from`` (the first attempt's checkpoint, 1 epoch and 2 steps done) is what shows it resumed
+    (seen to fail with ``last.ckpt`` ignored)."""
+    from vitexp.ledger import portable_path
     from vitexp.train import train
 
     over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
@@ -96,6 +100,10 @@ def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_ru
     assert resumed["metrics"]["steps"] == whole["steps"]
     assert resumed["metrics"]["top1"] == pytest.approx(whole["top1"]) and \
         resumed["metrics"]["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-6)
+    assert first[0]["resumed_from"] is None and entry["attempts"][0]["resumed_from"] is None
+    ckpt = portable_path(tmp_path / "split" / "checkpoints" / "last.ckpt", results_dir)
+    assert entry["resumed_from"] == {"main": {"checkpoint": ckpt, "epoch": 1, "global_step": 2}}  # 32 images, batch 16
+    assert [e["resumed_from"] for e in entries if e["run_id"] != entry["run_id"]] == [None]  # the uninterrupted run
 
 
 def test_resume_refuses_a_folder_that_holds_another_run(make_cfg, results_dir, tmp_path):

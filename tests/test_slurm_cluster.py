@@ -18,7 +18,7 @@ import pytest
 from conftest import ledger_entries
 from doc_commands import run_doc
 from slurm_cluster import ROOT
-from test_ddp import FROZEN_CLASSIFIER
+from test_ddp import FROZEN_CLASSIFIER, assert_same_bank
 
 pytestmark = pytest.mark.slurm
 
@@ -77,11 +77,17 @@ def uninterrupted(slurm_cluster, tmp_path_factory):
 
 def assert_requeued_once(entry: dict, signal: str, expected: dict) -> None:
     """One entry, completed, its first attempt interrupted by ``signal`` (never failed), the metrics
-    of the uninterrupted run."""
+    of the uninterrupted run; the second attempt resumed from the first's checkpoint with at least one
+    epoch done (``resumed_from``: a requeued job that trained again from scratch, same seed, would end
+    with the same metrics)."""
     assert [a["status"] for a in entry["attempts"]] == ["interrupted"], entry["attempts"]
     assert entry["attempts"][0]["signal"] == signal
     for key in COMPARED:
         assert entry["metrics"][key] == pytest.approx(expected[key], rel=1e-6, abs=0), key
+    assert entry["attempts"][0]["resumed_from"] is None  # the first attempt started fresh
+    resumed = (entry["resumed_from"] or {}).get("main")
+    assert resumed and resumed["checkpoint"] == f"{entry['output_dir']}/checkpoints/last.ckpt", entry["resumed_from"]
+    assert 0 < resumed["epoch"] <= 3 and resumed["global_step"] == 4 * resumed["epoch"], resumed  # 64 images, batch 16
 
 
 def test_the_guides_local_cluster_runs_jobs(slurm_cluster, tmp_path):
@@ -170,7 +176,8 @@ def test_submitit_requeue_on_sigusr2_closes_the_attempt_interrupted(slurm_cluste
 def test_ddp_started_by_srun_equals_one_process_on_odd_splits(slurm_cluster, tmp_path):
     """``--ntasks-per-node=2``: srun starts both ranks and Lightning's SLURM environment joins them
     (gloo, CPU). On 7 test and 5 validation images a frozen classifier's top-1, top-5 and losses, and
-    k-NN on a bank of 301 images, equal one process's."""
+    k-NN on a bank of 301 images, equal one process's, and so does the bank itself (its size, its images per
+    label and the sum of its features, from the runs' protocol ``knn_bank``)."""
     odd = ["data=synthetic", "data.noise=1.5", "data.num_val=5", "data.num_test=7", "logger=none",
            "trainer.enable_progress_bar=false", "eval.flops=false", "eval.throughput=false"]
     knn = ["backbone=dinov2_micro", "method=knn", "budget=none", "method.knn_features=cls_mean", "method.knn_k=50",
@@ -182,13 +189,13 @@ def test_ddp_started_by_srun_equals_one_process_on_odd_splits(slurm_cluster, tmp
             folder = tmp_path / f"{what}_{tasks}"
             jobs[what, tasks] = (folder, sbatch(slurm_cluster, folder, folder / "results", f"--ntasks-per-node={tasks}",
                                                 *odd, *model, f"trainer={trainer}"))
-    metrics = {}
+    metrics, protocol = {}, {}
     for key, (folder, job) in jobs.items():
         info = slurm_cluster.wait(job)
         assert info["JobState"] == "COMPLETED", (folder / f"slurm-{job}.out").read_text()[-3000:]
         entry = one_completed_entry(folder / "results")
         assert entry["metrics"]["world_size"] == key[1]
-        metrics[key] = entry["metrics"]
+        metrics[key], protocol[key] = entry["metrics"], entry["protocol"]
     log = (jobs["classify", 2][0] / f"slurm-{jobs['classify', 2][1]}.out").read_text()
     assert "GLOBAL_RANK: 1" in log  # the second rank, started by srun, joined the group
     for key in ("top1", "top5", "val_top1"):
@@ -197,6 +204,7 @@ def test_ddp_started_by_srun_equals_one_process_on_odd_splits(slurm_cluster, tmp
     for key in ("test_loss", "val_loss"):
         assert metrics["classify", 2][key] == pytest.approx(metrics["classify", 1][key], rel=1e-6, abs=0), key
     assert 20 < metrics["knn", 1]["top1"] < 100  # duplicates in the bank would change its votes
+    assert_same_bank(protocol["knn", 2]["knn_bank"], protocol["knn", 1]["knn_bank"], 301)
 
 
 def test_the_sbatch_template_as_written(slurm_cluster, tmp_path):

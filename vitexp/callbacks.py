@@ -93,6 +93,31 @@ class Heartbeat(Callback):
         self._beat(trainer)
 
 
+class ResumedFrom(Callback):
+    """Records where this attempt's fit of ``stage`` started, on rank zero: the ``checkpoint`` it
+    restored (``None``: a fresh fit, nothing recorded) and the epochs done and global step the trainer
+    stands at once it is restored (:meth:`vitexp.ledger.LedgerEntry.resumed`). What a same-seed run
+    trained again from scratch cannot fake: its metrics would be the resumed run's, its record not.
+    Read at the start of training (after the restore); a fit restored past its last epoch trains
+    nothing and is read at its end."""
+
+    def __init__(self, entry: Any, stage: str, checkpoint: str | None):
+        self.entry, self.stage, self.checkpoint = entry, stage, checkpoint
+        self.recorded = False
+
+    def _record(self, trainer: L.Trainer) -> None:
+        if self.recorded or self.checkpoint is None or self.entry is None or not trainer.is_global_zero:
+            return
+        self.recorded = True
+        self.entry.resumed(self.stage, self.checkpoint, trainer.current_epoch, trainer.global_step)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record(trainer)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._record(trainer)
+
+
 class DataOrderMark(Callback):
     """Records the training sampler's order (:data:`vitexp.data.DATA_ORDER`) in every checkpoint and,
     on resume, notes a checkpoint whose epochs another order drew. A checkpoint without the mark was

@@ -169,7 +169,7 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
         raise SystemExit(1) from None
     except SystemExit as exit_:
         code = exit_.code
-    except KeyboardInterrupt:  # Ctrl-C: the run closed its entry ``interrupted`` (vitexp.run._pass_on)
+    except KeyboardInterrupt:  # Ctrl-C: the run closed its entry ``interrupted`` (vitexp.runsignals.pass_on)
         code = 128 + int(signal.SIGINT)
     except Exception as err:  # noqa: BLE001 - Hydra's own: composition, a launcher
         invalid = isinstance(err, (HydraException, OmegaConfBaseException))

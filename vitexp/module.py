@@ -48,6 +48,11 @@ class ObjectiveModule(L.LightningModule):
             total = max(1, int(self.trainer.estimated_stepping_batches))
             self.model.set_progress(min(1.0, self.global_step / total))
 
+    def evaluation_protocol(self) -> dict[str, Any]:
+        """What the last test measured besides its metrics, for the run's ledger ``protocol`` (the
+        k-NN memory bank: :meth:`DistillModule.evaluation_protocol`). Default: nothing."""
+        return {}
+
     def check_finite(self, loss: torch.Tensor, what: str = "training loss") -> torch.Tensor:
         """``loss``, or :class:`NonFiniteLossError` naming where it stopped and what to change."""
         if not torch.isfinite(loss):
@@ -199,6 +204,16 @@ def weighted_knn_votes(features: torch.Tensor, bank: torch.Tensor, bank_labels: 
     return votes.scatter_add_(1, bank_labels[idx], weights)
 
 
+def bank_summary(bank: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    """A k-NN memory bank as the ledger's protocol records it (``knn_bank``): its ``size``, its images
+    per label (``labels``) and the sum of its features' absolute values (``feature_abs_sum``, in float64).
+    An image counted twice or left out changes the size; one swapped for another image changes the
+    sum, and the label counts unless both have one label."""
+    counts = torch.bincount(labels.detach().long().flatten().cpu())
+    return {"size": int(bank.shape[0]), "labels": {str(c): int(n) for c, n in enumerate(counts.tolist()) if n},
+            "feature_abs_sum": float(bank.detach().double().abs().sum())}
+
+
 class DistillModule(ClassifyModule):
     """Feature distillation with k-NN evaluation (SAPER).
 
@@ -212,7 +227,8 @@ class DistillModule(ClassifyModule):
     - Under DDP the memory bank is sharded: rank r encodes the contiguous shard r of the training
       split (``datamodule.train_eval_dataloader(rank, world_size)``, no padding), and the shards,
       of unequal sizes, are gathered in rank order, so the bank holds each image once, in the
-      single-process order.
+      single-process order. The test's bank is recorded in the run's protocol (``knn_bank``:
+      :func:`bank_summary`), so a run under DDP can be compared with one process's bank itself.
     - A model with nothing to train (``method=knn``) gets no optimizer.
     """
 
@@ -224,6 +240,10 @@ class DistillModule(ClassifyModule):
         self.loss_kind, self.knn_k, self.knn_temperature = loss, int(knn_k), float(knn_temperature)
         self._eval_feats: list[torch.Tensor] = []
         self._eval_labels: list[torch.Tensor] = []
+        self.knn_bank: dict[str, Any] | None = None
+
+    def evaluation_protocol(self) -> dict[str, Any]:
+        return {"knn_bank": self.knn_bank} if self.knn_bank is not None else {}
 
     def distill_loss(self, x: torch.Tensor) -> torch.Tensor:
         student, teacher = self.model.distill_targets(x)
@@ -279,6 +299,8 @@ class DistillModule(ClassifyModule):
             return
         feats, labels = torch.cat(feats), torch.cat(labels)
         bank, bank_labels = self.memory_bank()
+        if split == "test":
+            self.knn_bank = bank_summary(bank, bank_labels)
         votes = weighted_knn_votes(feats, bank, bank_labels, self.num_classes, self.knn_k, self.knn_temperature)
         top1, top5 = getattr(self, f"{split}_top1"), getattr(self, f"{split}_top5")
         top1.update(votes, labels)

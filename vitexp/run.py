@@ -12,8 +12,10 @@ JSON line from start to last line, for every command (train, eval, flops, bench,
   (``ledger``, those in an error) are relative to the results root, as the ledger's.
 - SIGINT (Ctrl-C) and SIGTERM close the entry ``interrupted`` with the signal (not ``failed``):
   :func:`owned_run` notes the signal before Lightning turns it into ``SystemExit(1)``, closes the
-  entry, restores the handlers from before the run and raises the signal again (:func:`_pass_on`):
-  the CLI exits 128 + the signal's number, and a caller such as pytest stops as that signal stops it. ``resume=auto`` continues such a run, and a resumed
+  entry, restores the handlers from before the run and raises the signal again
+  (:mod:`vitexp.runsignals`): the CLI exits 128 + the signal's number, and a caller such as pytest
+  stops as that signal stops it. While the entry closes, SLURM's further signals are noted, never
+  raised (:mod:`vitexp.runsignals`). ``resume=auto`` continues such a run, and a resumed
   run's ``fit_time_s`` sums its attempts (:class:`vitexp.ledger.LedgerEntry`).
 - A run folder is owned by one live process (:mod:`vitexp.runlock`): a second process started on
   the same folder is refused (exit 2) before it reads the folder's ``run.json``.
@@ -27,9 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import signal
 import sys
-import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +37,7 @@ from typing import Any, Iterator, Mapping
 
 from vitexp.errors import ConfigError, one_line
 from vitexp.ledger import LedgerEntry, atomic_write_json, portable_path, portable_text
+from vitexp.runsignals import catch_signals, pass_on
 
 RUN_MARKER = "run.json"
 RESUME_MODES = ("false", "true", "auto")
@@ -146,6 +147,8 @@ class Run:
         self.lock = None
         self.signal: str | None = None
         self.requeued: str | None = None  # the requeue SIGUSR1 asks SLURM for (vitexp.slurm)
+        self.entry_closing = False  # from the first line of _close or _fail: signals noted in deferred (vitexp.runsignals)
+        self.deferred: list[str] = []
 
     # -- opening ----------------------------------------------------------------------------------
     def start(self, config: dict[str, Any]) -> "Run":
@@ -182,6 +185,8 @@ class Run:
                 atomic_write_json(marker, {"run_id": self.ledger.run_id, "wandb_id": self.wandb_id, "name": self.name,
                                            "config_sha": config_fingerprint(config)})
         self.ledger.record["wandb_id"] = self.wandb_id
+        if self.resumable:
+            self.ledger.record.setdefault("resumed_from", None)  # a fresh start (vitexp.callbacks.ResumedFrom)
         self.ledger.on_beat = self.lock.touch if self.lock else None
         return self
 
@@ -232,6 +237,7 @@ class Run:
     def _close(self) -> dict[str, Any]:
         from vitexp.logging_utils import finish, log_final, wandb_url
 
+        self.entry_closing = True
         if self._closing is None:
             raise RuntimeError(f"{self.kind} run {self.name} ended without run.complete(...)")
         c = self._closing
@@ -269,6 +275,7 @@ class Run:
             c["record"]["artifacts"] = {**artifacts, "wandb_model": reference}
 
     def _fail(self, err: BaseException) -> dict[str, Any]:
+        self.entry_closing = True
         from vitexp.logging_utils import finish
 
         invalid = isinstance(err, ConfigError) and self.ledger is None
@@ -305,7 +312,7 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
 
     fit_threads()  # torch's threads no more than the CPUs this process may use (vitexp.cpus)
     run = Run(name, kind, results_dir, output_dir, logger_cfg, resume, job_type, resumable)
-    restore = _catch_signals(run)
+    restore = catch_signals(run)
     stopped_by: str | None = None
     try:
         yield run
@@ -332,65 +339,11 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
         restore()
         if run.lock is not None:
             run.lock.release()
+    if run.deferred:
+        print(f"vitexp: {', '.join(run.deferred)} while the run's entry closed: noted, not raised", file=sys.stderr)
     if stopped_by is not None:
-        _pass_on(stopped_by)
+        pass_on(stopped_by)
     if run.rank_zero and emits:
         emit({"status": "completed", **run.result})
-
-
-def _pass_on(signame: str) -> None:
-    """Hand a signal that stopped a run, its entry now closed, to whatever handled it before the run.
-
-    SIGINT and SIGTERM are raised again with the handlers from before the run back in place: Python's
-    default SIGINT handler raises ``KeyboardInterrupt`` (pytest then ends its session, the CLI exits
-    130), and the default SIGTERM action ends the process as the signal would have. A handler that
-    returns (submitit's SIGTERM bypass, ``SIG_IGN``) leaves the exit to vitexp: ``SystemExit`` with the
-    shell's code for a process ended by a signal, 128 + its number, as after SLURM's SIGUSR1."""
-    signum = int(getattr(signal, signame))
-    if signame in ("SIGINT", "SIGTERM") and threading.current_thread() is threading.main_thread():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        try:
-            signal.raise_signal(signum)
-        except BaseException as err:  # the previous handler's own exception, without the run's chain
-            err.__suppress_context__ = True  # (Lightning's frames, which pytest would render for a minute)
-            raise
-    raise SystemExit(128 + signum)
-
-
-class Interrupted(BaseException):
-    """Raised in the run's thread by SIGTERM (SIGINT raises KeyboardInterrupt, as Python's default)."""
-
-
-def _catch_signals(run: Run):
-    """Note SIGINT and SIGTERM in ``run.signal`` while the run lasts (Lightning turns them into
-    ``SystemExit(1)``; the note is what closes the entry ``interrupted``); returns the restorer.
-    Inside a SLURM job (``$SLURM_JOB_ID``) SIGUSR1 too, SLURM's warning before the time limit
-    (``sbatch --signal=USR1@<s>``): the run ends ``interrupted`` as under SIGTERM, its entry closed
-    first, then every rank asks SLURM to requeue the job (:func:`vitexp.slurm.requeue`); the requeued job runs the same command in the same
-    folder and ``resume=auto`` continues it (:mod:`vitexp.slurm`). SIGUSR2, submitit's signal, stays
-    submitit's (``hydra/launcher=slurm`` requeues through it), noted first (:func:`vitexp.slurm.note_submitit_requeue`)."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    from vitexp import slurm
-
-    caught = (signal.SIGINT, signal.SIGTERM, *((signal.SIGUSR1,) if slurm.job_id() else ()))
-    previous = {s: signal.getsignal(s) for s in caught}
-
-    def handler(signum, frame):
-        run.signal = run.signal or signal.Signals(signum).name  # SLURM's SIGTERM after a requeue keeps the first
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        if signum == signal.SIGUSR1:
-            run.requeued = slurm.command()  # asked once the entry is closed (owned_run)
-        raise Interrupted(run.signal)
-
-    for s in list(previous):
-        signal.signal(s, handler)
-    previous.update(slurm.note_submitit_requeue(run))
-
-    def restore() -> None:
-        for s, h in previous.items():
-            signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-    return restore
+    if "SIGTERM" in run.deferred:  # asked to end while the entry closed completed: the process ends now
+        pass_on("SIGTERM")

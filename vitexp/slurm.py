@@ -24,7 +24,9 @@ Decisions:
   :func:`note_submitit_requeue` wraps that handler so the run notes the signal first: the entry then
   closes ``interrupted`` (``SIGUSR2``, ``requeued``: submitit's requeue), never ``failed``, and vitexp
   asks SLURM nothing itself. Where submitit declines (timed out too often, not checkpointable) the run
-  is still ``interrupted``, with no ``requeued``.
+  is still ``interrupted``, with no ``requeued``. The SIGTERMs that follow the requeue arrive while
+  the entry closes and are only noted (:mod:`vitexp.runsignals`); a SIGUSR2 that arrives then is
+  noted too, and submitit's handler is not called (a completed run is never requeued).
 
 A job's resources under ``hydra/launcher=slurm`` follow its trainer (:func:`resources`): a GPU
 trainer asks one task and 10 CPUs per GPU (``trainer.devices`` GPUs per node, 64 GB); a CPU trainer
@@ -88,6 +90,9 @@ def note_submitit_requeue(run) -> dict:
         return {}
 
     def handler(signum, frame):
+        if run.entry_closing:  # the entry is closing (completed, or interrupted by a first signal): noted, no requeue
+            run.deferred.append("SIGUSR2")  # (vitexp.runsignals)
+            return
         run.signal, run.requeued = "SIGUSR2", SUBMITIT_REQUEUE
         try:
             previous(signum, frame)

@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from vitexp.build import (build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir,
                           pretrained_artifacts)
-from vitexp.callbacks import BestValidation, DataOrderMark, Heartbeat, LastValidation
+from vitexp.callbacks import BestValidation, DataOrderMark, Heartbeat, LastValidation, ResumedFrom
 from vitexp.config import to_container, validate
 from vitexp.data import DATA_ORDER
 from vitexp.methods import Method, Stage
@@ -76,18 +76,22 @@ def evaluate_stage(objective: Objective, trainer: L.Trainer, module: L.Lightning
 
 
 def fit_stage(objective: Objective, cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir: Path,
-              callbacks, first: bool) -> tuple[L.LightningModule, L.Trainer, float, DictConfig, dict[str, float]]:
+              callbacks, first: bool, entry: Any = None
+              ) -> tuple[L.LightningModule, L.Trainer, float, DictConfig, dict[str, float]]:
     """Fit ``stage``: its module, its Trainer, the seconds the fit took, the stage's config, and the
     ``val/*`` metrics of its last validation (restored with a stage whose checkpoint is past its last
-    epoch, which validates nothing again: :class:`~vitexp.callbacks.LastValidation`)."""
+    epoch, which validates nothing again: :class:`~vitexp.callbacks.LastValidation`). A fit that
+    restores a checkpoint records it in the run's ledger ``entry`` (:class:`~vitexp.callbacks.ResumedFrom`)."""
     scfg = stage_config(cfg, stage)
     module = objective.module(scfg, stage)
+    fits = int(scfg.recipe.epochs) > 0  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
+    ckpt = resume_checkpoint(cfg.resume, checkpoint_dir(output_dir, stage.name) / "last.ckpt", first) if fits else None
     last = LastValidation()
     best = [BestValidation(f"val/{objective.headline[0]}"), last]  # the objective's headline metric on validation
-    trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best], stage=stage.name)
+    trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best, ResumedFrom(entry, stage.name, ckpt)],
+                            stage=stage.name)
     start = time.perf_counter()
-    if int(scfg.recipe.epochs) > 0:  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
-        ckpt = resume_checkpoint(cfg.resume, checkpoint_dir(output_dir, stage.name) / "last.ckpt", first=first)
+    if fits:
         datamodule = datamodule_for(scfg)
         if stage.best_val and ckpt is None:  # the evaluation before the first epoch (RAPTOR's probes count it)
             trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -148,11 +152,13 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
         stages = objective.stages(cfg, method, model, data_config)
         metrics: dict[str, Any] = {"epochs": 0, "steps": 0}
         deployed_model = model
+        evaluated: dict[str, Any] = {}  # what the stages' tests measured besides metrics (the k-NN bank), for the protocol
         order = DataOrderMark(DATA_ORDER)
         for i, stage in enumerate(stages):
             stage_keys(run.logger, stage.metrics_prefix)
             module, trainer, fit_s, scfg, val = fit_stage(objective, cfg, stage, datamodule_for, run.logger, output_dir,
-                                                          [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0)
+                                                          [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0,
+                                                          run.ledger)
             if run.ledger is not None:
                 run.ledger.fitting(stage.name, fit_s)
             metrics["epochs"] += trainer.current_epoch
@@ -161,6 +167,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
             if stage.metrics_prefix is not None:
                 p = stage.metrics_prefix
                 metrics.update(evaluate_stage(objective, trainer, module, method, stage, datamodule_for(scfg), p))
+                evaluated.update({f"{p}{k}": v for k, v in module.evaluation_protocol().items()})
                 # validation saw the model the stage trained (the soft model when there is one)
                 metrics.update(objective.validation_metrics(val, stage.soft_prefix or p))
                 best = [c for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
@@ -183,7 +190,7 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
             output_dir.mkdir(parents=True, exist_ok=True)  # a run without a fit has written nothing there yet
             weights = atomic_write(output_dir / "weights.pth", lambda tmp: torch.save(deployed_model.state_dict(), tmp))
             deployed_metrics, protocol = objective.deployed_cost(cfg, method.deploy(deployed_model))
-            protocol.update(order.protocol())
+            protocol.update({**order.protocol(), **evaluated})
             metrics.update(deployed_metrics)
             # a resumed run: every attempt's, as fit_time_s (vitexp.ledger.LedgerEntry.previous_wall_time)
             metrics["wall_time_s"] = time.perf_counter() - started + run.ledger.previous_wall_time()

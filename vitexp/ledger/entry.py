@@ -9,13 +9,18 @@ Decisions:
 - A closed entry is never overwritten: closing twice raises. The one exception is a resumed run
   (``resume=auto|true``), which reopens its own unfinished entry (:meth:`LedgerEntry.reopen`): the
   earlier attempt moves to ``attempts`` with its times, its fit seconds per stage and how it ended
-  (and how SLURM requeued it, ``requeued``);
+  (how SLURM requeued it, ``requeued``, and where it started, ``resumed_from``);
   an attempt whose process died without closing the entry (SIGKILL, a lost node) is closed there
   as ``interrupted``. The run's ``fit_time_s`` and ``wall_time_s`` are then sums over its attempts:
   each attempt records its seconds so far with every beat and at its close
   (``attempt_fit_time_s`` per stage, ``attempt_wall_time_s``), which :meth:`LedgerEntry.reopen`
   keeps with the attempt (``fit_time_s``, ``wall_time_s``; an attempt recorded before the wall
   clock counts from its ``started`` to its ``finished``).
+- Each attempt records where its fits started (``resumed_from``: ``null`` for a fresh start, else
+  ``{stage: {checkpoint, epoch, global_step}}``, the checkpoint's portable path and the epochs done
+  and step the trainer restored, :meth:`LedgerEntry.resumed`): the proof that a requeued attempt
+  continued its predecessor instead of training again from scratch, which with the same seed ends
+  with the same metrics.
 - Code provenance: ``env.git_commit`` and ``env.git_dirty`` describe the code (``vitexp/``,
   ``conf/``, ``sweeps/`` (the specs a sweep launches runs from), ``pyproject.toml``:
   :data:`CODE_PATHS`; results are not code). A file of those folders that git does not track and
@@ -197,6 +202,7 @@ class LedgerEntry:
         previous = {k: self.record.get(k) for k in ("started", "finished", "status", "error", "signal")}
         if self.record.get("requeued"):  # how the attempt was requeued (vitexp.slurm): the attempt's, not the run's
             previous["requeued"] = self.record.pop("requeued")
+        previous["resumed_from"] = self.record.pop("resumed_from", None)
         previous["env"] = {k: (self.record.get("env") or {}).get(k) for k in ("hostname", "pid")}
         previous["fit_time_s"] = dict(self.record.get("attempt_fit_time_s") or {})
         if previous["status"] == "running":  # its process died without closing it
@@ -208,7 +214,7 @@ class LedgerEntry:
         self._fingerprint(config)
         self.clock = time.perf_counter()
         self.record.update(status="running", config=config, env=environment(self.run_dir, self.dir), finished=None, error=None, signal=None,
-                           attempt_fit_time_s={}, attempt_wall_time_s=0.0)
+                           attempt_fit_time_s={}, attempt_wall_time_s=0.0, resumed_from=None)
         self._write()
         return self
 
@@ -244,6 +250,13 @@ class LedgerEntry:
         """Write the record, its paths made portable (:func:`vitexp.ledger.paths.portable_paths`)."""
         self.record = portable_paths(self.record, self.dir)
         atomic_write_json(self.path, self.record)
+
+    def resumed(self, stage: str, checkpoint: Path | str, epoch: int, global_step: int) -> None:
+        """This attempt's fit of ``stage`` restored ``checkpoint`` with ``epoch`` epochs done, at
+        ``global_step`` (module docstring); written at once, so an attempt stopped again keeps it."""
+        self.record["resumed_from"] = {**(self.record.get("resumed_from") or {}), stage: {
+            "checkpoint": portable_path(checkpoint, self.dir), "epoch": int(epoch), "global_step": int(global_step)}}
+        self._write()
 
     def beat(self) -> None:
         """Record that the run is alive (``heartbeat``, UTC): how a running entry written on another

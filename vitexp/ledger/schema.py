@@ -6,7 +6,7 @@ name without ``.json``), ``experiment`` (the name the run was recorded under), `
 names no zone, not later than now + :data:`CLOCK_SKEW_S`). Every other field is optional (entries
 written by older code lack the newer ones) but, when present, has the type :data:`FIELDS` gives:
 ``config``, ``metrics``, ``protocol``, ``env`` and ``artifacts`` are objects, ``attempts`` a list
-of objects, times and ids are strings (``finished`` and ``error`` may be null), and a metric is a
+of objects, times and ids are strings (``finished`` and ``error`` may be null), ``resumed_from`` an object or null, and a metric is a
 number, a list of numbers, a string, a boolean or null.
 
 Decisions:
@@ -36,7 +36,7 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "config": _DICT, "metrics": _DICT, "protocol": _DICT, "env": _DICT, "artifacts": _DICT,
     "attempts": _LIST, "started": _STR, "finished": _OPT_STR, "heartbeat": _STR, "error": _OPT_STR,
     "wandb_url": _OPT_STR, "wandb_id": _OPT_STR, "output_dir": _OPT_STR, "evaluates": _STR,
-    "fingerprint": _STR, "signal": _OPT_STR,
+    "fingerprint": _STR, "signal": _OPT_STR, "resumed_from": (dict, type(None)),
 }
 REQUIRED = ("run_id", "experiment", "status", "kind", "started")
 #: Seconds a ``started`` may lie ahead of this machine's clock (another node's clock) before the entry is broken.
