@@ -127,6 +127,10 @@ class ClassifyModule(ObjectiveModule):
         """``<split>/loss``: the mean over every image of the split, on all ranks together (module docstring);
         ``loss`` is the batch's mean over its ``images``."""
         metric = getattr(self, f"{split}_loss")
+        if not torch.is_inference_mode_enabled():  # fit's validation runs under no_grad, test under inference mode:
+            for name, value in metric.metric_state.items():  # a state last reset inside the latter cannot be
+                if isinstance(value, torch.Tensor) and value.is_inference():  # updated in place outside it
+                    setattr(metric, name, value.clone())
         metric.update(loss.detach().float(), weight=images)
         self.log(f"{split}/loss", metric, on_step=False, on_epoch=True, **kwargs)
 
