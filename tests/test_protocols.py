@@ -39,7 +39,7 @@ def test_the_sign_rule_and_a_verdict_only_where_the_protocols_agree():
     assert [c["sign"] for c in claim["cells"]] == ["supports", "incomplete", "not run"]
     assert claim["verdict"] == ("holds under every measured protocol so far (1 of 3 protocols measured, 1 incomplete); "
                                 "not yet judged: P2: +0.30 ± 0.28 (2)")
-    assert "| +0.57 ± 0.40 (3) (supports) | +0.30 ± 0.28 (2) (incomplete: 2 of 3 pairs) | not run |" in \
+    assert "| +0.57 ± 0.40 (3) (supports) | +0.30 ± 0.28 (2) (incomplete: 2 of 3 pairs; supports so far) | not run |" in \
         protocols.render(needs3, [claim])
 
 
@@ -70,8 +70,10 @@ def _run(run_id: str, fit: float, start: str | None = None) -> dict:
 
 
 def test_a_protocols_cost_sums_its_runs_and_their_starts_once_and_the_total_a_shared_run_once():
+    failed = {"run_id": "f", "experiment": "m+seed=5", "kind": "train", "status": "failed", "config": {"name": "m"},
+              "started": "2026-12-01T00:00:00+00:00", "finished": "2026-12-01T00:30:00+00:00"}  # no fit time: 30 min
     ledger = Ledger([_run("s", 3600.0), _run("a0", 360.0, "s"), _run("a1", 720.0, "s"), _run("b0", 1800.0, "s"),
-                     _run("x", 7200.0)])
+                     _run("x", 7200.0), failed])
     cells = {"t1": [{"experiment": "full", "cells": {"top1": {"run_ids": ["a0", "a1"]}}},
                     {"experiment": "m", "cells": {"top1": {"run_ids": ["b0"]}}}],
              "t2": [{"experiment": "full", "cells": {"top1": {}}}, {"experiment": "m", "cells": {"top1": {}}}],
@@ -80,7 +82,34 @@ def test_a_protocols_cost_sums_its_runs_and_their_starts_once_and_the_total_a_sh
     costs = protocols.cost(SPEC, cells.__getitem__, ledger)
     assert [(c["runs"], c["hours"]) for c in costs] == [(["a0", "a1", "b0", "s"], 1.8), ([], 0.0), (["s", "x"], 3.0)]
     text = protocols.render(SPEC, protocols.evaluate(SPEC, lambda t: [_row("full", {}), _row("m", {})]), costs)
-    assert "| Cost: training time, CPU-hours (one thread per run) | 1.80 h (4 runs) | not run | 3.00 h (2 runs) | 3.80 h in all (5 runs) |" in text  # s once
+    assert [(round(c["spent_hours"], 2), c["failed"]) for c in costs] == [(2.3, ["f"]), (0.5, ["f"]), (3.5, ["f"])]
+    assert ("| Cost: training time, CPU-hours (one thread per run) | 1.80 h cited (4 runs); 2.30 h spent (5 runs, 1 not "
+            "completed) | not run | 3.00 h cited (2 runs); 3.50 h spent (3 runs, 1 not completed) | 3.80 h cited (5 runs); "
+            "4.30 h spent (6 runs, 1 not completed) in all |") in text  # s once, the failed run once
+
+
+def test_a_claim_holds_only_on_both_splits_and_a_protocol_may_ask_for_more_pairs():
+    """Every test pair above zero is no support when validation disagrees (split-dependent); a protocol
+    asking for 5 pairs shows its 3 with their sign so far and is not judged."""
+    def row(name, test, val):
+        return {"experiment": name, "cells": {"top1": {"seeds": test}, "val_top1": {"seeds": val}}}
+    spec = {**SPEC, "val_key": "val_top1", "protocols": SPEC["protocols"][:2]}
+    filled = {"t1": [row("full", {0: 80.0, 1: 81.0, 2: 82.0}, {0: 80.0, 1: 81.0, 2: 82.0}),
+                     row("m", {0: 81.0, 1: 81.5, 2: 82.2}, {0: 81.0, 1: 80.5, 2: 82.2})],  # val: +1, −0.5, +0.2
+              "t2": [row("full", {0: 80.0, 1: 81.0, 2: 82.0}, {0: 80.0, 1: 81.0, 2: 82.0}),
+                     row("m", {0: 81.0, 1: 81.5, 2: 82.2}, {0: 81.0, 1: 81.5, 2: 82.2})]}
+    (claim,) = protocols.evaluate(spec, filled.__getitem__)
+    assert [c["sign"] for c in claim["cells"]] == ["split-dependent", "supports"]
+    assert claim["cells"][0]["text"] == "test +0.57 ± 0.40 (3); val +0.23 ± 0.75 (3)"
+    assert claim["verdict"] == ("protocols disagree: supports under P2; split-dependent under P1 "
+                                "(2 of 2 protocols measured)")
+    assert protocols.both("supports", "supports") == "supports" and protocols.both("contradicts", "undecided") == \
+        "split-dependent" and protocols.both("supports", None) == "supports"
+    five = {**spec, "protocols": [{**spec["protocols"][0], "pairs": 5}, spec["protocols"][1]]}
+    (claim,) = protocols.evaluate(five, filled.__getitem__)
+    assert [c["sign"] for c in claim["cells"]] == ["incomplete", "supports"]
+    assert "(incomplete: 3 of 5 pairs; split-dependent so far)" in protocols.render(five, [claim])
+    assert claim["verdict"].startswith("holds under every measured protocol so far (1 of 2 protocols measured, 1 incomplete)")
 
 
 def test_a_reference_to_a_row_the_table_lacks_is_an_error():
@@ -97,8 +126,11 @@ def test_every_verdict_names_rows_of_its_tables_and_regenerates_its_committed_ta
             assert row in {r.get("name") or r["experiment"] for r in tables.load_spec(table)["rows"] if r.get("experiment")}, ref
     ledger = Ledger.load(PROJECT_ROOT / "results")
     fill = lambda t: tables.fill(tables.load_spec(t), ledger)  # noqa: E731
-    text = protocols.render(spec, protocols.evaluate(spec, fill), protocols.cost(spec, fill, ledger))
+    text = protocols.text(name, fill, ledger)
     assert text == (PROJECT_ROOT / "results" / "tables" / f"{name}.md").read_text()
+    from vitexp.protocol_prose import page_block  # the README's and docs' blocks: the same prose
+
+    assert all(block == protocols.prose(text) for block in page_block(spec).values()), "run vitexp-tables"
 
 
 def test_a_cell_carries_the_marks_of_the_cells_it_pairs_and_the_verdict_says_where_it_rests_on_them():

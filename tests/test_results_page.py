@@ -47,6 +47,15 @@ def test_placeholders_fill_from_the_cells():
     saved = {**SPEC, "verdict": "{saved:bspf_demo:demo:top1}"}  # 1 − 81 / 82 of the means
     assert results_page.fill_verdict(saved, tables.fill(saved, recorded(saved, _runs()))) == "1"
     assert results_page.fill_verdict(spec, tables.fill(spec, [])).startswith("not run; not run; not run")
+    ratio = {**SPEC, "verdict": "{ratio:bspf_demo:demo:top1}"}  # 81 / 82 − 1 of the means
+    assert results_page.fill_verdict(ratio, tables.fill(ratio, recorded(ratio, _runs()))) == "−1.22 %"
+
+
+def test_a_row_label_states_a_measured_ratio():
+    """A label's placeholders are filled by tables.fill, so an equal-cost setting names its measured ratio."""
+    spec = {**SPEC, "rows": [SPEC["rows"][0], {**SPEC["rows"][1], "label": "method ({ratio:bspf_demo:demo:top1} of base)"}]}
+    rows = tables.fill(spec, recorded(spec, _runs()))
+    assert rows[1]["label"] == "method (−1.22 % of base)" and rows[0]["label"] == "base"
 
 
 @pytest.mark.parametrize("verdict,complaint", [("{cell:nope:top1}", "row 'nope'"), ("{cell:demo:acc}", "column 'acc'"),

@@ -15,6 +15,12 @@ Decisions:
   the verdict file's ``pairs`` (the seeds each row is to have; 1 when not given) is *incomplete*: its
   difference is shown, its sign is not, and it counts as not measured (a protocol whose runs are
   under way says nothing until they are done).
+- Both splits (``val_key``, the file's: the validation split's headline of the same deployed model,
+  e.g. ``val_top1``): a protocol *supports* a claim only where every pair is above zero on the test
+  split *and* on validation (and *contradicts* it where every pair is below on both); where the two
+  splits' signs differ the cell is *split-dependent*, which is no support. Each cell shows both
+  splits' differences. A protocol may ask for more pairs than the file (its own ``pairs``): while
+  its runs are missing the cell is incomplete and shows the sign its pairs give so far.
 - A claim's verdict is given only where the measured protocols agree ("holds under all N measured
   protocols", "fails under all N"); where they disagree the verdict names which protocol says what;
   protocols not run or incomplete are counted ("k of M protocols measured, j incomplete") and the
@@ -26,7 +32,10 @@ Decisions:
 - A protocol's cost is the training time of every run its cells use plus the runs whose weights
   those loaded (``backbone.pretrained=run:``, followed back to a run that loaded none), each counted
   once: the ledger's ``fit_time_s`` (training only, test excluded) summed and shown in hours, on the
-  one CPU thread each run had.
+  one CPU thread each run had ("cited"). Beside it, what the protocol *spent*: every training run
+  recorded under the names of its rows and of those starts, any seed, completed or not (an older run
+  of the same row, a failed one: its wall clock when it recorded no fit time); and what it still
+  asks for, the (row, seed) pairs its cells lack times the mean fit time of its cited seeded runs.
 """
 from __future__ import annotations
 
@@ -89,6 +98,15 @@ def sign(pairs: list[float], needed: int = 1) -> str:
     return "undecided"
 
 
+def both(test: str, val: str | None) -> str:
+    """One protocol's sign from the test split's and the validation split's (module docstring)."""
+    if val is None or test in ("not run", "incomplete"):
+        return test
+    if val in ("not run", "incomplete"):
+        return "incomplete"
+    return test if test == val else "split-dependent"
+
+
 def verdict(signs: list[tuple[str, str]], noun: str = "protocol") -> str:
     """One claim's verdict from ``(column label, sign)`` pairs (module docstring); ``noun``: what a
     column is (``protocol``, ``backbone``)."""
@@ -103,16 +121,36 @@ def verdict(signs: list[tuple[str, str]], noun: str = "protocol") -> str:
         return f"holds under every measured {noun}{so_far} ({of})"
     if kinds == {"contradicts"}:
         return f"fails under every measured {noun}{so_far} ({of})"
-    if kinds == {"undecided"}:
-        return f"undecided under every measured {noun}{so_far} ({of})"
-    parts = [f"{s} under {', '.join(p for p, k in measured if k == s)}" for s in ("supports", "contradicts", "undecided")
-             if s in kinds]
+    if len(kinds) == 1:  # undecided or split-dependent everywhere
+        return f"{kinds.pop()} under every measured {noun}{so_far} ({of})"
+    parts = [f"{s} under {', '.join(p for p, k in measured if k == s)}"
+             for s in ("supports", "contradicts", "undecided", "split-dependent") if s in kinds]
     return f"{noun}s disagree: {'; '.join(parts)} ({of})"
 
 
+def _seconds(run: dict[str, Any]) -> float:
+    """What a run spent training: its ``fit_time_s``, else (a failed run) its attempts' fit time, else its
+    wall clock from start to finish."""
+    metrics = run.get("metrics") or {}
+    if metrics.get("fit_time_s") is not None:
+        return float(metrics["fit_time_s"])
+    if run.get("attempt_fit_time_s"):
+        return float(sum(run["attempt_fit_time_s"].values()) if isinstance(run["attempt_fit_time_s"], dict)
+                     else run["attempt_fit_time_s"])
+    from datetime import datetime
+
+    try:
+        return max(0.0, (datetime.fromisoformat(run["finished"]) - datetime.fromisoformat(run["started"])).total_seconds())
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+
+
 def cost(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], ledger: Any) -> list[dict[str, Any]]:
-    """Per protocol: ``runs`` (the cells' runs and their starts, each once), ``fit_s`` (each run's
-    ``fit_time_s``) and ``hours`` (their sum; module docstring); ``ledger`` is a :class:`vitexp.ledger.Ledger`."""
+    """Per protocol: ``runs`` (the cells' runs and their starts, each once), ``fit_s`` (each one's
+    seconds) and ``hours`` (their sum); ``spent`` (every training run of the protocol's rows and
+    starts under their names, any seed, completed or not: what the protocol spent, cited or not),
+    ``spent_hours``, ``failed`` (the spent runs not completed), ``to_run`` (the (row, seed) pairs the cells
+    lack) and ``to_run_hours`` (times the mean of the cited seeded runs; module docstring); ``ledger`` is a :class:`vitexp.ledger.Ledger`."""
     key, out = spec.get("key", "top1"), []
     for proto in spec["protocols"]:
         seen: dict[str, float] = {}
@@ -121,12 +159,35 @@ def cost(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], ledg
             run = ledger.get(todo.pop())
             if run is None or run["run_id"] in seen:
                 continue
-            seen[run["run_id"]] = float((run.get("metrics") or {}).get("fit_time_s") or 0.0)
+            seen[run["run_id"]] = _seconds(run)
             start = ledger.start_of(run)
             if start:
                 todo.append(start)
-        out.append({"protocol": proto["label"], "runs": sorted(seen), "fit_s": seen, "hours": sum(seen.values()) / 3600})
+        names = {ref.split(":")[1] for ref in proto["rows"].values()}
+        names |= {ledger.experiment_of(rid).split("+seed=")[0] for rid in seen}
+        spent = {r["run_id"]: _seconds(r) for r in ledger.records
+                 if r.get("kind") == "train" and r.get("status") in ("completed", "failed", "interrupted")
+                 and r["experiment"].split("+seed=")[0] in names}
+        spent.update(seen)
+        failed = sorted(rid for rid in spent if ledger.get(rid)["status"] != "completed")
+        cells = {ref: _cell(fill, ref, key) for ref in proto["rows"].values()}
+        missing = sum(max(0, (c.get("expected") or 0) - (c.get("n") or 0)) for c in cells.values() if c.get("seeds") is not None)
+        seeded = [seen[rid] for c in cells.values() if c.get("seeds") is not None for rid in c.get("run_ids") or []]
+        out.append({"protocol": proto["label"], "runs": sorted(seen), "fit_s": seen, "hours": sum(seen.values()) / 3600,
+                    "spent": spent, "spent_hours": sum(spent.values()) / 3600, "failed": failed, "to_run": missing,
+                    "to_run_hours": missing * sum(seeded) / len(seeded) / 3600 if seeded else None})
     return out
+
+
+def _pairs(pair: list[dict[str, Any]], digits: int, needed: int) -> dict[str, Any]:
+    """The paired difference a − b of two table cells: its text (marks carried), pairs, stats and sign."""
+    a, b = (c.get("seeds") or {} for c in pair)
+    diff = paired_difference(a, b)
+    pairs = [a[s] - b[s] for s in diff["seeds"]]
+    marked = "".join(sorted(set("".join(c.get("marks") or "" for c in pair)))) if diff["n"] else ""
+    text = (format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run") + \
+        (f" {marked}" if marked else "")
+    return {**diff, "text": text, "pairs": pairs, "marks": marked, "sign": sign(pairs, needed)}
 
 
 def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -135,6 +196,7 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
     filled = {t: fill(t) for t in tables_of(spec)}
     fill = filled.__getitem__
     digits, needed, noun = int(spec.get("digits", 2)), int(spec.get("pairs", 1)), spec.get("column", "protocol")
+    val_key = spec.get("val_key")
     out = []
     for claim in spec["claims"]:
         key = claim.get("key", spec.get("key", "top1"))
@@ -144,19 +206,20 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
             if claim["a"] not in rows or claim["b"] not in rows:
                 cells.append({"protocol": proto["label"], "text": "not in this protocol", "sign": None})
                 continue
-            pair = [_cell(fill, rows[claim[role]], key) for role in ("a", "b")]
-            a, b = (c.get("seeds") or {} for c in pair)
-            diff = paired_difference(a, b)
-            pairs = [a[s] - b[s] for s in diff["seeds"]]
-            marked = "".join(sorted(set("".join(c.get("marks") or "" for c in pair)))) if diff["n"] else ""
-            text = (format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run") + \
-                (f" {marked}" if marked else "")
-            cells.append({"protocol": proto["label"], "text": text, "sign": sign(pairs, needed), "needed": needed,
-                          "marks": marked, **diff})
+            need = int(proto.get("pairs", needed))
+            test = _pairs([_cell(fill, rows[claim[role]], key) for role in ("a", "b")], digits, need)
+            val = _pairs([_cell(fill, rows[claim[role]], val_key) for role in ("a", "b")], digits, need) \
+                if val_key else None
+            sign_ = both(test["sign"], val and val["sign"])
+            interim = both(sign(test["pairs"]), val and sign(val["pairs"])) if sign_ == "incomplete" else None
+            text = test["text"] if val is None or not (test["n"] or val["n"]) else f"test {test['text']}; val {val['text']}"
+            cells.append({"protocol": proto["label"], "text": text, "sign": sign_, "needed": need, "interim": interim,
+                          "marks": test["marks"], "n": test["n"], "mean": test["mean"], "std": test["std"],
+                          "val": val and {k: val[k] for k in ("n", "mean", "std", "sign")}})
         judged = [(c["protocol"], c["sign"]) for c in cells if c["sign"] is not None]
         pending = [f"{c['protocol']}: {c['text']}" for c in cells if c["sign"] == "incomplete"]
         leaning = [f"{c['protocol']} ({c['marks']})" for c in cells
-                   if c.get("marks") and c["sign"] in ("supports", "contradicts", "undecided")]
+                   if c.get("marks") and c["sign"] in ("supports", "contradicts", "undecided", "split-dependent")]
         text = verdict(judged, noun) + (f"; not yet judged: {'; '.join(pending)}" if pending else "") + \
             (f"; rests on marked runs under {', '.join(leaning)}" if leaning else "")
         out.append({"claim": claim["label"], "cells": cells, "verdict": text})
@@ -170,27 +233,51 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
     lines = [f"# {spec['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in claims:
         cells = [x["text"] if x["sign"] in (None, "not run") else
-                 f"{x['text']} (incomplete: {x['n']} of {x['needed']} pairs)" if x["sign"] == "incomplete" else
+                 f"{x['text']} (incomplete: {x['n']} of {x['needed']} pairs" +
+                 (f"; {x['interim']} so far)" if x.get("interim") not in (None, "not run", "incomplete") else ")")
+                 if x["sign"] == "incomplete" else
                  f"{x['text']} ({x['sign']})" for x in c["cells"]]
         lines.append("| " + " | ".join([c["claim"]] + cells + [c["verdict"]]) + " |")
     if costs is not None:
-        hours = [f"{c['hours']:.2f} h ({len(c['runs'])} run{'s' if len(c['runs']) > 1 else ''})" if c["runs"] else "not run" for c in costs]
+        def runs(n: int) -> str:
+            return f"{n} run{'s' if n != 1 else ''}"
+
+        def spent(hours: float, n: int, failed: int) -> str:
+            return f"{hours:.2f} h spent ({runs(n)}" + (f", {failed} not completed)" if failed else ")")
+
         every = {rid: sec for c in costs for rid, sec in c["fit_s"].items()}  # a run in two protocols once
-        lines.append("| Cost: training time, CPU-hours (one thread per run) | " + " | ".join(hours) + " | "
-                     f"{sum(every.values()) / 3600:.2f} h in all ({len(every)} runs) |")
+        all_spent = {rid: sec for c in costs for rid, sec in c.get("spent", c["fit_s"]).items()}
+        failed = len({rid for c in costs for rid in c.get("failed", ())})
+        cells = [f"{c['hours']:.2f} h cited ({runs(len(c['runs']))}); " +
+                 spent(c.get("spent_hours", c["hours"]), len(c.get("spent", c["runs"])), len(c.get("failed", ()))) +
+                 (f"; to run: {runs(c['to_run'])}" + (f", about {c['to_run_hours']:.1f} h" if c.get("to_run_hours") else "")
+                  if c.get("to_run") else "")
+                 if c["runs"] else "not run" for c in costs]
+        lines.append("| Cost: training time, CPU-hours (one thread per run) | " + " | ".join(cells) + " | "
+                     f"{sum(every.values()) / 3600:.2f} h cited ({runs(len(every))}); "
+                     f"{spent(sum(all_spent.values()) / 3600, len(all_spent), failed)} in all |")
     noun = spec.get("column", "protocol")
-    lines += ["", "Cells: the paired difference of " + spec.get("unit", "top-1 (%)") + ", a − b, over the seeds "
-              "both rows completed, mean ± sample std (n pairs). supports: every pair above 0; contradicts: every "
-              "pair below 0; undecided: pairs of both signs (vitexp/protocols.py). A verdict is given only where "
-              f"the measured {noun}s agree." + (f" A cell with fewer than {spec['pairs']} pairs is incomplete: "
-              "it is shown but not judged, and counts as not measured." if spec.get("pairs", 1) > 1 else "")]
+    splits = (f" on the test split and (val) on the validation split ({spec['val_key']}: the same deployed model)"
+              if spec.get("val_key") else "")
+    lines += ["", "Cells: the paired difference of " + spec.get("unit", "top-1 (%)") + splits + ", a − b, over the "
+              "seeds both rows completed, mean ± sample std (n pairs). supports: every pair above 0" +
+              (" on both splits" if splits else "") + "; contradicts: every pair below 0" +
+              (" on both splits" if splits else "") + "; undecided: pairs of both signs" +
+              ("; split-dependent: the two splits' signs differ, which is no support" if splits else "") +
+              " (vitexp/protocols.py). A verdict is given only where "
+              f"the measured {noun}s agree." + (f" A cell with fewer than {spec['pairs']} pairs (or its {noun}'s own "
+              "pairs) is incomplete: it is shown with its sign so far, not judged, and counts as not measured."
+              if spec.get("pairs", 1) > 1 else "")]
     if any(x.get("marks") for c in claims for x in c["cells"]):
         lines += ["", "A mark after a cell is carried over from a table cell it pairs (‡: a run trained from a dirty "
                   "tree whose code cannot be rebuilt; §: a protocol today's code does not reproduce): that table's "
                   "notes say which runs."]
     if costs is not None:
-        lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) summed over the runs in the cells and "
-                  "the runs whose weights they loaded (a shared start counted once), in hours; in all, a run that two "
+        lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) summed in hours. Cited: the runs in the "
+                  "cells and the runs whose weights they loaded (a shared start counted once). Spent: every training "
+                  "run recorded under the names of those rows and starts, cited or not, completed or not (a run that "
+                  "failed before recording its fit time: its wall clock). To run: the (row, seed) pairs its cells still "
+                  "lack, times the mean fit time of its seeded runs (an estimate). In all, a run that two "
                   f"{noun}s share counted once."]
     lines += ["", f"{noun.capitalize()}s (rows from the tables named):", ""]
     lines += [f"- **{p['label']}**: " + ", ".join(f"{role} = `{ref}`" for role, ref in p["rows"].items())
@@ -199,10 +286,23 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
     return "\n".join(lines) + "\n"
 
 
+#: The line before a claim table's prose (:mod:`vitexp.protocol_prose`), which pages also show.
+PROSE_HEAD = "**The verdicts in words**"
+
+
 def text(name: str, fill: Callable[[str], list[dict[str, Any]]], ledger: Any) -> str:
-    """The markdown of verdict file ``name`` (:func:`render` with its cost row from ``ledger``)."""
+    """The markdown of verdict file ``name``: :func:`render` with its cost row from ``ledger``, then
+    its prose (:func:`vitexp.protocol_prose.summary`) after :data:`PROSE_HEAD`."""
+    from vitexp.protocol_prose import caveats, summary
+
     spec = load(name)
-    return render(spec, evaluate(spec, fill), cost(spec, fill, ledger))
+    claims, costs = evaluate(spec, fill), cost(spec, fill, ledger)
+    return render(spec, claims, costs) + "\n" + PROSE_HEAD + "\n\n" + summary(spec, claims, costs, caveats(spec, fill))
+
+
+def prose(markdown: str) -> str:
+    """The prose part of :func:`text`'s markdown (what the pages' blocks hold)."""
+    return markdown.split("\n" + PROSE_HEAD + "\n\n", 1)[1]
 
 
 def write(names: Iterable[str], text_of: Callable[[str], str], out_dir: Path,

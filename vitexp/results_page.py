@@ -12,7 +12,13 @@ named by its ledger name (:func:`vitexp.rows.row_name`: the experiment, or the r
   plain difference of two unseeded cells ("+0.01 ± 0.09").
 - ``{saved:ROW_A:ROW_B:COL}``: the share of B's value that A saves, ``100 · (1 − A / B)`` %, of the
   two cells' values (a seeded row's mean), to whole percent ("54").
+- ``{ratio:ROW_A:ROW_B:COL}``: how far A's value is from B's, ``100 · (A / B − 1)`` %, signed, to two
+  decimals ("+0.61 %"; a seeded row's mean): the equal-cost settings name their GMACs this way.
 - ``{paper:ROW:COL}``: the paper's value in the spec, as published (not padded to the column's digits).
+
+Row labels take the same placeholders (:func:`fill_text`, called by :func:`vitexp.tables.fill`), so a
+label such as "EViT, keep 0.44 (GMACs {ratio:...} of BSPF-ViT's)" states the measured ratio, never a
+typed one.
 
 A placeholder whose cell has no value yet renders as "not run". A placeholder naming a row or a
 column the table does not have is an error (:func:`verdict_errors`, checked by the tests), so a
@@ -45,9 +51,9 @@ ORDER = ("fmnist_bspf_table1", "fmnist_bspf_table2", "fmnist_bspf_table6", "fmni
          "fmnist_saper_table1", "fmnist_saper_rules", "fmnist_saper_rules_selected", "fmnist_raptor")
 #: How a verdict marks a number that no table cell holds.
 HAND_MARKS = ("(paper: ",)
-PLACEHOLDER = re.compile(r"\{(cell|delta|diff|saved|paper):([^{}]+)\}")
+PLACEHOLDER = re.compile(r"\{(cell|delta|diff|saved|ratio|paper):([^{}]+)\}")
 #: The placeholders that name two rows.
-TWO_ROWS = ("diff", "saved")
+TWO_ROWS = ("diff", "saved", "ratio")
 NOT_RUN = "not run"
 
 
@@ -99,9 +105,11 @@ def _render(kind: str, args: list[str], by_name: dict[str, dict[str, Any]], digi
         expected = by_name[names[0]]["cells"][key].get("expected")
         return _stat(diff["mean"], diff["std"], d, signed=True) + _partial(diff.get("n"), expected, diff["mean"])
     a, b = (by_name[n]["cells"][key] for n in names)
-    if kind == "saved":
+    if kind in ("saved", "ratio"):
         if a["value"] is None or b["value"] is None:
             return NOT_RUN
+        if kind == "ratio":
+            return _signed(f"{100 * (a['value'] / b['value'] - 1):+.2f} %")
         return f"{100 * (1 - a['value'] / b['value']):.0f}"
     if a.get("seeds") is not None and b.get("seeds") is not None:
         diff = aggregate.paired_difference(a["seeds"], b["seeds"])
@@ -114,6 +122,13 @@ def _render(kind: str, args: list[str], by_name: dict[str, dict[str, Any]], digi
 
 def fill_verdict(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The spec's verdict with every placeholder replaced by the cell it names."""
+    return fill_text(spec, rows, str(spec.get("verdict") or "").strip())
+
+
+def fill_text(spec: dict[str, Any], rows: list[dict[str, Any]], text: str) -> str:
+    """``text`` (a verdict, a row label) with every placeholder replaced by the cell it names."""
+    if "{" not in text:
+        return text
     by_name, digits = _lookup(spec, rows)
 
     def one(match: re.Match) -> str:
@@ -127,7 +142,7 @@ def fill_verdict(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             raise ValueError(f"{spec['name']}: verdict placeholder {match.group(0)}: the table has no {err.args[0]}; "
                              f"rows: {sorted(by_name)}") from None
 
-    return PLACEHOLDER.sub(one, str(spec.get("verdict") or "").strip())
+    return PLACEHOLDER.sub(one, text)
 
 
 def verdict_errors(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:

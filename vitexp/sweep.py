@@ -11,9 +11,10 @@ seed=s``, recorded as ``E+seed=s``; a row with overrides or a name N: ``name='N+
 and only its seeds without a completed or running run are launched (a seed s >= 1 trained by the
 sampler that drew ``s + epoch`` does not count: :func:`vitexp.aggregate.overlapping_order`); unseeded rows go first (the
 pretrained baselines that seeded rows load with ``run:``). Such a shared start (a row with ``seeds:
-null`` in a seeded table) counts as done only while its weights are on this machine (its run
-folder's, or the copy kept with the results): on a fresh checkout of a committed ledger without
-them it trains again, and the seeded rows load the new run; a seeded run
+null`` in a seeded table) whose weights are not on this machine (neither its run folder's nor the
+copy kept with the results) trains again only when a seeded row of its table has a seed to train:
+then the seeded rows load the new run; a complete table needs no start, so a fresh checkout of the
+committed ledger reruns nothing. A seeded run
 fine-tuned from another run of its start than the current one trains again too
 (:func:`vitexp.aggregate.other_start`), so a row never mixes two starts. Plain unseeded rows share one multirun
 (``experiment=a,b,c``); a row with overrides is a job of its own.
@@ -74,10 +75,23 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides
     broken = broken_for(spec, ledger, overrides)  # by name, and by the config a broken entry holds
     if broken:
         raise LedgerError(broken, ledger.source)
-    starts = _current_starts(spec, ledger, force, results_dir) if kind in (None, "train") else {}
+    starts, absent = _current_starts(spec, ledger, force, results_dir) if kind in (None, "train") else ({}, [])
     with composing():
         for row in expand_rows(spec["rows"]):
             _plan_row(spec, row, kind, force, overrides, ledger, starts, out)
+        if absent and any(b["seeds"] for b in out.values()):  # a seed to train needs its start: train it again
+            for name in absent:
+                starts[name] = None
+                print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
+                      f"not on this machine: it runs again, and so do the seeded rows fine-tuned from it", file=sys.stderr)
+            out = {}
+            for row in expand_rows(spec["rows"]):
+                _plan_row(spec, row, kind, force, overrides, ledger, starts, out)
+        else:
+            for name in absent:
+                print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}); its weights are not on "
+                      f"this machine, but no seeded row has a seed to train from it: it is not trained again",
+                      file=sys.stderr)
     return out
 
 
@@ -124,24 +138,29 @@ def _shared_starts(spec: dict) -> list[dict]:
             if not row.get("cited") and row.get("experiment") and shared_start(spec, row)]
 
 
-def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) -> dict[str, str | None]:
-    """{shared start's name: the run its seeded rows load, or ``None`` when it trains again (no
-    completed run, ``--force``, or its weights are not on this machine): then every seeded run
-    fine-tuned from an earlier run of it trains again too, so a row never mixes two starts."""
+def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) -> tuple[dict[str, str | None], list[str]]:
+    """({shared start's name: the run its seeded rows load, or ``None`` when it trains again (no
+    completed run, ``--force``)}, [the starts whose newest completed run has no weights on this
+    machine]). Such a start stays its newest run while no seeded row of the table has a seed to
+    train (a complete table needs no start: a fresh clone of the ledger reruns nothing); where one
+    has, :func:`plan` trains the start again, and every seeded run fine-tuned from an earlier run of
+    it trains again too, so a row never mixes two starts."""
     starts: dict[str, str | None] = {}
+    absent: list[str] = []
     for row in _shared_starts(spec):
         name = row_name(row)
         starts[name] = None
-        if force or ledger.newest(name, "train") is None:
+        newest = None if force else ledger.newest(name, "train")
+        if newest is None:
             continue
         try:
             starts[name] = weights_run(f"{RUN_WEIGHTS_PREFIX}{name}", results_dir, ledger)["run_id"]
         except KeptWeightsError as err:  # a copy that is not the start's: stop, never train it again unseen
             raise ValueError(f"the shared start {name}: {one_line(err)}") from None
         except FileNotFoundError:
-            print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
-                  f"not on this machine: it runs again, and so do the seeded rows fine-tuned from it", file=sys.stderr)
-    return starts
+            starts[name] = newest["run_id"]
+            absent.append(name)
+    return starts, absent
 
 
 def keep_starts(spec: dict, results_dir: Path) -> dict[str, dict]:

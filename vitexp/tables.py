@@ -46,7 +46,7 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from vitexp import SWEEPS_DIR, aggregate, protocols
+from vitexp import SWEEPS_DIR, aggregate, protocol_prose, protocols
 from vitexp.errors import one_line
 from vitexp.logging_utils import log_tables
 from vitexp.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
@@ -164,6 +164,8 @@ def fill(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overri
     with composing():
         filled = [_fill_row(spec, row, ledger, keys, starts, overrides) for row in rows]
     aggregate.paired_cells(spec, filled)
+    for row in filled:  # a label may name a measured ratio (results_page: {ratio:A:B:COL})
+        row["label"] = results_page.fill_text(spec, filled, row["label"])
     return filled
 
 
@@ -334,6 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     if page:  # every spec's verdict, filled from the same ledger (vitexp.results_page)
         claims = [(name, claim_text(name)) for name in protocols.verdict_files()]
         results_page.write([load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir, claims)
+        if Path(page).resolve() == results_page.DEFAULT_PAGE.resolve():  # the project's own: its README and docs too
+            for name, text in claims:  # their generated verdicts (vitexp.protocol_prose)
+                protocol_prose.write_pages(protocols.load(name), protocols.prose(text), atomic_write)
         every_cost = [costs.get(n) or table_cost(load_spec(n), ledger, cost_context) for n in all_specs()]
         if page == results_page.DEFAULT_PAGE:  # the project's own ledger: docs/cluster.md's generated section
             write_summary(every_cost, ledger=ledger)  # "What each table costs" (another ledger's page has none)
