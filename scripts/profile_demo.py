@@ -65,9 +65,9 @@ def main(argv: list[str]) -> int:
         seconds: collections.Counter[str] = collections.Counter()
         for line in raw.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
-            if stack.split(";", 1)[0].startswith("<module> ("):  # the main thread
+            if stack.split(";", 1)[0].startswith(("<module> (", "_run_module_as_main (")):  # the main thread
                 seconds[stage(stack)] += int(count) / RATE
-        closing = done.stdout.strip().splitlines()[-1]
+        closing = next((line for line in reversed(done.stdout.splitlines()) if line.startswith("{")), "none")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     total = sum(seconds.values())
