@@ -126,7 +126,7 @@ def test_every_verdict_names_rows_of_its_tables_and_regenerates_its_committed_ta
             assert row in {r.get("name") or r["experiment"] for r in tables.load_spec(table)["rows"] if r.get("experiment")}, ref
     ledger = Ledger.load(PROJECT_ROOT / "results")
     fill = lambda t: tables.fill(tables.load_spec(t), ledger)  # noqa: E731
-    text = protocols.text(name, fill, ledger)
+    text = protocols.text(name, fill, ledger, tables.load_spec)
     assert text == (PROJECT_ROOT / "results" / "tables" / f"{name}.md").read_text()
     from vitexp.protocol_prose import page_block  # the README's and docs' blocks: the same prose
 

@@ -23,10 +23,11 @@ def markers(name: str) -> tuple[str, str]:
     return f"<!-- vitexp-tables: {name} verdicts begin -->", f"<!-- vitexp-tables: {name} verdicts end -->"
 
 
-def caveats(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) -> list[str]:
-    """The verdict file's caveats, their placeholders filled from the tables they name."""
+def caveats(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]],
+            load_spec: Callable[[str], dict[str, Any]]) -> list[str]:
+    """The verdict file's caveats, their placeholders filled from the tables they name (``load_spec``:
+    :func:`vitexp.tables.load_spec`, given by the caller: the tables module imports this one)."""
     from vitexp.results_page import fill_text
-    from vitexp.tables import load_spec
 
     out = []
     for caveat in spec.get("caveats") or []:

@@ -290,14 +290,16 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
 PROSE_HEAD = "**The verdicts in words**"
 
 
-def text(name: str, fill: Callable[[str], list[dict[str, Any]]], ledger: Any) -> str:
+def text(name: str, fill: Callable[[str], list[dict[str, Any]]], ledger: Any,
+         load_spec: Callable[[str], dict[str, Any]]) -> str:
     """The markdown of verdict file ``name``: :func:`render` with its cost row from ``ledger``, then
-    its prose (:func:`vitexp.protocol_prose.summary`) after :data:`PROSE_HEAD`."""
+    its prose (:func:`vitexp.protocol_prose.summary`) after :data:`PROSE_HEAD`; ``load_spec`` reads a
+    table spec for the caveats (:func:`vitexp.tables.load_spec`)."""
     from vitexp.protocol_prose import caveats, summary
 
     spec = load(name)
     claims, costs = evaluate(spec, fill), cost(spec, fill, ledger)
-    return render(spec, claims, costs) + "\n" + PROSE_HEAD + "\n\n" + summary(spec, claims, costs, caveats(spec, fill))
+    return render(spec, claims, costs) + "\n" + PROSE_HEAD + "\n\n" + summary(spec, claims, costs, caveats(spec, fill, load_spec))
 
 
 def prose(markdown: str) -> str:

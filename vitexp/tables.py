@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def claim_text(name: str) -> str:
         if name not in claim_texts:
-            claim_texts[name] = protocols.text(name, fill_table, ledger)
+            claim_texts[name] = protocols.text(name, fill_table, ledger, load_spec)
         return claim_texts[name]
 
     written.update(protocols.write(verdicts, claim_text, out_dir, atomic_write))
