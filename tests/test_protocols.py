@@ -63,17 +63,18 @@ def test_a_claim_may_judge_its_own_column_and_the_columns_may_be_backbones():
     assert "Backbones (rows from the tables named):" in protocols.render(spec, [box, mask])
 
 
-def _run(run_id: str, fit: float, start: str | None = None) -> dict:
+def _run(run_id: str, fit: float, start: str | None = None, threads: int | None = None) -> dict:
     return {"run_id": run_id, "experiment": run_id, "kind": "train", "status": "completed",
             "config": {"name": run_id, "backbone": {"pretrained": f"run:{start}" if start else None}},
-            "metrics": {"fit_time_s": fit}, "started": "2026-12-01T00:00:00+00:00"}
+            "metrics": {"fit_time_s": fit}, "started": "2026-12-01T00:00:00+00:00",
+            **({"env": {"cpu_threads": threads}} if threads else {})}
 
 
 def test_a_protocols_cost_sums_its_runs_and_their_starts_once_and_the_total_a_shared_run_once():
     failed = {"run_id": "f", "experiment": "m+seed=5", "kind": "train", "status": "failed", "config": {"name": "m"},
               "started": "2026-12-01T00:00:00+00:00", "finished": "2026-12-01T00:30:00+00:00"}  # no fit time: 30 min
-    ledger = Ledger([_run("s", 3600.0), _run("a0", 360.0, "s"), _run("a1", 720.0, "s"), _run("b0", 1800.0, "s"),
-                     _run("x", 7200.0), failed])
+    ledger = Ledger([_run("s", 3600.0), _run("a0", 360.0, "s"), _run("a1", 360.0, "s", threads=2),
+                     _run("b0", 1800.0, "s", threads=1), _run("x", 7200.0), failed])  # a1: 6 CPU-minutes x 2 threads
     cells = {"t1": [{"experiment": "full", "cells": {"top1": {"run_ids": ["a0", "a1"]}}},
                     {"experiment": "m", "cells": {"top1": {"run_ids": ["b0"]}}}],
              "t2": [{"experiment": "full", "cells": {"top1": {}}}, {"experiment": "m", "cells": {"top1": {}}}],
@@ -83,7 +84,7 @@ def test_a_protocols_cost_sums_its_runs_and_their_starts_once_and_the_total_a_sh
     assert [(c["runs"], c["hours"]) for c in costs] == [(["a0", "a1", "b0", "s"], 1.8), ([], 0.0), (["s", "x"], 3.0)]
     text = protocols.render(SPEC, protocols.evaluate(SPEC, lambda t: [_row("full", {}), _row("m", {})]), costs)
     assert [(round(c["spent_hours"], 2), c["failed"]) for c in costs] == [(2.3, ["f"]), (0.5, ["f"]), (3.5, ["f"])]
-    assert ("| Cost: training time, CPU-hours (one thread per run) | 1.80 h cited (4 runs); 2.30 h spent (5 runs, 1 not "
+    assert ("| Cost: training, CPU-hours (time × the run's threads) | 1.80 h cited (4 runs); 2.30 h spent (5 runs, 1 not "
             "completed) | not run | 3.00 h cited (2 runs); 3.50 h spent (3 runs, 1 not completed) | 3.80 h cited (5 runs); "
             "4.30 h spent (6 runs, 1 not completed) in all |") in text  # s once, the failed run once
 

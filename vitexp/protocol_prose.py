@@ -57,7 +57,7 @@ def summary(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict
         failed = len({rid for c in costs for rid in c["failed"]})
         to_run = [f"{c['protocol']}: {c['to_run']} runs" + (f", about {c['to_run_hours']:.1f} h" if c["to_run_hours"] else "")
                   for c in costs if c["to_run"]]
-        lines.append(f"- **Cost** (training time, CPU-hours on one thread per run, starts included): "
+        lines.append(f"- **Cost** (training time × the run's threads, in CPU-hours, starts included): "
                      f"{sum(cited.values()) / 3600:.2f} h for the {len(cited)} runs the cells cite; "
                      f"{sum(spent.values()) / 3600:.2f} h spent in all ({len(spent)} runs of these rows and starts, "
                      f"{failed} not completed)" + (f"; still to run: {'; '.join(to_run)}" if to_run else "") + ".")

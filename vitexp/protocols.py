@@ -31,8 +31,9 @@ Decisions:
   a marked cell names the protocols where it does, so a claim never leans on such a run unsaid.
 - A protocol's cost is the training time of every run its cells use plus the runs whose weights
   those loaded (``backbone.pretrained=run:``, followed back to a run that loaded none), each counted
-  once: the ledger's ``fit_time_s`` (training only, test excluded) summed and shown in hours, on the
-  one CPU thread each run had ("cited"). Beside it, what the protocol *spent*: every training run
+  once: the ledger's ``fit_time_s`` (training only, test excluded) times the torch threads the run had
+  (``env.cpu_threads``; one where unrecorded), summed and shown in CPU-hours ("cited"): runs of one
+  table may differ in threads (the micro COCO's two, the Fashion-MNIST tier's one). Beside it, what the protocol *spent*: every training run
   recorded under the names of its rows and of those starts, any seed, completed or not (an older run
   of the same row, a failed one: its wall clock when it recorded no fit time); and what it still
   asks for, the (row, seed) pairs its cells lack times the mean fit time of its cited seeded runs.
@@ -129,6 +130,11 @@ def verdict(signs: list[tuple[str, str]], noun: str = "protocol") -> str:
 
 
 def _seconds(run: dict[str, Any]) -> float:
+    """The CPU-seconds a run spent training: :func:`_wall_seconds` times its torch threads."""
+    return _wall_seconds(run) * int((run.get("env") or {}).get("cpu_threads") or 1)
+
+
+def _wall_seconds(run: dict[str, Any]) -> float:
     """What a run spent training: its ``fit_time_s``, else (a failed run) its attempts' fit time, else its
     wall clock from start to finish."""
     metrics = run.get("metrics") or {}
@@ -253,7 +259,7 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
                  (f"; to run: {runs(c['to_run'])}" + (f", about {c['to_run_hours']:.1f} h" if c.get("to_run_hours") else "")
                   if c.get("to_run") else "")
                  if c["runs"] else "not run" for c in costs]
-        lines.append("| Cost: training time, CPU-hours (one thread per run) | " + " | ".join(cells) + " | "
+        lines.append("| Cost: training, CPU-hours (time × the run's threads) | " + " | ".join(cells) + " | "
                      f"{sum(every.values()) / 3600:.2f} h cited ({runs(len(every))}); "
                      f"{spent(sum(all_spent.values()) / 3600, len(all_spent), failed)} in all |")
     noun = spec.get("column", "protocol")
@@ -273,7 +279,7 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
                   "tree whose code cannot be rebuilt; §: a protocol today's code does not reproduce): that table's "
                   "notes say which runs."]
     if costs is not None:
-        lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) summed in hours. Cited: the runs in the "
+        lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) times the run's torch threads (env.cpu_threads), summed in CPU-hours. Cited: the runs in the "
                   "cells and the runs whose weights they loaded (a shared start counted once). Spent: every training "
                   "run recorded under the names of those rows and starts, cited or not, completed or not (a run that "
                   "failed before recording its fit time: its wall clock). To run: the (row, seed) pairs its cells still "
