@@ -232,6 +232,10 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
     _check(isinstance(cfg.name, str) and cfg.name != "", "name", "must be a non-empty string")
     resume_mode(cfg.get("resume", False))
     _check(cfg.logger.kind in LOGGER_KINDS, "logger.kind", f"{cfg.logger.kind!r} is not one of {LOGGER_KINDS}")
+    if cfg.logger.kind == "wandb":
+        from vitexp.logging_utils import wandb_mode
+
+        wandb_mode(cfg.logger.get("mode"))  # a bad WANDB_MODE fails here, before anything starts
 
     bb = cfg.backbone
     arch = bb.arch

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
 
+from vitexp.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 #: Prefixes of the metrics the LightningModules log (accuracies among them as fractions).
@@ -107,10 +109,21 @@ def wandb_logged_in() -> bool:
         return False
 
 
+#: The modes W&B's settings accept (``wandb.sdk.wandb_settings.Settings.mode``).
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+
+
 def wandb_mode(configured: str | None) -> str:
-    """``WANDB_MODE`` wins; then ``logger.mode``; then online if logged in, else offline."""
+    """``WANDB_MODE`` wins; then ``logger.mode``; then online if logged in, else offline. An empty
+    ``WANDB_MODE`` (``export WANDB_MODE=``) means unset and is removed from the environment, since W&B's
+    own settings refuse it; any other value outside :data:`WANDB_MODES` is a :class:`ConfigError`."""
     env = os.environ.get("WANDB_MODE")
+    if env is not None and not env.strip():
+        del os.environ["WANDB_MODE"]
+        env = None
     if env:
+        if env not in WANDB_MODES:
+            raise ConfigError(f"WANDB_MODE={env!r}: not a W&B mode; valid modes are {', '.join(WANDB_MODES)}")
         return "offline" if env == "dryrun" else env
     if configured:
         return str(configured)

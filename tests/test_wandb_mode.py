@@ -1,0 +1,35 @@
+"""``WANDB_MODE`` from the environment: empty means unset, a value W&B refuses is a one-line config
+error before anything starts (vitexp.logging_utils.wandb_mode, called by vitexp.config.validate)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vitexp import config as vconfig
+from vitexp.errors import ConfigError
+from vitexp.logging_utils import WANDB_MODES, wandb_mode
+
+
+def test_an_empty_wandb_mode_is_unset_and_leaves_the_environment(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "")
+    assert wandb_mode("disabled") == "disabled"  # logger.mode decides, as with no WANDB_MODE
+    assert "WANDB_MODE" not in os.environ  # W&B's own settings would refuse the empty value
+
+
+def test_a_wandb_mode_w_and_b_refuses_names_the_valid_modes(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(ConfigError, match="WANDB_MODE='ofline': .*valid modes are online, offline"):
+        wandb_mode(None)
+    monkeypatch.setenv("WANDB_MODE", "dryrun")
+    assert wandb_mode("online") == "offline"
+    assert set(WANDB_MODES) >= {"online", "offline", "disabled"}
+
+
+def test_the_config_check_refuses_a_bad_wandb_mode_before_the_run(make_cfg, monkeypatch):
+    cfg = make_cfg(["logger=wandb"])
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(ConfigError, match="WANDB_MODE='ofline'"):
+        vconfig.validate(cfg, need_data=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    vconfig.validate(cfg, need_data=False)
