@@ -128,7 +128,7 @@ def test_sweep_reruns_a_shared_start_whose_weights_are_not_on_this_machine(resul
     from vitexp.sweep import plan
 
     spec = {"name": "s", "seeds": [0], "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
-                                                {"label": "ft", "experiment": "chunk_demo"}]}
+                                                {"label": "ft", "experiment": "chunk_demo", "weights": "run:demo"}]}
     weights = tmp_path / "weights.pth"
     LedgerEntry("demo", "train", config_of("demo", 0), results_dir).start().finish(
         {"top1": 1.0}, artifacts={"weights": str(weights)})  # a committed ledger, weights elsewhere

@@ -11,8 +11,8 @@ import pytest
 from vitexp import PROJECT_ROOT
 
 #: Shared starts whose weights are on no machine any more (neither a run folder nor results/weights/),
-#: with the reason. Their tables are complete, so the plan does not need them; a seed added to such a
-#: table would train the start and every seeded row again (vitexp.sweep.plan), hours of CPU each.
+#: with the reason. Their tables are complete, so the plan does not need them; a seed added to a row that
+#: loads one would train that start and every row loading it again (vitexp.sweep.plan), hours of CPU each.
 KNOWN_ABSENT = {
     "fmnist_vit_micro_baseline": "run 420a24 (tables 1, 6, 7, 8): trained from a dirty tree before weights were "
                                  "kept; its config trained again gives 88.89 % test top-1, not its 88.66 "
@@ -80,3 +80,22 @@ def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
                 assert seed not in held.get(base, set()), f"{table}: {name} is in the table and is planned again"
         absent |= {s for s in starts if f"vitexp-sweep: {s} is the shared start" in err}
     assert absent == set(KNOWN_ABSENT), "the starts without weights changed: keep them, or say why in KNOWN_ABSENT"
+
+
+def test_a_new_seed_of_one_backbone_retrains_only_its_start(clone, capsys):
+    """The reviewer's case (issue 45): a seed 3 for the CaFormer rows of fmnist_bspf_table2 alone
+    trains its start (no weights kept) and every CaFormer seed again, and nothing of T2T or LV-ViT."""
+    from vitexp.sweep import plan
+    from vitexp.tables import load_spec
+
+    spec = load_spec("fmnist_bspf_table2")
+    spec = {**spec, "rows": [{**r, "seeds": [0, 1, 2, 3]} if "caformer" in r["experiment"] and "seeds" not in r
+                             else r for r in spec["rows"]]}
+    todo = plan(spec, None, False, clone)["train"]
+    caformer = ["fmnist_caformer_micro_ft", "fmnist_bspf_caformer_micro"]
+    assert todo["launch"] == ["fmnist_caformer_micro_baseline",
+                              *[f"{name}+seed={s}" for name in caformer for s in range(4)]]
+    assert not [name for name in todo["launch"] if "t2t" in name or "lvvit" in name]
+    err = capsys.readouterr().err
+    for start in ("fmnist_t2t_vit_micro_baseline", "fmnist_lvvit_micro_baseline"):
+        assert f"{start} is the shared start other rows load (run:{start}); its weights are not" in err

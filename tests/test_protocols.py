@@ -113,6 +113,56 @@ def test_a_claim_holds_only_on_both_splits_and_a_protocol_may_ask_for_more_pairs
     assert claim["verdict"].startswith("holds under every measured protocol so far (1 of 2 protocols measured, 1 incomplete)")
 
 
+def test_a_running_run_whose_process_died_is_spent_and_a_live_one_is_not():
+    """The spent runs use the ledger's effective status: a ``running`` entry whose process is gone
+    (stale heartbeat) counts as not completed, with its wall clock to its last heartbeat; a running
+    entry whose process is alive (this one) is not spent yet."""
+    import os
+    import platform
+
+    dead = {"run_id": "d", "experiment": "m+seed=7", "kind": "train", "status": "running", "config": {"name": "m"},
+            "started": "2000-01-01T00:00:00+00:00", "heartbeat": "2000-01-01T00:45:00+00:00"}  # 45 min, long ago
+    alive = {**dead, "run_id": "l", "experiment": "m+seed=8", "env": {"hostname": platform.node(), "pid": os.getpid()}}
+    ledger = Ledger([_run("a0", 360.0), dead, alive])
+    cells = {t: [{"experiment": "full", "cells": {"top1": {"run_ids": ["a0"] if t == "t1" else []}}},
+                 {"experiment": "m", "cells": {"top1": {}}}] for t in ("t1", "t2", "t3")}
+    (first, *_) = protocols.cost(SPEC, cells.__getitem__, ledger)
+    assert sorted(first["spent"]) == ["a0", "d"] and first["failed"] == ["d"]
+    assert first["spent"]["d"] == 45 * 60.0 and round(first["spent_hours"], 2) == 0.85
+
+
+def test_a_complete_test_split_without_validation_is_incomplete_and_never_judged():
+    """Two splits: test complete while validation is not run (or has too few pairs) is incomplete, not a
+    one-split verdict; it counts as not measured and the cell shows each split's count."""
+    def row(name, test, val):
+        return {"experiment": name, "cells": {"top1": {"seeds": test}, "val_top1": {"seeds": val}}}
+    spec = {**SPEC, "val_key": "val_top1", "pairs": 3, "protocols": SPEC["protocols"][:2]}
+    full = {0: 80.0, 1: 81.0, 2: 82.0}
+    filled = {"t1": [row("full", full, full), row("m", {0: 81.0, 1: 82.0, 2: 83.0}, {})],  # val not run
+              "t2": [row("full", full, full), row("m", {0: 81.0, 1: 82.0, 2: 83.0}, {0: 81.0})]}  # val: 1 of 3
+    assert protocols.both("supports", "not run") == "incomplete" and protocols.both("supports", "incomplete") == \
+        "incomplete"
+    (claim,) = protocols.evaluate(spec, filled.__getitem__)
+    assert [c["sign"] for c in claim["cells"]] == ["incomplete", "incomplete"]
+    assert claim["verdict"].startswith("not run (0 of 2 protocols measured, 2 incomplete); not yet judged: "
+                                       "P1: test +1.00 ± 0.00 (3); val not run")
+    md = protocols.render(spec, [claim])
+    assert "| test +1.00 ± 0.00 (3); val not run (incomplete: test 3, val 0 of 3 pairs) |" in md
+    assert "(incomplete: test 3, val 1 of 3 pairs; supports so far) |" in md
+
+
+def test_test_support_with_validation_contradicting_is_split_dependent():
+    def row(name, test, val):
+        return {"experiment": name, "cells": {"top1": {"seeds": test}, "val_top1": {"seeds": val}}}
+    spec = {**SPEC, "val_key": "val_top1", "protocols": SPEC["protocols"][:1]}
+    full = {0: 80.0, 1: 81.0, 2: 82.0}
+    filled = {"t1": [row("full", full, full), row("m", {0: 81.0, 1: 82.0, 2: 83.0}, {0: 79.0, 1: 80.0, 2: 81.0})]}
+    assert protocols.both("supports", "contradicts") == "split-dependent" == protocols.both("contradicts", "supports")
+    (claim,) = protocols.evaluate(spec, filled.__getitem__)
+    assert claim["cells"][0]["sign"] == "split-dependent" and claim["cells"][0]["val"]["sign"] == "contradicts"
+    assert claim["verdict"] == "split-dependent under every measured protocol (1 of 1 protocols measured)"
+
+
 def test_a_reference_to_a_row_the_table_lacks_is_an_error():
     with pytest.raises(ValueError, match="t1:m: table t1 has no row recorded as 'm'"):
         protocols.evaluate(SPEC, lambda t: [_row("full", {0: 1.0})])
@@ -146,3 +196,30 @@ def test_a_cell_carries_the_marks_of_the_cells_it_pairs_and_the_verdict_says_whe
     assert claim["verdict"] == ("holds under every measured protocol so far (2 of 3 protocols measured); "
                                 "rests on marked runs under P2 (‡)")
     assert "A mark after a cell is carried over" in protocols.render(SPEC, [claim])
+
+
+#: The caveats the BSPF protocols verdict must state (issue 45): {what: phrases one caveat holds}.
+BSPF_CAVEATS = {
+    "the 14 x 14 grid duplicates pixels": ("upsampled 2 × by nearest neighbour", "every pixel duplicated"),
+    "from scratch is 10 epochs, not 300": ("'From scratch' is the tier's 10-epoch", "paper: 300 epochs"),
+    "the tested BSPF-ViT has separate Q/K": ("separate-Q/K variant, not the titular shared Q/K",),
+    "10 pretraining epochs are a cost cap": ("Ten pretraining epochs are a cost cap",),
+}
+
+
+def test_the_bspf_verdict_states_its_four_caveats_from_its_source_in_its_committed_table():
+    """Each caveat is one caveat of sweeps/verdicts/fmnist_bspf_protocols.yaml, and the committed table's
+    caveats are exactly those generated from that file (so deleting one there fails here, before the
+    table is regenerated, and a table edited by hand fails too)."""
+    from vitexp.protocol_prose import caveats
+
+    spec = protocols.load("fmnist_bspf_protocols")
+    source = [" ".join(str(c["text"]).split()) for c in spec["caveats"]]
+    ledger = Ledger.load(PROJECT_ROOT / "results")
+    generated = caveats(spec, lambda t: tables.fill(tables.load_spec(t), ledger), tables.load_spec)
+    committed = (PROJECT_ROOT / "results" / "tables" / "fmnist_bspf_protocols.md").read_text()
+    listed = committed.split("\nCaveats:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert listed == [f"- {c}" for c in generated], "run vitexp-tables"
+    for what, phrases in BSPF_CAVEATS.items():
+        assert [i for i, text in enumerate(source) if all(p in text for p in phrases)], f"the yaml lacks: {what}"
+        assert [c for c in generated if all(p in c for p in phrases)], f"the generated caveats lack: {what}"

@@ -20,7 +20,9 @@ Decisions:
   split *and* on validation (and *contradicts* it where every pair is below on both); where the two
   splits' signs differ the cell is *split-dependent*, which is no support. Each cell shows both
   splits' differences. A protocol may ask for more pairs than the file (its own ``pairs``): while
-  its runs are missing the cell is incomplete and shows the sign its pairs give so far.
+  its runs are missing the cell is incomplete and shows the sign its pairs give so far. A cell
+  whose test split is complete but whose validation split has too few pairs (or none) is incomplete
+  too, never judged on one split: it shows each split's count of pairs.
 - A claim's verdict is given only where the measured protocols agree ("holds under all N measured
   protocols", "fails under all N"); where they disagree the verdict names which protocol says what;
   protocols not run or incomplete are counted ("k of M protocols measured, j incomplete") and the
@@ -35,7 +37,8 @@ Decisions:
   (``env.cpu_threads``; one where unrecorded), summed and shown in CPU-hours ("cited"): runs of one
   table may differ in threads (the micro COCO's two, the Fashion-MNIST tier's one). Beside it, what the protocol *spent*: every training run
   recorded under the names of its rows and of those starts, any seed, completed or not (an older run
-  of the same row, a failed one: its wall clock when it recorded no fit time); and what it still
+  of the same row, a failed one or one left ``running`` by a process that died: its wall clock when it
+  recorded no fit time); and what it still
   asks for, the (row, seed) pairs its cells lack times the mean fit time of its cited seeded runs.
 """
 from __future__ import annotations
@@ -47,6 +50,7 @@ import yaml
 
 from vitexp import PROJECT_ROOT
 from vitexp.aggregate import format_stat, paired_difference
+from vitexp.ledger.status import effective_status
 
 VERDICTS_DIR = PROJECT_ROOT / "sweeps" / "verdicts"
 
@@ -136,7 +140,7 @@ def _seconds(run: dict[str, Any]) -> float:
 
 def _wall_seconds(run: dict[str, Any]) -> float:
     """What a run spent training: its ``fit_time_s``, else (a failed run) its attempts' fit time, else its
-    wall clock from start to finish."""
+    wall clock from start to finish (a run whose process died while running: to its last heartbeat)."""
     metrics = run.get("metrics") or {}
     if metrics.get("fit_time_s") is not None:
         return float(metrics["fit_time_s"])
@@ -146,7 +150,8 @@ def _wall_seconds(run: dict[str, Any]) -> float:
     from datetime import datetime
 
     try:
-        return max(0.0, (datetime.fromisoformat(run["finished"]) - datetime.fromisoformat(run["started"])).total_seconds())
+        end = run.get("finished") or run["heartbeat"]
+        return max(0.0, (datetime.fromisoformat(end) - datetime.fromisoformat(run["started"])).total_seconds())
     except (KeyError, TypeError, ValueError):
         return 0.0
 
@@ -154,7 +159,8 @@ def _wall_seconds(run: dict[str, Any]) -> float:
 def cost(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], ledger: Any) -> list[dict[str, Any]]:
     """Per protocol: ``runs`` (the cells' runs and their starts, each once), ``fit_s`` (each one's
     seconds) and ``hours`` (their sum); ``spent`` (every training run of the protocol's rows and
-    starts under their names, any seed, completed or not: what the protocol spent, cited or not),
+    starts under their names, any seed, completed or not, a ``running`` one whose process is gone
+    included (:func:`vitexp.ledger.effective_status`): what the protocol spent, cited or not),
     ``spent_hours``, ``failed`` (the spent runs not completed), ``to_run`` (the (row, seed) pairs the cells
     lack) and ``to_run_hours`` (times the mean of the cited seeded runs; module docstring); ``ledger`` is a :class:`vitexp.ledger.Ledger`."""
     key, out = spec.get("key", "top1"), []
@@ -172,7 +178,7 @@ def cost(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], ledg
         names = {ref.split(":")[1] for ref in proto["rows"].values()}
         names |= {ledger.experiment_of(rid).split("+seed=")[0] for rid in seen}
         spent = {r["run_id"]: _seconds(r) for r in ledger.records
-                 if r.get("kind") == "train" and r.get("status") in ("completed", "failed", "interrupted")
+                 if r.get("kind") == "train" and effective_status(r) in ("completed", "failed", "interrupted")
                  and r["experiment"].split("+seed=")[0] in names}
         spent.update(seen)
         failed = sorted(rid for rid in spent if ledger.get(rid)["status"] != "completed")
@@ -232,6 +238,15 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
     return out
 
 
+def _count(cell: dict[str, Any]) -> str:
+    """An incomplete cell's pairs: per split where the splits have different numbers (validation not
+    run while the test split is complete), else one count."""
+    val = cell.get("val")
+    if val and val["n"] != cell["n"]:
+        return f"test {cell['n']}, val {val['n']} of {cell['needed']} pairs"
+    return f"{cell['n']} of {cell['needed']} pairs"
+
+
 def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[str, Any]] | None = None) -> str:
     """The markdown table: a row per claim, a column per protocol, then the verdict; with ``costs``
     (:func:`cost`) a last row of training hours per protocol."""
@@ -239,7 +254,7 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
     lines = [f"# {spec['title']}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in claims:
         cells = [x["text"] if x["sign"] in (None, "not run") else
-                 f"{x['text']} (incomplete: {x['n']} of {x['needed']} pairs" +
+                 f"{x['text']} (incomplete: {_count(x)}" +
                  (f"; {x['interim']} so far)" if x.get("interim") not in (None, "not run", "incomplete") else ")")
                  if x["sign"] == "incomplete" else
                  f"{x['text']} ({x['sign']})" for x in c["cells"]]

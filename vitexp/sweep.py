@@ -12,8 +12,9 @@ and only its seeds without a completed or running run are launched (a seed s >= 
 sampler that drew ``s + epoch`` does not count: :func:`vitexp.aggregate.overlapping_order`); unseeded rows go first (the
 pretrained baselines that seeded rows load with ``run:``). Such a shared start (a row with ``seeds:
 null`` in a seeded table) whose weights are not on this machine (neither its run folder's nor the
-copy kept with the results) trains again only when a seeded row of its table has a seed to train:
-then the seeded rows load the new run; a complete table needs no start, so a fresh checkout of the
+copy kept with the results) trains again only when a row whose job loads it (its composed
+``backbone.pretrained`` is ``run:<start>``) has a seed to train: then the rows that load it load the new
+run, and no other start or row changes; a complete table needs no start, so a fresh checkout of the
 committed ledger reruns nothing. A seeded run
 fine-tuned from another run of its start than the current one trains again too
 (:func:`vitexp.aggregate.other_start`), so a row never mixes two starts. Plain unseeded rows share one multirun
@@ -45,7 +46,7 @@ from vitexp.errors import one_line
 from vitexp.ledger import (RUN_WEIGHTS_PREFIX, KeptWeightsError, Ledger, LedgerError, default_results_dir,
                            effective_status, keep, portable_text, weights_run)
 from vitexp.ledger.fingerprint import WEIGHTLESS_KINDS
-from vitexp.rows import composing, expand_rows, job_arguments, row_name, row_query
+from vitexp.rows import composing, expand_rows, job_arguments, row_name, row_query, row_weights
 from vitexp.tables import all_specs, broken_for, load_spec
 from vitexp.run import ArgumentParser
 
@@ -65,11 +66,11 @@ def _script(app: str) -> str:
 
 def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides: Sequence[str] = ()) -> dict[str, dict]:
     """{kind: {"launch": [names], "skip": [names], "seeds": {row name: [seeds to launch]},
-    "seeded": [names of seeded jobs], "jobs": {row name: [Hydra arguments]}} for the spec's
-    runnable rows; a name is the row's (:func:`vitexp.rows.row_name`), or ``<name>+seed=<s>`` for
-    one seed of a seeded row. A row's runs are those of its configuration composed with
-    ``overrides`` (:meth:`vitexp.ledger.Ledger.row_runs`); a broken entry that could be one of them
-    stops the plan (:class:`vitexp.ledger.LedgerError`)."""
+    "seeded": [names of seeded jobs], "jobs": {row name: [Hydra arguments]}, "loads": {row name: the
+    shared start its job loads, or ``None``}} for the spec's runnable rows; a name is the row's
+    (:func:`vitexp.rows.row_name`), or ``<name>+seed=<s>`` for one seed of a seeded row. A row's runs
+    are those of its configuration composed with ``overrides`` (:meth:`vitexp.ledger.Ledger.row_runs`);
+    a broken entry that could be one of them stops the plan (:class:`vitexp.ledger.LedgerError`)."""
     out: dict[str, dict] = {}
     ledger = Ledger.load(results_dir)
     broken = broken_for(spec, ledger, overrides)  # by name, and by the config a broken entry holds
@@ -79,19 +80,21 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides
     with composing():
         for row in expand_rows(spec["rows"]):
             _plan_row(spec, row, kind, force, overrides, ledger, starts, out)
-        if absent and any(b["seeds"] for b in out.values()):  # a seed to train needs its start: train it again
-            for name in absent:
+        train = out.get("train", {})
+        needed = {train["loads"].get(name) for name in train.get("seeds", {})}  # the starts of rows with a seed to train
+        for name in absent:
+            if name in needed:  # a seed to train from it needs its weights: it trains again
                 starts[name] = None
                 print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
                       f"not on this machine: it runs again, and so do the seeded rows fine-tuned from it", file=sys.stderr)
+            else:
+                print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}); its weights are not on "
+                      f"this machine, but no row that loads it has a seed to train: it is not trained again",
+                      file=sys.stderr)
+        if needed & set(absent):  # only the start and the runs fine-tuned from it change (other_start)
             out = {}
             for row in expand_rows(spec["rows"]):
                 _plan_row(spec, row, kind, force, overrides, ledger, starts, out)
-        else:
-            for name in absent:
-                print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}); its weights are not on "
-                      f"this machine, but no seeded row has a seed to train from it: it is not trained again",
-                      file=sys.stderr)
     return out
 
 
@@ -106,10 +109,12 @@ def _plan_row(spec: dict, row: dict, kind: str | None, force: bool, overrides: S
     k = kind or row.get("run", "train")
     if k not in APPS:
         raise ValueError(f"row {row['label']!r}: run {k!r} is not one of {sorted(APPS)}")
-    bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": [], "jobs": {}})
+    bucket = out.setdefault(k, {"launch": [], "skip": [], "seeds": {}, "seeded": [], "jobs": {}, "loads": {}})
     seeds = row_seeds(spec, row)
     bucket["jobs"][name] = job_arguments(row, seeded=seeds is not None, weights=k not in WEIGHTLESS_KINDS)
-    found = ledger.row_runs(row_query(spec, row, overrides))
+    query = row_query(spec, row, overrides)
+    bucket["loads"][name] = _loads(row, query, seeds, starts, ledger) if k not in WEIGHTLESS_KINDS else None
+    found = ledger.row_runs(query)
     active = {seed: [r for r in rs if r["kind"] == k and effective_status(r) in ("completed", "running")]
               for seed, rs in found.items()}
     if seeds is not None:
@@ -132,6 +137,18 @@ def _plan_row(spec: dict, row: dict, kind: str | None, force: bool, overrides: S
         bucket[target].append(name)
 
 
+def _loads(row: dict, query, seeds: list[int] | None, starts: dict[str, str | None], ledger: Ledger) -> str | None:
+    """The shared start (a key of ``starts``) whose weights the row's job loads: its composed
+    ``backbone.pretrained`` (the experiment file's, the row's ``weights``, the sweep's overrides) as
+    ``run:<start>`` or ``run:<a run id of the start>``; ``None`` for any other weights or none."""
+    config = query.composed(seeds[0] if seeds else None) if query is not None else None
+    ref = str(((config or {}).get("backbone") or {}).get("pretrained") or "") if config else (row_weights(row) or "")
+    if not ref.startswith(RUN_WEIGHTS_PREFIX):
+        return None
+    start = ledger.experiment_of(ref[len(RUN_WEIGHTS_PREFIX):])
+    return start if start in starts else None
+
+
 def _shared_starts(spec: dict) -> list[dict]:
     """The table's trained shared-start rows (:func:`vitexp.aggregate.shared_start`)."""
     return [row for row in expand_rows(spec["rows"])
@@ -141,10 +158,10 @@ def _shared_starts(spec: dict) -> list[dict]:
 def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) -> tuple[dict[str, str | None], list[str]]:
     """({shared start's name: the run its seeded rows load, or ``None`` when it trains again (no
     completed run, ``--force``)}, [the starts whose newest completed run has no weights on this
-    machine]). Such a start stays its newest run while no seeded row of the table has a seed to
-    train (a complete table needs no start: a fresh clone of the ledger reruns nothing); where one
-    has, :func:`plan` trains the start again, and every seeded run fine-tuned from an earlier run of
-    it trains again too, so a row never mixes two starts."""
+    machine]). Such a start stays its newest run while no row that loads it has a seed to train (a
+    complete table needs no start: a fresh clone of the ledger reruns nothing); where one has,
+    :func:`plan` trains that start again, and every seeded run fine-tuned from an earlier run of it
+    trains again too, so a row never mixes two starts; the other starts and their rows stay."""
     starts: dict[str, str | None] = {}
     absent: list[str] = []
     for row in _shared_starts(spec):
