@@ -123,14 +123,18 @@ class ClassifyModule(ObjectiveModule):
             setattr(self, f"{split}_top5", MulticlassAccuracy(num_classes=self.num_classes, top_k=top_k, average="micro"))
             setattr(self, f"{split}_loss", MeanMetric())
 
+    def on_fit_start(self) -> None:
+        """Reset the evaluation metrics outside inference mode: a test or validation before this fit (a
+        resumed stage, a second fit of the module) resets their states under inference mode, and fit's
+        validation, which runs under ``no_grad`` only, cannot update an inference tensor in place."""
+        for split in ("val", "test"):
+            for kind in ("top1", "top5", "loss"):
+                getattr(self, f"{split}_{kind}").reset()
+
     def log_eval_loss(self, split: str, loss: torch.Tensor, images: int, **kwargs: Any) -> None:
         """``<split>/loss``: the mean over every image of the split, on all ranks together (module docstring);
         ``loss`` is the batch's mean over its ``images``."""
         metric = getattr(self, f"{split}_loss")
-        if not torch.is_inference_mode_enabled():  # fit's validation runs under no_grad, test under inference mode:
-            for name, value in metric.metric_state.items():  # a state last reset inside the latter cannot be
-                if isinstance(value, torch.Tensor) and value.is_inference():  # updated in place outside it
-                    setattr(metric, name, value.clone())
         metric.update(loss.detach().float(), weight=images)
         self.log(f"{split}/loss", metric, on_step=False, on_epoch=True, **kwargs)
 
