@@ -21,6 +21,12 @@ def test_entry_lifecycle_and_schema(results_dir):
         assert key in record
     assert record["status"] == "completed" and record["metrics"]["top1"] == 90.0
     assert record["env"]["packages"]["torch"]
+    import torch
+
+    from vitexp.cpus import cpu_model  # the machine is recorded: one-thread runs repeat only on one machine
+
+    assert record["env"]["cpu"] == {"model": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability()}
+    assert record["env"]["cpu"]["model"] and record["env"]["cpu"]["capability"]
     with pytest.raises(RuntimeError, match="already completed"):
         entry.fail(ValueError("late"))
     assert json.loads(path.read_text())["status"] == "completed"

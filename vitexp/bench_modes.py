@@ -11,6 +11,7 @@ from omegaconf import DictConfig, open_dict
 
 from vitexp import CONF_DIR
 from vitexp.config import to_container, validate
+from vitexp.cpus import cpu_model
 from vitexp.errors import ConfigError, one_line
 from vitexp.ledger import portable_path, portable_text
 from vitexp.objectives import objective_for
@@ -162,7 +163,7 @@ def _run_loader(cfg: DictConfig, run) -> None:
                 "crop_pct": data_config.get("crop_pct"), "auto_augment": cfg.data.auto_augment if train else None,
                 "random_erase": float(cfg.data.random_erase or 0.0) if train else 0.0,
                 "transforms": {d: str(loaders[d].dataset.transform) for d in loaders},
-                "jpegs": {k: v for k, v in jpegs.items() if k != "root"}, "cpu": _cpu_model() or platform.machine(),
+                "jpegs": {k: v for k, v in jpegs.items() if k != "root"}, "cpu": cpu_model() or platform.machine(),
                 "statistic": STATISTIC, "rounds_per_decoder": {d: r["rounds"] for d, r in res.items()},
                 "load": next(iter(res.values()))["load"], "device_side": str(device)}
     print(f"{cfg.name}: loader ({lo.split} transform, {protocol['img_size']} px, batch {protocol['batch_size']}, "
@@ -171,17 +172,6 @@ def _run_loader(cfg: DictConfig, run) -> None:
               f"wall {r['wall_images_per_s_per_worker']:.1f})" for d, r in res.items())
           + f"; faster beyond the spread: {metrics['winner'] or 'neither'}")
     run.complete(metrics, protocol)
-
-
-def _cpu_model() -> str | None:
-    """The CPU's model name (``/proc/cpuinfo``), for the ledger's loader rates."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
 
 
 def _run_train_step(cfg: DictConfig, run) -> None:
@@ -256,7 +246,7 @@ def _run_demo(cfg: DictConfig, run) -> None:
                 "wall": "process start to exit", "overhead": "wall - fit_time_s",
                 "load_before": load_before, "load_after": load_after,
                 "demo_threads": ((child.get("env") or {}).get("load") or {}).get("threads"),
-                "cpu": _cpu_model(), "demo_commit": (child.get("env") or {}).get("git_commit")}
+                "cpu": cpu_model(), "demo_commit": (child.get("env") or {}).get("git_commit")}
     print(f"{cfg.name}: vitexp-train took {wall:.1f} s: fit {fit:.1f} s, the rest {wall - fit:.1f} s "
           f"(top-1 {metrics['demo_top1']:.2f}; load {load_before['loadavg']} -> {load_after['loadavg']} on "
           f"{load_before['cpus']} CPUs)")

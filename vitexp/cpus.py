@@ -60,3 +60,15 @@ def fit_threads(v2: Path = CGROUP_V2, v1: tuple[Path, Path] = CGROUP_V1) -> int:
         if torch.get_num_threads() > cpus:
             torch.set_num_threads(cpus)
     return torch.get_num_threads()
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``), recorded with loader rates and with every run's
+    environment: one-thread training repeats bit for bit on one machine and not always across machines."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None

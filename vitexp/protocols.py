@@ -297,7 +297,7 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
         lines += ["", "Cost: the ledger's fit_time_s (training, test excluded) times the run's torch threads (env.cpu_threads), summed in CPU-hours. Cited: the runs in the "
                   "cells and the runs whose weights they loaded (a shared start counted once). Spent: every training "
                   "run recorded under the names of those rows and starts, cited or not, completed or not (a run that "
-                  "failed before recording its fit time: its wall clock). To run: the (row, seed) pairs its cells still "
+                  "failed before recording its fit time: its wall clock, times its threads). To run: the (row, seed) pairs its cells still "
                   "lack, times the mean fit time of its seeded runs (an estimate). In all, a run that two "
                   f"{noun}s share counted once."]
     lines += ["", f"{noun.capitalize()}s (rows from the tables named):", ""]

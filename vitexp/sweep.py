@@ -14,7 +14,8 @@ pretrained baselines that seeded rows load with ``run:``). Such a shared start (
 null`` in a seeded table) whose weights are not on this machine (neither its run folder's nor the
 copy kept with the results) trains again only when a row whose job loads it (its composed
 ``backbone.pretrained`` is ``run:<start>``) has a seed to train: then the rows that load it load the new
-run, and no other start or row changes; a complete table needs no start, so a fresh checkout of the
+run, and no other start or row changes (a start that itself loads another start is not followed: no
+table has one); a complete table needs no start, so a fresh checkout of the
 committed ledger reruns nothing. A seeded run
 fine-tuned from another run of its start than the current one trains again too
 (:func:`vitexp.aggregate.other_start`), so a row never mixes two starts. Plain unseeded rows share one multirun

@@ -122,6 +122,8 @@ def environment(run_dir: Path | None = None, results_dir: Path | None = None) ->
 
     import torch
 
+    from vitexp.cpus import cpu_model
+
     versions = {}
     for pkg in ("torch", "torchvision", "lightning", "timm", "hydra-core", "torchmetrics", "fvcore", "wandb"):
         try:
@@ -132,7 +134,8 @@ def environment(run_dir: Path | None = None, results_dir: Path | None = None) ->
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
     env = {"packages": versions, "python": platform.python_version(), "device": device,
            "cpu_threads": torch.get_num_threads(), "hostname": platform.node(), "pid": os.getpid(),
-           "git_commit": commit, "git_dirty": dirty, "load": machine_load()}
+           "git_commit": commit, "git_dirty": dirty, "load": machine_load(),
+           "cpu": {"model": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability()}}
     if dirty:
         env["code_patch"] = keep_patch(diff, run_dir, Path(results_dir) if results_dir else default_results_dir())
     return env
