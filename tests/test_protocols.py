@@ -163,6 +163,26 @@ def test_test_support_with_validation_contradicting_is_split_dependent():
     assert claim["verdict"] == "split-dependent under every measured protocol (1 of 1 protocols measured)"
 
 
+def test_a_reference_protocol_is_shown_and_never_votes():
+    """A protocol marked ``reference`` (runs a later protocol trains again) keeps its cell, says it is not
+    counted, and neither its sign, its incompleteness nor its marks enter the verdict."""
+    filled = {"t1": [_row("full", {0: 80.0, 1: 81.0, 2: 82.0}), _row("m", {0: 81.0, 1: 81.5, 2: 82.2})],
+              "t2": [_row("full", {0: 80.0, 1: 81.0, 2: 82.0}), _row("m", {0: 79.0, 1: 80.5, 2: 81.0})],
+              "t3": [_row("full", {0: 80.0}), _row("m", {0: 81.0})]}
+    filled["t2"][1]["cells"]["top1"]["marks"] = "‡"
+    spec = {**SPEC, "pairs": 3, "protocols": [SPEC["protocols"][0], {**SPEC["protocols"][1], "reference": "lost start"},
+                                              {**SPEC["protocols"][2], "reference": "lost start"}]}
+    (claim,) = protocols.evaluate(spec, filled.__getitem__)
+    assert [c["sign"] for c in claim["cells"]] == ["supports", "contradicts", "incomplete"]
+    assert claim["verdict"] == "holds under every measured protocol (1 of 1 protocols measured)"
+    table = protocols.render(spec, [claim])
+    assert "-0.83 ± 0.29 (3) ‡ (contradicts; not counted)" in table
+    assert "- **P2** (not counted: lost start): full = `t2:full`" in table
+    from vitexp.protocol_prose import summary
+
+    assert "P2: -0.83 ± 0.29 (3) ‡ (contradicts; not counted)" in summary({**spec, "name": "n"}, [claim], [], [])
+
+
 def test_a_reference_to_a_row_the_table_lacks_is_an_error():
     with pytest.raises(ValueError, match="t1:m: table t1 has no row recorded as 'm'"):
         protocols.evaluate(SPEC, lambda t: [_row("full", {0: 1.0})])

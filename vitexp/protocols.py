@@ -28,6 +28,10 @@ Decisions:
   protocols not run or incomplete are counted ("k of M protocols measured, j incomplete") and the
   verdict says "so far", so it never speaks for them; an incomplete cell's difference follows the
   verdict ("not yet judged: ..."), whichever way it points.
+- A protocol with ``reference: <why>`` is shown and costed but does not vote: its cells say "not
+  counted", and no verdict counts, awaits or rests on them. It is for runs a later protocol trains
+  again (the tier's rows from a start whose weights are lost, trained again from a kept one), so a
+  reader sees both without one verdict counting the same design twice.
 - A cell carries the marks of the two table cells it pairs (:mod:`vitexp.ledger.marks`: ‡ a run whose
   code cannot be rebuilt, § a protocol today's code does not reproduce), and a verdict that rests on
   a marked cell names the protocols where it does, so a claim never leans on such a run unsaid.
@@ -227,10 +231,12 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
             text = test["text"] if val is None or not (test["n"] or val["n"]) else f"test {test['text']}; val {val['text']}"
             cells.append({"protocol": proto["label"], "text": text, "sign": sign_, "needed": need, "interim": interim,
                           "marks": test["marks"], "n": test["n"], "mean": test["mean"], "std": test["std"],
-                          "val": val and {k: val[k] for k in ("n", "mean", "std", "sign")}})
-        judged = [(c["protocol"], c["sign"]) for c in cells if c["sign"] is not None]
-        pending = [f"{c['protocol']}: {c['text']}" for c in cells if c["sign"] == "incomplete"]
-        leaning = [f"{c['protocol']} ({c['marks']})" for c in cells
+                          "val": val and {k: val[k] for k in ("n", "mean", "std", "sign")},
+                          "reference": bool(proto.get("reference"))})
+        voting = [c for c in cells if not c.get("reference")]
+        judged = [(c["protocol"], c["sign"]) for c in voting if c["sign"] is not None]
+        pending = [f"{c['protocol']}: {c['text']}" for c in voting if c["sign"] == "incomplete"]
+        leaning = [f"{c['protocol']} ({c['marks']})" for c in voting
                    if c.get("marks") and c["sign"] in ("supports", "contradicts", "undecided", "split-dependent")]
         text = verdict(judged, noun) + (f"; not yet judged: {'; '.join(pending)}" if pending else "") + \
             (f"; rests on marked runs under {', '.join(leaning)}" if leaning else "")
@@ -257,7 +263,7 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
                  f"{x['text']} (incomplete: {_count(x)}" +
                  (f"; {x['interim']} so far)" if x.get("interim") not in (None, "not run", "incomplete") else ")")
                  if x["sign"] == "incomplete" else
-                 f"{x['text']} ({x['sign']})" for x in c["cells"]]
+                 f"{x['text']} ({x['sign']}{'; not counted' if x.get('reference') else ''})" for x in c["cells"]]
         lines.append("| " + " | ".join([c["claim"]] + cells + [c["verdict"]]) + " |")
     if costs is not None:
         def runs(n: int) -> str:
@@ -301,7 +307,8 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
                   "lack, times the mean fit time of its seeded runs (an estimate). In all, a run that two "
                   f"{noun}s share counted once."]
     lines += ["", f"{noun.capitalize()}s (rows from the tables named):", ""]
-    lines += [f"- **{p['label']}**: " + ", ".join(f"{role} = `{ref}`" for role, ref in p["rows"].items())
+    lines += [f"- **{p['label']}**" + (f" (not counted: {' '.join(str(p['reference']).split())})" if p.get("reference") else "") +
+              ": " + ", ".join(f"{role} = `{ref}`" for role, ref in p["rows"].items())
               for p in spec["protocols"]]
     lines += [f"- {n}" for n in spec.get("notes") or []]
     return "\n".join(lines) + "\n"
