@@ -334,17 +334,19 @@ def audit_main(argv: list[str] | None = None) -> None:
 
 @console_script
 def analyze_main(argv: list[str] | None = None) -> None:
-    """``vitexp-analyze {laplace,clusters,phases,tokens,heads} [options] [overrides]``: Laplace maps
+    """``vitexp-analyze {laplace,clusters,phases,tokens,heads,splits} [options] [overrides]``: Laplace maps
     or head clustering of the configured backbone (``backbone.pretrained`` for real weights) on the
     configured data's test split, RAPTOR's layer distance matrix and phases over training images
     (evaluation transforms), a token method's source maps per test image (``tokens``), or a SAPER
     run's kept heads and scores beside the head clusters (``heads --run RUN``); PNGs under
-    ``results/analysis/``, a ledger entry (kind analyze), W&B images."""
+    ``results/analysis/``, a ledger entry (kind analyze), W&B images. ``splits --runs A B``: two
+    classifiers' paired difference on their validation and test splits with its image-sampling
+    error (a paired bootstrap over images) and the gap between the splits, as JSON."""
 
-    from vitexp.commands import analyze_config, heads_config, run_analyze
+    from vitexp.commands import analyze_config, heads_config, run_analyze, run_splits, splits_configs
 
     parser = ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
-    parser.add_argument("analysis", choices=("laplace", "clusters", "phases", "tokens", "heads"))
+    parser.add_argument("analysis", choices=("laplace", "clusters", "phases", "tokens", "heads", "splits"))
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. backbone=dinov2_vitb14 backbone.pretrained=/p")
     parser.add_argument("--images", type=int, default=None,
                         help="clusters, heads: test images clustered (256); phases: training images (256); "
@@ -354,19 +356,26 @@ def analyze_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[2, 3, 4], help="phases: block budgets k to partition for")
     parser.add_argument("--image-index", type=int, default=0, help="laplace: which test image")
     parser.add_argument("--clusters", type=int, default=4, help="clusters: number of spectral clusters")
+    parser.add_argument("--runs", nargs=2, metavar=("RUN_A", "RUN_B"),
+                        help="splits: two completed train runs, ids or experiments (their newest); difference a - b")
+    parser.add_argument("--boot", type=int, default=2000, help="splits: bootstrap replicates over images")
+    parser.add_argument("--seed", type=int, default=0, help="splits: the bootstrap's generator seed")
+    parser.add_argument("--out", help="splits: the JSON report (default results/analysis/splits_<a>_<b>.json)")
     args = parser.parse_intermixed_args(argv)
     if args.images is None:
         args.images = 4 if args.analysis == "tokens" else 256
-    record = None
+    record = pairs = None
     try:
-        if args.analysis == "heads":
+        if args.analysis == "splits":  # two runs on different data too: nothing written
+            pairs = splits_configs(args.runs, args.overrides)
+        elif args.analysis == "heads":
             cfg, record = heads_config(args.run, args.overrides)
         else:
             cfg = analyze_config(args.overrides)
     except Exception as err:  # composition: nothing written
         _invalid(err, "vitexp-analyze")
     try:
-        run_analyze(cfg, args, record)
+        run_splits(pairs, args) if pairs else run_analyze(cfg, args, record)
     except ConfigError as err:
         _invalid(err, "vitexp-analyze")
     except Exception as err:

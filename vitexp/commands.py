@@ -4,6 +4,7 @@ its ledger entry, logger and closing JSON line; :mod:`vitexp.cli` parses the com
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,48 @@ def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
                      out={"figures": [str(f) for f in figures]},
                      figures=[portable_path(f, cfg.results_dir) for f in figures], **extra,
                      **{k: v for k, v in report.items() if k not in metrics})
+    return run.result
+
+
+def splits_configs(runs: list[str] | None, overrides: list[str]) -> list[tuple[DictConfig, dict[str, Any]]]:
+    """``vitexp-analyze splits``: the two train runs' own configs (overrides as ``vitexp-eval`` takes
+    them) and ledger records; a :class:`ConfigError` when they are not two or use different data."""
+    from vitexp.analysis.splits import check_same_data
+    from vitexp.evaluate import eval_config
+
+    if not runs or len(runs) != 2:
+        raise ConfigError("vitexp-analyze splits needs --runs RUN_A RUN_B (train run ids or experiments)")
+    pairs = [eval_config(run, overrides) for run in runs]
+    check_same_data([record for _, record in pairs])
+    return pairs
+
+
+def run_splits(pairs: list[tuple[DictConfig, dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
+    """``vitexp-analyze splits``: both runs' per-image correctness on their validation and test splits
+    and the paired bootstrap of their difference (:mod:`vitexp.analysis.splits`); the JSON report
+    ``results/analysis/splits_<a>_<b>.json`` (or ``--out``) and a ledger entry (kind analyze)."""
+    from vitexp.analysis import splits
+    from vitexp.evaluate import load_deployed
+
+    records = [record for _, record in pairs]
+    ids = [splits.short_id(r["run_id"]) for r in records]
+    results_dir = Path(pairs[0][0].results_dir)
+    name = f"splits_{ids[0]}_{ids[1]}"
+    out = Path(args.out) if args.out else results_dir / "analysis" / f"{name}.json"
+    with owned_run(name, "analyze", results_dir, results_dir / "analysis" / "run" / name) as run:
+        deployed = [load_deployed(cfg, record) for cfg, record in pairs]  # bad weights: before the entry
+        config = {"analysis": "splits", "runs": [r["run_id"] for r in records], "boot": args.boot, "seed": args.seed,
+                  "overrides": list(args.overrides), "out": portable_path(out, results_dir)}
+        run.start(config)
+        predicted = [splits.predict(cfg, record, d) for (cfg, record), d in zip(pairs, deployed)]
+        prefixes = [d.stage.metrics_prefix or "" for d in deployed]
+        report = splits.analyse(predicted, records, prefixes, args.boot, args.seed)
+        atomic_write(out, json.dumps(report, indent=2) + "\n")
+        print(f"{splits.summary(report)} -> {out}")
+        metrics = {f"{split}_{k}": report[split][k] for split in ("val", "test") for k in ("diff", "se")}
+        metrics.update({f"gap_{k}": v for k, v in report["gap"].items()})
+        run.complete(metrics, {"accuracy_unit": "percentage points", "boot": args.boot, "seed": args.seed},
+                     out={"report": str(out)}, report=portable_path(out, results_dir), analyzes=config["runs"])
     return run.result
 
 

@@ -27,7 +27,7 @@ from ``conf/<group>/<option>.yaml``. A key the run's config does not have is ref
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -115,44 +115,66 @@ def rebuild_config(cfg: DictConfig, record: dict[str, Any]) -> DictConfig:
     return built
 
 
-def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> dict[str, Any]:
-    """Rebuild, load and test (module docstring); returns the closing result of the eval run."""
+class Deployed(NamedTuple):
+    """A completed run's deployed model rebuilt and loaded (:func:`load_deployed`): its objective, the
+    stage it was tested as, the model, the run's datamodules by stage config, and the weights file."""
+    objective: Any
+    stage: Any
+    model: Any
+    datamodule_for: Callable[[DictConfig], Any]
+    path: Path
+
+
+def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> Deployed:
+    """The run's deployed model rebuilt from ``cfg`` and loaded with its weights (``weights``, else the
+    run's own, else its W&B artifact's); a missing or unfitting file is a
+    :class:`~vitexp.errors.CheckpointError` naming it (module docstring). Writes nothing."""
     import lightning as L
 
-    from vitexp.build import build_backbone_and_method, build_trainer, load_weights
+    from vitexp.build import build_backbone_and_method, load_weights
     from vitexp.checkpoints import check_file
-    from vitexp.config import to_container, validate
+    from vitexp.config import validate
     from vitexp.objectives import objective_for
+    from vitexp.train import datamodule_cache
+
+    artifacts = record.get("artifacts") or {}
+    key = "--weights" if weights else f"run {record['run_id']}'s weights"
+    if weights:  # the file given, checked first: no fallback to the run's own
+        check_file(Path(weights).expanduser(), key)
+    path = Path(weights).expanduser() if weights else (weights_file(record, cfg.results_dir)
+                                                       or local_path(artifacts.get("weights"), cfg.results_dir))
+    if not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model"):  # trained elsewhere
+        path = Path(fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"]["weights"])
+    if path is None or not path.is_file():
+        raise CheckpointError(f"{key}: {path} is not on this machine; pass --weights (weights.pth or "
+                              f"checkpoints/last.ckpt of that run) or rerun it")
+    check_file(path, key)
+    built = rebuild_config(cfg, record)
+    method = validate(built)
+    objective = objective_for(cfg)
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    backbone, method, data_config = build_backbone_and_method(built, method)
+    datamodule_for = datamodule_cache(data_config)
+    method.prepare(backbone, datamodule_for(cfg))
+    # the run's config, not ``built``: the objective's model follows the run's choices (backbone.pretrained too)
+    stage, model = objective.rebuild(cfg, method, backbone, record, data_config)
+    try:
+        model.load_state_dict(load_weights(path))
+    except (RuntimeError, KeyError) as err:  # keys or shapes of another model: before the ledger entry
+        raise CheckpointError(f"{key}: {path} does not fit the model of run {record['run_id']} "
+                              f"({join_lines(str(err))[:300]})") from None
+    return Deployed(objective, stage, model, datamodule_for, path)
+
+
+def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> dict[str, Any]:
+    """Rebuild, load and test (module docstring); returns the closing result of the eval run."""
+    from vitexp.build import build_trainer
+    from vitexp.config import to_container
     from vitexp.run import owned_run
-    from vitexp.train import datamodule_cache, stage_config
+    from vitexp.train import stage_config
 
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
-        artifacts = record.get("artifacts") or {}
-        key = "--weights" if weights else f"run {record['run_id']}'s weights"
-        if weights:  # the file given, checked first: no fallback to the run's own
-            check_file(Path(weights).expanduser(), key)
-        path = Path(weights).expanduser() if weights else (weights_file(record, cfg.results_dir)
-                                                           or local_path(artifacts.get("weights"), cfg.results_dir))
-        if not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model"):  # trained elsewhere
-            path = Path(fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"]["weights"])
-        if path is None or not path.is_file():
-            raise CheckpointError(f"{key}: {path} is not on this machine; pass --weights (weights.pth or "
-                                  f"checkpoints/last.ckpt of that run) or rerun it")
-        check_file(path, key)
-        built = rebuild_config(cfg, record)
-        method = validate(built)
-        objective = objective_for(cfg)
-        L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-        backbone, method, data_config = build_backbone_and_method(built, method)
-        datamodule_for = datamodule_cache(data_config)
-        method.prepare(backbone, datamodule_for(cfg))
-        # the run's config, not ``built``: the objective's model follows the run's choices (backbone.pretrained too)
-        stage, model = objective.rebuild(cfg, method, backbone, record, data_config)
-        try:
-            model.load_state_dict(load_weights(path))
-        except (RuntimeError, KeyError) as err:  # keys or shapes of another model: before the ledger entry
-            raise CheckpointError(f"{key}: {path} does not fit the model of run {record['run_id']} "
-                                  f"({join_lines(str(err))[:300]})") from None
+        objective, stage, model, datamodule_for, path = load_deployed(cfg, record, weights)
         run.start({**to_container(cfg), "evaluates": record["run_id"]})
         scfg = stage_config(cfg, stage)
         trainer = build_trainer(scfg, False, Path(cfg.output_dir), test_only=True)
