@@ -65,6 +65,14 @@ def test_two_runs_accuracies_are_the_ledgers_and_the_bootstrap_is_paired(results
     assert gap["se"] == pytest.approx(np.hypot(report["test"]["se"], report["val"]["se"]))
     assert gap["z"] == pytest.approx(gap["diff"] / gap["se"])
     assert "does not include seed variation" in report["method"]
+    classes = report["by_class"]  # per label: its images of each split, weighted back to the split's numbers
+    assert [c["label"] for c in classes] == list(range(10))
+    for split in ("val", "test"):
+        n = report[split]["images"]
+        assert sum(c[split]["images"] for c in classes) == n
+        assert sum(c[split]["images"] * c[split]["top1_a"] for c in classes) / n == pytest.approx(report[split]["top1_a"])
+        assert sum(c[split]["images"] * c[split]["diff"] for c in classes) / n == pytest.approx(report[split]["diff"])
+    assert all(c["gap"]["diff"] == pytest.approx(c["test"]["diff"] - c["val"]["diff"]) for c in classes)
     entry = next(e for e in ledger_entries(results_dir) if e["kind"] == "analyze")
     assert entry["status"] == "completed" and entry["analyzes"] == [a["run_id"], b["run_id"]]
     again = analyze(capsys, "--runs", a["run_id"], b["run_id"], "--out", str(tmp_path / "again.json"), "logger=none")

@@ -44,7 +44,8 @@ METHOD = ("Per-image top-1 correctness of each run's deployed model on its valid
           "of the difference: standard error and 95 % percentile interval. This is the image-sampling error of a "
           "fixed split given the two trained models; it does not include seed variation. Split gap = test "
           "difference - validation difference, se = sqrt(se_val^2 + se_test^2) from the two independent "
-          "bootstraps, z = gap / se.")
+          "bootstraps, z = gap / se. by_class: the same per label, with closed-form standard errors "
+          "(100 sd(a - b) / sqrt(n)).")
 
 
 def short_id(run_id: str) -> str:
@@ -153,6 +154,34 @@ def compare_split(a: Mapping[str, Any], b: Mapping[str, Any], boot: int, rng: np
             "se": float(np.std(reps, ddof=1)), "ci95": [float(low), float(high)]}
 
 
+def paired_se(a: np.ndarray, b: np.ndarray) -> float:
+    """The closed-form standard error (percentage points) of the paired difference of two correctness
+    arrays over the same images: 100 · sd(a − b) / √n."""
+    d = a.astype(np.int8) - b.astype(np.int8)
+    return 100.0 * float(np.std(d, ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
+
+
+def by_class(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per label: each split's images, accuracies and paired difference a − b with its closed-form se
+    (:func:`paired_se`), and the gap test − val with se √(se_val² + se_test²) and z: where in the
+    label space a split gap sits (a gap carried by one class points at its images, one spread over
+    every class at the split as a whole)."""
+    out = []
+    for label in np.unique(np.concatenate([runs[0][s]["labels"] for s, _ in SPLITS])):
+        row: dict[str, Any] = {"label": int(label)}
+        for split, _ in SPLITS:
+            mask = runs[0][split]["labels"] == label
+            ca, cb = runs[0][split]["correct"][mask], runs[1][split]["correct"][mask]
+            row[split] = {"images": int(mask.sum()), "top1_a": 100.0 * float(ca.mean()) if mask.any() else None,
+                          "top1_b": 100.0 * float(cb.mean()) if mask.any() else None,
+                          "diff": 100.0 * float(ca.mean() - cb.mean()) if mask.any() else None, "se": paired_se(ca, cb)}
+        if row["val"]["diff"] is not None and row["test"]["diff"] is not None:
+            gap, se = row["test"]["diff"] - row["val"]["diff"], float(np.hypot(row["val"]["se"], row["test"]["se"]))
+            row["gap"] = {"diff": gap, "se": se, "z": gap / se if se > 0 else None}
+        out.append(row)
+    return out
+
+
 def check_same_images(runs: Sequence[Mapping[str, Any]], ids: Sequence[str]) -> None:
     """:class:`ConfigError` unless both runs saw the same images of each split, in order (labels and,
     where the datamodule exposes them, split indices)."""
@@ -186,6 +215,7 @@ def analyse(runs: Sequence[Mapping[str, Any]], records: Sequence[Mapping[str, An
     gap = report["test"]["diff"] - report["val"]["diff"]
     se = float(np.hypot(report["test"]["se"], report["val"]["se"]))
     report["gap"] = {"diff": gap, "se": se, "z": gap / se if se > 0 else None}
+    report["by_class"] = by_class(runs)
     report["method"] = METHOD
     return report
 

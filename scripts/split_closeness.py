@@ -1,0 +1,73 @@
+"""How close the Fashion-MNIST tier's validation and test images are to its training images: for every
+image of each split, the L2 distance (pixels scaled to [0, 1], the 28 × 28 originals) to its nearest
+image of the training split the tier trains on (the 55,000 left after the fixed stratified 5,000 of
+``conf/data/fashion_mnist.yaml``: ``val_size``, ``split_seed``), summarised by quantiles, by the share of
+images under a few distances and by each class's median, and each split's images per class.
+
+Why: a validation split carved from the training pool could hold near-copies of training images that
+the test split lacks, which would reward a model that fits its training images more on validation than
+on test (a split dependence of its paired differences that no seed averages out). Equal distributions
+rule that out. Writes ``results/analysis/fmnist_split_closeness.json`` (atomically); about a minute
+on one CPU thread.
+
+    python scripts/split_closeness.py [--root /usr/share/datasets/fashion-mnist] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from sklearn.model_selection import train_test_split
+
+from vitexp import PROJECT_ROOT
+from vitexp.fashion_mnist import load_fashion_mnist
+from vitexp.ledger import atomic_write
+
+QUANTILES = (0.01, 0.05, 0.1, 0.25, 0.5)
+UNDER = (1.0, 2.0, 3.0)
+
+
+def nearest(queries: torch.Tensor, pool: torch.Tensor, chunk: int = 500) -> np.ndarray:
+    """Each query's L2 distance to its nearest pool image (both N × 784 in [0, 1])."""
+    pool_sq = (pool * pool).sum(1)
+    out = []
+    for start in range(0, len(queries), chunk):
+        q = queries[start:start + chunk]
+        d2 = (q * q).sum(1, keepdim=True) - 2 * q @ pool.T + pool_sq
+        out.append(d2.min(1).values.clamp_min(0).sqrt())
+    return torch.cat(out).numpy()
+
+
+def main() -> None:
+    data_cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "data" / "fashion_mnist.yaml")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default=data_cfg.root)
+    parser.add_argument("--out", default=str(PROJECT_ROOT / "results" / "analysis" / "fmnist_split_closeness.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    data = load_fashion_mnist(args.root, data_cfg.package)
+    images, labels = data["train"]
+    train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=int(data_cfg.val_size),
+                                          stratify=labels.numpy(), random_state=int(data_cfg.split_seed))
+    flat = lambda x: x.reshape(len(x), -1).float() / 255  # noqa: E731
+    pool = flat(images[np.sort(train_idx)])
+    splits = {"val": (images[np.sort(val_idx)], labels[np.sort(val_idx)]), "test": data["test"]}
+    report = {"pool": {"images": len(pool), "what": "the tier's training split (train minus the validation split)"},
+              "distance": "L2 over 784 pixels scaled to [0, 1], to the nearest training image"}
+    for split, (x, y) in splits.items():
+        d = nearest(flat(x), pool)
+        report[split] = {"images": len(d),
+                         "quantiles": {str(q): round(float(np.quantile(d, q)), 4) for q in QUANTILES},
+                         "share_under": {str(t): round(float((d < t).mean()), 4) for t in UNDER},
+                         "per_class": np.bincount(y.numpy(), minlength=10).tolist(),
+                         "per_class_median": [round(float(np.median(d[y.numpy() == c])), 4) for c in range(10)]}
+    atomic_write(Path(args.out), json.dumps(report, indent=2) + "\n")
+    print(json.dumps({s: report[s]["quantiles"] for s in splits}))
+
+
+if __name__ == "__main__":
+    main()
