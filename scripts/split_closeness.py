@@ -21,10 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import OmegaConf
-from sklearn.model_selection import train_test_split
 
 from vitexp import PROJECT_ROOT
-from vitexp.fashion_mnist import load_fashion_mnist
+from vitexp.fashion_mnist import load_fashion_mnist, split_train_val
 from vitexp.ledger import atomic_write
 
 QUANTILES = (0.01, 0.05, 0.1, 0.25, 0.5)
@@ -51,11 +50,10 @@ def main() -> None:
     torch.set_num_threads(1)
     data = load_fashion_mnist(args.root, data_cfg.package)
     images, labels = data["train"]
-    train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=int(data_cfg.val_size),
-                                          stratify=labels.numpy(), random_state=int(data_cfg.split_seed))
+    train_idx, val_idx = split_train_val(labels, int(data_cfg.val_size), int(data_cfg.split_seed))
     flat = lambda x: x.reshape(len(x), -1).float() / 255  # noqa: E731
-    pool = flat(images[np.sort(train_idx)])
-    splits = {"val": (images[np.sort(val_idx)], labels[np.sort(val_idx)]), "test": data["test"]}
+    pool = flat(images[train_idx])
+    splits = {"val": (images[val_idx], labels[val_idx]), "test": data["test"]}
     report = {"pool": {"images": len(pool), "what": "the tier's training split (train minus the validation split)"},
               "distance": "L2 over 784 pixels scaled to [0, 1], to the nearest training image"}
     for split, (x, y) in splits.items():

@@ -144,7 +144,7 @@ def test_a_complete_test_split_without_validation_is_incomplete_and_never_judged
         "incomplete"
     (claim,) = protocols.evaluate(spec, filled.__getitem__)
     assert [c["sign"] for c in claim["cells"]] == ["incomplete", "incomplete"]
-    assert claim["verdict"].startswith("not run (0 of 2 protocols measured, 2 incomplete); not yet judged: "
+    assert claim["verdict"].startswith("no protocol measured yet (0 of 2 protocols measured, 2 incomplete); not yet judged: "
                                        "P1: test +1.00 ± 0.00 (3); val not run")
     md = protocols.render(spec, [claim])
     assert "| test +1.00 ± 0.00 (3); val not run (incomplete: test 3, val 0 of 3 pairs) |" in md
@@ -177,6 +177,7 @@ def test_a_reference_protocol_is_shown_and_never_votes():
     assert claim["verdict"] == "holds under every measured protocol (1 of 1 protocols measured)"
     table = protocols.render(spec, [claim])
     assert "-0.83 ± 0.29 (3) ‡ (contradicts; not counted)" in table
+    assert "+1.00 (1) (incomplete: 1 of 3 pairs; supports so far; not counted)" in table
     assert "- **P2** (not counted: lost start): full = `t2:full`" in table
     from vitexp.protocol_prose import summary
 

@@ -52,6 +52,18 @@ def load_fashion_mnist(root: str | Path, package: str = FASHION_MNIST_PACKAGE) -
     return out
 
 
+def split_train_val(labels: torch.Tensor, val_size: int, split_seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted (train, validation) indices of the 60,000 training images: a stratified ``val_size``
+    drawn with ``split_seed`` (:class:`FashionMNISTDataModule`'s validation split)."""
+    from sklearn.model_selection import train_test_split
+
+    if not 0 < val_size < len(labels):
+        raise ValueError(f"data.val_size={val_size} must be in (0, {len(labels)})")
+    train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=val_size, stratify=labels.numpy(),
+                                          random_state=split_seed)
+    return np.sort(train_idx), np.sort(val_idx)
+
+
 class GreyBatchDataset(Dataset):
     """Grey uint8 images kept in memory, prepared a batch at a time (``__getitems__``: the
     DataLoader hands it the batch's indices, so there is no per-image Python transform).
@@ -137,15 +149,9 @@ class FashionMNISTDataModule(VitexpDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        from sklearn.model_selection import train_test_split
-
         data = load_fashion_mnist(self.root, self.package)
         images, labels = data["train"]
-        if not 0 < self.val_size < len(labels):
-            raise ValueError(f"data.val_size={self.val_size} must be in (0, {len(labels)})")
-        train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=self.val_size,
-                                              stratify=labels.numpy(), random_state=self.split_seed)
-        train_idx, val_idx = np.sort(train_idx), np.sort(val_idx)
+        train_idx, val_idx = split_train_val(labels, self.val_size, self.split_seed)
         self.split_indices = {"train": train_idx, "val": val_idx}
         cfg = self.data_config
 

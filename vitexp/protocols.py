@@ -123,7 +123,7 @@ def verdict(signs: list[tuple[str, str]], noun: str = "protocol") -> str:
     incomplete = sum(s == "incomplete" for _, s in signs)
     of = f"{len(measured)} of {len(signs)} {noun}s measured" + (f", {incomplete} incomplete" if incomplete else "")
     if not measured:
-        return f"not run ({of})"
+        return f"no {noun} measured yet ({of})" if incomplete else f"not run ({of})"
     so_far = " so far" if len(measured) < len(signs) else ""  # a column still to come may disagree
     kinds = {s for _, s in measured}
     if kinds == {"supports"}:
@@ -261,7 +261,8 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
     for c in claims:
         cells = [x["text"] if x["sign"] in (None, "not run") else
                  f"{x['text']} (incomplete: {_count(x)}" +
-                 (f"; {x['interim']} so far)" if x.get("interim") not in (None, "not run", "incomplete") else ")")
+                 (f"; {x['interim']} so far" if x.get("interim") not in (None, "not run", "incomplete") else "") +
+                 ("; not counted)" if x.get("reference") else ")")
                  if x["sign"] == "incomplete" else
                  f"{x['text']} ({x['sign']}{'; not counted' if x.get('reference') else ''})" for x in c["cells"]]
         lines.append("| " + " | ".join([c["claim"]] + cells + [c["verdict"]]) + " |")
@@ -295,6 +296,10 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
               f"the measured {noun}s agree." + (f" A cell with fewer than {spec['pairs']} pairs (or its {noun}'s own "
               "pairs) is incomplete: it is shown with its sign so far, not judged, and counts as not measured."
               if spec.get("pairs", 1) > 1 else "")]
+    if any(p.get("reference") for p in spec["protocols"]):
+        lines += ["", f"A cell marked 'not counted' is a reference {noun}'s: shown for comparison, it enters no verdict "
+                  f"and no count of {noun}s measured (the {noun}s below say why); its runs are in the cost row, which "
+                  "counts what was spent."]
     if any(x.get("marks") for c in claims for x in c["cells"]):
         lines += ["", "A mark after a cell is carried over from a table cell it pairs (‡: a run trained from a dirty "
                   "tree whose code cannot be rebuilt; §: a protocol today's code does not reproduce): that table's "

@@ -14,8 +14,10 @@ What the bootstrap measures: the image-sampling error of a paired difference mea
 split, *given the two trained models*. Each replicate draws the split's n images with replacement
 and takes a − b (percentage points) on that draw; the standard error and the 95 % percentile
 interval are over ``--boot`` replicates (generator ``numpy.random.default_rng(--seed)``). Seed
-variation (another training run of either model) is not in it: on a split that every seed shares,
-this error is common to every seed, so averaging seeds does not shrink it. The resampling is paired
+variation (another training run of either model) is not in it. On a split that every seed shares,
+the part of this error that the seeds' models share (their errors on the same images) is common to every
+seed and does not shrink when seeds are averaged; the bootstrap of one pair bounds that part from above
+and cannot tell it from the pair's own. The resampling is paired
 (the same drawn images score both models) because the difference is measured on the same images:
 what counts is where the models disagree (McNemar's b, images only a gets right, and c, only b),
 and errors the two models share on an image cancel; resampling each model's images on its own
