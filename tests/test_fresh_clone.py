@@ -25,6 +25,12 @@ KNOWN_ABSENT = {
 }
 
 
+#: Tables whose rows still lack seeds that their verdicts ask for, with the runs their dry run plans on a
+#: fresh clone (issue 45: from scratch, seeds 3 and 4 of its four rows); every other ``fmnist_*`` table
+#: plans none. A run that lands lowers its count here.
+STILL_TO_RUN = {"fmnist_bspf_scratch": 8}
+
+
 @pytest.fixture
 def clone(tmp_path, monkeypatch):
     """The committed results (git's files under results/, else the folder) in a project root of their
@@ -57,6 +63,8 @@ def _held(row: dict) -> set:
 
 
 def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
+    """Every fmnist_* table's dry run plans nothing but the runs STILL_TO_RUN lists, never a run a table
+    holds, never a shared start."""
     from vitexp.aggregate import shared_start
     from vitexp.ledger import Ledger
     from vitexp.rows import expand_rows, row_name
@@ -78,6 +86,8 @@ def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
             for name in rows["launch"]:
                 base, seed = name.split("+seed=")[0], (int(name.split("+seed=")[1]) if "+seed=" in name else None)
                 assert seed not in held.get(base, set()), f"{table}: {name} is in the table and is planned again"
+        planned = [name for rows in todo.values() for name in rows["launch"]]
+        assert len(planned) == STILL_TO_RUN.get(table, 0), f"{table}: a fresh clone plans {planned}"
         absent |= {s for s in starts if f"vitexp-sweep: {s} is the shared start" in err}
     assert absent == set(KNOWN_ABSENT), "the starts without weights changed: keep them, or say why in KNOWN_ABSENT"
 
