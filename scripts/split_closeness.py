@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from vitexp import PROJECT_ROOT
 from vitexp.fashion_mnist import load_fashion_mnist, split_train_val
-from vitexp.ledger import atomic_write
+from vitexp.ledger import atomic_write_json
 
 QUANTILES = (0.01, 0.05, 0.1, 0.25, 0.5)
 UNDER = (1.0, 2.0, 3.0)
@@ -63,7 +63,7 @@ def main() -> None:
                          "share_under": {str(t): round(float((d < t).mean()), 4) for t in UNDER},
                          "per_class": np.bincount(y.numpy(), minlength=10).tolist(),
                          "per_class_median": [round(float(np.median(d[y.numpy() == c])), 4) for c in range(10)]}
-    atomic_write(Path(args.out), json.dumps(report, indent=2) + "\n")
+    atomic_write_json(Path(args.out), report)
     print(json.dumps({s: report[s]["quantiles"] for s in splits}))
 
 

@@ -4,7 +4,6 @@ its ledger entry, logger and closing JSON line; :mod:`vitexp.cli` parses the com
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,7 @@ from omegaconf import DictConfig, open_dict
 
 from vitexp.config import to_container, validate
 from vitexp.errors import ConfigError
-from vitexp.ledger import atomic_write, portable_path
+from vitexp.ledger import atomic_write, atomic_write_json, portable_path
 from vitexp.objectives import objective_for
 from vitexp.run import owned_run
 
@@ -176,7 +175,7 @@ def run_splits(pairs: list[tuple[DictConfig, dict[str, Any]]], args: argparse.Na
         predicted = [splits.predict(cfg, record, d) for (cfg, record), d in zip(pairs, deployed)]
         prefixes = [d.stage.metrics_prefix or "" for d in deployed]
         report = splits.analyse(predicted, records, prefixes, args.boot, args.seed)
-        atomic_write(out, json.dumps(report, indent=2) + "\n")
+        atomic_write_json(out, report)
         print(f"{splits.summary(report)} -> {out}")
         metrics = {f"{split}_{k}": report[split][k] for split in ("val", "test") for k in ("diff", "se")}
         metrics.update({f"gap_{k}": v for k, v in report["gap"].items()})
