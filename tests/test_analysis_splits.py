@@ -73,6 +73,14 @@ def test_two_runs_accuracies_are_the_ledgers_and_the_bootstrap_is_paired(results
         assert sum(c[split]["images"] * c[split]["top1_a"] for c in classes) / n == pytest.approx(report[split]["top1_a"])
         assert sum(c[split]["images"] * c[split]["diff"] for c in classes) / n == pytest.approx(report[split]["diff"])
     assert all(c["gap"]["diff"] == pytest.approx(c["test"]["diff"] - c["val"]["diff"]) for c in classes)
+    for c in classes:  # a confusion-matrix row per model: its diagonal is the label's correct images
+        for split in ("val", "test"):
+            row = c[split]
+            for side in "ab":
+                counts = row[f"predicted_{side}"]
+                assert len(counts) == 10 and sum(counts) == row["images"]
+                assert counts[c["label"]] == round(row["images"] * row[f"top1_{side}"] / 100)
+    assert any(c[s]["predicted_a"][c["label"]] < c[s]["images"] for c in classes for s in ("val", "test"))
     entry = next(e for e in ledger_entries(results_dir) if e["kind"] == "analyze")
     assert entry["status"] == "completed" and entry["analyzes"] == [a["run_id"], b["run_id"]]
     again = analyze(capsys, "--runs", a["run_id"], b["run_id"], "--out", str(tmp_path / "again.json"), "logger=none")
@@ -87,3 +95,23 @@ def test_runs_on_different_data_are_refused_before_anything_is_written(results_d
     assert exit_.value.code == 2
     assert "data.split_seed" in capsys.readouterr().err
     assert sorted(e["kind"] for e in ledger_entries(results_dir)) == ["train", "train"]
+
+
+def test_split_closeness_counts_the_grid14_tokens_a_garment_covers():
+    """scripts/split_closeness.py: a token of the 14 x 14 grid is 2 x 2 original pixels; it counts
+    when any of them is non-zero."""
+    import importlib.util
+
+    import torch
+
+    from vitexp import PROJECT_ROOT
+
+    spec = importlib.util.spec_from_file_location("split_closeness", PROJECT_ROOT / "scripts" / "split_closeness.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    images = torch.zeros(2, 28, 28, dtype=torch.uint8)
+    images[0, 0, 0] = images[0, 1, 1] = 3  # one token
+    images[0, 27, 26] = 1  # another (row 13, column 13)
+    images[1, 2:6, 2:4] = 255  # 2 x 1 tokens
+    assert module.foreground_tokens(images).tolist() == [2, 2]
+    assert module.foreground_tokens(torch.full((1, 28, 28), 9, dtype=torch.uint8)).tolist() == [196]

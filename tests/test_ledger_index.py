@@ -491,6 +491,24 @@ def test_start_of_and_newest_come_from_the_index():
     assert ledger.row_runs(RowQuery("pre", "pre"))[None] == runs
 
 
+def test_find_run_takes_the_short_id_a_table_prints(results_dir):
+    """vitexp-eval / vitexp-analyze: ``40f87a`` finds the one completed train run whose id ends in it;
+    a tail two runs share is refused with both named."""
+    from vitexp.evaluate import find_run
+
+    a = _entry(results_dir, "pre", {"seed": 0}, 80.0, "2026-01-01T00:00:00+00:00")
+    b = _entry(results_dir, "other", {"seed": 1}, 81.0, "2026-01-02T00:00:00+00:00")
+    assert find_run(a.rsplit("-", 1)[-1], results_dir)["run_id"] == a
+    assert find_run(b.rsplit("-", 1)[-1], results_dir)["run_id"] == b
+    assert find_run("pre", results_dir)["run_id"] == a  # an experiment still wins
+    with pytest.raises(FileNotFoundError, match="short id or experiment 'ffffff0'"):
+        find_run("ffffff0", results_dir)
+    twin = LedgerEntry("pre", "train", {"seed": 2}, results_dir, run_id=f"{a.rsplit('-', 1)[0]}x-{a.rsplit('-', 1)[-1]}")
+    twin.start().finish({"top1": 82.0})
+    with pytest.raises(FileNotFoundError, match="names 2 completed train runs"):
+        find_run(a.rsplit("-", 1)[-1], results_dir)
+
+
 def test_a_snapshot_regenerates_the_tables_of_its_folder(results_dir, tmp_path, capsys):
     _entry(results_dir, "pre", {"seed": 0}, 88.66, "2026-01-02T00:00:00+00:00")
     _entry(results_dir, "ft+seed=0", {"seed": 0}, 89.0, "2026-01-03T00:00:00+00:00")

@@ -1,5 +1,6 @@
 """``WANDB_MODE`` from the environment: empty means unset, a value W&B refuses is a one-line config
-error before anything starts (vitexp.logging_utils.wandb_mode, called by vitexp.config.validate)."""
+error before anything starts (vitexp.logging_utils.wandb_mode, called by vitexp.config.validate); the
+empty value is dropped from the environment only where W&B starts (build_logger)."""
 from __future__ import annotations
 
 import os
@@ -8,13 +9,17 @@ import pytest
 
 from vitexp import config as vconfig
 from vitexp.errors import ConfigError
-from vitexp.logging_utils import WANDB_MODES, wandb_mode
+from vitexp.logging_utils import WANDB_MODES, build_logger, wandb_mode
 
 
-def test_an_empty_wandb_mode_is_unset_and_leaves_the_environment(monkeypatch):
+def test_an_empty_wandb_mode_is_unset_and_only_the_logger_clears_it(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_MODE", "")
     assert wandb_mode("disabled") == "disabled"  # logger.mode decides, as with no WANDB_MODE
+    assert os.environ["WANDB_MODE"] == ""  # a query leaves the environment as it is
+    monkeypatch.setenv("WANDB_MODE", " ")
+    logger = build_logger({"kind": "wandb", "mode": "disabled"}, "quiet", tmp_path)
     assert "WANDB_MODE" not in os.environ  # W&B's own settings would refuse the empty value
+    assert logger is not False
 
 
 def test_a_wandb_mode_w_and_b_refuses_names_the_valid_modes(monkeypatch):

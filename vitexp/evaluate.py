@@ -48,7 +48,8 @@ ARTIFACTS_SUBDIR = Path("wandb") / "artifacts"
 
 
 def find_run(run: str, results_dir: Path) -> dict[str, Any]:
-    """The completed train run with id ``run``, else the newest completed run of experiment ``run``;
+    """The completed train run with id ``run``, else the newest completed run of experiment ``run``,
+    else the one completed train run whose id ends in ``-run`` (a short id: ``40f87a``);
     or, ``run`` a W&B model artifact reference (``[[ENTITY/]PROJECT/]NAME:ALIAS``, as the ledger's
     ``artifacts.wandb_model`` names it, so never a run id or an experiment), the ledger record the
     artifact carries, its weights downloaded: a run trained on another machine."""
@@ -60,8 +61,16 @@ def find_run(run: str, results_dir: Path) -> dict[str, Any]:
     ledger = Ledger.load(results_dir)
     ledger.check([run])
     found = ledger.newest(run, "train")
+    if found is None:  # a short id, the hex tail that tables and reports print (``...-40f87a``)
+        tails = [r for r in ledger.records if r["run_id"].endswith(f"-{run}") and r.get("kind") == "train"
+                 and r.get("status") == "completed"]
+        if len(tails) > 1:
+            raise FileNotFoundError(f"short id {run!r} names {len(tails)} completed train runs "
+                                    f"({', '.join(r['run_id'] for r in tails)}); give the full id")
+        found = tails[0] if tails else None
     if found is None:
-        raise FileNotFoundError(f"no completed train run with id or experiment {run!r} in {results_dir / 'runs'}")
+        raise FileNotFoundError(f"no completed train run with id, short id or experiment {run!r} in "
+                                f"{results_dir / 'runs'}")
     return found
 
 

@@ -115,12 +115,10 @@ WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
 
 def wandb_mode(configured: str | None) -> str:
     """``WANDB_MODE`` wins; then ``logger.mode``; then online if logged in, else offline. An empty
-    ``WANDB_MODE`` (``export WANDB_MODE=``) means unset and is removed from the environment, since W&B's
-    own settings refuse it; any other value outside :data:`WANDB_MODES` is a :class:`ConfigError`."""
-    env = os.environ.get("WANDB_MODE")
-    if env is not None and not env.strip():
-        del os.environ["WANDB_MODE"]
-        env = None
+    ``WANDB_MODE`` (``export WANDB_MODE=``) means unset (a query: the environment is left as it is;
+    :func:`drop_empty_wandb_mode` clears it where W&B starts); any other value outside
+    :data:`WANDB_MODES` is a :class:`ConfigError`."""
+    env = (os.environ.get("WANDB_MODE") or "").strip()
     if env:
         if env not in WANDB_MODES:
             raise ConfigError(f"WANDB_MODE={env!r}: not a W&B mode; valid modes are {', '.join(WANDB_MODES)}")
@@ -128,6 +126,13 @@ def wandb_mode(configured: str | None) -> str:
     if configured:
         return str(configured)
     return "online" if wandb_logged_in() else "offline"
+
+
+def drop_empty_wandb_mode() -> None:
+    """Remove an empty ``WANDB_MODE`` from the environment before W&B starts: W&B's own settings
+    read it and refuse the empty value, which :func:`wandb_mode` reads as unset."""
+    if "WANDB_MODE" in os.environ and not os.environ["WANDB_MODE"].strip():
+        del os.environ["WANDB_MODE"]
 
 
 def build_logger(cfg: Mapping[str, Any], name: str, save_dir: Path, config: dict[str, Any] | None = None,
@@ -149,6 +154,7 @@ def build_logger(cfg: Mapping[str, Any], name: str, save_dir: Path, config: dict
     from lightning.pytorch.loggers import WandbLogger
 
     mode = wandb_mode(cfg.get("mode"))
+    drop_empty_wandb_mode()
     tags = list(dict.fromkeys([*(cfg.get("tags") or []), *run_tags(config)]))
     kwargs = dict(project=cfg.get("project", "vitexp"), entity=cfg.get("entity"), name=name,
                   save_dir=str(save_dir), tags=tags, job_type=job_type,
@@ -255,8 +261,10 @@ def log_tables(written: Mapping[str, Mapping[str, str]], path: str | None, save_
     import wandb
 
     entity, _, project = (path or "").rpartition("/")
+    mode = wandb_mode(None)
+    drop_empty_wandb_mode()
     run = wandb.init(entity=entity or None, project=project or default_project(), job_type="tables", name="tables",
-                     mode=wandb_mode(None), dir=os.environ.get("WANDB_DIR") or str(save_dir))
+                     mode=mode, dir=os.environ.get("WANDB_DIR") or str(save_dir))
     try:
         for name, files in written.items():
             with open(files["csv"], newline="") as fh:

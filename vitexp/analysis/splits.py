@@ -47,7 +47,8 @@ METHOD = ("Per-image top-1 correctness of each run's deployed model on its valid
           "fixed split given the two trained models; it does not include seed variation. Split gap = test "
           "difference - validation difference, se = sqrt(se_val^2 + se_test^2) from the two independent "
           "bootstraps, z = gap / se. by_class: the same per label, with closed-form standard errors "
-          "(100 sd(a - b) / sqrt(n)).")
+          "(100 sd(a - b) / sqrt(n)), and predicted_a / predicted_b: each model's predictions for that label's "
+          "images, counted per predicted label (a confusion-matrix row).")
 
 
 def short_id(run_id: str) -> str:
@@ -72,6 +73,7 @@ class CorrectByImage(Callback):
     def __init__(self) -> None:
         self.correct: dict[str, list[np.ndarray]] = {}
         self.labels: dict[str, list[np.ndarray]] = {}
+        self.predicted: dict[str, list[np.ndarray]] = {}
         self._logits = None
         self._handle = None
 
@@ -85,7 +87,9 @@ class CorrectByImage(Callback):
         logits, y = self._logits, batch[1]
         if logits is None or logits.ndim != 2 or len(logits) != len(y):
             raise RuntimeError(f"{split}: the model's output is not one row of logits per image")
-        self.correct.setdefault(split, []).append((logits.argmax(-1) == y).cpu().numpy())
+        predicted = logits.argmax(-1)
+        self.correct.setdefault(split, []).append((predicted == y).cpu().numpy())
+        self.predicted.setdefault(split, []).append(predicted.cpu().numpy())
         self.labels.setdefault(split, []).append(y.cpu().numpy())
         self._logits = None
 
@@ -100,7 +104,7 @@ class CorrectByImage(Callback):
 
 
 def predict(cfg, record: Mapping[str, Any], deployed) -> dict[str, Any]:
-    """``{split: {"correct": bool array, "labels": int array, "size": n}}`` of run ``record``'s
+    """``{split: {"correct": bool array, "labels": int array, "predicted": int array, "size": n}}`` of run ``record``'s
     deployed model (:class:`vitexp.evaluate.Deployed`) on its validation and test splits, each
     checked against what the module's own torchmetrics accuracy logged."""
     from omegaconf import open_dict
@@ -130,6 +134,7 @@ def predict(cfg, record: Mapping[str, Any], deployed) -> dict[str, Any]:
             raise RuntimeError(f"run {record['run_id']} {split}: {len(correct)} of {size} images recorded, "
                                f"{100 * correct.mean():.4f} % against the module's {100 * logged[split]:.4f} %")
         out[split] = {"correct": correct, "labels": labels, "size": size,
+                      "predicted": np.concatenate(recorder.predicted[split]),
                       "indices": getattr(datamodule, "split_indices", {}).get(split)}
     return out
 
@@ -167,16 +172,22 @@ def by_class(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per label: each split's images, accuracies and paired difference a − b with its closed-form se
     (:func:`paired_se`), and the gap test − val with se √(se_val² + se_test²) and z: where in the
     label space a split gap sits (a gap carried by one class points at its images, one spread over
-    every class at the split as a whole)."""
+    every class at the split as a whole), and what each model predicted for that label's images
+    (``predicted_a``, ``predicted_b``: counts per predicted label, a confusion-matrix row; where the
+    extra misses of one split go)."""
     out = []
-    for label in np.unique(np.concatenate([runs[0][s]["labels"] for s, _ in SPLITS])):
+    labels = np.unique(np.concatenate([runs[0][s]["labels"] for s, _ in SPLITS]))
+    width = int(max(labels.max(), *(r[s]["predicted"].max() for r in runs for s, _ in SPLITS))) + 1
+    for label in labels:
         row: dict[str, Any] = {"label": int(label)}
         for split, _ in SPLITS:
             mask = runs[0][split]["labels"] == label
             ca, cb = runs[0][split]["correct"][mask], runs[1][split]["correct"][mask]
             row[split] = {"images": int(mask.sum()), "top1_a": 100.0 * float(ca.mean()) if mask.any() else None,
                           "top1_b": 100.0 * float(cb.mean()) if mask.any() else None,
-                          "diff": 100.0 * float(ca.mean() - cb.mean()) if mask.any() else None, "se": paired_se(ca, cb)}
+                          "diff": 100.0 * float(ca.mean() - cb.mean()) if mask.any() else None, "se": paired_se(ca, cb),
+                          "predicted_a": np.bincount(runs[0][split]["predicted"][mask], minlength=width).tolist(),
+                          "predicted_b": np.bincount(runs[1][split]["predicted"][mask], minlength=width).tolist()}
         if row["val"]["diff"] is not None and row["test"]["diff"] is not None:
             gap, se = row["test"]["diff"] - row["val"]["diff"], float(np.hypot(row["val"]["se"], row["test"]["se"]))
             row["gap"] = {"diff": gap, "se": se, "z": gap / se if se > 0 else None}
