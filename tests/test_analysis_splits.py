@@ -97,21 +97,52 @@ def test_runs_on_different_data_are_refused_before_anything_is_written(results_d
     assert sorted(e["kind"] for e in ledger_entries(results_dir)) == ["train", "train"]
 
 
-def test_split_closeness_counts_the_grid14_tokens_a_garment_covers():
-    """scripts/split_closeness.py: a token of the 14 x 14 grid is 2 x 2 original pixels; it counts
-    when any of them is non-zero."""
+def _script(name: str):
     import importlib.util
-
-    import torch
 
     from vitexp import PROJECT_ROOT
 
-    spec = importlib.util.spec_from_file_location("split_closeness", PROJECT_ROOT / "scripts" / "split_closeness.py")
+    spec = importlib.util.spec_from_file_location(name, PROJECT_ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_split_closeness_counts_the_grid14_tokens_a_garment_covers():
+    """scripts/split_closeness.py: a token of the 14 x 14 grid is 2 x 2 original pixels; it counts
+    when any of them is non-zero."""
+    import torch
+
+    module = _script("split_closeness")
     images = torch.zeros(2, 28, 28, dtype=torch.uint8)
     images[0, 0, 0] = images[0, 1, 1] = 3  # one token
     images[0, 27, 26] = 1  # another (row 13, column 13)
     images[1, 2:6, 2:4] = 255  # 2 x 1 tokens
     assert module.foreground_tokens(images).tolist() == [2, 2]
     assert module.foreground_tokens(torch.full((1, 28, 28), 9, dtype=torch.uint8)).tolist() == [196]
+
+
+def test_seed_scatter_compares_each_cells_splits_and_leaves_out_what_the_verdicts_do():
+    """scripts/seed_scatter.py: sd_val / sd_test per counted cell, and P(F >= ratio^2 / (n_test / n_val))
+    under F(n - 1, n - 1); with 5 pairs F(4, 4)'s survival function is the regularised incomplete beta
+    I_z(2, 2) = 3z^2 - 2z^3 at z = 1 / (1 + f)."""
+    module = _script("seed_scatter")
+
+    def cell(protocol, n, sd_test, sd_val, reference=False, val_n=None):
+        return {"protocol": protocol, "sign": "undecided", "n": n, "std": sd_test, "reference": reference,
+                "val": {"n": val_n or n, "std": sd_val}}
+
+    claims = [{"claim": "a beats b", "cells": [
+        cell("p1", 5, 0.1, 0.45), cell("p2", 5, 0.3, 0.3), cell("ref", 5, 0.1, 0.9, reference=True),
+        cell("short", 2, 0.1, 0.9), cell("uneven", 5, 0.1, 0.9, val_n=4),
+        {"protocol": "p3", "sign": None, "text": "not in this protocol"}]}]
+    report = module.scatter(claims, image_ratio=2.0)
+    assert [c["protocol"] for c in report["cells"]] == ["p1", "p2"]
+    first, second = report["cells"]
+    assert first["ratio"] == pytest.approx(4.5) and second["ratio"] == pytest.approx(1.0)
+    for c in report["cells"]:
+        z = 1.0 / (1.0 + c["ratio"] ** 2 / 2.0)
+        assert c["p_high"] == pytest.approx(3 * z ** 2 - 2 * z ** 3, rel=1e-9)
+    assert report["geometric_mean_ratio"] == pytest.approx(4.5 ** 0.5)
+    assert report["largest"]["protocol"] == "p1" and report["cells_over_expected"] == 1
+    assert report["p_min_of_k"] == pytest.approx(1 - (1 - first["p_high"]) ** 2)

@@ -1,0 +1,97 @@
+"""How much a verdict table's paired differences scatter across seeds on the validation split against
+the test split, cell by cell (default ``fmnist_bspf_protocols``), and whether the largest ratio is
+more than chance among that many cells.
+
+Why: on the 14 × 14 grid BSPF-ViT − EViT's seeds scatter about 4.5 times as much on validation as on
+test. A seed's difference on a fixed split moves with the images its two models disagree on; if that
+disagreement were independent from image to image, its variance across seeds would scale with one
+over the split's images, so validation (5,000 images) would scatter √2 as much as test (10,000); a
+part that moves every image alike (one model better overall) scatters equally on both, so the
+expected ratio lies between 1 and √(n_test / n_val). What is reported, for every counted cell with
+the same n ≥ 3 pairs on both splits (reference protocols left out, as in the verdicts):
+
+- ``ratio``: sd_val / sd_test of the pairs (the table's ± of each split);
+- ``p_high``: P(F ≥ ratio² / (n_test / n_val)) under F(n − 1, n − 1), the chance that two sample
+  variances of n pairs differ this much or more when the true ratio is the top of the expected range
+  (conservative for a ratio that is too large; it treats the two splits' pairs as independent);
+- over the cells: the geometric mean ratio, and the chance that the smallest ``p_high`` of k cells is
+  at most the observed one, 1 − (1 − p_min)^k (cells treated as independent: they share runs, so
+  this is a rough guide).
+
+Writes ``results/analysis/<table>_seed_scatter.json`` (atomically) from the committed ledger;
+seconds.
+
+    python scripts/seed_scatter.py [--table fmnist_bspf_protocols] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from scipy import stats
+
+from vitexp import PROJECT_ROOT, protocols
+from vitexp.fashion_mnist import load_fashion_mnist
+from vitexp.ledger import Ledger, atomic_write_json, default_results_dir
+from vitexp.tables import fill, load_spec
+
+
+def scatter(claims: list[dict[str, Any]], image_ratio: float) -> dict[str, Any]:
+    """The module docstring's report from :func:`vitexp.protocols.evaluate`'s claims; ``image_ratio``:
+    n_test / n_val."""
+    cells = []
+    for claim in claims:
+        for cell in claim["cells"]:
+            val = cell.get("val")
+            if cell.get("reference") or cell["sign"] is None or not val:
+                continue
+            n = cell["n"]
+            if n < 3 or val["n"] != n or not cell["std"] or not val["std"]:
+                continue
+            ratio = val["std"] / cell["std"]
+            cells.append({"claim": claim["claim"], "protocol": cell["protocol"], "pairs": n,
+                          "sd_test": cell["std"], "sd_val": val["std"], "ratio": ratio,
+                          "p_high": float(stats.f.sf(ratio ** 2 / image_ratio, n - 1, n - 1))})
+    if not cells:
+        return {"cells": [], "expected_ratio": [1.0, math.sqrt(image_ratio)]}
+    p_min = min(c["p_high"] for c in cells)
+    largest = max(cells, key=lambda c: c["ratio"])
+    return {"cells": cells, "expected_ratio": [1.0, math.sqrt(image_ratio)],
+            "geometric_mean_ratio": math.exp(sum(math.log(c["ratio"]) for c in cells) / len(cells)),
+            "cells_over_expected": sum(c["ratio"] > math.sqrt(image_ratio) for c in cells),
+            "cells_under_1": sum(c["ratio"] < 1 for c in cells),
+            "largest": {k: largest[k] for k in ("claim", "protocol", "ratio", "p_high")},
+            "p_min": p_min, "p_min_of_k": 1.0 - (1.0 - p_min) ** len(cells)}
+
+
+def main() -> None:
+    data_cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "data" / "fashion_mnist.yaml")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--table", default="fmnist_bspf_protocols", help="a verdict file of sweeps/verdicts/")
+    parser.add_argument("--root", default=data_cfg.root)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ledger = Ledger.load(default_results_dir())
+    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def fill_table(table: str) -> list[dict[str, Any]]:
+        if table not in cache:
+            cache[table] = fill(load_spec(table), ledger)
+        return cache[table]
+
+    claims = protocols.evaluate(protocols.load(args.table), fill_table)
+    test_images = len(load_fashion_mnist(args.root, data_cfg.package)["test"][1])
+    image_ratio = test_images / int(data_cfg.val_size)
+    report = {"table": args.table, "images": {"val": int(data_cfg.val_size), "test": test_images},
+              "method": __doc__.split("\n\n")[1].replace("\n", " "), **scatter(claims, image_ratio)}
+    out = Path(args.out) if args.out else PROJECT_ROOT / "results" / "analysis" / f"{args.table}_seed_scatter.json"
+    atomic_write_json(out, report)
+    print(json.dumps({k: report.get(k) for k in ("geometric_mean_ratio", "largest", "p_min_of_k")}))
+
+
+if __name__ == "__main__":
+    main()
