@@ -165,8 +165,11 @@ def _merged(base: dict, top: dict) -> dict:
 
 
 def ledger_entries(results_dir: Path) -> list[dict]:
+    """The entries under ``results_dir/runs``, read as the ledger reads them: hidden files are
+    atomic_write's temporary files (a requeued job's killed attempt can orphan an empty one)."""
     runs = results_dir / "runs"
-    return [json.loads(p.read_text()) for p in sorted(runs.glob("*.json"))] if runs.exists() else []
+    return [json.loads(p.read_text()) for p in sorted(runs.glob("*.json"))
+            if not p.name.startswith(".")] if runs.exists() else []
 
 
 _PORTS = itertools.count()
