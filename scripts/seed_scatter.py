@@ -18,6 +18,9 @@ the same n ≥ 3 pairs on both splits (reference protocols left out, as in the v
   at most the observed one, 1 − (1 − p_min)^k (cells treated as independent: they share runs, so
   this is a rough guide).
 
+And, for the tables ``--gaps`` names, each run's validation − test top-1 and how many runs of the
+BSPF family (``--family``) and of the other rows score lower on validation (:func:`run_gaps`).
+
 Writes ``results/analysis/<table>_seed_scatter.json`` (atomically) from the committed ledger;
 seconds.
 
@@ -68,12 +71,38 @@ def scatter(claims: list[dict[str, Any]], image_ratio: float) -> dict[str, Any]:
             "p_min": p_min, "p_min_of_k": 1.0 - (1.0 - p_min) ** len(cells)}
 
 
+def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
+    """Each seeded row's validation top-1 − test top-1 per seed (percentage points, the same deployed
+    model), and how many runs of the rows whose experiment contains ``family`` and of the other rows
+    score lower on validation than on test, with Fisher's exact test of the 2 × 2 table (two-sided).
+    Every run scores the same fixed validation images, so a difference between the groups that every
+    seed repeats can still be a property of those images rather than of the method."""
+    out: dict[str, Any] = {"family": family, "rows": {}}
+    counts = {True: [0, 0], False: [0, 0]}  # in family: [lower on validation, not lower]
+    for row in rows:
+        test, val = (((row.get("cells") or {}).get(k) or {}).get("seeds") or {} for k in ("top1", "val_top1"))
+        seeds = sorted(set(test) & set(val))
+        if not seeds:
+            continue
+        gaps = {str(seed): val[seed] - test[seed] for seed in seeds}
+        out["rows"][row["experiment"]] = gaps
+        for gap in gaps.values():
+            counts[family in row["experiment"]][0 if gap < 0 else 1] += 1
+    table = [counts[True], counts[False]]
+    out["lower_on_val"] = {"family": table[0], "others": table[1], "order": ["lower", "not lower"]}
+    out["fisher_p"] = float(stats.fisher_exact(table).pvalue) if all(sum(r) for r in table) else None
+    return out
+
+
 def main() -> None:
     data_cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "data" / "fashion_mnist.yaml")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", default="fmnist_bspf_protocols", help="a verdict file of sweeps/verdicts/")
     parser.add_argument("--root", default=data_cfg.root)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--gaps", nargs="*", default=["fmnist_bspf_grid14"],
+                        help="tables whose runs' validation - test gaps are listed (run_gaps)")
+    parser.add_argument("--family", default="bspf", help="experiments containing this form run_gaps' first group")
     args = parser.parse_args()
     ledger = Ledger.load(default_results_dir())
     cache: dict[str, list[dict[str, Any]]] = {}
@@ -87,7 +116,8 @@ def main() -> None:
     test_images = len(load_fashion_mnist(args.root, data_cfg.package)["test"][1])
     image_ratio = test_images / int(data_cfg.val_size)
     report = {"table": args.table, "images": {"val": int(data_cfg.val_size), "test": test_images},
-              "method": __doc__.split("\n\n")[1].replace("\n", " "), **scatter(claims, image_ratio)}
+              "method": __doc__.split("\n\n")[1].replace("\n", " "), **scatter(claims, image_ratio),
+              "run_gaps": {table: run_gaps(fill_table(table), args.family) for table in args.gaps}}
     out = Path(args.out) if args.out else PROJECT_ROOT / "results" / "analysis" / f"{args.table}_seed_scatter.json"
     atomic_write_json(out, report)
     print(json.dumps({k: report.get(k) for k in ("geometric_mean_ratio", "largest", "p_min_of_k")}))

@@ -146,3 +146,24 @@ def test_seed_scatter_compares_each_cells_splits_and_leaves_out_what_the_verdict
     assert report["geometric_mean_ratio"] == pytest.approx(4.5 ** 0.5)
     assert report["largest"]["protocol"] == "p1" and report["cells_over_expected"] == 1
     assert report["p_min_of_k"] == pytest.approx(1 - (1 - first["p_high"]) ** 2)
+
+
+def test_seed_scatter_counts_which_runs_score_lower_on_validation():
+    """run_gaps: val - test per seeded row and seed, the family's and the others' runs lower on
+    validation, Fisher's exact test of that 2 x 2 table; a start without seeds is left out."""
+    from scipy import stats
+
+    module = _script("seed_scatter")
+
+    def row(name, test, val):
+        return {"experiment": name, "cells": {"top1": {"seeds": dict(enumerate(test))},
+                                              "val_top1": {"seeds": dict(enumerate(val))}}}
+
+    rows = [{"experiment": "grid_baseline", "cells": {"top1": {"value": 80.0}}},
+            row("grid_bspf", [86.0, 86.5, 86.2], [85.5, 86.0, 86.4]),
+            row("grid_ft", [87.0, 87.1, 87.3], [87.5, 87.4, 87.2])]
+    gaps = module.run_gaps(rows, "bspf")
+    assert list(gaps["rows"]) == ["grid_bspf", "grid_ft"]
+    assert gaps["rows"]["grid_bspf"] == {"0": pytest.approx(-0.5), "1": pytest.approx(-0.5), "2": pytest.approx(0.2)}
+    assert gaps["lower_on_val"]["family"] == [2, 1] and gaps["lower_on_val"]["others"] == [1, 2]
+    assert gaps["fisher_p"] == pytest.approx(stats.fisher_exact([[2, 1], [1, 2]]).pvalue)
