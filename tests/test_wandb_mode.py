@@ -26,6 +26,9 @@ def test_a_wandb_mode_w_and_b_refuses_names_the_valid_modes(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "ofline")
     with pytest.raises(ConfigError, match="WANDB_MODE='ofline': .*valid modes are online, offline"):
         wandb_mode(None)
+    monkeypatch.setenv("WANDB_MODE", " offline ")  # W&B would refuse the padded value too
+    with pytest.raises(ConfigError, match="WANDB_MODE=' offline '"):
+        wandb_mode(None)
     monkeypatch.setenv("WANDB_MODE", "dryrun")
     assert wandb_mode("online") == "offline"
     assert set(WANDB_MODES) >= {"online", "offline", "disabled"}

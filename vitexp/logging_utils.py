@@ -118,8 +118,8 @@ def wandb_mode(configured: str | None) -> str:
     ``WANDB_MODE`` (``export WANDB_MODE=``) means unset (a query: the environment is left as it is;
     :func:`drop_empty_wandb_mode` clears it where W&B starts); any other value outside
     :data:`WANDB_MODES` is a :class:`ConfigError`."""
-    env = (os.environ.get("WANDB_MODE") or "").strip()
-    if env:
+    env = os.environ.get("WANDB_MODE") or ""
+    if env.strip():  # a padded value is refused below, as W&B would refuse it
         if env not in WANDB_MODES:
             raise ConfigError(f"WANDB_MODE={env!r}: not a W&B mode; valid modes are {', '.join(WANDB_MODES)}")
         return "offline" if env == "dryrun" else env
