@@ -11,8 +11,8 @@ Why: a validation split carved from the training pool could hold near-copies of 
 the test split lacks, which would reward a model that fits its training images more on validation than
 on test (a split dependence of its paired differences that no seed averages out). Equal distributions
 rule that out. Larger garments on one split would make a pruning method at a fixed token budget drop
-more of their foreground there; equal coverage rules that out. Writes ``results/analysis/fmnist_split_closeness.json`` (atomically); about a minute
-on one CPU thread.
+more of their foreground there; equal coverage rules that out. Writes
+``results/analysis/fmnist_split_closeness.json`` (atomically); about a minute on one CPU thread.
 
     python scripts/split_closeness.py [--root /usr/share/datasets/fashion-mnist] [--out PATH]
 """
