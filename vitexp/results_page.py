@@ -48,7 +48,7 @@ TABLES_DIR = DEFAULT_PAGE.parent.parent / "results" / "tables"
 #: The order of the page's sections: the seeded Fashion-MNIST tier first, then the rest by name.
 ORDER = ("fmnist_bspf_table1", "fmnist_bspf_table2", "fmnist_bspf_table6", "fmnist_bspf_table7",
          "fmnist_bspf_table8", "fmnist_bspf_protocols", "fmnist_bspf_ft2", "fmnist_bspf_scratch", "fmnist_bspf_long",
-         "fmnist_bspf_grid14",
+         "fmnist_bspf_grid14", "fmnist_bspf_grid14_split1",
          "fmnist_saper_table1", "fmnist_saper_rules", "fmnist_saper_rules_selected", "fmnist_raptor")
 #: How a verdict marks a number that no table cell holds.
 HAND_MARKS = ("(paper: ",)
