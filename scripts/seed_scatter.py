@@ -19,7 +19,9 @@ the same n ≥ 3 pairs on both splits (reference protocols left out, as in the v
   this is a rough guide).
 
 And, for the tables ``--gaps`` names, each run's validation − test top-1 and how many runs of the
-BSPF family (``--family``) and of the other rows score lower on validation (:func:`run_gaps`).
+BSPF family (``--family``) and of the other rows score lower on validation, and the two groups' mean
+gaps (:func:`run_gaps`): ``fmnist_bspf_grid14`` and ``fmnist_bspf_grid14_split1`` (a second validation
+draw) by default.
 
 Writes ``results/analysis/<table>_seed_scatter.json`` (atomically) from the committed ledger;
 seconds.
@@ -74,11 +76,16 @@ def scatter(claims: list[dict[str, Any]], image_ratio: float) -> dict[str, Any]:
 def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
     """Each seeded row's validation top-1 − test top-1 per seed (percentage points, the same deployed
     model), and how many runs of the rows whose experiment contains ``family`` and of the other rows
-    score lower on validation than on test, with Fisher's exact test of the 2 × 2 table (two-sided).
+    score lower on validation than on test, with Fisher's exact test of the 2 × 2 table (two-sided); the
+    two groups' mean gap, the family's minus the others' (the split dependence of a family − other
+    paired difference), and the Mann–Whitney U test of the two groups' gaps (two-sided, exact for
+    small groups without ties). Two tables that differ only in the validation draw tell the method
+    from the draw: a family − others gap that is below zero on both draws belongs to the method.
     Every run scores the same fixed validation images, so a difference between the groups that every
     seed repeats can still be a property of those images rather than of the method."""
     out: dict[str, Any] = {"family": family, "rows": {}}
     counts = {True: [0, 0], False: [0, 0]}  # in family: [lower on validation, not lower]
+    groups: dict[bool, list[float]] = {True: [], False: []}
     for row in rows:
         test, val = (((row.get("cells") or {}).get(k) or {}).get("seeds") or {} for k in ("top1", "val_top1"))
         seeds = sorted(set(test) & set(val))
@@ -88,10 +95,20 @@ def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
         out["rows"][row["experiment"]] = gaps
         for gap in gaps.values():
             counts[family in row["experiment"]][0 if gap < 0 else 1] += 1
+            groups[family in row["experiment"]].append(gap)
     table = [counts[True], counts[False]]
     out["lower_on_val"] = {"family": table[0], "others": table[1], "order": ["lower", "not lower"]}
     out["fisher_p"] = float(stats.fisher_exact(table).pvalue) if all(sum(r) for r in table) else None
+    both = groups[True] and groups[False]
+    out["mean_gap"] = {"family": _mean(groups[True]), "others": _mean(groups[False])}
+    out["family_minus_others"] = out["mean_gap"]["family"] - out["mean_gap"]["others"] if both else None
+    out["mannwhitney_p"] = (float(stats.mannwhitneyu(groups[True], groups[False], alternative="two-sided").pvalue)
+                            if both else None)
     return out
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def main() -> None:
@@ -100,7 +117,7 @@ def main() -> None:
     parser.add_argument("--table", default="fmnist_bspf_protocols", help="a verdict file of sweeps/verdicts/")
     parser.add_argument("--root", default=data_cfg.root)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--gaps", nargs="*", default=["fmnist_bspf_grid14"],
+    parser.add_argument("--gaps", nargs="*", default=["fmnist_bspf_grid14", "fmnist_bspf_grid14_split1"],
                         help="tables whose runs' validation - test gaps are listed (run_gaps)")
     parser.add_argument("--family", default="bspf", help="experiments containing this form run_gaps' first group")
     args = parser.parse_args()

@@ -167,3 +167,10 @@ def test_seed_scatter_counts_which_runs_score_lower_on_validation():
     assert gaps["rows"]["grid_bspf"] == {"0": pytest.approx(-0.5), "1": pytest.approx(-0.5), "2": pytest.approx(0.2)}
     assert gaps["lower_on_val"]["family"] == [2, 1] and gaps["lower_on_val"]["others"] == [1, 2]
     assert gaps["fisher_p"] == pytest.approx(stats.fisher_exact([[2, 1], [1, 2]]).pvalue)
+    assert gaps["mean_gap"]["family"] == pytest.approx(-0.8 / 3) and gaps["mean_gap"]["others"] == pytest.approx(0.7 / 3)
+    assert gaps["family_minus_others"] == pytest.approx(-0.5)
+    # family gaps (-0.5, -0.5, 0.2) against (0.5, 0.3, -0.1): the exact two-sided p of U
+    assert gaps["mannwhitney_p"] == pytest.approx(stats.mannwhitneyu([-0.5, -0.5, 0.2], [0.5, 0.3, -0.1]).pvalue)
+    assert gaps["mannwhitney_p"] < 0.5
+    only = module.run_gaps(rows[:2], "bspf")
+    assert only["family_minus_others"] is None and only["mannwhitney_p"] is None
