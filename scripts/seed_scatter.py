@@ -21,7 +21,8 @@ the same n ≥ 3 pairs on both splits (reference protocols left out, as in the v
 And, for the tables ``--gaps`` names, each run's validation − test top-1 and how many runs of the
 BSPF family (``--family``) and of the other rows score lower on validation, and the two groups' mean
 gaps (:func:`run_gaps`): ``fmnist_bspf_grid14`` and ``fmnist_bspf_grid14_split1`` (a second validation
-draw) by default.
+draw) by default, and for two tables the change of the family − others gap from one draw to the
+other over the rows both have (:func:`draw_contrast`).
 
 Writes ``results/analysis/<table>_seed_scatter.json`` (atomically) from the committed ledger;
 seconds.
@@ -100,6 +101,7 @@ def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
     out["lower_on_val"] = {"family": table[0], "others": table[1], "order": ["lower", "not lower"]}
     out["fisher_p"] = float(stats.fisher_exact(table).pvalue) if all(sum(r) for r in table) else None
     both = groups[True] and groups[False]
+    out["gaps"] = {"family": groups[True], "others": groups[False]}
     out["mean_gap"] = {"family": _mean(groups[True]), "others": _mean(groups[False])}
     out["family_minus_others"] = out["mean_gap"]["family"] - out["mean_gap"]["others"] if both else None
     out["mannwhitney_p"] = (float(stats.mannwhitneyu(groups[True], groups[False], alternative="two-sided").pvalue)
@@ -111,6 +113,28 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _difference_se(family: list[float], others: list[float]) -> float:
+    """Welch's standard error of mean(family) − mean(others)."""
+    return math.sqrt(sum(stats.tvar(g) / len(g) for g in (family, others)))
+
+
+def draw_contrast(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any] | None:
+    """Whether two :func:`run_gaps` of the same rows on two validation draws show the same family −
+    others gap: each draw's difference with its Welch standard error (from its runs' gaps), the change
+    from the first draw to the second, ``z`` = change / √(se₁² + se₂²) and its two-sided normal p (an
+    approximation with this few runs). A change near the first draw's difference (the second near
+    zero) says the first draw's images made the gap; a small change says the method did. ``None``
+    while either draw lacks two runs in each group."""
+    if any(len(g) < 2 for gaps in (first, second) for g in gaps["gaps"].values()):
+        return None
+    draws = [{"family_minus_others": gaps["family_minus_others"],
+              "se": _difference_se(gaps["gaps"]["family"], gaps["gaps"]["others"])} for gaps in (first, second)]
+    change = draws[1]["family_minus_others"] - draws[0]["family_minus_others"]
+    se = math.hypot(draws[0]["se"], draws[1]["se"])
+    return {"draws": draws, "change": change, "se": se, "z": change / se,
+            "p_normal": float(2 * stats.norm.sf(abs(change / se)))}
+
+
 def main() -> None:
     data_cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "data" / "fashion_mnist.yaml")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -119,6 +143,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--gaps", nargs="*", default=["fmnist_bspf_grid14", "fmnist_bspf_grid14_split1"],
                         help="tables whose runs' validation - test gaps are listed (run_gaps)")
+    parser.add_argument("--infix", default="_split1",
+                        help="what the second --gaps table adds to the names of the first's rows it repeats")
     parser.add_argument("--family", default="bspf", help="experiments containing this form run_gaps' first group")
     args = parser.parse_args()
     ledger = Ledger.load(default_results_dir())
@@ -135,6 +161,13 @@ def main() -> None:
     report = {"table": args.table, "images": {"val": int(data_cfg.val_size), "test": test_images},
               "method": __doc__.split("\n\n")[1].replace("\n", " "), **scatter(claims, image_ratio),
               "run_gaps": {table: run_gaps(fill_table(table), args.family) for table in args.gaps}}
+    if len(args.gaps) == 2:  # the first table's rows that the second repeats (its names without --infix)
+        first, second = (fill_table(t) for t in args.gaps)
+        repeated = {r["experiment"].replace(args.infix, "") for r in second if r.get("experiment")}
+        same_rows = [r for r in first if r.get("experiment") in repeated]
+        report["draw_contrast"] = {"tables": args.gaps, "rows": [r["experiment"] for r in same_rows],
+                                   **(draw_contrast(run_gaps(same_rows, args.family),
+                                                    run_gaps(second, args.family)) or {})}
     out = Path(args.out) if args.out else PROJECT_ROOT / "results" / "analysis" / f"{args.table}_seed_scatter.json"
     atomic_write_json(out, report)
     print(json.dumps({k: report.get(k) for k in ("geometric_mean_ratio", "largest", "p_min_of_k")}))

@@ -174,3 +174,19 @@ def test_seed_scatter_counts_which_runs_score_lower_on_validation():
     assert gaps["mannwhitney_p"] < 0.5
     only = module.run_gaps(rows[:2], "bspf")
     assert only["family_minus_others"] is None and only["mannwhitney_p"] is None
+
+
+def test_seed_scatter_contrasts_two_validation_draws():
+    """draw_contrast: each draw's family - others mean gap with Welch's standard error, the change
+    between the draws and its z; None while a group has fewer than two runs."""
+    module = _script("seed_scatter")
+    first = {"family_minus_others": -0.9, "gaps": {"family": [-0.3, -0.5, -0.1], "others": [0.6, 0.4, 0.8, 0.6]}}
+    second = {"family_minus_others": 0.1, "gaps": {"family": [0.5, 0.3], "others": [0.2, 0.4]}}
+    out = module.draw_contrast(first, second)
+    se1 = (0.04 / 3 + (0.08 / 3) / 4) ** 0.5  # sample variances 0.04 and 0.08/3
+    se2 = (0.02 / 2 + 0.02 / 2) ** 0.5
+    assert out["draws"][0]["se"] == pytest.approx(se1) and out["draws"][1]["se"] == pytest.approx(se2)
+    assert out["change"] == pytest.approx(1.0)
+    assert out["z"] == pytest.approx(1.0 / (se1 ** 2 + se2 ** 2) ** 0.5)
+    assert out["p_normal"] < 0.01
+    assert module.draw_contrast(first, {**second, "gaps": {"family": [0.5], "others": [0.2, 0.4]}}) is None
