@@ -26,9 +26,8 @@ KNOWN_ABSENT = {
 
 
 #: Tables whose rows still lack seeds that their verdicts ask for, with the runs their dry run plans on a
-#: fresh clone (issue 45: the second validation draw's fine-tunes, 4 rows x 3 seeds, training in the
-#: background); every other ``fmnist_*`` table plans none. A run that lands lowers its count here.
-STILL_TO_RUN: dict[str, int] = {"fmnist_bspf_grid14_split1": 10}
+#: fresh clone (none now); every other ``fmnist_*`` table plans none. A run that lands lowers its count here.
+STILL_TO_RUN: dict[str, int] = {}
 
 
 @pytest.fixture

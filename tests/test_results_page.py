@@ -111,7 +111,7 @@ def test_vitexp_tables_writes_the_page(tmp_path):
     # the claim-by-claim table across protocols is on the page, whole, with its verdict column
     assert "## BSPF-ViT's claims under four protocols" in text and "(sweeps/verdicts/fmnist_bspf_protocols.yaml)" not in text
     assert "`sweeps/verdicts/fmnist_bspf_protocols.yaml` → [table](../results/tables/fmnist_bspf_protocols.md)" in text
-    assert "| BSPF-ViT (keep 0.5) beats full attention (bspf − full) | not run | not run | not run | not run | not run | not run (0 of 4" in text
+    assert "| BSPF-ViT (keep 0.5) beats full attention (bspf − full) | not run | not run | not run | not run | not run | not run | not run (0 of 4" in text
 
 
 def test_the_page_is_written_by_default_only_from_the_projects_own_ledger(tmp_path):
