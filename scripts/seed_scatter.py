@@ -80,13 +80,14 @@ def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
     score lower on validation than on test, with Fisher's exact test of the 2 × 2 table (two-sided); the
     two groups' mean gap, the family's minus the others' (the split dependence of a family − other
     paired difference), and the Mann–Whitney U test of the two groups' gaps (two-sided, exact for
-    small groups without ties). Two tables that differ only in the validation draw tell the method
-    from the draw: a family − others gap that is below zero on both draws belongs to the method.
-    Every run scores the same fixed validation images, so a difference between the groups that every
-    seed repeats can still be a property of those images rather than of the method."""
+    small groups without ties); ``splits``: each group's runs' test and validation top-1, so a gap can be
+    told apart into its two splits. Every run scores the same fixed validation images, so a difference
+    between the groups that every seed repeats can still be a property of those images (or of the
+    start every seed shares) rather than of the method: a second draw, :func:`draw_contrast`."""
     out: dict[str, Any] = {"family": family, "rows": {}}
     counts = {True: [0, 0], False: [0, 0]}  # in family: [lower on validation, not lower]
     groups: dict[bool, list[float]] = {True: [], False: []}
+    splits: dict[bool, dict[str, list[float]]] = {g: {"test": [], "val": []} for g in (True, False)}
     for row in rows:
         test, val = (((row.get("cells") or {}).get(k) or {}).get("seeds") or {} for k in ("top1", "val_top1"))
         seeds = sorted(set(test) & set(val))
@@ -97,11 +98,15 @@ def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
         for gap in gaps.values():
             counts[family in row["experiment"]][0 if gap < 0 else 1] += 1
             groups[family in row["experiment"]].append(gap)
+        for seed in seeds:
+            splits[family in row["experiment"]]["test"].append(test[seed])
+            splits[family in row["experiment"]]["val"].append(val[seed])
     table = [counts[True], counts[False]]
     out["lower_on_val"] = {"family": table[0], "others": table[1], "order": ["lower", "not lower"]}
     out["fisher_p"] = float(stats.fisher_exact(table).pvalue) if all(sum(r) for r in table) else None
     both = groups[True] and groups[False]
     out["gaps"] = {"family": groups[True], "others": groups[False]}
+    out["splits"] = {"family": splits[True], "others": splits[False]}
     out["mean_gap"] = {"family": _mean(groups[True]), "others": _mean(groups[False])}
     out["family_minus_others"] = out["mean_gap"]["family"] - out["mean_gap"]["others"] if both else None
     out["mannwhitney_p"] = (float(stats.mannwhitneyu(groups[True], groups[False], alternative="two-sided").pvalue)
@@ -113,26 +118,42 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _difference_se(family: list[float], others: list[float]) -> float:
-    """Welch's standard error of mean(family) − mean(others)."""
-    return math.sqrt(sum(stats.tvar(g) / len(g) for g in (family, others)))
+def _welch(family: list[float], others: list[float]) -> dict[str, float]:
+    """mean(family) − mean(others), its Welch standard error and the parts ``s²/n`` that
+    Welch–Satterthwaite's degrees of freedom are made of."""
+    parts = [(stats.tvar(g) / len(g), len(g) - 1) for g in (family, others)]
+    return {"difference": sum(family) / len(family) - sum(others) / len(others),
+            "se": math.sqrt(sum(v for v, _ in parts)), "parts": parts}
+
+
+def _satterthwaite(parts: list[tuple[float, int]]) -> float:
+    """Welch–Satterthwaite degrees of freedom of a sum of independent ``s²/n`` terms (each with its df)."""
+    return sum(v for v, _ in parts) ** 2 / sum(v * v / df for v, df in parts)
 
 
 def draw_contrast(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any] | None:
     """Whether two :func:`run_gaps` of the same rows on two validation draws show the same family −
     others gap: each draw's difference with its Welch standard error (from its runs' gaps), the change
-    from the first draw to the second, ``z`` = change / √(se₁² + se₂²) and its two-sided normal p (an
-    approximation with this few runs). A change near the first draw's difference (the second near
-    zero) says the first draw's images made the gap; a small change says the method did. ``None``
-    while either draw lacks two runs in each group."""
+    from the first draw to the second, ``t`` = change / √(se₁² + se₂²) with Welch–Satterthwaite degrees of
+    freedom over the four groups and its two-sided p; ``by_split``: the same family − others
+    difference of each draw on test alone and on validation alone (the test images are the same in both
+    draws, the validation images are not), which says on which split the gap changed (no standard error:
+    the groups' rows differ in level, so a spread over their runs would not be one). A second draw
+    changes the start too (a start is pretrained without its validation images), so the change it
+    measures is the first draw's images and start together against the method. ``None`` while either
+    draw lacks two runs in each group."""
     if any(len(g) < 2 for gaps in (first, second) for g in gaps["gaps"].values()):
         return None
-    draws = [{"family_minus_others": gaps["family_minus_others"],
-              "se": _difference_se(gaps["gaps"]["family"], gaps["gaps"]["others"])} for gaps in (first, second)]
+    welch = [_welch(gaps["gaps"]["family"], gaps["gaps"]["others"]) for gaps in (first, second)]
+    draws = [{"family_minus_others": w["difference"], "se": w["se"],
+              "df": _satterthwaite(w["parts"])} for w in welch]
     change = draws[1]["family_minus_others"] - draws[0]["family_minus_others"]
     se = math.hypot(draws[0]["se"], draws[1]["se"])
-    return {"draws": draws, "change": change, "se": se, "z": change / se,
-            "p_normal": float(2 * stats.norm.sf(abs(change / se)))}
+    df = _satterthwaite(welch[0]["parts"] + welch[1]["parts"])
+    by_split = {split: [{"difference": _welch(gaps["splits"]["family"][split], gaps["splits"]["others"][split])["difference"]}
+                        for gaps in (first, second)] for split in ("test", "val")}
+    return {"draws": draws, "change": change, "se": se, "t": change / se, "df": df,
+            "p": float(2 * stats.t.sf(abs(change / se), df)), "by_split": by_split}
 
 
 def main() -> None:

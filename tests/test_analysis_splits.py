@@ -178,15 +178,43 @@ def test_seed_scatter_counts_which_runs_score_lower_on_validation():
 
 def test_seed_scatter_contrasts_two_validation_draws():
     """draw_contrast: each draw's family - others mean gap with Welch's standard error, the change
-    between the draws and its z; None while a group has fewer than two runs."""
+    between the draws, its t with Welch-Satterthwaite df over the four groups, and the same difference
+    on each split; None while a group has fewer than two runs."""
+    from scipy import stats
+
     module = _script("seed_scatter")
-    first = {"family_minus_others": -0.9, "gaps": {"family": [-0.3, -0.5, -0.1], "others": [0.6, 0.4, 0.8, 0.6]}}
-    second = {"family_minus_others": 0.1, "gaps": {"family": [0.5, 0.3], "others": [0.2, 0.4]}}
+    first = {"family_minus_others": -0.9, "gaps": {"family": [-0.3, -0.5, -0.1], "others": [0.6, 0.4, 0.8, 0.6]},
+             "splits": {"family": {"test": [87.0, 87.2, 87.1], "val": [86.7, 86.7, 87.0]},
+                        "others": {"test": [88.0, 88.2, 88.1, 88.3], "val": [88.6, 88.6, 88.9, 88.9]}}}
+    second = {"family_minus_others": 0.1, "gaps": {"family": [0.5, 0.3], "others": [0.2, 0.4]},
+              "splits": {"family": {"test": [87.0, 87.2], "val": [87.5, 87.5]},
+                         "others": {"test": [89.0, 89.2], "val": [89.2, 89.6]}}}
     out = module.draw_contrast(first, second)
-    se1 = (0.04 / 3 + (0.08 / 3) / 4) ** 0.5  # sample variances 0.04 and 0.08/3
-    se2 = (0.02 / 2 + 0.02 / 2) ** 0.5
+    v = [0.04 / 3, (0.08 / 3) / 4, 0.02 / 2, 0.02 / 2]  # s^2 / n of the four groups
+    se1, se2 = (v[0] + v[1]) ** 0.5, (v[2] + v[3]) ** 0.5
     assert out["draws"][0]["se"] == pytest.approx(se1) and out["draws"][1]["se"] == pytest.approx(se2)
     assert out["change"] == pytest.approx(1.0)
-    assert out["z"] == pytest.approx(1.0 / (se1 ** 2 + se2 ** 2) ** 0.5)
-    assert out["p_normal"] < 0.01
+    assert out["t"] == pytest.approx(1.0 / (se1 ** 2 + se2 ** 2) ** 0.5)
+    df = sum(v) ** 2 / (v[0] ** 2 / 2 + v[1] ** 2 / 3 + v[2] ** 2 / 1 + v[3] ** 2 / 1)
+    assert out["df"] == pytest.approx(df)
+    assert out["p"] == pytest.approx(2 * stats.t.sf(out["t"], df))
+    test_first, test_second = out["by_split"]["test"]
+    assert test_first["difference"] == pytest.approx(87.1 - 88.15) and test_second["difference"] == pytest.approx(87.1 - 89.1)
+    assert out["by_split"]["val"][1]["difference"] == pytest.approx(87.5 - 89.4)
     assert module.draw_contrast(first, {**second, "gaps": {"family": [0.5], "others": [0.2, 0.4]}}) is None
+
+
+def test_committed_draw_contrast_pairs_the_rows_the_second_draw_repeats():
+    """The committed report's draw_contrast takes from the first table exactly the rows the second
+    repeats (names without _split1), not every row of the first."""
+    import json
+
+    from vitexp import PROJECT_ROOT
+    from vitexp.tables import load_spec
+
+    report = json.loads((PROJECT_ROOT / "results" / "analysis" / "fmnist_bspf_protocols_seed_scatter.json").read_text())
+    contrast = report["draw_contrast"]
+    second = load_spec(contrast["tables"][1])
+    repeated = {(r.get("name") or r["experiment"]).replace("_split1", "") for r in second["rows"]}
+    assert set(contrast["rows"]) == repeated
+    assert "fmnist_vit_micro_grid14_tome" not in contrast["rows"]
