@@ -225,7 +225,7 @@ BSPF_CAVEATS = {
     "from scratch is 10 epochs, not 300": ("'From scratch' is the tier's 10-epoch", "paper: 300 epochs"),
     "the tested BSPF-ViT has separate Q/K": ("separate-Q/K variant, not the titular shared Q/K",),
     "10 pretraining epochs are a cost cap": ("Ten pretraining epochs are a cost cap",),
-    "the split dependence belongs to the first validation draw": ("is not a property of the method",
+    "the split dependence belongs to the first validation draw": ("is mostly not the method's",
                                                                   "data.split_seed=1", "draw_contrast"),
 }
 
