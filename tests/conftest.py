@@ -44,6 +44,21 @@ def _isolated_results(tmp_path, monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test gets back the SIGINT and SIGTERM handlers it started with. Lightning answers a
+    KeyboardInterrupt outside a vitexp run (a bare ``Trainer.fit``) by setting SIGINT to ``SIG_IGN`` and
+    leaves it so; an ignored SIGINT would then reach later tests of the same worker and, inherited
+    across ``exec``, the subprocesses they start (tests/test_run.py's signal tests fail that way)."""
+    import signal
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in before.items():
+        if handler is not None and signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
+
+
 @pytest.fixture
 def results_dir(tmp_path) -> Path:
     return tmp_path / "results"
