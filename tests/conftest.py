@@ -53,6 +53,8 @@ def _signal_handlers_restored():
     import signal
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if before[signal.SIGINT] in (signal.SIG_IGN, None):  # ignored before this test began: Python's default back
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     for s, handler in before.items():
         if handler is not None and signal.getsignal(s) is not handler:
