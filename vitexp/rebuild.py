@@ -1,4 +1,4 @@
-"""``python -m vitexp.rebuild``: rerun a ‡ run at its recorded commit, to decide whether its code can
+"""``vitexp-rebuild``: rerun a ‡ run at its recorded commit, to decide whether its code can
 be rebuilt from the repository.
 
 ‡ (:func:`vitexp.ledger.marks.diff_missing`) marks a run recorded with ``env.git_dirty`` and no
@@ -197,7 +197,7 @@ def marked_runs(ledger: Ledger, table_names: Iterable[str]) -> list[dict[str, An
 def main(argv: list[str] | None = None) -> int:
     from vitexp import tables
 
-    parser = argparse.ArgumentParser(prog="python -m vitexp.rebuild", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="vitexp-rebuild", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", help="run ids to rebuild (default: every ‡ run of --tables)")
     parser.add_argument("--tables", nargs="*", default=None, help="the tables whose ‡ runs to rebuild (default: all)")
     parser.add_argument("--kind", choices=sorted(ENTRY_POINTS), default=None, help="only runs of this kind")
@@ -228,5 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def main_exit() -> None:
+    """The ``vitexp-rebuild`` console script."""
     raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    main_exit()

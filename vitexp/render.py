@@ -122,7 +122,7 @@ MARK_NOTES = {
 
 #: Why a cell trained from a dirty tree without its diff carries no ‡ (:func:`vitexp.tables._mark`).
 REBUILT_NOTE = ("recorded as trained from a dirty tree without its diff, carry no {mark}: every such run behind them "
-                "was rerun at its recorded commit and gave every recorded metric again (python -m vitexp.rebuild; "
+                "was rerun at its recorded commit and gave every recorded metric again (vitexp-rebuild; "
                 "its rebuild entries in the ledger), so the repository at that commit rebuilds them (the dirty flag "
                 "of commits before 6014b6c counted every tracked file, tables and specs included)")
 
