@@ -292,7 +292,7 @@ def render(spec: dict[str, Any], claims: list[dict[str, Any]], costs: list[dict[
               (" on both splits" if splits else "") + "; contradicts: every pair below 0" +
               (" on both splits" if splits else "") + "; undecided: pairs of both signs" +
               ("; split-dependent: the two splits' signs differ, which is no support" if splits else "") +
-              " (vitexp/protocols.py). A verdict is given only where "
+              ". A verdict is given only where "
               f"the measured {noun}s agree." + (f" A cell with fewer than {spec['pairs']} pairs (or its {noun}'s own "
               "pairs) is incomplete: it is shown with its sign so far, not judged, and counts as not measured."
               if spec.get("pairs", 1) > 1 else "")]
