@@ -15,7 +15,7 @@
 #  3. throughput of BSPF-DeiT-S against DeiT-S and of RAPTOR-S against DINOv2-S-reg (bf16, batch 128);
 #  4. a short full-size SAPER ViT-B k = 24 training run on synthetic images, whose deployed model's
 #     throughput is timed on the GPU (bench.device=auto) at the end.
-# `bash scripts/gpu_check.sh rehearse` runs the rehearsal (issue 28, vitexp/rehearsal/) on the GPU instead:
+# `bash scripts/gpu_check.sh rehearse` runs the rehearsal (issue 28, vitexp/cost/rehearsal/) on the GPU instead:
 #  5. one full-size row per objective (DeiT-T fine-tune, SAPER distill with its k-NN, RAPTOR's four stages,
 #     Mask R-CNN at 1280 x 800) under DDP on one device (trainer=ddp, devices=1), the recipe's per-device
 #     batch, bf16-mixed, 3 steps per stage;
@@ -66,7 +66,7 @@ row() {
   if declare -F "$1" >/dev/null; then "$@"; return; fi  # rehearse: vitexp-sweep bounds its own rows
   timeout -k 10 "$(( worst - 10 ))" "$@" logger=none 2>&1 | grep -v -i warn | tail -4 | cut -c1-1500  # SIGKILL 10 s after SIGTERM
 }
-vx=(python3 -m vitexp.cli)
+vx=(python3 -m vitexp.commands.cli)
 if [ "$dry" = 0 ]; then  # the device first: nothing starts on a machine that cannot run it
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || { echo "gpu_check: no nvidia-smi"; exit 1; }
   python3 - <<'PY' || exit 1
@@ -78,7 +78,7 @@ name, bf16 = torch.cuda.get_device_name(0), torch.cuda.is_bf16_supported()
 print(f"gpu_check: torch {torch.__version__}, CUDA {torch.version.cuda}, {name}, capability {torch.cuda.get_device_capability(0)}, bf16 {bf16}")
 if not bf16:
     sys.exit(f"gpu_check: {name} has no bf16: the rows run bf16-mixed")
-import vitexp.cli, timm, lightning, hydra  # noqa: F401,E401  (what .gpu_site carries: `bash scripts/gpu_check.sh build`)
+import vitexp.commands.cli, timm, lightning, hydra  # noqa: F401,E401  (what .gpu_site carries: `bash scripts/gpu_check.sh build`)
 print("gpu_check: timm", timm.__version__, "lightning", lightning.__version__, "hydra", hydra.__version__)
 PY
 fi

@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     try:
         raw = scratch / "demo.raw"
         command = ["py-spy", "record", "-r", str(RATE), "-f", "raw", "-o", str(raw), "--",
-                   sys.executable, "-m", "vitexp.cli", "train", *argv, f"hydra.run.dir={scratch / 'outputs'}"]
+                   sys.executable, "-m", "vitexp.commands.cli", "train", *argv, f"hydra.run.dir={scratch / 'outputs'}"]
         env = {**os.environ, "VITEXP_RESULTS": str(scratch / "results")}
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:

@@ -40,14 +40,16 @@ from typing import Any
 from omegaconf import OmegaConf
 from scipy import stats
 
-from vitexp import PROJECT_ROOT, protocols
-from vitexp.fashion_mnist import load_fashion_mnist
+from vitexp import PROJECT_ROOT
+
+from vitexp.report import protocols
+from vitexp.data.fashion_mnist import load_fashion_mnist
 from vitexp.ledger import Ledger, atomic_write_json, default_results_dir
-from vitexp.tables import fill, load_spec
+from vitexp.report.tables import fill, load_spec
 
 
 def scatter(claims: list[dict[str, Any]], image_ratio: float) -> dict[str, Any]:
-    """The module docstring's report from :func:`vitexp.protocols.evaluate`'s claims; ``image_ratio``:
+    """The module docstring's report from :func:`vitexp.report.protocols.evaluate`'s claims; ``image_ratio``:
     n_test / n_val."""
     cells = []
     for claim in claims:

@@ -27,7 +27,7 @@ import torch
 from omegaconf import OmegaConf
 
 from vitexp import PROJECT_ROOT
-from vitexp.fashion_mnist import load_fashion_mnist, split_train_val
+from vitexp.data.fashion_mnist import load_fashion_mnist, split_train_val
 from vitexp.ledger import atomic_write_json
 
 QUANTILES = (0.01, 0.05, 0.1, 0.25, 0.5)

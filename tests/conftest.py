@@ -14,7 +14,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
-import vitexp.config as vconfig  # noqa: E402
+import vitexp.config.composition as vconfig  # noqa: E402
+import vitexp.models  # noqa: E402,F401 - registers vitexp's architectures with timm
 from slurm_cluster import slurm_cluster  # noqa: E402,F401  (the one-node SLURM of the slurm tests)
 
 #: Overrides that keep a test run small and quiet (no logger, no progress bar).
@@ -83,7 +84,7 @@ def make_cfg(tmp_path):
 def _trained_once(tmp_path_factory):
     """overrides -> (folder, result) of one training run per configuration in this session (per xdist
     worker): ``<folder>/results`` holds its ledger entry and ``<folder>/<run>`` its run folder."""
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     done: dict[tuple[str, ...], tuple[Path, dict]] = {}
 
@@ -133,7 +134,7 @@ def recorded(spec: dict | None, runs: list[dict], start: str = "2026-01-01T00:00
     import datetime as dt
     import re
 
-    from vitexp import rows as vrows
+    from vitexp.config import rows as vrows
 
     queries = {}
     if spec is not None:
@@ -165,7 +166,7 @@ def config_of(name: str, seed: int | None = None, top: dict | None = None) -> di
     import copy
 
     from vitexp import CONF_DIR
-    from vitexp.rows import composed_config, composing
+    from vitexp.config.rows import composed_config, composing
 
     base = name.split("+", 1)[0]
     config: dict = {"seed": seed}

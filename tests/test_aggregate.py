@@ -11,10 +11,11 @@ import math
 import pytest
 
 from conftest import config_of
-from vitexp import aggregate, tables
-from vitexp.data import DATA_ORDER
+from vitexp.report import aggregate, tables
+from vitexp.data.datamodules import DATA_ORDER
 from vitexp.ledger import Ledger
-from vitexp.results import LedgerEntry, iter_runs
+from vitexp.ledger import LedgerEntry
+from ledger_records import iter_runs
 
 SPEC = {
     "name": "seeded",
@@ -107,7 +108,7 @@ def test_malformed_seeds_fail_when_the_spec_loads(tmp_path):
 
 
 def test_sweep_plan_launches_only_missing_row_seed_pairs(results_dir):
-    from vitexp.sweep import plan
+    from vitexp.commands.sweep import plan
 
     spec = {"name": "s", "seeds": [0, 1, 2], "rows": [
         {"label": "pre", "experiment": "demo", "seeds": None},
@@ -125,7 +126,7 @@ def test_sweep_plan_launches_only_missing_row_seed_pairs(results_dir):
 
 
 def test_sweep_reruns_a_shared_start_whose_weights_are_not_on_this_machine(results_dir, tmp_path):
-    from vitexp.sweep import plan
+    from vitexp.commands.sweep import plan
 
     spec = {"name": "s", "seeds": [0], "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
                                                 {"label": "ft", "experiment": "chunk_demo", "weights": "run:demo"}]}
@@ -154,7 +155,7 @@ def test_paired_cell_before_and_without_common_seeds(results_dir):
 
 
 def test_the_sweeps_seed_override_names_runs_as_the_tables_expect():
-    from vitexp.config import compose, run_name
+    from vitexp.config.composition import compose, run_name
 
     cfg = compose(["experiment=chunk_demo", "seed=1"])
     choices = {"experiment": "chunk_demo", "backbone": "vit_micro", "method": "chunk", "data": "digits"}
@@ -165,7 +166,7 @@ def test_seeds_from_the_overlapping_sampler_are_flagged_and_trained_again(result
     """A seed >= 1 trained by the ``seed + epoch`` sampler is named under the table and launched again;
     seed 0 (the same orders under both samplers) and a run recording data_order are not, and the
     rerun replaces the old value in the cell."""
-    from vitexp.sweep import plan
+    from vitexp.commands.sweep import plan
 
     spec = {"name": "s", "title": "t", "seeds": [0, 1, 2], "columns": SPEC["columns"],
             "rows": [{"label": "chunk", "experiment": "chunk_demo"}]}
@@ -207,7 +208,7 @@ def _start(results_dir, tmp_path, started, finished):
 def test_seeds_fine_tuned_from_another_run_of_the_shared_start_train_again(results_dir, tmp_path):
     """A row never mixes two starts: a seed that loaded an older run of its shared start (pinned, or
     ``run:<experiment>`` resolved by time) is named under the table and launched again."""
-    from vitexp.sweep import plan
+    from vitexp.commands.sweep import plan
 
     spec = {"name": "s", "title": "t", "seeds": [0, 1, 2], "columns": SPEC["columns"],
             "rows": [{"label": "pre", "experiment": "demo", "seeds": None},

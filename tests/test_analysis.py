@@ -91,8 +91,8 @@ def test_cluster_scores_use_the_correlation_distance_the_clustering_used():
 
 @pytest.mark.parametrize("analysis, extra", [("laplace", []), ("clusters", ["--images", "64", "--clusters", "3"])])
 def test_analyze_cli_on_micro_dinov2_and_digits(analysis, extra, results_dir, capsys):
-    from vitexp.cli import analyze_main
-    from vitexp.results import local_path
+    from vitexp.commands.cli import analyze_main
+    from vitexp.ledger import local_path
 
     analyze_main([analysis, "backbone=dinov2_micro", "logger=none", *extra])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -15,7 +15,7 @@ DEMO = QUIET + ["recipe.epochs=6", "recipe.warmup_epochs=0", "eval.throughput=fa
 
 
 def analyze(capsys, *argv: str) -> dict:
-    from vitexp.cli import analyze_main
+    from vitexp.commands.cli import analyze_main
 
     capsys.readouterr()
     analyze_main(["splits", *argv])
@@ -210,7 +210,7 @@ def test_committed_draw_contrast_pairs_the_rows_the_second_draw_repeats():
     import json
 
     from vitexp import PROJECT_ROOT
-    from vitexp.tables import load_spec
+    from vitexp.report.tables import load_spec
 
     report = json.loads((PROJECT_ROOT / "results" / "analysis" / "fmnist_bspf_protocols_seed_scatter.json").read_text())
     contrast = report["draw_contrast"]

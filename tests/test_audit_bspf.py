@@ -7,7 +7,7 @@ import torch
 
 import vitexp  # noqa: F401
 from vitexp.analysis import audit_bspf
-from vitexp.results import LedgerEntry
+from vitexp.ledger import LedgerEntry
 
 
 def _demo_run(results_dir, weights_dir, seed: int, started: str | None = None) -> str:
@@ -15,7 +15,7 @@ def _demo_run(results_dir, weights_dir, seed: int, started: str | None = None) -
     micro ViT initialised with ``seed`` (a stand-in for training)."""
     from omegaconf import OmegaConf
 
-    from vitexp.config import compose
+    from vitexp.config.composition import compose
 
     torch.manual_seed(seed)
     weights = weights_dir / f"weights_{seed}.pth"
@@ -97,7 +97,7 @@ def test_report_separates_what_was_measured_from_what_is_true_by_construction(re
 
 @pytest.mark.slow
 def test_audit_cli_writes_report_and_ledger(results_dir, tmp_path):
-    from vitexp.cli import audit_main
+    from vitexp.commands.cli import audit_main
 
     _demo_run(results_dir, tmp_path, seed=0)
     audit_main(["bspf", "--images", "4", "--results-dir", str(results_dir)])

@@ -74,7 +74,7 @@ def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_findin
     import json
 
     from vitexp.analysis import audit_saper
-    from vitexp.config import to_container
+    from vitexp.config.composition import to_container
     from vitexp.models import build_backbone
 
     def record(run_id, experiment, cfg, started, finished, **extra):

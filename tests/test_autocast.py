@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import vitexp.config as vconfig
+import vitexp.config.composition as vconfig
+from vitexp.training import resolve
 
 from conftest import pairwise
 
@@ -27,13 +28,13 @@ def _config(method: str, backbone: str):
     if method == "raptor":
         depth = int(cfg.backbone.arch.depth)
         cfg.method.phases = [list(range(depth // 2)), list(range(depth // 2, depth))]
-    vconfig.validate(cfg, need_data=False)
+    resolve.validate(cfg, need_data=False)
     return cfg
 
 
 def _stage_loss(module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The training loss of the stage's LightningModule (vitexp.module), without a Trainer."""
-    from vitexp.module import DistillModule, RaptorStageModule
+    """The training loss of the stage's LightningModule (vitexp.training.modules), without a Trainer."""
+    from vitexp.training.modules import DistillModule, RaptorStageModule
 
     if isinstance(module, RaptorStageModule):
         return module.model.stage_loss(x, module.stage, 0.5)
@@ -53,8 +54,8 @@ def test_every_method_config_is_covered():
 
 @pytest.mark.parametrize(("backbone", "method"), pairwise(MICRO, METHODS))
 def test_bf16_autocast_trains_every_method_on_every_micro_backbone(method, backbone):
-    from vitexp.module import module_for
-    from vitexp.build import build_model
+    from vitexp.training.modules import module_for
+    from vitexp.training.build import build_model
 
     try:
         cfg = _config(method, backbone)
@@ -82,8 +83,8 @@ def test_bf16_mixed_trainer_fits_bspf():
     """The Lightning path the GPU configs take (``precision: bf16-mixed``), one step on the CPU."""
     import lightning as L
 
-    from vitexp.module import ClassifyModule
-    from vitexp.build import build_model
+    from vitexp.training.modules import ClassifyModule
+    from vitexp.training.build import build_model
 
     cfg = _config("bspf", "vit_micro")
     model, _, _ = build_model(cfg)
@@ -95,7 +96,7 @@ def test_bf16_mixed_trainer_fits_bspf():
 
 
 def test_bf16_inference_bspf_deit_small_at_full_size():
-    from vitexp.build import build_model
+    from vitexp.training.build import build_model
 
     cfg = vconfig.compose(["experiment=bspf_deit_small"])
     model, _, _ = build_model(cfg)

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 import yaml
 
 import vitexp  # noqa: F401
-import vitexp.config as vconfig
-from vitexp.flops import count_macs
+import vitexp.config.composition as vconfig
+from vitexp.training import resolve
+from vitexp.measure.flops import count_macs
 from vitexp.methods.bspf import BSPF, BlockScorer, ChunkOnly, TokenPruner
 
 KEEP = {"kind": "keep_ratio", "keep_ratio": 0.5}
@@ -169,7 +170,7 @@ def test_symmetric_qk_is_shared_and_initialised_from_the_mean():
 
 @pytest.mark.parametrize("backbone, target, tol", [("deit_small", 2.4, 0.1), ("deit_tiny", 0.6, 0.05)])
 def test_default_prune_layers_hit_the_papers_gmacs(backbone, target, tol):
-    from vitexp.build import build_model
+    from vitexp.training.build import build_model
 
     cfg = vconfig.compose([f"backbone={backbone}", "method=bspf", "budget=keep_ratio", "data=imagenet"])
     assert cfg.budget.kind == "keep_ratio" and cfg.budget.keep_ratio == 0.5
@@ -179,12 +180,12 @@ def test_default_prune_layers_hit_the_papers_gmacs(backbone, target, tol):
 
 def test_bad_chunk_size_names_valid_ones():
     with pytest.raises(vconfig.ConfigError, match=r"accepts budget kinds \['keep_ratio'\]"):
-        vconfig.validate(vconfig.compose(["method=bspf"]))
+        resolve.validate(vconfig.compose(["method=bspf"]))
     cfg = vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_size=10"])
     with pytest.raises(vconfig.ConfigError, match="valid chunk sizes"):
-        vconfig.validate(cfg)
+        resolve.validate(cfg)
     with pytest.raises(vconfig.ConfigError, match="keep_ratio"):
-        vconfig.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "budget.keep_ratio=1.5"]))
+        resolve.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "budget.keep_ratio=1.5"]))
 
 
 def test_bspf_on_lvvit_keeps_its_residual_scaling_and_aux_head():
@@ -303,11 +304,11 @@ def test_window_and_raster_layouts_cost_the_same_gmacs():
 def test_a_grid_that_windows_cannot_tile_is_a_config_error():
     cfg = vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_size=8"])  # 8x8 grid, Ω = 8
     with pytest.raises(vconfig.ConfigError, match=r"chunk_layout=window needs Ω = s².*valid chunk sizes: \[1, 4, 16, 64\]"):
-        vconfig.validate(cfg)
-    vconfig.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_size=8",
+        resolve.validate(cfg)
+    resolve.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_size=8",
                                       "method.chunk_layout=raster"]))
     with pytest.raises(Exception, match=r"chunk_layout='diagonal': valid values are \('window', 'raster'\)"):
-        vconfig.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_layout=diagonal"]))
+        resolve.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_layout=diagonal"]))
 
 
 def test_caformer_windows_are_undone_when_the_grid_is_restored():
@@ -357,7 +358,7 @@ def test_training_changes_the_kernels_shape_and_decisions():
     direction (the next test)."""
     from timm.optim import create_optimizer_v2
 
-    from vitexp.data import DigitsDataModule
+    from vitexp.data.datamodules import DigitsDataModule
 
     torch.manual_seed(0)
     model = BSPF(chunk_size=16, prune_layers=[1, 3]).apply(micro(), KEEP)
@@ -417,7 +418,7 @@ def test_realised_keep_fraction_per_layer_is_recorded():
 
 
 def test_flops_run_records_the_layout_and_keep_fractions(make_cfg):
-    from vitexp.commands import run_flops
+    from vitexp.commands.inspect import run_flops
 
     out = run_flops(make_cfg(["experiment=bspf_demo", "logger=none"]))
     assert out["protocol"]["chunk_layout"] == "window"
@@ -443,14 +444,14 @@ def test_model_deep_copies_after_a_forward_with_gradients(backbone):
 # -- keep-rate warm-up (point 9, EViT's schedule) ------------------------------------------------
 def test_keep_warmup_goes_from_one_to_the_target_along_a_half_cosine(make_cfg):
     from vitexp.methods.bspf import warmup_keep_ratio
-    from vitexp.build import build_model
+    from vitexp.training.build import build_model
 
     assert warmup_keep_ratio(0.0, 0.5, 10) == 1.0
     assert warmup_keep_ratio(5.0, 0.5, 10) == pytest.approx(0.75)
     assert warmup_keep_ratio(10.0, 0.5, 10) == 0.5
     assert warmup_keep_ratio(3.0, 0.5, 10, start=4) == 1.0  # EViT's shrink_start_epoch
     cfg = make_cfg(["experiment=bspf_demo", "method.keep_warmup_epochs=10", "recipe.epochs=20"])
-    vconfig.validate(cfg)
+    resolve.validate(cfg)
     model, _, _ = build_model(cfg)
     model.train()
     x = torch.randn(2, 3, 32, 32)
@@ -467,7 +468,7 @@ def test_keep_warmup_goes_from_one_to_the_target_along_a_half_cosine(make_cfg):
     model(x)
     assert seen["tokens"] == 33  # evaluation always uses the target
     with pytest.raises(vconfig.ConfigError, match="never reach"):
-        vconfig.validate(make_cfg(["experiment=bspf_demo", "method.keep_warmup_epochs=30", "recipe.epochs=20"]))
+        resolve.validate(make_cfg(["experiment=bspf_demo", "method.keep_warmup_epochs=30", "recipe.epochs=20"]))
 
 
 def test_window_ordered_tokens_refuse_raster_feature_maps():

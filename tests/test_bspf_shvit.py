@@ -10,8 +10,9 @@ import timm
 import torch
 
 import vitexp  # noqa: F401  (registers shvit_micro)
-import vitexp.config as vconfig
-from vitexp.flops import count_macs
+import vitexp.config.composition as vconfig
+from vitexp.training import resolve
+from vitexp.measure.flops import count_macs
 from vitexp.methods.bspf import BSPF, ChunkOnly
 from vitexp.methods.bspf.shvit import ChunkSHSA, TokenStage
 
@@ -202,10 +203,10 @@ def test_bspf_shvit_micro_trains_a_step_under_bf16_autocast():
     kernel and the SHSA projections receive gradients."""
     import torch.nn.functional as F
 
-    from vitexp.build import build_model
+    from vitexp.training.build import build_model
 
     cfg = vconfig.compose(["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "data=synthetic", "logger=none"])
-    vconfig.validate(cfg, need_data=False)
+    resolve.validate(cfg, need_data=False)
     torch.manual_seed(0)
     model, _, _ = build_model(cfg)
     model.train()
@@ -223,7 +224,7 @@ def test_shared_qk_is_refused_on_shvit():
     cfg = vconfig.compose(["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "method.symmetric=true",
                            "data=synthetic", "logger=none"])
     with pytest.raises(vconfig.ConfigError, match="method.symmetric"):
-        vconfig.validate(cfg, need_data=False)
+        resolve.validate(cfg, need_data=False)
 
 
 def test_timm_block_by_block_path_is_refused():
@@ -237,7 +238,7 @@ def test_the_detector_count_records_the_chunks_of_each_attention_stage(make_cfg)
     """The whole-detector count at a size the windows do not tile (160 × 224: SHViT's attention
     stages see 5 × 7 and 3 × 4 grids) records each stage's grid, padded grid and chunk count, read
     from that forward: what a rehearsal's or a FLOPs run's ledger entry shows."""
-    from vitexp.build import build_model
+    from vitexp.training.build import build_model
     from vitexp.detection import detection_flops, detector_for
 
     overrides = ["experiment=micro_coco_bspf_shvit", "data.root=/nonexistent", "detector.flops_size=[160,224]"]
@@ -255,8 +256,8 @@ def test_shvit_takes_any_grid_but_needs_square_windows():
     not tile is accepted; a window needs a square chunk size."""
     ok = vconfig.compose(["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "backbone.img_size=160",
                           "data=synthetic", "logger=none"])
-    vconfig.validate(ok, need_data=False)
+    resolve.validate(ok, need_data=False)
     bad = vconfig.compose(["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "method.chunk_size=6",
                            "data=synthetic", "logger=none"])
     with pytest.raises(vconfig.ConfigError, match="square"):
-        vconfig.validate(bad, need_data=False)
+        resolve.validate(bad, need_data=False)

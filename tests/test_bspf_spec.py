@@ -12,7 +12,8 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-import vitexp.config as vconfig
+import vitexp.config.composition as vconfig
+from vitexp.training import resolve
 
 CONF = Path(__file__).parents[1] / "conf"
 BEFORE = json.loads((Path(__file__).parent / "fixtures" / "bspf_method_settings.json").read_text())
@@ -21,7 +22,8 @@ BEFORE = json.loads((Path(__file__).parent / "fixtures" / "bspf_method_settings.
 @functools.lru_cache(maxsize=None)
 def _row_job(name: str) -> list[str] | None:
     """The job of the spec row recorded as ``name`` (the grid rows that replaced experiment files)."""
-    from vitexp import rows, tables
+    from vitexp.report import tables
+    from vitexp.config import rows
 
     row = tables.row_by_name(name)
     return None if row is None else rows.job_arguments(row, seeded=False, weights=False)
@@ -78,10 +80,10 @@ def test_shvit_defaults_are_read_from_its_spec():
 def test_a_backbone_without_bspf_defaults_is_a_config_error_naming_the_file():
     cfg = vconfig.compose(["backbone=vit_micro", "method=bspf", "budget=keep_ratio", "~bspf_spec", "data=synthetic"])
     with pytest.raises(vconfig.ConfigError, match="conf/bspf_spec/vit_micro.yaml"):
-        vconfig.validate(cfg, need_data=False)
+        resolve.validate(cfg, need_data=False)
     cfg = vconfig.compose(["backbone=vit_micro", "method=bspf", "budget=keep_ratio", "~bspf_spec", "data=synthetic",
                            "method.chunk_size=16", "method.prune_layers=[1]"])
-    vconfig.validate(cfg, need_data=False)  # set by hand: fine
+    resolve.validate(cfg, need_data=False)  # set by hand: fine
 
 
 def test_choosing_other_bspf_defaults_renames_the_run():

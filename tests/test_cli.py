@@ -88,9 +88,9 @@ def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path, monkey
 def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, capsys, make_cfg, results_dir):
     """Errors the apps do not report themselves (a Hydra error composing an override, a failure while
     writing a table) still end with the closing JSON line and a non-zero exit."""
-    import vitexp.tables
-    from vitexp.cli import eval_main, tables_main
-    from vitexp.config import to_container
+    import vitexp.report.tables
+    from vitexp.commands.cli import eval_main, tables_main
+    from vitexp.config.composition import to_container
 
     (results_dir / "runs").mkdir(parents=True, exist_ok=True)
     (results_dir / "runs" / "r1.json").write_text(json.dumps({
@@ -105,7 +105,7 @@ def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, caps
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(vitexp.tables, "_write", broken)  # where every table file is written
+    monkeypatch.setattr(vitexp.report.tables, "_write", broken)  # where every table file is written
     with pytest.raises(SystemExit) as exited:
         tables_main(["demo", "--out", "/nonexistent-but-unused"])
     assert exited.value.code == 1
@@ -115,7 +115,7 @@ def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, caps
 @pytest.mark.parametrize("app", ["eval", "sweep", "tables", "audit", "analyze"])
 def test_a_usage_error_ends_with_the_invalid_line(app, capsys):
     """argparse's own errors (an unknown option) also close with the JSON line, exit 2."""
-    from vitexp import cli
+    from vitexp.commands import cli
 
     with pytest.raises(SystemExit) as exited:
         first = {"eval": ["r1"], "sweep": ["demo"], "tables": [], "audit": ["bspf"], "analyze": ["tokens"]}[app]
@@ -203,7 +203,7 @@ def _in_process(app: str, args: list[str], results_dir: Path, cwd: Path, monkeyp
     the test ends)."""
     import logging
 
-    from vitexp import cli
+    from vitexp.commands import cli
 
     loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
     saved = {id(lg): (list(lg.handlers), lg.level) for lg in loggers}
@@ -305,8 +305,8 @@ def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, t
 
 @pytest.mark.parametrize("plus", ["+", "++"])
 def test_a_key_added_to_a_mapping_of_the_schema_is_accepted(plus, results_dir, tmp_path, monkeypatch, capfd):
-    """``backbone.kwargs`` is a mapping (``Dict[str, Any]`` in vitexp.schema): ``+backbone.kwargs.init_values=1.0``
-    adds a timm argument, as ``vitexp.config.compose`` accepts it, and reaches the model (LayerScale)."""
+    """``backbone.kwargs`` is a mapping (``Dict[str, Any]`` in vitexp.config.schema): ``+backbone.kwargs.init_values=1.0``
+    adds a timm argument, as ``vitexp.config.composition.compose`` accepts it, and reaches the model (LayerScale)."""
     code, _, err = _in_process("flops", ["backbone=dinov2_micro", f"{plus}backbone.kwargs.init_values=1.0", "logger=none"],
                                results_dir, tmp_path, monkeypatch, capfd)
     assert code == 0, err[-2000:]

@@ -125,7 +125,7 @@ def _vitexp_eval(root: Path, detections: dict[int, list[dict]], tmp_path: Path) 
     import lightning as L
 
     from vitexp.detection.coco_data import CocoDataModule
-    from vitexp.detection.module import DetectModule
+    from vitexp.training.detection_module import DetectModule
 
     data = CocoDataModule(str(root), name="micro_coco", num_classes=10, batch_size=3, num_workers=0)
     data.setup()

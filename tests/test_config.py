@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-import vitexp.config as vconfig
+import vitexp.config.composition as vconfig
 from vitexp import CONF_DIR
-from vitexp.config import ConfigError, run_name, validate
+from vitexp.config.composition import ConfigError, run_name
+from vitexp.training.resolve import validate
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 BACKBONES = sorted(p.stem for p in (CONF_DIR / "backbone").glob("*.yaml"))
@@ -97,8 +98,8 @@ def test_use_ema_is_a_typed_backbone_key_added_with_plus_plus(tmp_path):
     import timm
     import torch
 
-    from vitexp.build import build_configured_backbone
-    from vitexp.config import check_overrides
+    from vitexp.training.build import build_configured_backbone
+    from vitexp.config.composition import check_overrides
 
     torch.manual_seed(0)
     plain, ema = (timm.create_model("t2t_vit_micro", num_classes=10).state_dict() for _ in range(2))
@@ -211,7 +212,7 @@ def test_every_key_of_every_option_has_a_type(group):
 
     import yaml
 
-    from vitexp import schema
+    from vitexp.config import schema
 
     def untyped(values: dict, cls, prefix: str) -> list[str]:
         hints = typing.get_type_hints(cls)
@@ -221,9 +222,9 @@ def test_every_key_of_every_option_has_a_type(group):
                 out += untyped(v, hints[k], f"{prefix}{k}.")
         return out
 
-    from vitexp.objectives import config_schemas
+    from vitexp.config.objective_schemas import OBJECTIVE_SCHEMAS
 
-    cls = config_schemas()[group] if SCHEMA_GROUPS[group] == "objectives" else getattr(schema, SCHEMA_GROUPS[group])
+    cls = OBJECTIVE_SCHEMAS[group] if SCHEMA_GROUPS[group] == "objectives" else getattr(schema, SCHEMA_GROUPS[group])
     for path in sorted((CONF_DIR / group).glob("*.yaml")):
         assert untyped(yaml.safe_load(path.read_text()) or {}, cls, f"{group}.") == [], path.name
     root = yaml.safe_load((CONF_DIR / "train.yaml").read_text())
@@ -254,7 +255,7 @@ def test_method_keys_follow_the_constructor(monkeypatch):
     """A method's keys are its ``_target_``'s constructor arguments, typed by their annotations:
     an int where the constructor says float is accepted, null where it says ``int | None``; a key
     the constructor lacks is refused before the run, not inside it."""
-    from vitexp import schema
+    from vitexp.config import schema
 
     cfg = vconfig.compose(["method=bspf", "method.keep_warmup_epochs=2", "bspf_spec.chunk_size=null"])
     assert cfg.method.keep_warmup_epochs == 2 and cfg.method.chunk_size is None

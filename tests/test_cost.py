@@ -12,7 +12,7 @@ from vitexp import cost
 from vitexp.cost import anchors, validation
 from vitexp.cost.rows import CostContext
 from vitexp.ledger import Ledger
-from vitexp.rows import composed_config, composing
+from vitexp.config.rows import composed_config, composing
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGENET = cost.DATASETS["imagenet"]
@@ -185,7 +185,7 @@ def test_a_table_sums_its_rows_times_their_seeds_and_lists_rows_without_a_rehear
 
 
 def test_vitexp_tables_writes_the_cost_beside_the_table(results_dir, capsys):
-    from vitexp.tables import main
+    from vitexp.report.tables import main
 
     (results_dir / "runs").mkdir(parents=True)
     record = _rehearsal("deit_small_baseline")
@@ -253,7 +253,7 @@ def test_the_model_holds_against_published_training_times():
 def test_the_committed_costs_meet_the_issue():
     """Issue 43's bar on the committed ledger: a 30-epoch DeiT-S fine-tune costs 2 to 8 H100-hours, each
     COCO Mask R-CNN row at least 5."""
-    from vitexp.tables import load_spec
+    from vitexp.report.tables import load_spec
 
     ledger = _project_ledger()
     table1 = {r["name"]: r for r in cost.table_cost(load_spec("bspf_table1"), ledger)["rows"]}

@@ -9,7 +9,7 @@ import torch
 
 from torch.utils.data import DistributedSampler
 
-from vitexp.data import (CIFAR100DataModule, DigitsDataModule, EpochSeededSampler, ImageFolderDataModule,
+from vitexp.data.datamodules import (CIFAR100DataModule, DigitsDataModule, EpochSeededSampler, ImageFolderDataModule,
                          SyntheticDataModule, train_sampler)
 
 CFG32 = {"input_size": (3, 32, 32)}
@@ -136,7 +136,7 @@ def test_randaugment_posterize_at_full_magnitude_gives_black_not_an_error():
     from PIL import Image
     import timm.data.auto_augment as aa
 
-    from vitexp.data import timm_transforms
+    from vitexp.data.datamodules import timm_transforms
 
     timm_transforms({**CFG32, "interpolation": "bicubic", "crop_pct": 0.875}, True, "rand-m9-mstd0.5-inc1")
     op = aa.AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)
@@ -146,8 +146,8 @@ def test_randaugment_posterize_at_full_magnitude_gives_black_not_an_error():
 
 def test_dinov2_images_are_prepared_at_the_built_resolution_with_dinov2s_crop(make_cfg):
     """timm's DINOv2 configs say 518 px; a model built at 224 px gets Resize 256 -> CenterCrop 224."""
-    from vitexp.data import timm_transforms
-    from vitexp.build import build_backbone_and_method
+    from vitexp.data.datamodules import timm_transforms
+    from vitexp.training.build import build_backbone_and_method
 
     _, _, data_config = build_backbone_and_method(make_cfg(["backbone=dinov2_vits14", "data=synthetic"]))
     assert data_config["input_size"] == (3, 224, 224) and data_config["crop_pct"] == 0.875

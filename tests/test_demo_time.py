@@ -38,13 +38,13 @@ def _cgroup(tmp_path, v2: str | None = None, v1: tuple[str, str] | None = None):
     (None, None, None),
 ])
 def test_the_cgroup_quota_is_read_in_whole_cpus(tmp_path, v2, v1, expected):
-    from vitexp.cpus import _quota
+    from vitexp.runs.cpus import _quota
 
     assert _quota(*_cgroup(tmp_path, v2, v1)) == expected
 
 
 def test_torch_threads_are_lowered_to_the_quota_and_never_raised(tmp_path, monkeypatch, threads):
-    from vitexp.cpus import available_cpus, fit_threads
+    from vitexp.runs.cpus import available_cpus, fit_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     one_cpu = _cgroup(tmp_path, "100000 100000")
@@ -57,7 +57,7 @@ def test_torch_threads_are_lowered_to_the_quota_and_never_raised(tmp_path, monke
 
 
 def test_a_users_omp_num_threads_is_left_alone(tmp_path, monkeypatch, threads):
-    from vitexp.cpus import fit_threads
+    from vitexp.runs.cpus import fit_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     torch.set_num_threads(2)
@@ -66,7 +66,7 @@ def test_a_users_omp_num_threads_is_left_alone(tmp_path, monkeypatch, threads):
 
 def test_bench_demo_times_vitexp_train_in_a_fresh_process_and_records_fit_and_the_rest(make_cfg, results_dir, capsys):
     """One bench entry, the demo's own results gone with its scratch folder; fit + the rest = wall."""
-    from vitexp.bench_modes import run_bench
+    from vitexp.commands.bench import run_bench
 
     demo = ["recipe.epochs=1", "recipe.warmup_epochs=0", "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
             "eval.throughput=false", "logger=none"]
@@ -84,7 +84,7 @@ def test_bench_demo_times_vitexp_train_in_a_fresh_process_and_records_fit_and_th
 
 
 def test_bench_demo_fails_cleanly_when_the_demo_does(make_cfg, results_dir):
-    from vitexp.bench_modes import run_bench
+    from vitexp.commands.bench import run_bench
 
     with pytest.raises(RuntimeError, match="the demo did not complete"):
         run_bench(make_cfg(QUIET + ["bench.mode=demo", "bench.demo_args=['recipe.nope=1']"]))

@@ -76,7 +76,7 @@ def _box_mask(box, size=64):
 def _ap_of(preds, targets):
     """AP through the module's own conversion: predicted masks as Mask R-CNN gives them
     (N×1×H×W probabilities), targets as the dataset gives them (uint8)."""
-    from vitexp.detection.module import ap_metrics, mean_average_precision, to_metric_inputs
+    from vitexp.training.detection_module import ap_metrics, mean_average_precision, to_metric_inputs
 
     preds = [{**p, "masks": p["masks"].float().mul(0.9).add(0.05)[:, None]} for p in preds]
     targets = [{**t, "masks": t["masks"].to(torch.uint8)} for t in targets]
@@ -130,7 +130,7 @@ def test_mask_rcnn_trains_one_step_and_evaluates_on_micro_coco(micro_coco, tmp_p
     import lightning as L
 
     from vitexp.detection.coco_data import CocoDataModule
-    from vitexp.detection.module import DetectModule
+    from vitexp.training.detection_module import DetectModule
 
     torch.manual_seed(0)
     data = CocoDataModule(str(micro_coco), name="micro_coco", num_classes=10, batch_size=2, num_workers=0)
@@ -197,7 +197,7 @@ def test_cli_writes_the_dataset_and_prints_json(tmp_path, capsys):
 def test_detector_trains_under_bf16_autocast(experiment, make_cfg):
     """Forward and backward of the micro detector (plain and BSPF-ViT backbone) under CPU bf16 autocast."""
     from vitexp.detection import detector_for
-    from vitexp.build import build_model
+    from vitexp.training.build import build_model
 
     overrides = [f"experiment=micro_coco_{experiment}", "data.root=/nonexistent"]
     model, _, data_config = build_model(make_cfg(overrides))
@@ -232,7 +232,7 @@ def test_the_images_a_padded_sampler_repeats_are_emptied_before_the_metric():
 
     from torch.utils.data import DistributedSampler
 
-    from vitexp.detection.module import DetectModule
+    from vitexp.training.detection_module import DetectModule
 
     def at(rank):
         dm = SimpleNamespace(val_set=list(range(7)), test_set=list(range(7)), batch_size=2)
@@ -273,7 +273,7 @@ def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_c
     zero-initialised residual scales would stay 0); with weights, BatchNorm is frozen as usual."""
     from torchvision.ops.misc import FrozenBatchNorm2d  # what timm.layers.freeze_batch_norm_2d makes
 
-    from vitexp.build import build_model
+    from vitexp.training.build import build_model
     from vitexp.detection import detector_for
 
     def frozen(overrides):
@@ -291,7 +291,7 @@ def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_c
 def test_the_detect_objective_resumes_like_the_others():
     """DetectModule is an ObjectiveModule: its checkpoints carry the global RNG states (exact resume)
     and a non-finite loss stops with the shared guard's error."""
-    from vitexp.detection.module import DetectModule
+    from vitexp.training.detection_module import DetectModule
     from vitexp.errors import NonFiniteLossError
 
     module = DetectModule(torch.nn.Linear(2, 2), 10, {"lr": 1e-3})

@@ -15,7 +15,7 @@ TINY = QUIET + ["data=synthetic", "data.num_train=32", "data.num_val=16", "data.
 
 
 def run_eval(capsys, *argv: str) -> dict:
-    from vitexp.cli import eval_main
+    from vitexp.commands.cli import eval_main
 
     capsys.readouterr()
     eval_main(list(argv))
@@ -24,7 +24,7 @@ def run_eval(capsys, *argv: str) -> dict:
 
 @pytest.mark.parametrize("method", ["saper_ft", "saper_kd"])
 def test_eval_reproduces_a_saper_micro_runs_top1(method, make_cfg, results_dir, tmp_path, capsys):
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     trained = train(make_cfg(TINY + ["backbone=dinov2_micro", f"method={method}", "budget=heads", "budget.k=5",
                                      "recipe.lr=0.01"], tmp_path / method))
@@ -43,7 +43,7 @@ def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(make_cfg, re
                                                                     trained_run):
     """``--weights <run>/checkpoints/last.ckpt`` (the ``model.`` prefix removed) and
     ``backbone.pretrained=<last.ckpt>`` load the trained weights; a misspelt key is refused."""
-    from vitexp.build import build_configured_backbone
+    from vitexp.training.build import build_configured_backbone
 
     trained = trained_run(TINY)
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -65,7 +65,7 @@ def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(make_cfg, re
 def test_eval_reproduces_the_committed_demo_run(make_cfg, results_dir, tmp_path, capsys):
     """The committed demo run's weights are not in the repository: the demo is trained again
     (same seed, same data) and must give the committed top-1, then vitexp-eval the same."""
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     from vitexp.ledger import Ledger
 
@@ -79,9 +79,9 @@ def test_eval_reproduces_the_committed_demo_run(make_cfg, results_dir, tmp_path,
 def test_eval_reads_the_runs_portable_paths_as_paths_on_this_machine(make_cfg, results_dir):
     """The ledger stores data.root and backbone.pretrained relative to the project or the results
     folder; the evaluation gets them back as paths on this machine."""
-    from vitexp.config import to_container
-    from vitexp.evaluate import eval_config
-    from vitexp.results import LedgerEntry
+    from vitexp.config.composition import to_container
+    from vitexp.commands.evaluate import eval_config
+    from vitexp.ledger import LedgerEntry
 
     weights = results_dir / "outputs" / "teacher" / "weights.pth"
     weights.parent.mkdir(parents=True)
@@ -107,8 +107,8 @@ def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, re
     import wandb
     from wandb.sdk.wandb_run import Run
 
-    from vitexp.results import local_path
-    from vitexp.train import train
+    from vitexp.ledger import local_path
+    from vitexp.training.fit import train
 
     logged = {}
     real_log_artifact = Run.log_artifact
@@ -185,7 +185,7 @@ def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(
     train the teacher), ``vitexp-eval <student>`` reproduces the student's top-1."""
     import shutil
 
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     backbone = ["backbone=dinov2_micro_reg"] if student_kind == "raptor" else []
     teacher = trained_run(TINY + backbone + ["name=teacher"], "teacher")
@@ -215,3 +215,23 @@ def test_missing_weights_are_an_invalid_command_in_one_line(results_dir, tmp_pat
         assert exit_.value.code == 2 and named in line and "vitexp-eval: invalid" in line, line
         assert json.loads(out.out.strip().splitlines()[-1])["status"] == "invalid"
         assert [e["kind"] for e in ledger_entries(results_dir)] == ["train"]
+
+
+def test_a_config_recorded_before_the_package_layout_names_classes_that_still_import():
+    """Entries recorded before the layout of docs/layout.md name ``vitexp.data.<Class>`` and
+    ``vitexp.fashion_mnist.<Class>``; vitexp-eval reads them where the classes lie today."""
+    import importlib
+
+    from vitexp.config.composition import with_moved_targets
+
+    old = {"data": {"_target_": "vitexp.fashion_mnist.FashionMNISTDataModule"},
+           "other": [{"_target_": "vitexp.data.DigitsDataModule"}],
+           "method": {"_target_": "vitexp.methods.bspf.BSPF"},
+           "today": {"_target_": "vitexp.data.datamodules.DigitsDataModule"}}
+    new = with_moved_targets(old)
+    targets = [new["data"]["_target_"], new["other"][0]["_target_"], new["method"]["_target_"], new["today"]["_target_"]]
+    assert targets == ["vitexp.data.fashion_mnist.FashionMNISTDataModule", "vitexp.data.datamodules.DigitsDataModule",
+                       "vitexp.methods.bspf.BSPF", "vitexp.data.datamodules.DigitsDataModule"]
+    for target in targets:
+        module, _, name = target.rpartition(".")
+        assert hasattr(importlib.import_module(module), name)

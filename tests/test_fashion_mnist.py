@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from vitexp.fashion_mnist import (FASHION_MNIST_FILES, FASHION_MNIST_ROOT, FashionMNISTDataModule, GreyBatchDataset,
+from vitexp.data.fashion_mnist import (FASHION_MNIST_FILES, FASHION_MNIST_ROOT, FashionMNISTDataModule, GreyBatchDataset,
                          load_fashion_mnist)
-from vitexp.idx import IMAGES_MAGIC, LABELS_MAGIC, parse_idx, read_idx
+from vitexp.data.idx import IMAGES_MAGIC, LABELS_MAGIC, parse_idx, read_idx
 
 ROOT = Path(FASHION_MNIST_ROOT)
 # VITEXP_REQUIRE_FASHION_MNIST (set by .ci/run): the tests run, and fail, without the files
@@ -116,7 +116,8 @@ def test_batches_upscale_pad_flip_and_translate_without_losing_pixels():
 def test_missing_root_names_the_package_and_command(tmp_path, make_cfg):
     with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist.*apt-get install -y dataset-fashion-mnist"):
         FashionMNISTDataModule(root=str(tmp_path), data_config=CFG).setup()
-    from vitexp.config import ConfigError, validate
+    from vitexp.config.composition import ConfigError
+    from vitexp.training.resolve import validate
 
     cfg = make_cfg(["data=fashion_mnist", f"data.root={tmp_path / 'nope'}"])
     with pytest.raises(ConfigError, match="apt-get install -y dataset-fashion-mnist"):
@@ -128,7 +129,7 @@ def test_missing_root_names_the_package_and_command(tmp_path, make_cfg):
 def test_pretrain_then_a_seeded_method_row_from_its_weights(make_cfg, results_dir, tmp_path):
     """The tier's chain on real data, one batch each: the vit_micro baseline, then BSPF from its weights."""
     from conftest import QUIET, ledger_entries
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     quick = QUIET + ["trainer.fast_dev_run=true", "eval.throughput=false"]
     train(make_cfg(quick + ["experiment=fmnist_vit_micro_baseline"], output_dir=tmp_path / "pre"))

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import vitexp  # noqa: F401
 from conftest import vit_analytic_macs
-from vitexp.flops import count_macs
+from vitexp.measure.flops import count_macs
 
 
 @pytest.mark.parametrize(
@@ -84,8 +84,8 @@ def test_flops_of_a_saper_model_count_the_same_heads_whatever_the_global_rng(tmp
 
     from vitexp.ledger.paths import local_path
 
-    from vitexp.commands import run_flops
-    from vitexp.config import compose
+    from vitexp.commands.inspect import run_flops
+    from vitexp.config.composition import compose
 
     def once(global_seed: int):
         cfg = compose(["backbone=dinov2_micro", "method=saper_ft", "budget=heads", "budget.k=3", "data=digits",

@@ -12,7 +12,7 @@ from vitexp import PROJECT_ROOT
 
 #: Shared starts whose weights are on no machine any more (neither a run folder nor results/weights/),
 #: with the reason. Their tables are complete, so the plan does not need them; a seed added to a row that
-#: loads one would train that start and every row loading it again (vitexp.sweep.plan), hours of CPU each.
+#: loads one would train that start and every row loading it again (vitexp.commands.sweep.plan), hours of CPU each.
 KNOWN_ABSENT = {
     "fmnist_vit_micro_baseline": "run 420a24 (tables 1, 6, 7, 8): trained from a dirty tree before weights were "
                                  "kept; its config trained again gives 88.89 % test top-1, not its 88.66 "
@@ -64,11 +64,11 @@ def _held(row: dict) -> set:
 def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
     """Every fmnist_* table's dry run plans nothing but the runs STILL_TO_RUN lists, never a run a table
     holds, never a shared start."""
-    from vitexp.aggregate import shared_start
+    from vitexp.config.rows import shared_start
     from vitexp.ledger import Ledger
-    from vitexp.rows import expand_rows, row_name
-    from vitexp.sweep import plan
-    from vitexp.tables import all_specs, fill, load_spec
+    from vitexp.config.rows import expand_rows, row_name
+    from vitexp.commands.sweep import plan
+    from vitexp.report.tables import all_specs, fill, load_spec
 
     ledger = Ledger.load(clone)
     tables = [t for t in all_specs() if t.startswith("fmnist_")]
@@ -94,8 +94,8 @@ def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
 def test_a_new_seed_of_one_backbone_retrains_only_its_start(clone, capsys):
     """The reviewer's case (issue 45): a seed 3 for the CaFormer rows of fmnist_bspf_table2 alone
     trains its start (no weights kept) and every CaFormer seed again, and nothing of T2T or LV-ViT."""
-    from vitexp.sweep import plan
-    from vitexp.tables import load_spec
+    from vitexp.commands.sweep import plan
+    from vitexp.report.tables import load_spec
 
     spec = load_spec("fmnist_bspf_table2")
     spec = {**spec, "rows": [{**r, "seeds": [0, 1, 2, 3]} if "caformer" in r["experiment"] and "seeds" not in r

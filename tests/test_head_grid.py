@@ -36,9 +36,9 @@ TINY_SAPER = ["backbone=dinov2_micro", "+backbone.kwargs.init_values=1.0", "meth
 
 
 def test_analyze_heads_draws_the_runs_kept_heads_and_scores(make_cfg, results_dir, tmp_path, capsys):
-    from vitexp.cli import analyze_main
-    from vitexp.results import local_path
-    from vitexp.train import train
+    from vitexp.commands.cli import analyze_main
+    from vitexp.ledger import local_path
+    from vitexp.training.fit import train
 
     train(make_cfg(QUIET + TINY_SAPER, tmp_path / "saper"))
     (run,) = ledger_entries(results_dir)
@@ -61,8 +61,8 @@ def test_analyze_heads_draws_the_runs_kept_heads_and_scores(make_cfg, results_di
 
 
 def test_analyze_heads_refuses_a_run_that_is_not_saper(make_cfg, results_dir, tmp_path, capsys):
-    from vitexp.cli import analyze_main
-    from vitexp.train import train
+    from vitexp.commands.cli import analyze_main
+    from vitexp.training.fit import train
 
     train(make_cfg(QUIET + ["backbone=dinov2_micro", "data=synthetic", "data.num_train=32", "data.num_val=32",
                             "data.num_test=32", "recipe.epochs=1", "recipe.warmup_epochs=0", "eval.throughput_iters=1",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
 import vitexp  # noqa: F401
-from vitexp.flops import count_heads
+from vitexp.measure.flops import count_heads
 from vitexp.methods.saper import SELECTIONS, SaperDistill, SaperHeads, head_importance, magnitude_scores
 from vitexp.models._common import ScaledAttention
 
@@ -24,7 +24,7 @@ def micro(**kwargs):
 
 
 def synthetic(batch_size: int = 16):
-    from vitexp.data import SyntheticDataModule
+    from vitexp.data.datamodules import SyntheticDataModule
 
     return SyntheticDataModule(num_train=64, num_val=16, num_test=16, batch_size=batch_size,
                                data_config={"input_size": (3, 56, 56)})
@@ -53,7 +53,7 @@ def test_every_rule_deploys_exactly_k_physical_heads(mode, selection):
 
 
 def kept_with_seed(seed: int) -> list[list[int]]:
-    import vitexp.config as vconfig
+    import vitexp.config.composition as vconfig
     from vitexp.methods import method_from_config
 
     method = method_from_config(vconfig.compose(["method=saper_ft", "method.selection=random", f"seed={seed}"]).method)
@@ -201,9 +201,9 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trai
                                                                      results_dir):
     import lightning as L
 
-    from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
+    from vitexp.training.build import build_configured_backbone, build_datamodule, data_config_for
     from vitexp.methods import method_from_config
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     cfg = make_cfg(RUN + [f"method={method}", f"method.trainable={trainable}"], tmp_path / method)
     keep = DeployedModel()
@@ -232,7 +232,7 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trai
     for ours, theirs in zip(initial.backbone.blocks, keep.model.backbone.blocks):
         torch.testing.assert_close(ours.attn.state_dict(), theirs.attn.state_dict(), rtol=0, atol=0)
 
-    from vitexp.cli import eval_main
+    from vitexp.commands.cli import eval_main
 
     capsys.readouterr()
     eval_main([result["run_id"], "logger=none", "trainer.enable_progress_bar=false"])

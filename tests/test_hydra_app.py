@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-import vitexp.config as vconfig
+import vitexp.config.composition as vconfig
 from conftest import cli_env
 
 
 def vitexp_cli(*args: str, results_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vitexp.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "vitexp.commands.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env=cli_env(results_dir), timeout=300)
 
 
@@ -66,7 +66,7 @@ def test_cfg_prints_the_config_of_every_app(app, cfg_type, resolve, monkeypatch,
     """``--cfg job|hydra|all [--resolve]``: Hydra prints the hydra node alone for ``--cfg hydra``,
     so its interpolations into the job config (the run name, the SLURM node count) must resolve
     without the job's keys."""
-    from vitexp import cli
+    from vitexp.commands import cli
 
     overrides = ["experiment=demo", "recipe.epochs=3", "hydra/launcher=slurm", "trainer.num_nodes=2"]
     monkeypatch.setattr(sys, "argv", [f"vitexp-{app}", "--cfg", cfg_type, *(["--resolve"] if resolve else []), *overrides])
@@ -90,7 +90,7 @@ def test_a_reader_that_leaves_early_ends_the_app_quietly(buffering, monkeypatch)
     """``vitexp-train --help | head -3``: the pipe closes under the app; it exits 1, no traceback."""
     import os
 
-    from vitexp import cli
+    from vitexp.commands import cli
 
     read_end, write_end = os.pipe()
     os.close(read_end)
@@ -110,7 +110,7 @@ def test_the_device_count_lightning_will_use():
     import torch
     from omegaconf import OmegaConf
 
-    from vitexp.cli import _device_count
+    from vitexp.commands.cli import _device_count
 
     assert _device_count(OmegaConf.create({"d": [0]}).d, "gpu") == 1
     assert _device_count([0, 1], "gpu") == 2 and _device_count(2, "cpu") == 2 and _device_count("0,1", "gpu") == 2
@@ -149,8 +149,8 @@ def test_a_multirun_ends_with_one_summary_line(results_dir, tmp_path):
 ])
 def test_a_slurm_jobs_resources_follow_its_trainer(trainer, asked, monkeypatch, capsys):
     """The CPU demo asks no GPU (the guide's first sweep runs as written on a CPU partition); DDP on GPUs
-    asks one task per GPU; a launcher override wins (vitexp.slurm.resources)."""
-    from vitexp import cli
+    asks one task per GPU; a launcher override wins (vitexp.runs.slurm.resources)."""
+    from vitexp.commands import cli
 
     monkeypatch.setattr(sys, "argv", ["vitexp-train", "--cfg", "hydra", "--resolve", "hydra/launcher=slurm", *trainer])
     cli.train_main()
@@ -162,7 +162,7 @@ def test_gpu_ddp_under_slurm_needs_a_gpu_count():
     from omegaconf import OmegaConf
 
     from vitexp.errors import ConfigError
-    from vitexp.slurm import resources
+    from vitexp.runs.slurm import resources
 
     with pytest.raises(ConfigError, match=r"trainer.devices=auto .*trainer.devices=8"):
         resources(OmegaConf.create({"accelerator": "gpu", "devices": "auto", "strategy": "ddp"}))

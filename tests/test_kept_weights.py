@@ -27,7 +27,7 @@ def _start(results_dir, tmp_path, record_hash=True, state=None):
 
 
 def test_a_kept_start_outlives_its_run_folder_and_the_sweep_goes_on_from_it(results_dir, tmp_path):
-    from vitexp.sweep import keep_starts, plan
+    from vitexp.commands.sweep import keep_starts, plan
 
     run, weights = _start(results_dir, tmp_path)
     kept = keep_starts(SPEC, results_dir)["demo"]
@@ -43,7 +43,7 @@ def test_a_kept_start_outlives_its_run_folder_and_the_sweep_goes_on_from_it(resu
 
 
 def test_a_kept_copy_whose_bytes_changed_is_refused_naming_both_hashes(results_dir, tmp_path):
-    from vitexp.sweep import plan
+    from vitexp.commands.sweep import plan
 
     run, weights = _start(results_dir, tmp_path)
     keep(run, results_dir)
@@ -91,8 +91,8 @@ def test_a_run_folders_file_changed_after_the_run_is_not_read(results_dir, tmp_p
 
 def test_a_seeded_row_is_built_from_the_kept_start(results_dir, tmp_path, make_cfg):
     """Validation pins run:demo to the start's run and the model loads the kept copy's tensors."""
-    from vitexp.build import build_configured_backbone
-    from vitexp.config import validate
+    from vitexp.training.build import build_configured_backbone
+    from vitexp.training.resolve import validate
 
     cfg = make_cfg(["backbone=vit_micro", "data=synthetic", "logger=none"])
     state = {k: torch.randn_like(v) for k, v in build_configured_backbone(cfg).state_dict().items()}
@@ -110,7 +110,7 @@ def test_a_sweep_that_trained_keeps_its_start(results_dir, tmp_path, monkeypatch
     """The sweep's training (faked: it writes the start's run) is followed by keeping the start."""
     import subprocess
 
-    import vitexp.sweep
+    import vitexp.commands.sweep
 
     spec = tmp_path / "spec.yaml"
     spec.write_text("title: t\nseeds: [0]\ncolumns: [{key: top1, label: T}]\n"
@@ -121,8 +121,8 @@ def test_a_sweep_that_trained_keeps_its_start(results_dir, tmp_path, monkeypatch
         made["run"], _ = _start(results_dir, tmp_path)
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setattr(vitexp.sweep.subprocess, "run", fake_run)
-    assert vitexp.sweep.main([str(spec), f"results_dir={results_dir}"]) == 0
+    monkeypatch.setattr(vitexp.commands.sweep.subprocess, "run", fake_run)
+    assert vitexp.commands.sweep.main([str(spec), f"results_dir={results_dir}"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert line["kept"]["demo"]["copied"] and line["kept"]["demo"]["run_id"] == made["run"]["run_id"]
     assert kept_path(made["run"]["run_id"], results_dir).is_file()
@@ -137,7 +137,7 @@ def test_weights_changed_after_their_run_are_not_kept(results_dir, tmp_path):
 
 
 def test_keep_starts_says_which_start_has_no_weights_here_and_fails(results_dir, tmp_path, capsys):
-    from vitexp.sweep import main
+    from vitexp.commands.sweep import main
 
     run, weights = _start(results_dir, tmp_path, record_hash=False)
     weights.unlink()
@@ -152,7 +152,7 @@ def test_keep_starts_says_which_start_has_no_weights_here_and_fails(results_dir,
 
 
 def test_a_train_run_records_the_sha256_of_the_weights_it_saved(make_cfg, results_dir):
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     train(make_cfg(["logger=none", "trainer.enable_progress_bar=false", "data=synthetic", "data.num_train=32",
                     "data.num_val=16", "data.num_test=16", "recipe.batch_size=16", "recipe.epochs=1",

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from vitexp.results import LedgerEntry, atomic_write_json, completed_runs, iter_runs
+from vitexp.ledger import LedgerEntry, atomic_write_json
+from ledger_records import completed_runs, iter_runs
 
 
 def test_entry_lifecycle_and_schema(results_dir):
@@ -23,7 +24,7 @@ def test_entry_lifecycle_and_schema(results_dir):
     assert record["env"]["packages"]["torch"]
     import torch
 
-    from vitexp.cpus import cpu_model  # the machine is recorded: one-thread runs repeat only on one machine
+    from vitexp.ledger.entry import cpu_model  # the machine is recorded: one-thread runs repeat only on one machine
 
     assert record["env"]["cpu"] == {"model": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability()}
     assert record["env"]["cpu"]["model"] and record["env"]["cpu"]["capability"]
@@ -114,8 +115,8 @@ def test_no_entry_holds_an_absolute_path_of_this_machine(make_cfg, results_dir, 
     """A flops run whose config holds paths inside the project (data.root) and the results folder
     (results_dir, output_dir): none of them is stored absolute, at any depth of the entry."""
     from vitexp import PROJECT_ROOT
-    from vitexp.commands import run_flops
-    from vitexp.results import local_path
+    from vitexp.commands.inspect import run_flops
+    from vitexp.ledger import local_path
 
     cfg = make_cfg(["data=micro_coco", "logger=csv"], output_dir=results_dir / "outputs" / "f1")
     assert str(cfg.data.root).startswith(str(PROJECT_ROOT))
@@ -129,7 +130,7 @@ def test_no_entry_holds_an_absolute_path_of_this_machine(make_cfg, results_dir, 
 
 def test_run_weights_resolve_to_a_file_on_this_machine(results_dir, tmp_path, monkeypatch):
     """``backbone.pretrained=run:<experiment>``: the stored (portable) weights path, as a path here."""
-    from vitexp.results import resolve_weights
+    from vitexp.config.weights import resolve_weights
 
     weights = results_dir / "outputs" / "teacher" / "weights.pth"
     weights.parent.mkdir(parents=True)
@@ -161,8 +162,8 @@ def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(mak
     import torch
 
     import vitexp.ledger
-    from vitexp.build import build_configured_backbone
-    from vitexp.config import validate
+    from vitexp.training.build import build_configured_backbone
+    from vitexp.training.resolve import validate
 
     weights = results_dir / "outputs" / "t" / "weights.pth"
     weights.parent.mkdir(parents=True)
@@ -207,7 +208,7 @@ def test_only_paths_in_the_checkout_or_the_results_root_are_rewritten(tmp_path):
 def test_stderr_and_the_closing_line_name_a_path_alike(tmp_path, capsys, monkeypatch):
     """A bad checkpoint's path was relative in the closing line and absolute on stderr: both now say
     it the same way (relative to the results root)."""
-    from vitexp.cli import _report
+    from vitexp.commands.cli import _report
 
     results = tmp_path / "results"
     monkeypatch.setenv("VITEXP_RESULTS", str(results))

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import config_of
-from vitexp import tables
+from vitexp.report import tables
 from vitexp.ledger import Ledger, LedgerEntry, LedgerError, packs
 
 DEMO = {"name": "demo", "title": "t", "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
@@ -100,7 +100,7 @@ def test_a_lookup_by_run_id_names_an_unreadable_pack_and_reads_each_pack_once(re
 def test_a_run_refuses_to_start_on_an_unreadable_pack_before_hydra_writes(results_dir, tmp_path, monkeypatch, capsys):
     """``vitexp-train`` on a results root whose pack is truncated: exit 1 naming the pack, and no
     run folder (Hydra's ``.hydra``) left behind."""
-    from vitexp import cli
+    from vitexp.commands import cli
 
     (results_dir / "ledger").mkdir(parents=True)
     pack = results_dir / "ledger" / "20260101-000000.jsonl.gz"
@@ -118,7 +118,7 @@ def test_a_run_refuses_to_start_on_an_unreadable_pack_before_hydra_writes(result
 def test_a_resumed_run_whose_own_entry_is_unreadable_is_refused(results_dir, tmp_path):
     """The run folder names its entry (run.json); that file truncated, resume=auto stops naming it
     instead of starting a new entry in its place."""
-    from vitexp.run import RUN_MARKER, owned_run
+    from vitexp.runs.owner import RUN_MARKER, owned_run
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from vitexp import recheck, rows, tables
+from vitexp.commands import recheck
+
+from vitexp.report import tables
+from vitexp.config import rows
 from vitexp.ledger import Ledger, LedgerEntry, RowQuery
 from vitexp.ledger.fingerprint import fingerprint
-from vitexp.rows import composed_config, row_query
+from vitexp.config.rows import composed_config, row_query
 
 SHARED = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 2}],
           "rows": [{"label": "start", "experiment": "pre", "seeds": None}, {"label": "ft", "experiment": "ft"}]}
@@ -213,7 +216,7 @@ def test_a_group_default_is_read_from_its_file_with_the_files_it_extends():
     """rows.group_default: a key of a group's file, one it inherits (trainer/gpu.yaml extends cpu.yaml),
     an interpolation resolved in the row's config, a top-level key of train.yaml; NO_DEFAULT else."""
     from vitexp.ledger.fingerprint import NO_DEFAULT
-    from vitexp.rows import group_default
+    from vitexp.config.rows import group_default
 
     config = {"recipe": {"batch_size": 48}, "seed": 3}
     choices = {"trainer": "gpu", "data": "fashion_mnist", "method": "saper_ft"}
@@ -345,7 +348,7 @@ def test_a_pack_keeps_each_entry_as_written_and_readable_by_the_group(results_di
 
 def test_a_runs_recorded_fingerprint_is_its_rows(make_cfg, results_dir):
     """A real run (vitexp-flops of the demo) records the fingerprint the table composes for its row."""
-    from vitexp.commands import run_flops
+    from vitexp.commands.inspect import run_flops
 
     run_flops(make_cfg(["experiment=demo", "logger=none"]))
     ledger = Ledger.load(results_dir)
@@ -425,9 +428,9 @@ def test_twenty_thousand_entries_fill_every_committed_table(results_dir):
     unrelated stubs. The ledger is read, checked and indexed, and every table filled, in under 45 s
     on 2 busy cores once the rows are composed (Hydra: about 0.3 s a row, whatever the ledger's
     size; composed first, to write the entries). A cell shows the newest run of its config."""
-    from vitexp import aggregate
+    from vitexp.report import aggregate
     from vitexp.ledger.sources import write_snapshot
-    from vitexp.rows import composing, expand_rows
+    from vitexp.config.rows import composing, expand_rows
 
     specs = [tables.load_spec(n) for n in tables.all_specs()]
     keys = sorted({c["key"] for spec in specs for c in spec["columns"]})
@@ -494,7 +497,7 @@ def test_start_of_and_newest_come_from_the_index():
 def test_find_run_takes_the_short_id_a_table_prints(results_dir):
     """vitexp-eval / vitexp-analyze: ``40f87a`` finds the one completed train run whose id ends in it;
     a tail two runs share is refused with both named."""
-    from vitexp.evaluate import find_run
+    from vitexp.commands.evaluate import find_run
 
     a = _entry(results_dir, "pre", {"seed": 0}, 80.0, "2026-01-01T00:00:00+00:00")
     b = _entry(results_dir, "other", {"seed": 1}, 81.0, "2026-01-02T00:00:00+00:00")

@@ -11,9 +11,9 @@ import torch
 
 from conftest import cli_env, ledger_entries
 from vitexp.errors import ConfigError
-from vitexp.imagenet_like import JpegSpec, ensure_jpegs
-from vitexp.loader_bench import cpu_rate, winner
-from vitexp.tensor_images import DeviceNormalize, randaugment_options, tensor_transform
+from vitexp.data.imagenet_like import JpegSpec, ensure_jpegs
+from vitexp.data.loader_bench import cpu_rate, winner
+from vitexp.data.tensor_images import DeviceNormalize, randaugment_options, tensor_transform
 
 SMALL = JpegSpec(classes=2, train_per_class=3, width=200, height=150, target_kb=20.0)
 DATA_CONFIG = {"input_size": (3, 64, 64), "interpolation": "bicubic", "mean": (0.485, 0.456, 0.406),
@@ -124,7 +124,7 @@ def test_the_tensor_path_crops_uint8_and_reads_timms_randaugment_string():
 
 
 def test_an_imagefolder_with_the_tensor_decoder_normalises_its_training_batches_on_the_device(jpegs):
-    from vitexp.data import ImageFolderDataModule
+    from vitexp.data.datamodules import ImageFolderDataModule
 
     def module(decoder):
         dm = ImageFolderDataModule(jpegs["root"], num_classes=2, batch_size=3, num_workers=0, decoder=decoder,
@@ -151,7 +151,7 @@ def test_an_imagefolder_with_the_tensor_decoder_normalises_its_training_batches_
 def test_a_run_trains_on_the_tensor_decoders_device_normalised_batches(jpegs, make_cfg, results_dir, tmp_path):
     """A uint8 batch reaching the model would fail its first convolution: the run completing is the
     device-side normalisation at work, under Lightning (the datamodule's on_after_batch_transfer)."""
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     cfg = make_cfg(["logger=none", "trainer.enable_progress_bar=false", "data=imagefolder", f"data.root={jpegs['root']}",
                     "data.num_classes=2", "data.num_workers=0", "data.decoder=tensor", "recipe=deit_scratch",
@@ -164,7 +164,7 @@ def test_a_run_trains_on_the_tensor_decoders_device_normalised_batches(jpegs, ma
 
 @pytest.mark.slow
 def test_vitexp_bench_loader_records_images_per_second_per_worker_for_each_decoder(jpegs, results_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "vitexp.cli", "bench", "bench.mode=loader", "experiment=deit_tiny_baseline",
+    out = subprocess.run([sys.executable, "-m", "vitexp.commands.cli", "bench", "bench.mode=loader", "experiment=deit_tiny_baseline",
                           "logger=none", "data.num_classes=2", f"bench.loader.root={jpegs['root']}", "recipe.batch_size=2",
                           "bench.rounds=2", "bench.loader.batches=1"],
                          capture_output=True, text=True, cwd=tmp_path, env=cli_env(results_dir), timeout=600)

@@ -6,7 +6,7 @@ import timm
 import torch
 
 import vitexp  # noqa: F401
-from vitexp.flops import count_macs
+from vitexp.measure.flops import count_macs
 
 #: vitexp's own registered models, at a size the CPU tests afford.
 MICRO = {"vit_micro_patch4_32": 32, "lvvit_micro": 64, "t2t_vit_micro": 64}
@@ -157,7 +157,7 @@ def test_loading_weights_keeps_the_initialisation_of_what_the_file_lacks(tmp_pat
 def test_t2t_fixed_tables_are_saved_buffers_counted_as_parameters():
     """The position table and the Performer matrices are persistent buffers under the official
     state-dict keys, and the parameter count includes them as the official count does."""
-    from vitexp.flops import count_params
+    from vitexp.measure.flops import count_params
 
     model = timm.create_model("t2t_vit_micro")
     state, buffers = model.state_dict(), dict(model.named_buffers())

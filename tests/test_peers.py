@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import vitexp  # noqa: F401  (registers the micro backbones)
-import vitexp.config as vconfig
+import vitexp.config.composition as vconfig
+from vitexp.training import resolve
 from conftest import vit_analytic_macs, recorded
-from vitexp.flops import count_macs
+from vitexp.measure.flops import count_macs
 from vitexp.methods.evit import EViT
 from vitexp.methods.evit.fuse import keep_count, keep_rate_at, prune_and_fuse
 from vitexp.methods.tome import ToMe
@@ -232,13 +233,13 @@ def test_evit_deit_small_lands_on_evits_gmacs(keep, published):
 # -- configs ------------------------------------------------------------------------------------------------
 def test_budget_errors_name_the_key():
     with pytest.raises(vconfig.ConfigError, match="budget.r"):
-        vconfig.validate(vconfig.compose(["method=tome", "budget=merge", "budget.r=[1,1,1,1,1,1,1]"]))
+        resolve.validate(vconfig.compose(["method=tome", "budget=merge", "budget.r=[1,1,1,1,1,1,1]"]))
     with pytest.raises(vconfig.ConfigError, match="accepts budget kinds \\['merge'\\]"):
-        vconfig.validate(vconfig.compose(["method=tome", "budget=keep_ratio"]))
+        resolve.validate(vconfig.compose(["method=tome", "budget=keep_ratio"]))
     with pytest.raises(vconfig.ConfigError, match="method.prune_layers"):
-        vconfig.validate(vconfig.compose(["method=evit", "budget=keep_ratio", "method.prune_layers=[6]"]))
+        resolve.validate(vconfig.compose(["method=evit", "budget=keep_ratio", "method.prune_layers=[6]"]))
     with pytest.raises(vconfig.ConfigError, match="does not apply"):
-        vconfig.validate(vconfig.compose(["backbone=caformer_micro", "method=evit", "budget=keep_ratio"]))
+        resolve.validate(vconfig.compose(["backbone=caformer_micro", "method=evit", "budget=keep_ratio"]))
 
 
 # -- several methods timed in one interleaved run -----------------------------------------------------------
@@ -246,7 +247,7 @@ def test_bench_compare_takes_a_table_rows_name_composed_as_its_row():
     """bench.compare names experiments or table rows: EViT's keep rates and ToMe's r are rows of the
     DeiT-S specs (a base experiment + overrides), composed as the sweep composes them and recorded
     under the row's name; a name that is neither is refused with both places named."""
-    from vitexp.bench_modes import _compose_experiment
+    from vitexp.commands.bench import _compose_experiment
 
     evit = _compose_experiment("evit_deit_small_keep05")
     assert (evit.name, evit.budget.keep_ratio, evit.method.name) == ("evit_deit_small_keep05", 0.5, "evit")
@@ -259,7 +260,7 @@ def test_bench_compare_takes_a_table_rows_name_composed_as_its_row():
 def test_bench_compare_times_several_experiments_together_one_entry_each(make_cfg, results_dir):
     from conftest import QUIET, ledger_entries
 
-    from vitexp.bench_modes import run_bench
+    from vitexp.commands.bench import run_bench
 
     names = ["demo", "tome_demo", "evit_demo"]
     cfg = make_cfg(QUIET + [f"bench.compare=[{','.join(names)}]", "bench.rounds=1", "bench.iters=1",
@@ -284,14 +285,14 @@ def test_a_comparison_that_fails_marks_its_entries_failed_and_says_so(make_cfg, 
     not an invalid config."""
     import json
 
-    import vitexp.bench
+    import vitexp.measure.throughput
     from conftest import QUIET, ledger_entries
-    from vitexp.bench_modes import run_bench
+    from vitexp.commands.bench import run_bench
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(vitexp.bench, "compare_throughput", broken)
+    monkeypatch.setattr(vitexp.measure.throughput, "compare_throughput", broken)
     with pytest.raises(RuntimeError) as raised:
         run_bench(make_cfg(QUIET + ["bench.compare=[demo,tome_demo]", "bench.device=cpu"]))
     assert getattr(raised.value, "vitexp_reported", False)  # the CLI prints no second, "invalid", line
@@ -301,7 +302,7 @@ def test_a_comparison_that_fails_marks_its_entries_failed_and_says_so(make_cfg, 
 
 
 def test_rows_of_a_series_become_one_curve_each_in_the_plot():
-    from vitexp.tables import fill, load_spec, series_curves
+    from vitexp.report.tables import fill, load_spec, series_curves
 
     spec = load_spec("peers_deit_small")
     runs = [{"run_id": f"r{i}", "experiment": e, "status": "completed", "kind": "flops", "metrics": {"gmacs": g, "top1": t}}

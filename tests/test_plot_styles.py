@@ -3,7 +3,7 @@ constructed ledger in which every row has values of its own, no two rows share a
 marker, the legend names every row, each accuracy scale carries its unit, and a control is grey and
 hollow; drawn from the committed ledger (results/), no row's marker lies on another row's, and no
 marker of a row with only a cost or only an accuracy lies inside an axis of cost against accuracy
-(vitexp/plots.py, vitexp/dodge.py)."""
+(vitexp/report/plots.py, vitexp/report/dodge.py)."""
 from __future__ import annotations
 
 import matplotlib
@@ -15,9 +15,11 @@ import pytest
 from matplotlib.colors import to_rgba
 
 from conftest import recorded
-from vitexp import PROJECT_ROOT, SWEEPS_DIR, aggregate, dodge, plots, tables
+from vitexp.config import rows as vrows
+from vitexp import PROJECT_ROOT, SWEEPS_DIR
+from vitexp.report import aggregate, dodge, plots, tables
 from vitexp.ledger import Ledger
-from vitexp.plot_styles import MIN_DELTA_E, ciede2000, delta_e
+from vitexp.report.plot_styles import MIN_DELTA_E, ciede2000, delta_e
 
 PLOTTED = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml") if "plot" in (tables.yaml.safe_load(p.read_text()) or {}))
 
@@ -30,7 +32,7 @@ def _runs(spec: dict) -> list[dict]:
         name = tables.row_name(row)
         if not name:
             continue
-        seeds = aggregate.row_seeds(spec, row)
+        seeds = vrows.row_seeds(spec, row)
         for seed in seeds or [None]:
             metrics = {xk: 1.0 + i / 10, yk: 50.0 + i + (seed or 0) / 10}
             runs.append({"run_id": f"r{i}-{seed}", "experiment": name if seed is None else aggregate.seeded_name(name, seed),

@@ -1,4 +1,4 @@
-"""The table plots (vitexp/plots.py) drawn from a constructed ledger: hollow paper markers and
+"""The table plots (vitexp/report/plots.py) drawn from a constructed ledger: hollow paper markers and
 filled measured ones, error bars from seeds, cost-only and accuracy-only rows in strips beside their
 axis, one axis per dataset, a style of its own per row (the family's hue, a shade and marker per
 row), sweeps joined by a line, a row's seeds in the legend when fewer than asked.
@@ -14,7 +14,8 @@ import pytest
 from matplotlib.colors import to_rgba
 
 from conftest import recorded
-from vitexp import plots, rows, tables
+from vitexp.report import plots, tables
+from vitexp.config import rows
 
 SPEC = {
     "name": "plots_fixture",
@@ -178,7 +179,7 @@ def test_a_table_of_costs_alone_is_never_an_empty_frame():
 
 def test_a_rows_overrides_set_its_family():
     """A grid row's overrides change its experiment's method or selection, and so its colour."""
-    from vitexp.plots import row_identity
+    from vitexp.report.plots import row_identity
 
     assert row_identity({"experiment": "saper_micro"})["family"] == "SAPER"
     assert row_identity({"experiment": "saper_micro", "overrides": ["method=probe", "budget=none"]})["family"] == "baseline"

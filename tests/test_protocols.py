@@ -1,10 +1,12 @@
-"""A method's claims under several protocols (vitexp.protocols): the sign rule, the verdict only
+"""A method's claims under several protocols (vitexp.report.protocols): the sign rule, the verdict only
 where protocols agree, and the committed verdict table regenerated from the committed ledger."""
 from __future__ import annotations
 
 import pytest
 
-from vitexp import PROJECT_ROOT, protocols, tables
+from vitexp import PROJECT_ROOT
+
+from vitexp.report import protocols, tables
 from vitexp.ledger import Ledger
 
 
@@ -179,7 +181,7 @@ def test_a_reference_protocol_is_shown_and_never_votes():
     assert "-0.83 ± 0.29 (3) ‡ (contradicts; not counted)" in table
     assert "+1.00 (1) (incomplete: 1 of 3 pairs; supports so far; not counted)" in table
     assert "- **P2** (not counted: lost start): full = `t2:full`" in table
-    from vitexp.protocol_prose import summary
+    from vitexp.report.protocol_prose import summary
 
     assert "P2: -0.83 ± 0.29 (3) ‡ (contradicts; not counted)" in summary({**spec, "name": "n"}, [claim], [], [])
 
@@ -200,7 +202,7 @@ def test_every_verdict_names_rows_of_its_tables_and_regenerates_its_committed_ta
     fill = lambda t: tables.fill(tables.load_spec(t), ledger)  # noqa: E731
     text = protocols.text(name, fill, ledger, tables.load_spec)
     assert text == (PROJECT_ROOT / "results" / "tables" / f"{name}.md").read_text()
-    from vitexp.protocol_prose import page_block  # the README's and docs' blocks: the same prose
+    from vitexp.report.protocol_prose import page_block  # the README's and docs' blocks: the same prose
 
     assert all(block == protocols.prose(text) for block in page_block(spec).values()), "run vitexp-tables"
 
@@ -234,7 +236,7 @@ def test_the_bspf_verdict_states_its_caveats_from_its_source_in_its_committed_ta
     """Each caveat is one caveat of sweeps/verdicts/fmnist_bspf_protocols.yaml, and the committed table's
     caveats are exactly those generated from that file (so deleting one there fails here, before the
     table is regenerated, and a table edited by hand fails too)."""
-    from vitexp.protocol_prose import caveats
+    from vitexp.report.protocol_prose import caveats
 
     spec = protocols.load("fmnist_bspf_protocols")
     source = [" ".join(str(c["text"]).split()) for c in spec["caveats"]]

@@ -1,6 +1,6 @@
 """Provenance of the papers' numbers in the table specs (sweeps/*.yaml): every paper value names
 where it was read; a value obtained by arithmetic is marked derived, carries its formula and is
-rendered with a mark and a footnote (vitexp/tables.py)."""
+rendered with a mark and a footnote (vitexp/report/tables.py)."""
 from __future__ import annotations
 
 import re
@@ -11,8 +11,10 @@ import io
 import pytest
 import yaml
 
-from vitexp import CONF_DIR, SWEEPS_DIR, tables
-from vitexp.provenance import evaluate_formula, provenance_errors
+from vitexp import CONF_DIR, SWEEPS_DIR
+
+from vitexp.report import tables
+from vitexp.report.provenance import evaluate_formula, provenance_errors
 
 SPECS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
 

@@ -7,8 +7,8 @@ import timm
 import torch
 
 import vitexp  # noqa: F401
-from vitexp.flops import count_macs
-from vitexp.config import ConfigError
+from vitexp.measure.flops import count_macs
+from vitexp.config.composition import ConfigError
 from vitexp.methods.raptor import (
     RaptorDistill,
     RaptorSurrogate,
@@ -208,7 +208,7 @@ def test_teacher_cache_hits_on_the_same_images_and_misses_on_new_ones(tmp_path):
     (["backbone=caformer_micro"], "MetaFormer"),
 ])
 def test_raptor_config_errors_name_the_key(make_cfg, overrides, match):
-    from vitexp.config import validate
+    from vitexp.training.resolve import validate
 
     base = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor"]
     with pytest.raises(ConfigError, match=match):
@@ -216,7 +216,7 @@ def test_raptor_config_errors_name_the_key(make_cfg, overrides, match):
 
 
 def test_run_weights_that_do_not_exist_name_what_to_run(make_cfg):
-    from vitexp.config import validate
+    from vitexp.training.resolve import validate
 
     with pytest.raises(ConfigError, match="vitexp-train experiment=raptor_micro_teacher"):
         validate(make_cfg(["experiment=raptor_micro"]))
@@ -226,7 +226,7 @@ def test_micro_raptor_run_trains_teacher_then_surrogate_then_both_probes(make_cf
     """Teacher (a short demo-recipe run) -> ``backbone.pretrained=run:<teacher>`` -> phases from
     its distance matrix, stages 1 and 2, the probes; the ledger holds both accuracies."""
     from conftest import QUIET, ledger_entries
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     small = ["eval.throughput_iters=1", "eval.throughput_batch=8"]
     teacher = train(make_cfg(QUIET + small + ["experiment=raptor_micro_teacher", "recipe.epochs=4",
@@ -258,7 +258,7 @@ def test_analyze_phases_writes_the_heatmap_and_phases(results_dir, capsys):
     import json
 
     from conftest import ledger_entries
-    from vitexp.cli import analyze_main
+    from vitexp.commands.cli import analyze_main
 
     analyze_main(["phases", "backbone=dinov2_micro_reg", "logger=none", "--images", "32", "--blocks", "2", "3"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -299,7 +299,7 @@ def test_resumed_raptor_run_skips_finished_stages_and_ends_with_the_same_metrics
     """A finished run resumed from its folder: every stage restores its last checkpoint, nothing
     retrains, and the probes test to the same accuracies."""
     from conftest import QUIET
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     base = QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "recipe=raptor", "data=synthetic",
                     "data.num_train=32", "data.num_val=16", "data.num_test=16", "recipe.batch_size=8",
@@ -319,7 +319,7 @@ def test_resumed_raptor_run_skips_finished_stages_and_ends_with_the_same_metrics
 def test_vitexp_flops_on_raptor_experiments(data, k, gflops, make_cfg, results_dir):
     """What `vitexp-flops experiment=raptor_dinov2` records: RAPTOR's setting, any k (CIFAR's
     100-class head is smaller than ImageNet's)."""
-    from vitexp.commands import run_flops
+    from vitexp.commands.inspect import run_flops
 
     out = run_flops(make_cfg(["experiment=raptor_dinov2", f"data={data}", f"budget.k={k}", "logger=none"]))
     head = 2 * 2 * 384 * (1000 - 100) / 1e9 if data == "cifar100" else 0.0
@@ -339,10 +339,10 @@ def test_swiglu_gates_with_the_first_half():
 
 def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg, results_dir):
     from vitexp.methods import method_from_config
-    from vitexp.results import LedgerEntry
+    from vitexp.ledger import LedgerEntry
 
     def teacher_probe_from_ledger(method, cfg):  # as the run resolves what the method needs: it never reads storage
-        from vitexp.train import resolve_needs
+        from vitexp.training.fit import resolve_needs
 
         method.lookup(cfg, resolve_needs(method, cfg.results_dir))
         return method.extra_metrics({})
@@ -362,7 +362,7 @@ def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg,
 
 def test_a_wrong_teacher_probe_run_fails_before_any_training(make_cfg, results_dir, tmp_path):
     from conftest import QUIET, ledger_entries
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     cfg = make_cfg(QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "data=synthetic",
                             "method.teacher_probe_run=nope"], tmp_path / "run")
@@ -426,7 +426,7 @@ def test_stage1_clips_each_blocks_gradient_norm_and_stage2_clips_them_together(s
     block in a run of its own); in stage 2 one norm covers both."""
     import lightning as L
 
-    from vitexp.module import RaptorStageModule
+    from vitexp.training.modules import RaptorStageModule
 
     teacher = micro_teacher()
     pair = RaptorDistill(teacher, RaptorSurrogate(teacher, [[0, 1], [2, 3]]))
@@ -478,7 +478,7 @@ def test_probes_start_from_the_given_linear_head(tmp_path):
 
 
 def test_a_missing_or_misshapen_linear_head_is_a_clear_error(tmp_path, make_cfg):
-    from vitexp.config import validate
+    from vitexp.training.resolve import validate
     from vitexp.methods.raptor import Raptor
 
     base = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor"]
@@ -499,7 +499,7 @@ def test_probe_records_the_best_validation_top1_including_the_evaluation_before_
     import lightning as L
 
     from conftest import QUIET
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     class ValidationLog(L.Callback):
         def __init__(self):
@@ -532,7 +532,7 @@ def test_raptor_distils_on_the_evaluation_transforms_and_probes_on_the_augmentat
     from lightning.pytorch.callbacks import Callback
 
     from conftest import QUIET
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     class Batches(Callback):
         def __init__(self):
@@ -648,7 +648,7 @@ def test_each_probe_logs_its_own_keys_so_the_loggers_test_top1_is_the_ledgers(ma
     import csv
 
     from conftest import QUIET
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     out = train(make_cfg([*QUIET, "logger=csv", "backbone=dinov2_micro_reg", "method=raptor", "budget=blocks",
                           "recipe=raptor", "data=synthetic", "recipe.epochs=1", "method.probe.epochs=1",

@@ -1,10 +1,12 @@
-"""‡ with a stated rule (vitexp/rebuild.py, vitexp/ledger/marks.py): a run recorded as dirty without
+"""‡ with a stated rule (vitexp/commands/rebuild.py, vitexp/ledger/marks.py): a run recorded as dirty without
 its diff keeps its mark unless a rerun at its recorded commit gave every recorded metric again."""
 from __future__ import annotations
 
 import re
 
-from vitexp import rebuild, tables
+from vitexp.commands import rebuild
+
+from vitexp.report import tables
 from vitexp.ledger import Ledger, LedgerEntry, marks
 
 RUN = {"run_id": "r", "experiment": "fmnist_evit_vit_micro+seed=1", "kind": "train",

@@ -8,8 +8,11 @@ import subprocess
 import pytest
 import yaml
 
-from vitexp import aggregate, recheck, sweep, tables
-from vitexp.results import LedgerEntry, iter_runs
+from vitexp.report import aggregate, tables
+
+from vitexp.commands import recheck, sweep
+from vitexp.ledger import LedgerEntry
+from ledger_records import iter_runs
 
 SPEC = {
     "name": "recheck_fixture",

@@ -1,4 +1,4 @@
-"""The rehearsal (``vitexp-sweep TABLE --rehearse``, vitexp/rehearsal/): full-size rows for a few
+"""The rehearsal (``vitexp-sweep TABLE --rehearse``, vitexp/cost/rehearsal/): full-size rows for a few
 steps on synthetic data, one ledger entry of kind ``rehearsal`` per row, never a table cell.
 
 Default suite: the overrides a row gets, the kind filter of the tables, a failing row recorded while
@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from conftest import cli_env, ledger_entries
-from vitexp.rehearsal import KIND, Settings, rehearsal_jobs, rehearse_table
-from vitexp.rows import composed_config, composing, expand_rows, row_name
-from vitexp.tables import all_specs, load_spec
+from vitexp.cost.rehearsal import KIND, Settings, rehearsal_jobs, rehearse_table
+from vitexp.config.rows import composed_config, composing, expand_rows, row_name
+from vitexp.report.tables import all_specs, load_spec
 
 
 def _row(table: str, name: str) -> dict:
@@ -61,7 +61,7 @@ def test_a_rows_rehearsal_is_the_row_on_synthetic_data_of_its_size_with_its_reci
 def test_a_rows_real_data_options_stay_out_of_its_rehearsal():
     """fmnist_recipe's augmentation row sets data.augment, an option of Fashion-MNIST that the
     rehearsal's synthetic data does not have: the rehearsal leaves it out and composes."""
-    from vitexp.config import compose
+    from vitexp.config.composition import compose
 
     row = _row("fmnist_recipe", "fmnist_vit_micro_baseline_augment")
     (job,) = rehearsal_jobs(_spec(row), Settings(batch=2, steps=2))
@@ -73,7 +73,7 @@ def test_a_rehearsal_never_fills_a_table_cell(results_dir):
     """Even under the row's own name and with the row's own configuration, a rehearsal is not a run of the row."""
     from vitexp.ledger import Ledger
     from vitexp.ledger import fingerprint as fp
-    from vitexp.tables import fill
+    from vitexp.report.tables import fill
 
     spec = _spec({"label": "DeiT-S", "experiment": "deit_small_baseline"})
     with composing():
@@ -96,7 +96,7 @@ def test_a_failing_row_is_a_failed_entry_and_the_next_row_runs(results_dir, tmp_
                  {"label": "demo", "experiment": "demo"}, name="rehearsal_check")
     spec_dir.mkdir()
     (spec_dir / "rehearsal_check.yaml").write_text(json.dumps(spec))
-    out = subprocess.run([sys.executable, "-m", "vitexp.cli", "sweep", str(spec_dir / "rehearsal_check.yaml"), "--rehearse",
+    out = subprocess.run([sys.executable, "-m", "vitexp.commands.cli", "sweep", str(spec_dir / "rehearsal_check.yaml"), "--rehearse",
                           "--rehearse-steps", "2", "--rehearse-dir", str(tmp_path / "out")],
                          capture_output=True, text=True, env=cli_env(results_dir), timeout=600)
     closing = json.loads(out.stdout.strip().splitlines()[-1])
@@ -128,7 +128,7 @@ PER_OBJECTIVE = [("bspf_table1", "deit_tiny_baseline"), ("saper_table1", "saper_
 @pytest.mark.parametrize("table,name", PER_OBJECTIVE)
 def test_a_full_size_row_of_each_objective_rehearses(table, name, make_cfg, results_dir, tmp_path):
     """In process (no interpreter start): batch 1, 2 steps per stage, one evaluation batch."""
-    from vitexp.rehearsal.app import rehearse
+    from vitexp.commands.rehearse import rehearse
 
     job, = rehearsal_jobs(_spec(_row(table, name)), Settings(batch=1, steps=2, eval_batches=1))
     rehearse(make_cfg(job.arguments, tmp_path / "run"))
@@ -149,7 +149,7 @@ def test_a_full_size_row_of_each_objective_rehearses(table, name, make_cfg, resu
 @pytest.mark.slow
 @pytest.mark.parametrize("table", all_specs())
 def test_every_row_of_every_table_rehearses(table, results_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "vitexp.cli", "sweep", table, "--rehearse", "--rehearse-steps", "2",
+    out = subprocess.run([sys.executable, "-m", "vitexp.commands.cli", "sweep", table, "--rehearse", "--rehearse-steps", "2",
                           "--rehearse-dir", str(tmp_path / "out")],
                          capture_output=True, text=True, env=cli_env(results_dir), timeout=6 * 3600)
     closing = json.loads(out.stdout.strip().splitlines()[-1])
@@ -161,7 +161,7 @@ def test_every_row_of_every_table_rehearses(table, results_dir, tmp_path):
 @pytest.mark.parametrize("table,name", PER_OBJECTIVE)
 def test_each_objective_rehearses_under_ddp(table, name, results_dir, tmp_path):
     """trainer=ddp_cpu: 2 gloo processes, the row's recipe at batch 1 per process."""
-    out = subprocess.run([sys.executable, "-m", "vitexp.cli", "sweep", table, "--rehearse", "--rehearse-only", name,
+    out = subprocess.run([sys.executable, "-m", "vitexp.commands.cli", "sweep", table, "--rehearse", "--rehearse-only", name,
                           "--rehearse-trainer", "ddp_cpu", "--rehearse-batch", "1", "--rehearse-steps", "2",
                           "--rehearse-dir", str(tmp_path / "out")],
                          capture_output=True, text=True, env=cli_env(results_dir), timeout=1800)
@@ -176,8 +176,8 @@ def test_every_trainable_parameter_of_a_saper_recovery_gets_a_gradient(mode, mak
     and their norm1 feeds nothing; the DDP rehearsal of a full-size distill row failed on it."""
     import torch
 
-    from vitexp.build import build_backbone_and_method
-    from vitexp.train import stage_module
+    from vitexp.training.build import build_backbone_and_method
+    from vitexp.training.fit import stage_module
 
     cfg = make_cfg(["experiment=saper_micro", f"method=saper_{mode}", "budget.k=1", "backbone.pretrained=null",
                     "method.recover_epochs=1"])
@@ -210,7 +210,7 @@ def test_only_names_rows_and_a_spent_budget_starts_none(results_dir, tmp_path):
                                                "data=micro_coco is not synthetic_coco")])
 def test_a_rehearsal_refuses_real_data_naming_its_objectives_synthetic_data(overrides, named, make_cfg):
     from vitexp.errors import ConfigError
-    from vitexp.rehearsal.app import rehearse
+    from vitexp.commands.rehearse import rehearse
 
     cfg = make_cfg([*overrides, "+trainer.max_steps=2"])
     with pytest.raises(ConfigError, match=named):

@@ -1,4 +1,4 @@
-"""The results page (vitexp/results_page.py): every spec's verdict fills from its own table's
+"""The results page (vitexp/report/results_page.py): every spec's verdict fills from its own table's
 cells, a placeholder naming a row or column the table lacks is refused, no verdict types a
 measured number by hand, and vitexp-tables writes the page."""
 from __future__ import annotations
@@ -8,7 +8,8 @@ import re
 import pytest
 
 from conftest import recorded
-from vitexp import SWEEPS_DIR, results_page, tables
+from vitexp import SWEEPS_DIR
+from vitexp.report import results_page, tables
 
 VERDICTS = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml") if "verdict:" in p.read_text())
 #: What a measured number typed into prose looks like: a mean ± std, a percentage (whole or not), a

@@ -1,4 +1,4 @@
-"""The run owner (vitexp.run): resume=auto after SIGKILL, stale entries, portable paths, the
+"""The run owner (vitexp.runs.owner): resume=auto after SIGKILL, stale entries, portable paths, the
 closing JSON line on every exit, and the package's shape (no import cycle, short modules)."""
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ SMALL_RUN = ["data=synthetic", "data.num_train=64", "data.num_val=16", "data.num
 
 
 def train_cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "vitexp.cli", "train", *SMALL_RUN, "resume=auto", f"hydra.run.dir={run_dir}", *extra]
+    return [sys.executable, "-m", "vitexp.commands.cli", "train", *SMALL_RUN, "resume=auto", f"hydra.run.dir={run_dir}", *extra]
 
 
 def last_json(stdout: str) -> dict:
@@ -83,7 +83,7 @@ def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_ru
     ``resumed_from`` (the first attempt's checkpoint, 1 epoch and 2 steps done) is what shows it resumed
     (seen to fail with ``last.ckpt`` ignored)."""
     from vitexp.ledger import portable_path
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
         "resume=auto", "recipe.epochs=3", "data.num_train=32", "data.num_test=16"]
@@ -110,7 +110,7 @@ def test_resume_refuses_a_folder_that_holds_another_run(make_cfg, results_dir, t
     """resume=auto in a folder whose interrupted attempt had another config does not continue that
     run (its entry, W&B run and checkpoint) with this config: it stops before touching them."""
     from vitexp.errors import ConfigError
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
         "resume=auto", "recipe.epochs=2", "data.num_train=32", "data.num_test=16"]
@@ -123,7 +123,7 @@ def test_resume_refuses_a_folder_that_holds_another_run(make_cfg, results_dir, t
 
 
 def test_resume_true_still_requires_a_checkpoint_and_auto_starts_fresh(make_cfg, tmp_path, results_dir):
-    from vitexp.run import resume_checkpoint
+    from vitexp.runs.owner import resume_checkpoint
 
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     assert resume_checkpoint("auto", ckpt) is None and resume_checkpoint(False, ckpt) is None
@@ -141,16 +141,16 @@ def dead_pid() -> int:
 
 
 def test_a_running_entry_whose_process_is_gone_is_interrupted(results_dir, tmp_path):
-    from vitexp.results import INTERRUPTED, LedgerEntry, effective_status
-    from vitexp.sweep import plan
-    from vitexp.tables import fill, load_spec, render_markdown
+    from vitexp.ledger import INTERRUPTED, LedgerEntry, effective_status
+    from vitexp.commands.sweep import plan
+    from vitexp.report.tables import fill, load_spec, render_markdown
 
     alive = LedgerEntry("demo", "train", config_of("demo"), results_dir).start()
     assert effective_status(alive.record) == "running"  # this process
     spec = load_spec("demo")
     assert plan(spec, "train", False, results_dir)["train"]["skip"] == ["demo"]  # running now: not launched twice
     alive.record["env"]["pid"] = dead_pid()
-    from vitexp.results import atomic_write_json
+    from vitexp.ledger import atomic_write_json
 
     atomic_write_json(alive.path, alive.record)
     (record,) = ledger_entries(results_dir)
@@ -166,7 +166,7 @@ def test_a_running_entry_from_another_host_is_interrupted_once_its_heartbeat_sto
     $VITEXP_STALE_HOURS (default 6)."""
     import datetime as dt
 
-    from vitexp.results import INTERRUPTED, effective_status
+    from vitexp.ledger import INTERRUPTED, effective_status
 
     now = dt.datetime(2026, 1, 2, 12, 0, tzinfo=dt.timezone.utc)
     entry = {"status": "running", "env": {"hostname": "node-17", "pid": 1}, "started": "2026-01-02T00:00:00+00:00"}
@@ -182,18 +182,18 @@ def test_a_running_entry_from_another_host_is_interrupted_once_its_heartbeat_sto
 def test_a_training_run_beats_its_entry(make_cfg, results_dir, tmp_path):
     import unittest.mock
 
-    import vitexp.results
-    from vitexp.train import train
+    import vitexp.ledger
+    from vitexp.training.fit import train
 
     beats = []
 
-    original = vitexp.results.LedgerEntry.beat
+    original = vitexp.ledger.LedgerEntry.beat
 
     def counting(self):
         beats.append(self.record["status"])
         original(self)
 
-    with unittest.mock.patch.object(vitexp.results.LedgerEntry, "beat", counting):
+    with unittest.mock.patch.object(vitexp.ledger.LedgerEntry, "beat", counting):
         result = train(make_cfg(SMALL_RUN + QUIET[:1], tmp_path / "beat"))
     entry = json.loads((results_dir / result["ledger"]).read_text())  # relative to the results root
     assert beats and set(beats) == {"running"} and "heartbeat" in entry
@@ -201,8 +201,8 @@ def test_a_training_run_beats_its_entry(make_cfg, results_dir, tmp_path):
 
 
 def test_ledger_paths_are_relative_to_the_results_folder(make_cfg, results_dir):
-    from vitexp.results import local_path
-    from vitexp.train import train
+    from vitexp.ledger import local_path
+    from vitexp.training.fit import train
 
     cfg = make_cfg(QUIET + ["data=synthetic", "data.num_train=16", "data.num_val=8", "data.num_test=8",
                             "recipe.batch_size=8", "recipe.epochs=1", "recipe.warmup_epochs=0", "eval.throughput=false",
@@ -216,7 +216,7 @@ def test_ledger_paths_are_relative_to_the_results_folder(make_cfg, results_dir):
 
 
 def run_cli(*args: str, results_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vitexp.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "vitexp.commands.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env=cli_env(results_dir), timeout=300)
 
 
@@ -228,7 +228,7 @@ def run_cli(*args: str, results_dir: Path, cwd: Path) -> subprocess.CompletedPro
 def test_every_exit_ends_with_a_json_line_and_leaves_no_empty_folder(args, needle, results_dir, tmp_path):
     env = cli_env(results_dir)
     env.pop("WANDB_API_KEY", None)
-    proc = subprocess.run([sys.executable, "-m", "vitexp.cli", *args], capture_output=True, text=True, cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "vitexp.commands.cli", *args], capture_output=True, text=True, cwd=tmp_path,
                           env={**env, "WANDB_MODE": "offline", "NETRC": str(tmp_path / "none")}, timeout=300)
     assert proc.returncode != 0
     result = last_json(proc.stdout)
@@ -288,20 +288,19 @@ def test_no_module_over_400_lines():
     assert not long, long
 
 
-def test_the_documented_layout_names_every_module():
-    layout = (ROOT / "docs" / "layout.md").read_text().split("```")[1]
-    for p in sorted((ROOT / "vitexp").glob("*.py")):
-        if p.name != "__init__.py":
-            assert f"  {p.name}" in layout, f"docs/layout.md misses vitexp/{p.name}"
+def test_the_documented_layout_names_every_package():
+    layout = (ROOT / "docs" / "layout.md").read_text().split("## The packages", 1)[1]
     for p in sorted((ROOT / "vitexp").iterdir()):
         if p.is_dir() and (p / "__init__.py").exists():
-            assert f"  {p.name}/" in layout, f"docs/layout.md misses vitexp/{p.name}/"
+            assert f"**`{p.name}/`**" in layout, f"docs/layout.md misses vitexp/{p.name}/"
+        elif p.suffix == ".py" and p.name != "__init__.py":
+            assert f"**`{p.name}`**" in layout, f"docs/layout.md misses vitexp/{p.name}"
 
 
 def test_the_progress_bar_shows_accuracy_in_percent(monkeypatch):
     from lightning.pytorch.callbacks import TQDMProgressBar
 
-    from vitexp.build import PercentProgressBar
+    from vitexp.training.build import PercentProgressBar
 
     monkeypatch.setattr(TQDMProgressBar, "get_metrics", lambda self, t, m: {"val/top1": 0.9531, "train/loss": 0.25})
     assert PercentProgressBar().get_metrics(None, None) == {"val/top1": "95.31%", "train/loss": 0.25}
@@ -310,7 +309,7 @@ def test_the_progress_bar_shows_accuracy_in_percent(monkeypatch):
 def test_a_failed_validation_removes_only_folders_vitexp_made(tmp_path):
     """The empty run folder goes; above it only Hydra's outputs/<name>/ and outputs/, never a folder
     the user chose for hydra.run.dir."""
-    from vitexp.run import remove_if_empty
+    from vitexp.runs.owner import remove_if_empty
 
     mine = tmp_path / "scratch" / "me" / "run1"
     (mine / ".hydra").mkdir(parents=True)
@@ -326,7 +325,7 @@ def test_a_resumed_run_may_pin_a_newer_run_of_its_teacher_but_not_another_teache
     """Each attempt pins backbone.pretrained=run:<experiment> to that experiment's newest run: the
     fingerprint reads a pinned run id as its experiment, so a newer run of the same teacher is the
     same run, another teacher is not."""
-    from vitexp.run import config_fingerprint
+    from vitexp.runs.owner import config_fingerprint
 
     (tmp_path / "runs").mkdir()
     for run_id, experiment in (("a1", "teacher"), ("a2", "teacher"), ("b1", "other")):
@@ -345,7 +344,7 @@ def test_wandb_shows_the_ledgers_top1_in_a_group_with_tags(make_cfg, results_dir
     import wandb
     from wandb.sdk.wandb_run import Run
 
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     inits, logged = [], {}
     real_init, real_log = wandb.init, Run.log
@@ -394,7 +393,7 @@ def test_a_signal_interrupts_the_entry_and_the_resumed_run_sums_its_attempts(mak
     handler that was there before the run (Python's KeyboardInterrupt for SIGINT; for SIGTERM this test's
     own handler, where a bare process would end); resume=auto continues it, and its fit_time_s is the
     sum of both attempts' (each kept under attempts)."""
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
         "resume=auto", "recipe.epochs=3", "data.num_train=32", "data.num_test=16"]
@@ -476,10 +475,10 @@ def test_a_run_folder_is_owned_by_one_live_process(tmp_path):
     import signal
 
     from vitexp.errors import ConfigError
-    from vitexp.runlock import RunFolderLock
+    from vitexp.runs.lock import RunFolderLock
 
     folder = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vitexp.runlock import RunFolderLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vitexp.runs.lock import RunFolderLock; "
                                f"RunFolderLock({str(folder)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -503,7 +502,7 @@ def test_a_folder_that_holds_a_completed_run_is_not_run_again(make_cfg, results_
     """resume=auto on a folder whose run completed would open a second entry that resumes from the
     first's last checkpoint (a duplicate "completed" with no training): refused, one entry remains."""
     from vitexp.errors import ConfigError
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     over = [*SMALL_RUN, *QUIET, "resume=auto", "recipe.epochs=2"]
     train(make_cfg(over, tmp_path / "done"))
@@ -538,7 +537,7 @@ def test_a_run_folder_outside_the_repository_leaves_no_absolute_path(make_cfg, r
     """Neither the entry nor the closing line holds an absolute path of this machine: the run folder
     (outside the repository and the results root), the ledger field, an error's text."""
     from vitexp import PROJECT_ROOT
-    from vitexp.commands import run_flops
+    from vitexp.commands.inspect import run_flops
     from vitexp.ledger import LedgerEntry
 
     elsewhere = tmp_path / "scratch" / "me" / "run1"

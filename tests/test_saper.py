@@ -1,5 +1,5 @@
 """SAPER's head gating, physical head removal, FLOPs protocol and reported accuracy
-(vitexp/methods/saper/, vitexp/module.py DistillModule, vitexp/train.py)."""
+(vitexp/methods/saper/, vitexp/training/modules.py DistillModule, vitexp/training/fit.py)."""
 from __future__ import annotations
 
 import math
@@ -12,8 +12,8 @@ from timm.models.vision_transformer import Attention
 
 import vitexp  # noqa: F401
 from vitexp.ledger.paths import local_path
-from vitexp.flops import count_heads as head_count
-from vitexp.flops import count_macs
+from vitexp.measure.flops import count_heads as head_count
+from vitexp.measure.flops import count_macs
 from vitexp.methods.probe import ProbeModel
 from vitexp.methods.saper import ConstantBranch, HeadSelector, SaperDistill, SaperHeads
 from vitexp.models._common import ScaledAttention
@@ -176,7 +176,7 @@ def test_trainable_all_trains_attention_but_never_the_teacher():
 
 
 def test_trainable_rejects_an_unknown_choice():
-    from vitexp.config import ConfigError
+    from vitexp.config.composition import ConfigError
 
     with pytest.raises(ConfigError, match="scores.*mlp.*all"):
         SaperHeads(trainable="attention")
@@ -186,7 +186,7 @@ def test_trainable_rejects_an_unknown_choice():
 
 def test_knn_features_default_to_the_cls_token():
     """DINO's k-NN uses the CLS token: saper_kd and knn default to it; cls_mean is [CLS ‖ mean patch]."""
-    import vitexp.config as vconfig
+    import vitexp.config.composition as vconfig
     from vitexp.methods import method_from_config
 
     x = torch.randn(2, 3, 56, 56)
@@ -230,9 +230,9 @@ def test_training_anneals_the_head_budget_through_the_module(tmp_path):
     """ClassifyModule tells the model its progress: by the end the budget is k and the scores moved."""
     import lightning as L
 
-    from vitexp.data import SyntheticDataModule
-    from vitexp.module import ClassifyModule
-    import vitexp.config as vconfig
+    from vitexp.data.datamodules import SyntheticDataModule
+    from vitexp.training.modules import ClassifyModule
+    import vitexp.config.composition as vconfig
 
     model = SaperHeads(anneal_fraction=0.5).apply(micro(), {"kind": "heads", "k": 5})
     recipe = dict(vconfig.compose(["recipe.epochs=2", "recipe.warmup_epochs=0", "recipe.lr=0.01"]).recipe)
@@ -248,7 +248,7 @@ def test_training_anneals_the_head_budget_through_the_module(tmp_path):
 
 
 def test_weighted_knn_votes():
-    from vitexp.module import weighted_knn_votes
+    from vitexp.training.modules import weighted_knn_votes
 
     bank = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
     labels = torch.tensor([0, 0, 1])
@@ -261,7 +261,7 @@ def test_weighted_knn_votes():
 
 def test_train_eval_loader_shards_hold_each_image_once():
     """The k-NN memory bank's shards under DDP: every training image in exactly one rank, in order."""
-    from vitexp.data import SyntheticDataModule
+    from vitexp.data.datamodules import SyntheticDataModule
 
     dm = SyntheticDataModule(num_train=101, num_val=4, num_test=4, batch_size=16, data_config={"input_size": (3, 8, 8)})
     dm.setup()
@@ -286,8 +286,8 @@ SOFT_RUN = ["backbone=dinov2_micro", "+backbone.kwargs.init_values=1.0", "budget
 def independent_accuracy(model: nn.Module, cfg, objective: str) -> float:
     """Top-1 (%) of ``model`` on the run's test split, computed here: argmax of the logits, or the
     weighted k-NN over the training split's features."""
-    from vitexp.module import weighted_knn_votes
-    from vitexp.build import build_datamodule, data_config_for
+    from vitexp.training.modules import weighted_knn_votes
+    from vitexp.training.build import build_datamodule, data_config_for
 
     dm = build_datamodule(cfg, data_config_for(cfg, model.backbone))
     dm.setup("test")
@@ -306,8 +306,8 @@ def test_run_reports_and_saves_the_deployed_model(method, make_cfg, results_dir,
     """top1 is the physically pruned model's accuracy; artifacts.weights is that model, rebuilt
     from the ledger (kept_heads) without the training code's gates; soft_top1 is the gated model's."""
     from vitexp.methods import method_from_config
-    from vitexp.build import build_configured_backbone
-    from vitexp.train import train
+    from vitexp.training.build import build_configured_backbone
+    from vitexp.training.fit import train
 
     from conftest import QUIET, ledger_entries
 

@@ -42,7 +42,7 @@ class StageSteps(Callback):
 
 def select_checkpoint_model(cfg, output_dir):
     """The deployed model at the end of ``select``, rebuilt here from the select stage's checkpoint."""
-    from vitexp.build import build_configured_backbone
+    from vitexp.training.build import build_configured_backbone
     from vitexp.methods import method_from_config
 
     method = method_from_config(cfg.method)
@@ -65,7 +65,7 @@ def test_recover_trains_the_mlps_and_the_probe_of_the_deployed_model_and_leaves_
     """After ``recover`` the deployed weights (what ``top1``, FLOPs and the artifact are) differ from
     the deployed model at the end of ``select`` in every MLP and in the probe, and equal it in every
     attention weight; ``selected_top1`` is that earlier model's accuracy and ``top1`` the final one's."""
-    from vitexp.train import train
+    from vitexp.training.fit import train
     from test_saper import independent_accuracy
 
     cfg = make_cfg(RUN + [f"method.selection={selection}"], tmp_path / "run")
@@ -116,10 +116,10 @@ def test_lapsums_probe_is_fitted_on_the_deployed_model():
 def _recovery(mode: str, selection: str):
     """The recovery stage of one spec row (fmnist_saper_table1, k = 6): its composed method config,
     the stage, and the names of the parameters it trains."""
-    import vitexp.config as vconfig
-    from vitexp.build import build_configured_backbone
+    import vitexp.config.composition as vconfig
+    from vitexp.training.build import build_configured_backbone
     from vitexp.methods import method_from_config
-    from vitexp import rows
+    from vitexp.config import rows
 
     row = {"experiment": "fmnist_saper_dinov2_micro", "overrides": [f"method=saper_{mode}", "budget.k=6",
                                                                      f"method.selection={selection}"]}
@@ -163,7 +163,7 @@ def test_every_selection_rule_gets_the_identical_recovery(mode):
 def test_resume_in_the_middle_of_recover_does_not_select_again(make_cfg, results_dir, tmp_path):
     """A run preempted in recover's second epoch, resumed: select restores its checkpoint and trains
     no batch; recover trains only its second epoch; the metrics equal an uninterrupted run's."""
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     over = RUN + ["resume=auto"]
     whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]
@@ -183,9 +183,9 @@ def _recovery_start(mode: str, selection: str, overrides: tuple[str, ...] = ()):
     """The model one fmnist_saper_table1 row (k = 6) enters ``recover`` with, built from the composed
     config on the same backbone weights (seed 0), and its method; LapSum's ``select`` is taken as
     over (progress 1) with the scores it is handed afterwards (:func:`_lapsum_keeping`)."""
-    import vitexp.config as vconfig
-    from vitexp import rows
-    from vitexp.build import build_configured_backbone
+    import vitexp.config.composition as vconfig
+    from vitexp.config import rows
+    from vitexp.training.build import build_configured_backbone
     from vitexp.methods import method_from_config
 
     row = {"experiment": "fmnist_saper_dinov2_micro",
@@ -253,7 +253,7 @@ def test_a_run_killed_after_the_last_epoch_of_a_stage_resumes_with_every_metric(
     validating it again: its last validation metrics (LapSum's soft_val_*, a fixed rule's
     selected_val_*, recover's val_*) come back from the checkpoint, every metric but the times equals
     an uninterrupted run's, and wall_time_s sums the attempts, as fit_time_s does."""
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     over = RUN + ["resume=auto", f"method.selection={selection}"]
     whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]

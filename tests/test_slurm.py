@@ -1,6 +1,6 @@
 """The SLURM code path without a cluster: Hydra's submitit_local launcher (the code path of
 hydra/launcher=slurm) and SIGUSR1, SLURM's warning before a job's time limit, with a stand-in
-``scontrol`` on PATH (vitexp.slurm)."""
+``scontrol`` on PATH (vitexp.runs.slurm)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,7 @@ SMALL = ["data=synthetic", "data.num_train=64", "data.num_val=16", "data.num_tes
 
 
 def _train(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "vitexp.cli", "train", *SMALL, "resume=auto", f"hydra.run.dir={run_dir}", *extra]
+    return [sys.executable, "-m", "vitexp.commands.cli", "train", *SMALL, "resume=auto", f"hydra.run.dir={run_dir}", *extra]
 
 
 def test_a_slurm_jobs_default_folder_is_named_by_its_job_id(monkeypatch):
@@ -33,7 +33,9 @@ def test_a_slurm_jobs_default_folder_is_named_by_its_job_id(monkeypatch):
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from vitexp import CONF_DIR, config
+    from vitexp import CONF_DIR
+
+    from vitexp.config import composition as config
 
     for var in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -95,7 +97,7 @@ def test_two_rows_sweep_through_the_submitit_local_launcher(tmp_path):
     """(About 2 minutes of CPU.) ``vitexp-train -m ... hydra/launcher=submitit_local``: each job runs in a
     process of its own started by submitit, as on a cluster node, and writes its own completed entry."""
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "vitexp.cli", "train", "-m", *SMALL, "recipe.epochs=2", "seed=0,1",
+    cmd = [sys.executable, "-m", "vitexp.commands.cli", "train", "-m", *SMALL, "recipe.epochs=2", "seed=0,1",
            "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     done = subprocess.run(cmd, env=cli_env(results), capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
@@ -109,7 +111,7 @@ def test_two_rows_sweep_through_the_submitit_local_launcher(tmp_path):
 def _submitit_handler(calls: list):
     """A stand-in for submitit's SIGUSR2 handler on rank 0 (``SignalHandler.checkpoint_and_try_requeue``:
     checkpoint, ``scontrol requeue``, then ``SystemExit(-1)``), named by submitit's module so that
-    :func:`vitexp.slurm.note_submitit_requeue` wraps it as it wraps the real one."""
+    :func:`vitexp.runs.slurm.note_submitit_requeue` wraps it as it wraps the real one."""
     def checkpoint_and_try_requeue(signum, frame):
         calls.append(signum)
         raise SystemExit(-1)
@@ -157,9 +159,9 @@ def test_slurms_signals_while_an_interrupted_entry_closes_are_noted_never_raised
     are noted, never raised: the entry closes ``interrupted`` by the first signal with submitit's requeue,
     submitit's handler ran once, and the process exits as after SIGUSR2 (128 + 12). (Seen to fail without
     the closing guard: the SIGTERM raised inside ``Run._fail`` left the entry ``running``.)"""
-    from vitexp import slurm
+    from vitexp.runs import slurm
     from vitexp.ledger import LedgerEntry
-    from vitexp.run import owned_run
+    from vitexp.runs.owner import owned_run
 
     burst = (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
     monkeypatch.setattr(LedgerEntry, "interrupt", _signalled(LedgerEntry.interrupt, *burst))
@@ -186,7 +188,7 @@ def test_a_run_closing_completed_is_never_requeued_and_a_sigterm_then_ends_it(su
     completed run requeued would rerun a finished folder), the entry closes ``completed``, and the SIGTERM
     reaches the handler from before the run once the entry is closed."""
     from vitexp.ledger import LedgerEntry
-    from vitexp.run import owned_run
+    from vitexp.runs.owner import owned_run
 
     monkeypatch.setattr(LedgerEntry, "finish", _signalled(LedgerEntry.finish, signal.SIGUSR2, signal.SIGTERM))
     with pytest.raises(_Stopped):

@@ -1,4 +1,4 @@
-"""Table rows from overrides (vitexp.rows): grids expand in order, a row's runs are found by its
+"""Table rows from overrides (vitexp.config.rows): grids expand in order, a row's runs are found by its
 name, the sweep launches a row's missing (row, seed) jobs with its overrides, and converting
 SAPER's experiment files into base experiments + grids changed no table.
 
@@ -18,8 +18,11 @@ import yaml
 from omegaconf import OmegaConf
 
 from conftest import config_of
-from vitexp import CONF_DIR, PROJECT_ROOT, aggregate, rows, tables
-from vitexp.results import LedgerEntry, iter_runs
+from vitexp import CONF_DIR, PROJECT_ROOT
+from vitexp.report import aggregate, tables
+from vitexp.config import rows
+from vitexp.ledger import LedgerEntry
+from ledger_records import iter_runs
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BEFORE = json.loads((FIXTURES / "table_cells.json").read_text())
@@ -204,7 +207,7 @@ def _spec_file(tmp_path, seeds=(0, 1)) -> Path:
 
 
 def test_sweep_dry_run_launches_an_override_rows_missing_seeds_with_its_overrides(tmp_path, results_dir, capsys):
-    from vitexp.sweep import main
+    from vitexp.commands.sweep import main
 
     name = "bspf_demo+budget.keep_ratio=0.7"
     row = {"budget": {"keep_ratio": 0.7}}
@@ -219,7 +222,7 @@ def test_sweep_dry_run_launches_an_override_rows_missing_seeds_with_its_override
     assert summary["status"] == "dry_run" and summary["would_launch"]["flops"] == [f"{name}+seed=1", f"{name}+seed=2"]
     assert (f"-m experiment=bspf_demo budget.keep_ratio=0.7 name='{name}+seed=${{seed}}' seed=1,2 "
             "++logger.group=override_rows") in err
-    from vitexp.config import compose, run_name  # what such a job records: Hydra parses the quoted name
+    from vitexp.config.composition import compose, run_name  # what such a job records: Hydra parses the quoted name
 
     job = [*rows.job_arguments(tables.load_spec(_spec_file(tmp_path))["rows"][0], seeded=True), "seed=2"]
     cfg = compose(job)
@@ -231,7 +234,7 @@ def test_sweep_dry_run_launches_an_override_rows_missing_seeds_with_its_override
 def test_sweep_runs_an_override_row_and_the_table_finds_its_seeds(tmp_path, results_dir, capsys, monkeypatch):
     """End to end: vitexp-sweep runs the row's seeds under its name with its overrides; the table
     fills the row from them; the same command then launches nothing."""
-    from vitexp.sweep import main
+    from vitexp.commands.sweep import main
 
     monkeypatch.chdir(tmp_path)  # Hydra's multirun/ folder
     spec = _spec_file(tmp_path)

@@ -1,11 +1,11 @@
 """A shared start whose weights are not on this machine trains again only for the rows that load it
-(vitexp.sweep.plan, issue 45): a new seed of one start's rows retrains that start and its rows,
+(vitexp.commands.sweep.plan, issue 45): a new seed of one start's rows retrains that start and its rows,
 never another start, its committed seeds, or a row that loads no start."""
 from __future__ import annotations
 
 from conftest import config_of
-from vitexp.data import DATA_ORDER
-from vitexp.results import LedgerEntry
+from vitexp.data.datamodules import DATA_ORDER
+from vitexp.ledger import LedgerEntry
 
 #: Two starts (demo, tome_demo), a row fine-tuned from each (the ``weights`` key), a row from none;
 #: only the rows of tome_demo ask for a seed 2.
@@ -28,7 +28,7 @@ def _run(results_dir, name, seed=None, pretrained=None, weights=None):
 
 
 def test_a_new_seed_retrains_only_the_start_its_row_loads(results_dir, tmp_path, capsys):
-    from vitexp.sweep import plan
+    from vitexp.commands.sweep import plan
 
     for start, ft in (("demo", "chunk_demo"), ("tome_demo", "bspf_demo")):
         _run(results_dir, start, 0, weights=tmp_path / f"gone-{start}.pth")  # committed, weights elsewhere
@@ -53,7 +53,7 @@ def test_a_new_seed_retrains_only_the_start_its_row_loads(results_dir, tmp_path,
 def test_a_start_named_in_the_experiment_file_is_the_rows_start(results_dir):
     """A row whose experiment config sets ``backbone.pretrained: run:<start>`` (the Fashion-MNIST
     fine-tunings) loads that start as surely as one with a ``weights`` key."""
-    from vitexp.sweep import plan
+    from vitexp.commands.sweep import plan
 
     spec = {"name": "s", "title": "t", "seeds": [0], "rows": [
         {"label": "start", "experiment": "fmnist_caformer_micro_baseline", "seeds": None},

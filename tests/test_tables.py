@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import recorded
-from vitexp import SWEEPS_DIR, tables
-from vitexp.results import LedgerEntry
+from vitexp import SWEEPS_DIR
+from vitexp.report import tables
+from vitexp.ledger import LedgerEntry
 
 SPEC = {
     "name": "fixture",
@@ -46,7 +47,7 @@ def ledger(results_dir):
 
 
 def test_cells_from_newest_completed_run_and_not_run(ledger):
-    from vitexp.results import iter_runs
+    from ledger_records import iter_runs
 
     rows = tables.fill(SPEC, list(iter_runs(ledger)))
     by = {r["label"]: r for r in rows}
@@ -63,7 +64,7 @@ def test_cells_from_newest_completed_run_and_not_run(ledger):
 
 
 def test_written_files(ledger, tmp_path):
-    from vitexp.results import iter_runs
+    from ledger_records import iter_runs
 
     written = tables.write_table(SPEC, list(iter_runs(ledger)), tmp_path / "tables")
     assert set(written) == {"md", "tex", "csv", "png"}
@@ -128,7 +129,7 @@ def test_every_table_spec_parses_and_names_existing_experiments(spec):
 def test_a_protocol_filter_keeps_a_row_on_the_runs_of_that_protocol():
     """peers_throughput_cpu shows one interleaved comparison: a newer single-model bench of a row
     (another protocol, other images/s) must not replace its cell."""
-    from vitexp.tables import fill
+    from vitexp.report.tables import fill
 
     spec = {"name": "t", "protocol": {"mode": "compare"}, "columns": [{"key": "throughput", "digits": 1}],
             "rows": [{"label": "BSPF", "experiment": "bspf_deit_small", "paper": {}}]}
@@ -141,8 +142,8 @@ def test_a_protocol_filter_keeps_a_row_on_the_runs_of_that_protocol():
 
 
 def test_seeded_row_trained_without_an_optional_metric_says_na(results_dir):
-    from vitexp.data import DATA_ORDER
-    from vitexp.results import iter_runs
+    from vitexp.data.datamodules import DATA_ORDER
+    from ledger_records import iter_runs
 
     spec = {"name": "seeded_na", "title": "t", "seeds": [0, 1],
             "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 1},
@@ -165,8 +166,8 @@ def test_a_column_that_repeats_another_by_construction_says_so_and_shows_its_num
     """SAPER's soft-gated top-1 repeats the selected top-1 under straight-through: such a row says
     "= selected (straight-through)"; a row trained without it, and a straight-through row whose two
     values differ in one seed, show their numbers."""
-    from vitexp.data import DATA_ORDER
-    from vitexp.results import iter_runs
+    from vitexp.data.datamodules import DATA_ORDER
+    from ledger_records import iter_runs
 
     same = {"key": "selected_top1", "when": {"method.straight_through": True}, "text": "= selected (straight-through)"}
     spec = {"name": "soft", "title": "t", "seeds": [0, 1],

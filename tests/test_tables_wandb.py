@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import config_of
-from vitexp import tables
+from vitexp.report import tables
 from vitexp.ledger import local_path
 
 

@@ -138,8 +138,8 @@ def test_tome_decision_is_where_the_merge_puts_each_token():
 
 @pytest.mark.parametrize("experiment", ["bspf_demo", "evit_demo", "tome_demo"])
 def test_token_maps_of_the_patched_micro_vit_account_for_every_patch(experiment):
-    from vitexp.build import build_model
-    from vitexp.config import compose
+    from vitexp.training.build import build_model
+    from vitexp.config.composition import compose
 
     cfg = compose([f"experiment={experiment}"])
     torch.manual_seed(0)
@@ -180,8 +180,8 @@ def _image_folder(root: Path) -> None:
 
 @pytest.mark.parametrize("case", ["tome_digits", "evit_imagefolder", "bspf_fashion_mnist"])
 def test_analyze_tokens_writes_a_png_per_image_and_records_them(case, results_dir, tmp_path, capsys):
-    from vitexp.cli import analyze_main
-    from vitexp.results import local_path
+    from vitexp.commands.cli import analyze_main
+    from vitexp.ledger import local_path
 
     overrides = {"tome_digits": ["experiment=tome_demo"],
                  "evit_imagefolder": ["experiment=evit_demo", "data=imagefolder", f"data.root={tmp_path / 'images'}",
@@ -205,7 +205,7 @@ def test_analyze_tokens_writes_a_png_per_image_and_records_them(case, results_di
 @pytest.mark.parametrize("overrides, says", [(["experiment=demo"], "valid methods"),
                                               (["experiment=bspf_demo", "backbone=caformer_micro"], "use a ViT backbone")])
 def test_analyze_tokens_refuses_what_it_cannot_draw(overrides, says, results_dir, capsys):
-    from vitexp.cli import analyze_main
+    from vitexp.commands.cli import analyze_main
 
     with pytest.raises(SystemExit) as exit_info:
         analyze_main(["tokens", *overrides, "logger=none"])

@@ -6,11 +6,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import vitexp.config as vconfig
+import vitexp.config.composition as vconfig
+from vitexp.training import resolve
 from vitexp import CONF_DIR
 from vitexp.models import CheckpointMismatchError, build_backbone
-from vitexp.module import NonFiniteLossError
-from vitexp.train import train
+from vitexp.training.modules import NonFiniteLossError
+from vitexp.training.fit import train
 
 from conftest import QUIET, ledger_entries, pairwise
 
@@ -34,7 +35,7 @@ def test_fast_dev_run(backbone, method, make_cfg, results_dir):
     cfg = make_cfg(SMALL + [f"backbone={backbone}", f"method={method}", f"budget={budget}",
                             "trainer.fast_dev_run=true"] + (["budget.k=3"] if budget == "heads" else []))
     try:
-        vconfig.validate(cfg)
+        resolve.validate(cfg)
     except vconfig.ConfigError as err:
         if "does not apply" in str(err):
             pytest.skip(str(err))
@@ -101,8 +102,8 @@ def test_a_run_resumed_from_a_checkpoint_of_the_old_sampler_is_not_marked_indepe
     run records ``data_order_resumed_from`` instead of ``data_order``, and so does a run requeued
     again from a checkpoint that resumed run wrote; a seed >= 1 run so recorded counts as
     overlapping (the sweep trains it again)."""
-    from vitexp.aggregate import overlapping_order
-    from vitexp.callbacks import DataOrderMark
+    from vitexp.report.aggregate import overlapping_order
+    from vitexp.runs.callbacks import DataOrderMark
 
     over = SMALL + ["recipe.epochs=3", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false", "seed=1"]
     with pytest.raises(RuntimeError, match="simulated crash"):

@@ -1,5 +1,5 @@
 """``WANDB_MODE`` from the environment: empty means unset, a value W&B refuses is a one-line config
-error before anything starts (vitexp.logging_utils.wandb_mode, called by vitexp.config.validate); the
+error before anything starts (vitexp.runs.loggers.wandb_mode, called by vitexp.config.composition.validate); the
 empty value is dropped from the environment only where W&B starts (build_logger)."""
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from vitexp import config as vconfig
+from vitexp.config import composition as vconfig
+from vitexp.training import resolve
 from vitexp.errors import ConfigError
-from vitexp.logging_utils import WANDB_MODES, build_logger, wandb_mode
+from vitexp.runs.loggers import WANDB_MODES, build_logger, wandb_mode
 
 
 def test_an_empty_wandb_mode_is_unset_and_only_the_logger_clears_it(monkeypatch, tmp_path):
@@ -38,6 +39,6 @@ def test_the_config_check_refuses_a_bad_wandb_mode_before_the_run(make_cfg, monk
     cfg = make_cfg(["logger=wandb"])
     monkeypatch.setenv("WANDB_MODE", "ofline")
     with pytest.raises(ConfigError, match="WANDB_MODE='ofline'"):
-        vconfig.validate(cfg, need_data=False)
+        resolve.validate(cfg, need_data=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
-    vconfig.validate(cfg, need_data=False)
+    resolve.validate(cfg, need_data=False)

@@ -1,4 +1,4 @@
-"""Starting weights by tag (vitexp.weights): a spec row's ``weights`` key, resolved through
+"""Starting weights by tag (vitexp.config.weights): a spec row's ``weights`` key, resolved through
 conf/weights.yaml from $VITEXP_WEIGHTS or timm's hub cache, never downloaded unless asked."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from conftest import QUIET
-from vitexp import weights as weights_module
-from vitexp.rows import job_arguments
+from vitexp.config import weights as weights_module
+from vitexp.config.rows import job_arguments
 
 MICRO = {"vit_micro_start": {"file": "vit_micro_start.pth", "hub": None, "source": "a test's own file"},
          "deit_small_patch16_224.fb_in1k": weights_module.weights_map()["deit_small_patch16_224.fb_in1k"]}
@@ -67,11 +67,11 @@ def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_wei
     the weights, fills its GMACs."""
     import torch
 
-    from vitexp import tables
-    from vitexp.commands import run_flops
+    from vitexp.report import tables
+    from vitexp.commands.inspect import run_flops
     from vitexp.ledger import Ledger
     from vitexp.models import build_backbone
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     folder = tmp_path / "weights"
     folder.mkdir()
@@ -94,7 +94,7 @@ def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_wei
     (filled,) = tables.fill(spec, Ledger.load(results_dir))
     assert filled["cells"]["top1"]["value"] == result["metrics"]["top1"]
     assert filled["cells"]["gmacs"]["value"] is not None  # the count made without the weights
-    from vitexp.evaluate import eval_config
+    from vitexp.commands.evaluate import eval_config
 
     cfg, _ = eval_config(entry["run_id"])  # vitexp-eval keeps the tag (not a path to make local)
     assert cfg.backbone.pretrained == "weights:vit_micro_start"
@@ -116,7 +116,7 @@ def test_a_run_records_which_weight_set_of_its_pretrained_file_it_loaded(make_cf
     import timm
     import torch
 
-    from vitexp.train import train
+    from vitexp.training.fit import train
 
     torch.manual_seed(0)
     last, ema = (timm.create_model("t2t_vit_micro", num_classes=10).state_dict() for _ in range(2))

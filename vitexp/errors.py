@@ -69,7 +69,7 @@ def join_lines(text: str) -> str:
 
 def console_script(main: Callable[..., None]) -> Callable[..., None]:
     """A console script ends on Ctrl-C as the shell expects of a process stopped by SIGINT: exit 130,
-    no traceback (the run's own entry and closing line were written by :func:`vitexp.run.owned_run`)."""
+    no traceback (the run's own entry and closing line were written by :func:`vitexp.runs.owner.owned_run`)."""
 
     @functools.wraps(main)
     def script(*args: Any, **kwargs: Any) -> None:

@@ -42,7 +42,7 @@ RANDOM_DEIT = "random initialisation (seed 0; no --deit-small given)"
 
 
 def _digits(img_size: int, n: int) -> torch.Tensor:
-    from vitexp.data import DigitsDataModule
+    from vitexp.data.datamodules import DigitsDataModule
 
     dm = DigitsDataModule(data_config={"input_size": (3, img_size, img_size)})
     dm.setup()
@@ -150,7 +150,7 @@ def scoring_cost_per_layer(num_patches: int, num_prefix: int, dim: int, chunk_si
 
 
 def _gmacs(model, img) -> float:
-    from vitexp.flops import count_macs
+    from vitexp.measure.flops import count_macs
 
     return count_macs(model, img).gmacs
 
@@ -161,7 +161,7 @@ def deit_small_model(weights: str | None, results_dir: Path | None = None) -> tu
     import timm
 
     import vitexp  # noqa: F401
-    from vitexp.ledger import resolve_weights
+    from vitexp.config.weights import resolve_weights
 
     if not weights:
         torch.manual_seed(0)
@@ -292,6 +292,6 @@ def summary(findings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     metrics = {f"{scale}_{k}": v for scale in ("micro", "deit_small") for k, v in findings[scale].items()
                if isinstance(v, (int, float))}
     metrics.update({f"gmacs_{k}": v for k, v in findings["gmacs"].items()})
-    return metrics, {"unit": "GMACs", "resolution": 224, "counter": "vitexp.flops",
+    return metrics, {"unit": "GMACs", "resolution": 224, "counter": "vitexp.measure.flops",
                      "micro_run": findings["micro"]["pinned"]["run_id"], "deit_small_weights": findings["deit_small_weights"],
                      "top1_runs": findings.get("top1_runs")}

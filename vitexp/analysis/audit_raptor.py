@@ -4,7 +4,7 @@ SAPER's Table 2 prints 46.33 / 12.25 GFLOPs for the unpruned DINOv2 ViT-B / ViT-
 registers, 257 tokens, linear head on [CLS ‖ mean patch]) and 61.86 / 16.15 for RAPTOR (RAPTOR's
 own setting: 4 registers, 261 tokens, SwiGLU MLPs, 12 block applications). The public review
 objects that RAPTOR's FLOPs exceed the unpruned model's, so "fewer FLOPs than RAPTOR" needs one
-protocol for both. Every number here is counted by ``vitexp.flops.count_macs`` on the model as
+protocol for both. Every number here is counted by ``vitexp.measure.flops.count_macs`` on the model as
 vitexp builds it from an experiment config (random weights: FLOPs do not depend on them):
 
 - the unpruned DINOv2 under SAPER's protocol, and its 4-register variant (RAPTOR's teacher);
@@ -40,9 +40,10 @@ def _rows(size: str) -> list[tuple[str, str, list[str]]]:
 
 def count(overrides: list[str]) -> dict[str, Any]:
     """GMACs / GFLOPs / params of an experiment's deployed model, as ``vitexp-flops`` counts them."""
-    from vitexp.config import compose, validate
-    from vitexp.flops import count_macs
-    from vitexp.build import build_model, registers_of
+    from vitexp.config.composition import compose
+    from vitexp.training.resolve import validate
+    from vitexp.measure.flops import count_macs
+    from vitexp.training.build import build_model, registers_of
 
     cfg = compose(overrides)
     validate(cfg, need_data=False)
@@ -74,7 +75,7 @@ def audit(sizes: Iterable[str] = ("b", "s")) -> dict[str, Any]:
 def render(findings: dict[str, Any]) -> str:
     lines = ["# Audit of SAPER's FLOPs comparison with RAPTOR", "",
              "Measured by `vitexp-audit raptor` (vitexp/analysis/audit_raptor.py): every model is built from a vitexp "
-             "experiment config and counted by `vitexp.flops.count_macs` (fvcore + an SDPA handle; attention "
+             "experiment config and counted by `vitexp.measure.flops.count_macs` (fvcore + an SDPA handle; attention "
              "matmuls counted, norms and element-wise ops not; GFLOPs = 2 × MACs; 224 px; batch 1; the linear "
              "head on [CLS ‖ mean patch] over 1000 classes included).", ""]
     for size, f in findings.items():
@@ -121,4 +122,4 @@ def summary(findings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     metrics = {f"{size}_{key}_gflops": r["gflops"] for size, f in findings.items() for key, r in f["rows"].items()}
     metrics.update({f"{size}_{k}": v for size, f in findings.items() for k, v in f.items()
                     if k.endswith("_gflops") or k.startswith("raptor_over")})
-    return metrics, {"unit": "GFLOPs (2 x MACs)", "resolution": 224, "counter": "vitexp.flops", "head": "included"}
+    return metrics, {"unit": "GFLOPs (2 x MACs)", "resolution": 224, "counter": "vitexp.measure.flops", "head": "included"}

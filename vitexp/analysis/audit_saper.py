@@ -154,7 +154,7 @@ def pruned_backbone_and_images(record: dict[str, Any], weights: str | None, imag
     run's test split, and what pins the weights."""
     from omegaconf import OmegaConf
 
-    from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
+    from vitexp.training.build import build_configured_backbone, build_datamodule, data_config_for
 
     cfg = OmegaConf.create(record["config"])
     pin = weights or teacher_of(record, results_dir)

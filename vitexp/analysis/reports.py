@@ -1,5 +1,5 @@
 """The bodies of ``vitexp-analyze tokens`` and ``vitexp-analyze heads`` inside their owned run
-(vitexp/commands.py opens it): model and data from the config or the run, the figures, what the
+(vitexp/commands/inspect.py opens it): model and data from the config or the run, the figures, what the
 ledger entry records.
 
 **Which weights** (``tokens``). ``backbone.pretrained`` (a file or ``run:<experiment|run_id>``)
@@ -44,9 +44,9 @@ def check_request(cfg: DictConfig, analysis: str, record: dict[str, Any] | None)
 
 def token_model(cfg: DictConfig):
     """(model, method, data config, where its weights came from: ``backbone`` | ``method`` | ``none``)."""
-    from vitexp.build import build_model, load_weights
+    from vitexp.training.build import build_model, load_weights
     from vitexp.models import CheckpointMismatchError
-    from vitexp.ledger import resolve_weights
+    from vitexp.config.weights import resolve_weights
 
     try:
         model, method, data_config = build_model(cfg)
@@ -68,7 +68,7 @@ def token_report(cfg: DictConfig, args: argparse.Namespace, out_dir: Path) -> di
     """Source maps of the first ``args.images`` test images, one PNG each."""
     from vitexp.analysis import tokens
     from vitexp.analysis.token_plots import draw_token_maps
-    from vitexp.build import build_datamodule
+    from vitexp.training.build import build_datamodule
 
     model, method, data_config, weights = token_model(cfg)
     model.eval()
@@ -96,7 +96,7 @@ def head_report(cfg: DictConfig, record: dict[str, Any], args: argparse.Namespac
     """The heads grid of SAPER run ``record`` beside the head clusters of its unpruned backbone."""
     from vitexp.analysis.head_grid import checkpoint_scores, draw_head_grid, kept_mask
     from vitexp.analysis.heads import head_clusters
-    from vitexp.build import build_configured_backbone, build_datamodule, data_config_for
+    from vitexp.training.build import build_configured_backbone, build_datamodule, data_config_for
     from vitexp.ledger import local_path
 
     from vitexp.analysis.audit_saper import teacher_of

@@ -3,9 +3,9 @@ and of its change from the validation split to the test split, one fixed finite 
 can account for.
 
 Each run's deployed model is rebuilt from its own config and weights as ``vitexp-eval`` rebuilds it
-(:func:`vitexp.evaluate.load_deployed`) and run over the run's validation and test splits (the
+(:func:`vitexp.commands.evaluate.load_deployed`) and run over the run's validation and test splits (the
 datamodule's ``val_dataloader`` and ``test_dataloader``, in order, evaluation transforms) by the
-run's own LightningModule under a one-device Trainer (:func:`vitexp.build.build_trainer`), so its
+run's own LightningModule under a one-device Trainer (:func:`vitexp.training.build.build_trainer`), so its
 accuracies are the ledger's ``val_top1`` and ``top1``; a forward hook on the model records, image by
 image, whether its top-1 prediction is right. The two runs must share their data config (loader
 keys aside: :data:`LOADER_KEYS`) and, image by image, their labels.
@@ -105,12 +105,12 @@ class CorrectByImage(Callback):
 
 def predict(cfg, record: Mapping[str, Any], deployed) -> dict[str, Any]:
     """``{split: {"correct": bool array, "labels": int array, "predicted": int array, "size": n}}`` of run ``record``'s
-    deployed model (:class:`vitexp.evaluate.Deployed`) on its validation and test splits, each
+    deployed model (:class:`vitexp.commands.evaluate.Deployed`) on its validation and test splits, each
     checked against what the module's own torchmetrics accuracy logged."""
     from omegaconf import open_dict
 
-    from vitexp.build import build_trainer
-    from vitexp.train import stage_config
+    from vitexp.training.build import build_trainer
+    from vitexp.training.fit import stage_config
 
     objective, stage, model, datamodule_for, _ = deployed
     if objective.name != "auto" or stage.objective != "classify":

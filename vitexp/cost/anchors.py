@@ -6,7 +6,7 @@
   ``(1 / anchor rate) × (row's training GFLOPs / anchor's) × (factor[anchor GPU] / factor[g])``: the
   measured rate, scaled by the FLOPs ratio (a token-reduced or pruned model against its backbone; a
   sibling architecture against its family's measured model), moved to ``g`` by the factor table.
-- A row's anchor: its objective's (:meth:`vitexp.objectives.base.Objective.cost_anchor`), else its
+- A row's anchor: its objective's (:meth:`vitexp.training.objectives.base.Objective.cost_anchor`), else its
   backbone's (``backbones``: ``same`` or ``sibling``), else ``flops_only`` (the backbone is timed at
   the FLOPs rate of a measured model: marked FLOPs-only, with that rate).
 - **GPU factors** (:func:`gpu_factors`): training speed relative to the RTX 3090, the geometric mean
@@ -77,7 +77,7 @@ class RowAnchor:
 
 def row_anchor(config: Mapping[str, Any], cost: Mapping[str, Any] | None = None) -> RowAnchor:
     """The anchor of the row whose composed config is ``config`` (module docstring)."""
-    from vitexp.objectives import objective_for
+    from vitexp.training.objectives import objective_for
 
     cost = cost or cost_config()
     own = objective_for(config).cost_anchor(config)
@@ -153,8 +153,8 @@ def count_anchor(name: str) -> dict[str, float]:
     import timm
     import torch
 
-    from vitexp.flops import count_macs
-    from vitexp.rehearsal.meter import flop_counting
+    from vitexp.measure.flops import count_macs
+    from vitexp.measure.flops import flop_counting
 
     model = timm.create_model(name, pretrained=False, num_classes=1000)
     img = int(a["img_size"])

@@ -47,15 +47,15 @@ def dataset_sizes(config: Mapping[str, Any]) -> dict[str, int] | None:
         return DATASETS[name]
     if data.get("num_train") is not None:  # synthetic
         return {"train": int(data["num_train"]), "val": int(data["num_val"]), "test": int(data["num_test"])}
-    from vitexp.objectives import objective_for
+    from vitexp.training.objectives import objective_for
 
     return objective_for(config).dataset_sizes(data)  # a dataset the objective generates
 
 
 def rehearsal_of(ledger, name: str) -> dict[str, Any] | None:
     """The newest completed rehearsal of row ``name``, one measured on a GPU before any CPU one."""
-    from vitexp.rehearsal import KIND
-    from vitexp.rehearsal.plan import SUFFIX
+    from vitexp.cost.rehearsal import KIND
+    from vitexp.cost.rehearsal.plan import SUFFIX
 
     runs = [r for r in ledger.named(f"{name}{SUFFIX}") if r["kind"] == KIND and r["status"] == "completed"]
     gpu = [r for r in runs if str((r.get("metrics") or {}).get("device", "")).startswith("cuda")]
@@ -147,7 +147,7 @@ def row_cost(config: Mapping[str, Any], rehearsal: Mapping[str, Any], ctx: CostC
 def table_cost(spec: Mapping[str, Any], ledger, ctx: CostContext | None = None) -> dict[str, Any]:
     """{table, gpu, rows: [{label, name, runs, cost | missing}], total_hours, total_gpu_hours, missing,
     cores_needed (the most any row needs per GPU), loader_bound (rows)}."""
-    from vitexp.rows import composed_config, job_arguments, runnable_rows
+    from vitexp.config.rows import composed_config, job_arguments, runnable_rows
 
     ctx = ctx or CostContext.of(ledger)
     rows, total, total_gpu, missing = [], 0.0, 0.0, []

@@ -1,7 +1,7 @@
 """Object detection and instance segmentation (``objective=detect``): torchvision's Mask R-CNN
 around a vitexp backbone (:mod:`.model`), COCO data (:mod:`.coco_data`), the micro COCO
 (:mod:`.micro_coco`) and the LightningModule (:mod:`.module`). Runs reach them through the
-objective's plug-in, :mod:`vitexp.objectives.detection`."""
+objective's plug-in, :mod:`vitexp.training.objectives.detection`."""
 from __future__ import annotations
 
 from typing import Any
@@ -23,9 +23,9 @@ def detector_for(cfg, model: nn.Module, data_config: dict[str, Any]) -> nn.Modul
 def detection_flops(cfg, detector: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
     """(metrics, protocol) of the whole detector at ``detector.flops_size`` (height, width), with
     what the method records about the backbone's forward at that size (BSPF-ViT: the chunks of
-    each attention stage, the realised keep fractions; :func:`vitexp.flops.register_model_record`)."""
+    each attention stage, the realised keep fractions; :func:`vitexp.measure.flops.register_model_record`)."""
     from vitexp.detection.model import detector_macs
-    from vitexp.flops import count_params, model_records
+    from vitexp.measure.flops import count_params, model_records
 
     height, width = (int(v) for v in cfg.detector.flops_size)
     report = detector_macs(detector, height, width)

@@ -34,7 +34,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from vitexp.data import SEED_STRIDE, EpochSeededSampler, train_sampler
+from vitexp.data.datamodules import SEED_STRIDE, EpochSeededSampler, train_sampler
 
 
 class CocoInstances(Dataset):
@@ -111,7 +111,7 @@ class _FlipEpochSampler(_EpochKeys, EpochSeededSampler):
 
 
 class _FlipDistributedSampler(_EpochKeys, DistributedSampler):
-    """The training sampler under DDP (:func:`vitexp.data.train_sampler`)."""
+    """The training sampler under DDP (:func:`vitexp.data.datamodules.train_sampler`)."""
 
 
 class CocoDataModule(L.LightningDataModule):
@@ -167,7 +167,7 @@ class CocoDataModule(L.LightningDataModule):
         ``MeanAveragePrecision`` gathers one tensor per image and needs every rank to hold as many
         images (unequal shards abort gloo and can hang NCCL). The up to W − 1 repeated images are
         emptied before the metric sees them (``DetectModule._padding``), so every image counts
-        once; :func:`vitexp.data.eval_sampler` is the classification modules' unpadded sampler."""
+        once; :func:`vitexp.data.datamodules.eval_sampler` is the classification modules' unpadded sampler."""
         return DataLoader(
             dataset, batch_size=self.batch_size, collate_fn=collate_detection,
             sampler=train_sampler(dataset, self.loader_seed, single=_FlipEpochSampler,

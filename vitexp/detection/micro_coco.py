@@ -41,7 +41,7 @@ def load_items(source: str = "auto", split: str = "train") -> tuple[np.ndarray, 
     """(uint8 images (N, h, w), labels (N,), class names, source used) for ``split`` train | test."""
     if source not in SOURCES:
         raise ValueError(f"source={source!r}: valid sources are {SOURCES}")
-    from vitexp.fashion_mnist import FASHION_MNIST_FILES, FASHION_MNIST_ROOT, load_fashion_mnist
+    from vitexp.data.fashion_mnist import FASHION_MNIST_FILES, FASHION_MNIST_ROOT, load_fashion_mnist
 
     root = Path(FASHION_MNIST_ROOT)
     present = all((root / f).is_file() for pair in FASHION_MNIST_FILES.values() for f in pair)

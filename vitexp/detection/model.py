@@ -114,7 +114,7 @@ def detector_macs(detector: nn.Module, height: int = 800, width: int = 1280) -> 
     level, the box head on ``rpn_post_nms_top_n_test`` RoIs (1,000) and the mask head on
     ``box_detections_per_img`` detections (100), as at test time. Not counted (not matmuls):
     RoIAlign, anchor decoding, NMS, the resize and mask pasting."""
-    from vitexp.flops import count_module_macs
+    from vitexp.measure.flops import count_module_macs
 
     device = next(detector.parameters()).device
     was_training = detector.training

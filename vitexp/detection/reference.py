@@ -1,7 +1,7 @@
 """The published detector that detection rows' GPU-hours are anchored on (``conf/cost.yaml`` anchor
 ``maskrcnn_r50_fpn``: torchvision's Mask R-CNN ResNet-50 FPN and its measured training time), counted
 the way a detection row's rehearsal counts its own detector: the training step by
-:mod:`vitexp.rehearsal.meter`'s counter, the forward by :func:`vitexp.detection.model.detector_macs`.
+:mod:`vitexp.cost.rehearsal.meter`'s counter, the forward by :func:`vitexp.detection.model.detector_macs`.
 
 Decisions: torchvision's ``maskrcnn_resnet50_fpn`` as its reference training builds it (random
 weights here: FLOPs do not depend on them; ``trainable_backbone_layers=3``, i.e. the stem and the
@@ -26,7 +26,7 @@ def count_reference(size: Sequence[int] = (1280, 800), items: int = 4) -> dict[s
     """{train_gflops, forward_gflops} per image of :func:`reference_model` on a ``size`` = (width, height)
     synthetic image with ``items`` instances (module docstring)."""
     from vitexp.detection.synthetic import SyntheticInstances
-    from vitexp.rehearsal.meter import flop_counting
+    from vitexp.measure.flops import flop_counting
 
     width, height = int(size[0]), int(size[1])
     data = SyntheticInstances(8, height, width, num_classes=90, max_items=items, seed=0)

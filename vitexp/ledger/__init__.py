@@ -34,7 +34,7 @@ RUN_WEIGHTS_PREFIX = "run:"
 __all__ = ["Ledger", "LedgerEntry", "LedgerError", "BrokenEntry", "RowQuery", "INTERRUPTED", "STALE_HOURS",
            "FINAL_STATUSES", "KINDS", "STATUSES", "RUN_WEIGHTS_PREFIX", "atomic_write", "atomic_write_json",
            "default_results_dir", "effective_status", "environment", "local_path", "machine_load", "new_run_id",
-           "portable_path", "portable_paths", "portable_text", "resolve_weights", "run_seed", "seeded_name",
+           "portable_path", "portable_paths", "portable_text", "run_seed", "seeded_name",
            "weights_run", "load_entry", "copy_entry", "KeptWeightsError", "keep", "kept_path", "sha256", "weights_file"]
 
 
@@ -89,15 +89,3 @@ def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger
     return run
 
 
-def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> str | None:
-    """A ``backbone.pretrained`` value as a file path: a path is returned as given;
-    ``run:<experiment>`` / ``run:<run_id>`` becomes the ``weights`` file of :func:`weights_run`;
-    ``weights:<tag>`` the file :func:`vitexp.weights.resolve` finds."""
-    from vitexp.weights import is_tag, resolve
-
-    if is_tag(spec):
-        return resolve(str(spec))
-    if not spec or not str(spec).startswith(RUN_WEIGHTS_PREFIX):
-        return spec
-    where = Path(results_dir) if results_dir else default_results_dir()
-    return str(weights_file(weights_run(spec, where), where))

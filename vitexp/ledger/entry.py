@@ -122,8 +122,6 @@ def environment(run_dir: Path | None = None, results_dir: Path | None = None) ->
 
     import torch
 
-    from vitexp.cpus import cpu_model
-
     versions = {}
     for pkg in ("torch", "torchvision", "lightning", "timm", "hydra-core", "torchmetrics", "fvcore", "wandb"):
         try:
@@ -203,7 +201,7 @@ class LedgerEntry:
             raise RuntimeError(f"ledger entry {self.path} is completed; finished results are never overwritten")
         self.run_dir = Path(run_dir) if run_dir else self.run_dir
         previous = {k: self.record.get(k) for k in ("started", "finished", "status", "error", "signal")}
-        if self.record.get("requeued"):  # how the attempt was requeued (vitexp.slurm): the attempt's, not the run's
+        if self.record.get("requeued"):  # how the attempt was requeued (vitexp.runs.slurm): the attempt's, not the run's
             previous["requeued"] = self.record.pop("requeued")
         previous["resumed_from"] = self.record.pop("resumed_from", None)
         previous["env"] = {k: (self.record.get("env") or {}).get(k) for k in ("hostname", "pid")}
@@ -298,3 +296,15 @@ class LedgerEntry:
         """Close the entry ``interrupted`` by ``signal_name`` (``SIGINT``, ``SIGTERM``): not a failure
         of the run; ``resume=auto`` continues it."""
         return self._close(INTERRUPTED, signal=signal_name, error=f"interrupted by {signal_name}", **extra)
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``), recorded with loader rates and with every run's
+    environment: one-thread training repeats bit for bit on one machine and not always across machines."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None

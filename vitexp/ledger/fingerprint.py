@@ -1,7 +1,7 @@
 """The fingerprint of a run's configuration: what a table row matches runs by.
 
 A fingerprint is a short hash of the resolved config without the keys that do not change what a
-run measures (:data:`EXCLUDED`, the one list of them: run names (:func:`vitexp.config.run_name`),
+run measures (:data:`EXCLUDED`, the one list of them: run names (:func:`vitexp.config.composition.run_name`),
 fingerprints and table rows all read it). Two runs with one fingerprint trained, counted or timed the
 same configuration; a run with any other change (``trainer.limit_train_batches``, another
 ``backbone.pretrained``, another precision) has another fingerprint.
@@ -23,7 +23,7 @@ Decisions:
   ``run:<experiment>``: each run pins the newest run of its start anew, and which one it loaded is
   the table's concern (:meth:`vitexp.ledger.Ledger.start_of`), not the configuration's.
 - A group that only one objective reads (its plug-in's ``config_groups``:
-  :func:`vitexp.objectives.group_owners`) is left out of every other run's fingerprint: a
+  :data:`GROUP_OWNERS`) is left out of every other run's fingerprint: a
   classification run is the same whatever the settings of another objective's group.
 - Keys whose values reach a run only through the interpolations of other keys (:data:`INTERPOLATED`:
   the per-backbone BSPF defaults ``bspf_spec.*``, before them ``backbone.bspf.*``, which method=bspf
@@ -149,22 +149,18 @@ def _has(config: Mapping[str, Any], key: str) -> bool:
     return True
 
 
-@lru_cache(maxsize=1)
-def _group_owners() -> dict[str, str]:
-    """{config group: the objective whose plug-in owns it} (imported here, not at the top: the
-    plug-ins' declarations need nothing of the ledger, and the ledger loads first)."""
-    from vitexp.objectives import group_owners
-
-    return group_owners()
+#: {config group: the ``objective`` choice that alone reads it}: a run of another objective leaves
+#: the group out of its fingerprint (the group's schema: :data:`vitexp.config.objective_schemas.OBJECTIVE_SCHEMAS`).
+GROUP_OWNERS: dict[str, str] = {"detector": "detect"}
 
 
 def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
                experiment_of: Callable[[str], str] | None = None) -> dict[str, Any]:
     """``config`` with moved keys where they lie today (:data:`MOVED`), without ``exclusions``, the
-    keys of :data:`INTERPOLATED` and the groups of another objective (:func:`_group_owners`), a
+    keys of :data:`INTERPOLATED` and the groups of another objective (:data:`GROUP_OWNERS`), a
     pinned ``backbone.pretrained: run:<run_id>`` read as ``run:<experiment>`` (what :func:`digest` hashes)."""
     objective = str(config.get("objective") or "auto")
-    others = (g for g, o in _group_owners().items() if o != objective)
+    others = (g for g, o in GROUP_OWNERS.items() if o != objective)
     kept = strip(moved(config), (*exclusions, *INTERPOLATED, *others))
     backbone = kept.get("backbone")
     ref = str((backbone or {}).get("pretrained") or "") if isinstance(backbone, Mapping) else ""

@@ -4,7 +4,7 @@
 
 Decisions:
 - What is kept: the weights of a table's shared start (a row with ``seeds: null`` whose seeded rows
-  load it, :func:`vitexp.aggregate.shared_start`); ``vitexp-sweep TABLE --keep-starts`` keeps them,
+  load it, :func:`vitexp.config.rows.shared_start`); ``vitexp-sweep TABLE --keep-starts`` keeps them,
   and a sweep keeps them after it ran. Other runs' weights stay in their run folders.
 - Where: ``<results>/weights/<run_id>.pth`` beside ``<run_id>.json`` (the run, its experiment, the
   file's size and sha256, read from the file the entry records where :func:`keep` runs). A kept

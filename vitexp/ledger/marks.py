@@ -12,7 +12,7 @@
 - **no diff** (:func:`diff_missing`): trained from a dirty tree (``env.git_dirty``) whose diff was
   not kept (no ``env.code_patch``): the code that produced the number cannot be rebuilt from the
   repository, unless a rerun at the recorded commit gave every recorded metric again
-  (:func:`rebuilt`, :mod:`vitexp.rebuild`), in which case the table drops the mark and counts it in
+  (:func:`rebuilt`, :mod:`vitexp.commands.rebuild`), in which case the table drops the mark and counts it in
   its notes. Before commit 6014b6c the dirty flag covered every tracked file (a table or spec
   rewritten by ``vitexp-tables`` set it), so the flag alone says nothing about the code.
 """
@@ -28,7 +28,7 @@ COST_PREFIXES = ("gmacs", "gflops", "macs", "flops", "params", "throughput", "he
 
 def cost_metric(key: str) -> bool:
     return key.startswith(COST_PREFIXES) or "throughput" in key
-#: The protocol key a training run records for the order its sampler drew (:data:`vitexp.data.DATA_ORDER`).
+#: The protocol key a training run records for the order its sampler drew (:data:`vitexp.data.datamodules.DATA_ORDER`).
 ORDER_KEY = "data_order"
 
 
@@ -76,7 +76,7 @@ def diff_missing(run: Mapping[str, Any]) -> bool:
 
 
 def rebuilt(records: Iterable[Mapping[str, Any]]) -> set[str]:
-    """The run ids whose newest completed ``rebuild`` entry (:mod:`vitexp.rebuild`) says ``rebuilt``;
+    """The run ids whose newest completed ``rebuild`` entry (:mod:`vitexp.commands.rebuild`) says ``rebuilt``;
     ``records`` oldest first, as a ledger holds them."""
     verdict: dict[str, bool] = {}
     for r in records:

@@ -16,7 +16,7 @@ class Stage:
     - ``name``: checkpoints go to ``checkpoints/`` for ``main``, else ``checkpoints/<name>/``.
     - ``model``: called when the stage starts (it may wrap what earlier stages trained).
     - ``recipe``: keys that replace the run's ``recipe`` for this stage (``epochs``, ``lr``, ...),
-      merged over it in one place (:func:`vitexp.train.stage_config`).
+      merged over it in one place (:func:`vitexp.training.fit.stage_config`).
     - ``metrics_prefix``: the stage is tested and its accuracies are recorded as ``<prefix>top1``
       ...; ``""`` is the run's own top-1; ``None`` means no test.
     - ``deployed``: this stage's trained model is the one FLOPs and throughput measure.
@@ -45,7 +45,7 @@ class Stage:
 class Method(abc.ABC):
     """Turns a backbone into the model to train.
 
-    Subclasses set ``objective`` (which LightningModule of ``vitexp.module.OBJECTIVE_MODULES``
+    Subclasses set ``objective`` (which LightningModule of ``vitexp.training.modules.OBJECTIVE_MODULES``
     trains the result) and
     ``budget_kinds`` (the ``budget`` group options they accept), and take their knobs as named
     constructor arguments (the keys of their ``conf/method/*.yaml``).

@@ -41,7 +41,7 @@ def register_frozen_weight(module: nn.Module, name: str, tensor: torch.Tensor) -
     """A fixed table of a published model (T2T-ViT's sinusoidal position table, the Performer's
     orthogonal features): a persistent buffer under the same state-dict key as the official
     ``nn.Parameter(requires_grad=False)``, so official checkpoints load, every parameter gets a
-    gradient, and ``frozen_weights`` names it for ``vitexp.flops.count_params``, which counts it
+    gradient, and ``frozen_weights`` names it for ``vitexp.measure.flops.count_params``, which counts it
     as a parameter as the official count does."""
     module.register_buffer(name, tensor, persistent=True)
     module.frozen_weights = tuple(getattr(module, "frozen_weights", ())) + (name,)

@@ -19,7 +19,7 @@ Decisions:
 - ``backbone.use_ema`` is not written in the ``conf/backbone`` files: a key there would change the
   fingerprint of every run in the ledger, and the tables would lose them. Absent means the
   reference evaluation's set; ``++backbone.use_ema=true`` (or ``=false``) adds it
-  (:data:`vitexp.config.ADDABLE_KEYS`), and the schema types it.
+  (:data:`vitexp.config.composition.ADDABLE_KEYS`), and the schema types it.
 - The weights then go through the checkpoint filter timm's own loading would use for this model:
   the ``pretrained_filter_fn`` its create function hands ``build_model_with_cfg``, partial
   arguments included (DeiT-III's ``adapt_layer_scale=True``), captured as the model is built
@@ -42,7 +42,9 @@ from __future__ import annotations
 import argparse
 
 import contextlib
+import re
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -50,7 +52,7 @@ from typing import Any, Callable, Iterator, Mapping
 import timm
 import torch.nn as nn
 
-from vitexp.errors import CheckpointError
+from vitexp.errors import CheckpointError, one_line
 from vitexp.models import dinov2, shvit
 from vitexp.models.caformer import official_head_eps
 from vitexp.models.weight_sets import ONE_SET, PLAIN, Evaluation, choose_set, evaluation_of
@@ -93,7 +95,7 @@ def read_checkpoint(path: str, use_ema: bool | None = None,
     import torch
     from timm.models import clean_state_dict
 
-    if str(path).endswith(".safetensors"):  # timm's hub files (vitexp.weights)
+    if str(path).endswith(".safetensors"):  # timm's hub files (vitexp.config.weights)
         from safetensors.torch import load_file
 
         checkpoint = load_file(str(path), device="cpu")
@@ -214,3 +216,49 @@ def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
                                                    None if use_ema is None else bool(use_ema), filter_fn)
     official_head_eps(model)
     return model
+
+
+def check_file(path: str | Path, key: str) -> Any:
+    """The object ``torch.load(path, weights_only=True)`` reads (an ``argparse.Namespace`` allowed:
+    module docstring), or :class:`CheckpointError` naming ``key`` and the file: missing, a folder,
+    empty, truncated, not a torch file, or holding Python objects beyond tensors and containers."""
+    import pickle
+
+    import torch
+
+    file = Path(str(path)).expanduser()
+    if not file.exists():
+        raise CheckpointError(f"{key}: checkpoint file not found: {file}")
+    if not file.is_file():
+        raise CheckpointError(f"{key}: {file} is a folder, not a checkpoint file")
+    if file.stat().st_size == 0:
+        raise CheckpointError(f"{key}: {file} is empty (0 bytes)")
+    if file.suffix == ".safetensors":  # timm's hub files (vitexp.config.weights): tensors only by construction
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(file), device="cpu")
+        except Exception as err:  # noqa: BLE001 - truncated or not a safetensors file
+            raise CheckpointError(f"{key}: {file} is not a safetensors file ({type(err).__name__}: "
+                                  f"{one_line(err)[:200]})") from None
+    try:
+        with warnings.catch_warnings(), torch.serialization.safe_globals(SAFE_GLOBALS):
+            warnings.simplefilter("ignore")  # the unpickler's protocol warning on a file that is no checkpoint
+            state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=False)
+    except EOFError:
+        raise CheckpointError(f"{key}: {file} is truncated (it ends before the checkpoint does)") from None
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
+        if found:
+            raise CheckpointError(
+                f"{key}: {file} holds a pickled Python object ({found.group(1)}) that vitexp does not load; "
+                "save the weights alone: torch.save(model.state_dict(), path)") from None
+        reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
+        why = reason.group(1).strip().splitlines()[0] if reason else type(err).__name__
+        raise CheckpointError(f"{key}: {file} is not a PyTorch checkpoint ({why})") from None
+    except Exception as err:  # noqa: BLE001 - a zip or pickle that is no checkpoint
+        raise CheckpointError(f"{key}: {file} is not a PyTorch checkpoint ({type(err).__name__}: "
+                              f"{one_line(err)[:200]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{key}: {file} holds a {type(state).__name__}, not a state dict")
+    return state

@@ -16,7 +16,7 @@
   float32; vitexp keeps float64 in float64, so the model can be checked in float64).
 - The fixed tables (``w``, ``pos_embed``) are persistent buffers under the official keys (official
   ``nn.Parameter(requires_grad=False)``): checkpoints load, every parameter gets a gradient, and
-  ``vitexp.flops.count_params`` still counts them, as the official parameter count does.
+  ``vitexp.measure.flops.count_params`` still counts them, as the official parameter count does.
 - **qk_scale.** The official ``t2t_vit_14(pretrained=True)`` builds the backbone's attention with
   scale 384^-0.5. Its evaluation script builds the model with ``pretrained=False``, which gives
   head_dim^-0.5, and then loads the released checkpoint into it. vitexp defaults to that

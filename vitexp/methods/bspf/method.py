@@ -19,7 +19,7 @@ from timm.models.metaformer import Attention as MetaAttention
 from timm.models.metaformer import MetaFormer
 from timm.models.shvit import SHViT
 
-from vitexp.flops import register_model_record
+from vitexp.measure.flops import register_model_record
 from vitexp.methods.base import Method
 from vitexp.methods.bspf.layout import CHUNK_LAYOUTS, check_layout, square_side, window_order
 from vitexp.methods.bspf.pruning import FUSIONS, MIRRORS, SCORES, TokenPruner

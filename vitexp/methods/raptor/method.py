@@ -14,23 +14,23 @@ from vitexp.methods.raptor.distill import RaptorDistill
 from vitexp.methods.raptor.phases import distance_matrix_from_data, even_phases, phases_for_blocks
 from vitexp.methods.raptor.reference import ReferenceSurrogate, phases_from_thresholds, read_surrogate
 from vitexp.methods.raptor.surrogate import MLP_KINDS, RaptorBlock, RaptorSurrogate
-from vitexp.schema import recipe_keys
+from vitexp.config.schema import recipe_keys
 
 
 #: Recipe keys ``method.probe`` may set for the probe stages.
 PROBE_RECIPE_KEYS = frozenset({"epochs", "batch_size", "opt", "lr", "weight_decay", "sched", "warmup_epochs",
                                "warmup_steps", "warmup_lr", "min_lr", "grad_clip"})
-#: ``method.probe``'s type: those keys, typed as the recipe's (:func:`vitexp.schema.recipe_keys`).
+#: ``method.probe``'s type: those keys, typed as the recipe's (:func:`vitexp.config.schema.recipe_keys`).
 ProbeRecipe = recipe_keys("ProbeRecipe", PROBE_RECIPE_KEYS)
 
 
 def read_linear_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``weight`` (classes, 2d) and ``bias`` (classes,) of a linear-head checkpoint: a state dict
     with ``weight`` and ``bias``, as Meta's ``dinov2_vit*14_reg4_linear_head.pth``, or a saved vitexp
-    probe (``head.weight``, ``head.bias``). The file is opened by :func:`vitexp.checkpoints.check_file`
+    probe (``head.weight``, ``head.bias``). The file is opened by :func:`vitexp.models.factory.check_file`
     (one line naming it: missing, empty, no torch file, pickled objects); a file without those keys
     is a :class:`~vitexp.errors.CheckpointError` too."""
-    from vitexp.checkpoints import check_file
+    from vitexp.models.factory import check_file
     from vitexp.errors import CheckpointError
 
     path = Path(path).expanduser()

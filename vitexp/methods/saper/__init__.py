@@ -11,7 +11,7 @@
 - ``method``: the Method glue. What trains (``method.trainable``): ``scores`` (the head scores,
   plus the linear probe in fine-tune mode; every backbone weight frozen), ``mlp`` (also the blocks'
   MLPs; attention weights frozen) or ``all``. Accuracy is reported for the deployed model
-  (vitexp/train.py tests ``Method.deploy(model)``), whose kept heads per layer go into the ledger
+  (vitexp/training/fit.py tests ``Method.deploy(model)``), whose kept heads per layer go into the ledger
   (``kept_heads``) for :meth:`SaperHeads.rebuild_deployed`.
 - ``knn``: ``method=knn``, the unpruned k-NN rows.
 

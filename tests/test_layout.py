@@ -1,0 +1,26 @@
+"""The package layout (docs/layout.md): few top-level entries, each package's job in its docstring,
+and the layers picture drawn from today's code."""
+import ast
+import subprocess
+import sys
+
+from vitexp import PROJECT_ROOT
+
+PACKAGE = PROJECT_ROOT / "vitexp"
+
+
+def test_the_top_level_holds_at_most_15_entries():
+    entries = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 15, entries
+
+
+def test_every_package_states_its_job_in_its_first_docstring_line():
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc and doc.splitlines()[0].strip(), init.relative_to(PROJECT_ROOT)
+
+
+def test_the_layers_picture_is_the_codes():
+    result = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "layers_picture.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,197 @@
+"""``vitexp-eval``: evaluation only. The model a completed train run saved (``artifacts.weights``,
+or ``--weights``: a ``weights.pth`` or a vitexp Lightning checkpoint) is rebuilt from the run's
+own resolved config by the run's objective (:meth:`vitexp.training.objectives.Objective.rebuild`: the
+backbone built once and prepared, the method's deployed model on it,
+:meth:`~vitexp.methods.Method.rebuild_deployed`, with the data-dependent choices its ledger entry
+kept, SAPER's kept heads; the objective's model around it), loaded, and tested on the run's test
+split by the same LightningModule and test (:meth:`~vitexp.training.objectives.Objective.test`) the run
+used, under a Trainer from the same helper (:func:`vitexp.training.build.build_trainer`, one device), so
+the objective's metrics (``top1``; ``ap_box`` and ``ap_mask``) equal the ledger's for the same
+weights and data. The result is a ledger entry of kind ``eval`` naming the run it evaluates
+(``evaluates``).
+
+The run is named by its id, its experiment (the newest completed run), or the W&B model artifact
+its weights were logged as (``artifacts.wandb_model``, :func:`vitexp.runs.loggers.log_model`):
+the artifact carries the run's ledger record, so a machine that did not train the run, and holds
+neither its entry nor its weights, evaluates it. A run in the local ledger whose weights are not on
+this machine takes them from its artifact.
+
+The weights are checked, the model rebuilt and the weights loaded before the eval's ledger entry is
+written: a file that is missing, empty, no checkpoint or another model's is an invalid command
+(exit 2, :class:`~vitexp.errors.CheckpointError` naming the file), not a failed evaluation.
+
+Overrides: ``key=value`` on the run's config (``data.root=/datasets/imagenet``), or
+``group=option`` for the groups that say where and how it runs (``logger``, ``trainer``), composed
+from ``conf/<group>/<option>.yaml``. A key the run's config does not have is refused.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, NamedTuple
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from vitexp.errors import CheckpointError, ConfigError, join_lines
+from vitexp.runs.loggers import fetch_model
+from vitexp.ledger import (RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, load_entry, local_path, portable_path,
+                           weights_file)
+from vitexp.config.weights import PREFIX as WEIGHTS_PREFIX
+
+#: Groups an evaluation may swap whole (where and how it runs, not what the model is).
+SWAPPABLE_GROUPS = ("logger", "trainer")
+#: The run's inputs that are paths on the machine it ran on (the ledger stores them portable).
+PATH_KEYS = ("data.root", "backbone.pretrained")
+
+
+#: Where W&B model artifacts are downloaded to (``<results>/wandb/``, which git ignores).
+ARTIFACTS_SUBDIR = Path("wandb") / "artifacts"
+
+
+def find_run(run: str, results_dir: Path) -> dict[str, Any]:
+    """The completed train run with id ``run``, else the newest completed run of experiment ``run``,
+    else the one completed train run whose id ends in ``-run`` (a short id: ``40f87a``);
+    or, ``run`` a W&B model artifact reference (``[[ENTITY/]PROJECT/]NAME:ALIAS``, as the ledger's
+    ``artifacts.wandb_model`` names it, so never a run id or an experiment), the ledger record the
+    artifact carries, its weights downloaded: a run trained on another machine."""
+    if ":" in run:
+        return fetch_model(run, results_dir / ARTIFACTS_SUBDIR)
+    pinned = load_entry(run, results_dir)  # a run id: that one entry, no scan of the ledger
+    if pinned is not None and pinned.get("status") == "completed" and pinned.get("kind") == "train":
+        return pinned
+    ledger = Ledger.load(results_dir)
+    ledger.check([run])
+    found = ledger.newest(run, "train")
+    if found is None:  # a short id, the hex tail that tables and reports print (``...-40f87a``)
+        tails = [r for r in ledger.records if r["run_id"].endswith(f"-{run}") and r.get("kind") == "train"
+                 and r.get("status") == "completed"]
+        if len(tails) > 1:
+            raise FileNotFoundError(f"short id {run!r} names {len(tails)} completed train runs "
+                                    f"({', '.join(r['run_id'] for r in tails)}); give the full id")
+        found = tails[0] if tails else None
+    if found is None:
+        raise FileNotFoundError(f"no completed train run with id, short id or experiment {run!r} in "
+                                f"{results_dir / 'runs'}")
+    return found
+
+
+def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, dict[str, Any]]:
+    """The run's config with ``overrides``, its results folder this machine's; and its ledger record."""
+    from vitexp.config.composition import compose, with_moved_targets
+    from vitexp.config.schema import check_types
+
+    results_dir = default_results_dir()
+    record = find_run(run, results_dir)
+    cfg = OmegaConf.create(with_moved_targets(record["config"]))
+    for key in PATH_KEYS:  # stored relative to the project root or the results folder when inside one
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if isinstance(value, str) and value != "???" and not value.startswith((RUN_WEIGHTS_PREFIX, WEIGHTS_PREFIX)) \
+                and not Path(value).expanduser().is_absolute():
+            OmegaConf.update(cfg, key, str(local_path(value, results_dir)), merge=False)
+    with open_dict(cfg):
+        cfg.results_dir = str(results_dir)
+        cfg.name = record["experiment"]
+        cfg.output_dir = str(results_dir / "eval" / record["run_id"])
+        cfg.resume = False
+    OmegaConf.set_struct(cfg, True)
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        if key in SWAPPABLE_GROUPS:
+            with open_dict(cfg):
+                cfg[key] = compose([ov])[key]
+            continue
+        if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
+            group = key.split(".")[0]
+            valid = sorted(cfg[group].keys()) if isinstance(cfg.get(group), DictConfig) else sorted(cfg.keys())
+            raise ConfigError(f"{key}: not a key of run {record['run_id']}'s config; valid keys: {valid}")
+        OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=False)
+    check_types(cfg)
+    return cfg, record
+
+
+def rebuild_config(cfg: DictConfig, record: dict[str, Any]) -> DictConfig:
+    """The config the deployed model is rebuilt from: ``cfg`` without the weights that only start
+    the run (``backbone.pretrained``, a teacher's file or ``run:<teacher>`` that may not be on this
+    machine; the method's own, :meth:`~vitexp.methods.Method.rebuild_overrides`), whose values the
+    run's saved weights replace, and with the data-dependent choices its ledger entry kept. The
+    eval's ledger entry records ``cfg`` as given."""
+    from vitexp.methods import method_from_config
+
+    built = cfg.copy()
+    with open_dict(built):
+        built.backbone.pretrained = None
+        for key, value in method_from_config(cfg.method).rebuild_overrides(record).items():
+            built.method[key] = value
+    return built
+
+
+class Deployed(NamedTuple):
+    """A completed run's deployed model rebuilt and loaded (:func:`load_deployed`): its objective, the
+    stage it was tested as, the model, the run's datamodules by stage config, and the weights file."""
+    objective: Any
+    stage: Any
+    model: Any
+    datamodule_for: Callable[[DictConfig], Any]
+    path: Path
+
+
+def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> Deployed:
+    """The run's deployed model rebuilt from ``cfg`` and loaded with its weights (``weights``, else the
+    run's own, else its W&B artifact's); a missing or unfitting file is a
+    :class:`~vitexp.errors.CheckpointError` naming it (module docstring). Writes nothing."""
+    import lightning as L
+
+    from vitexp.training.build import build_backbone_and_method, load_weights
+    from vitexp.models.factory import check_file
+    from vitexp.training.resolve import validate
+    from vitexp.training.objectives import objective_for
+    from vitexp.training.fit import datamodule_cache
+
+    artifacts = record.get("artifacts") or {}
+    key = "--weights" if weights else f"run {record['run_id']}'s weights"
+    if weights:  # the file given, checked first: no fallback to the run's own
+        check_file(Path(weights).expanduser(), key)
+    path = Path(weights).expanduser() if weights else (weights_file(record, cfg.results_dir)
+                                                       or local_path(artifacts.get("weights"), cfg.results_dir))
+    if not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model"):  # trained elsewhere
+        path = Path(fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"]["weights"])
+    if path is None or not path.is_file():
+        raise CheckpointError(f"{key}: {path} is not on this machine; pass --weights (weights.pth or "
+                              f"checkpoints/last.ckpt of that run) or rerun it")
+    check_file(path, key)
+    built = rebuild_config(cfg, record)
+    method = validate(built)
+    objective = objective_for(cfg)
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    backbone, method, data_config = build_backbone_and_method(built, method)
+    datamodule_for = datamodule_cache(data_config)
+    method.prepare(backbone, datamodule_for(cfg))
+    # the run's config, not ``built``: the objective's model follows the run's choices (backbone.pretrained too)
+    stage, model = objective.rebuild(cfg, method, backbone, record, data_config)
+    try:
+        model.load_state_dict(load_weights(path))
+    except (RuntimeError, KeyError) as err:  # keys or shapes of another model: before the ledger entry
+        raise CheckpointError(f"{key}: {path} does not fit the model of run {record['run_id']} "
+                              f"({join_lines(str(err))[:300]})") from None
+    return Deployed(objective, stage, model, datamodule_for, path)
+
+
+def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> dict[str, Any]:
+    """Rebuild, load and test (module docstring); returns the closing result of the eval run."""
+    from vitexp.training.build import build_trainer
+    from vitexp.config.composition import to_container
+    from vitexp.runs.owner import owned_run
+    from vitexp.training.fit import stage_config
+
+    with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
+        objective, stage, model, datamodule_for, path = load_deployed(cfg, record, weights)
+        run.start({**to_container(cfg), "evaluates": record["run_id"]})
+        scfg = stage_config(cfg, stage)
+        trainer = build_trainer(scfg, False, Path(cfg.output_dir), test_only=True)
+        metrics = objective.test(trainer, objective.module(scfg, stage, model), datamodule_for(scfg),
+                                 stage.metrics_prefix or "")
+        ran = record.get("metrics") or {}
+        print(f"{cfg.name}: " + ", ".join(f"{k} {metrics[k]:.2f} % (run {record['run_id']}: {ran.get(k)})"
+                                          for k in objective.headline))
+        run.complete(metrics, {"accuracy_unit": "%", "weights": portable_path(path, cfg.results_dir)},
+                     out={"evaluates": record["run_id"]}, evaluates=record["run_id"])
+    return run.result

@@ -1,0 +1,1 @@
+"""Config composition, typed schemas, value types and weight tags."""

@@ -1,0 +1,131 @@
+"""Which runs a table's rehearsal launches, and the overrides that turn a row into its rehearsal.
+
+A row's rehearsal is the row's own job (:func:`vitexp.config.rows.job_arguments`: its experiment, its
+overrides; a seeded row its first seed) followed by :func:`rehearsal_overrides`, computed from the
+row's composed config:
+
+- data: synthetic data of the row's shape with the row's ``data.num_classes``, as the row's
+  objective gives it (:meth:`vitexp.training.objectives.Objective.rehearsal_data`: ``data=synthetic`` at the
+  backbone's resolution for ``auto``; the row's own ``data.*`` overrides, options of its real data
+  such as ``data.augment``, are left out). ``steps`` batches per
+  process for training, ``eval_batches`` for validation and for the test;
+- weights: none (``backbone.pretrained=null``; RAPTOR's ``teacher_probe_run``, ``surrogate`` and
+  ``probe_head`` null): random initialisation, nothing to download or find;
+- the recipe as the row has it (optimiser, schedule, mixup/cutmix, label smoothing, drop path,
+  clipping, warm-up), with the per-device batch ``batch`` (``None``: the recipe's own) in the recipe
+  and in every ``batch_size`` of the method (RAPTOR's probe); ``+trainer.max_steps=steps`` ends
+  every stage after ``steps`` optimiser steps; RAPTOR's ``phase_images`` at most the training images;
+- the trainer: ``trainer`` (``cpu``, ``gpu``, ``ddp_cpu``, ``ddp``) with the row's own precision
+  (``bf16-mixed`` for the GPU recipes: bf16 autocast on the CPU too) and ``devices``;
+- no logger, no throughput timing at the end (``eval.throughput=false``; FLOPs are counted).
+
+Not rehearsed: timm's image augmentations (RandAugment, random erasing, RandomResizedCrop) act on
+decoded images, which synthetic tensors are not; mixup, cutmix and label smoothing act on the batch
+and are rehearsed.
+
+Decision: the rehearsal of row ``N`` is recorded as ``N+rehearsal`` and its config differs from the
+row's (data, steps, batch), so neither its name nor its fingerprint is the row's: a table never shows
+a rehearsal (:func:`vitexp.report.tables.fill` also leaves out every entry of kind ``rehearsal``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+from vitexp.training.objectives import objective_for
+from vitexp.config.rows import composed_config, job_arguments, runnable_rows
+
+KIND = "rehearsal"
+SUFFIX = "+rehearsal"
+#: The devices each trainer group rehearses on (``ddp``: one GPU; its DDP code path on one device).
+DEVICES = {"cpu": 1, "gpu": 1, "ddp_cpu": 2, "ddp": 1}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a rehearsal runs: per-device ``batch`` (``None``: the recipe's), optimiser ``steps`` per
+    stage, ``eval_batches`` for validation and the test, the ``trainer`` group."""
+
+    batch: int | None = 2
+    steps: int = 3
+    eval_batches: int = 2
+    trainer: str = "cpu"
+
+    def __post_init__(self):
+        if self.trainer not in DEVICES:
+            raise ValueError(f"rehearsal trainer {self.trainer!r} is not one of {sorted(DEVICES)}")
+        if self.steps < 2:
+            raise ValueError(f"a rehearsal needs at least 2 steps per stage (the first is counted, not timed); got {self.steps}")
+        if (self.batch is not None and self.batch < 1) or self.eval_batches < 1:
+            raise ValueError(f"batch ({self.batch}) and eval_batches ({self.eval_batches}) must be at least 1")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One row's rehearsal: its row ``label`` and ledger ``name``, the Hydra ``arguments``, and the
+    row's composed ``config`` (``None``: the row does not compose; ``error`` says why)."""
+
+    label: str
+    name: str
+    arguments: list[str]
+    config: dict[str, Any] | None
+    error: str | None = None
+
+
+def _batch_keys(node: Mapping[str, Any], prefix: str) -> Iterator[str]:
+    for key, value in node.items():
+        if isinstance(value, Mapping):
+            yield from _batch_keys(value, f"{prefix}{key}.")
+        elif key == "batch_size" and value is not None:
+            yield f"{prefix}{key}"
+
+
+def rehearsal_overrides(config: Mapping[str, Any], settings: Settings) -> list[str]:
+    """The overrides that turn the row whose resolved config is ``config`` into its rehearsal
+    (module docstring)."""
+    devices = DEVICES[settings.trainer]
+    batch = settings.batch or int(config["recipe"]["batch_size"])
+    n_train, n_eval = batch * settings.steps * devices, batch * settings.eval_batches * devices
+    precision = (config.get("trainer") or {}).get("precision") or "32-true"
+    out = [f"trainer={settings.trainer}", f"trainer.devices={devices}", "trainer.num_nodes=1",
+           f"trainer.precision={precision}", f"+trainer.max_steps={settings.steps}",
+           "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
+           "logger=none", "eval.throughput=false", "backbone.pretrained=null", f"recipe.batch_size={batch}"]
+    out += objective_for(config).rehearsal_data(config, n_train, n_eval)
+    method = config.get("method") or {}
+    out += [f"method.{key}={batch}" for key in _batch_keys(method, "")]
+    if method.get("phase_images") is not None:
+        out.append(f"method.phase_images={min(int(method['phase_images']), n_train)}")
+    out += [f"method.{key}=null" for key in ("teacher_probe_run", "surrogate", "probe_head", "cache_dir")
+            if method.get(key) is not None]
+    return out
+
+
+def rehearsal_jobs(spec: Mapping[str, Any], settings: Settings, overrides: list[str] | tuple[str, ...] = ()) -> list[Job]:
+    """One :class:`Job` per runnable row of ``spec`` (cited rows and rows without an experiment are
+    not runs), in the spec's order; ``overrides`` are appended to every job (``results_dir=...``)."""
+    jobs = []
+    for row, name, seeds in runnable_rows(spec):
+        base = [a for a in job_arguments(row, seeded=False) if not a.startswith("name=")]
+        base += [f"seed={seeds[0]}"] if seeds else []
+        config = composed_config(base, None)
+        if config is None:
+            jobs.append(Job(row["label"], f"{name}{SUFFIX}", base, None))
+            continue
+        # the row's data.* options belong to its real data: the rehearsal's synthetic data has its own
+        own = [a for a in base if not a.lstrip("+~").startswith("data.")]
+        arguments = [*own, *rehearsal_overrides(config, settings), f"name='{name}{SUFFIX}'", *overrides]
+        jobs.append(Job(row["label"], f"{name}{SUFFIX}", arguments, config))
+    return [j if j.config is not None else Job(j.label, j.name, j.arguments, None, _why(j.arguments)) for j in jobs]
+
+
+def _why(job: list[str]) -> str:
+    """Why ``job`` does not compose, in one line (composed again, outside :func:`composing`)."""
+    from vitexp.config.composition import compose
+    from vitexp.errors import one_line
+
+    try:
+        compose(job)
+    except Exception as err:  # noqa: BLE001 - the reason is the message
+        return f"the row's job ({' '.join(job)}) does not compose: {type(err).__name__}: {one_line(err)}"
+    return f"the row's job ({' '.join(job)}) does not resolve"

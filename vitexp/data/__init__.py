@@ -1,0 +1,1 @@
+"""Datamodules, Fashion-MNIST and its IDX files, the tensor decoder, and the loader benchmark with its JPEG folder."""

@@ -1,0 +1,1 @@
+"""FLOPs under an explicit protocol (docs/flops.md) and throughput, interleaved."""

@@ -1,0 +1,1 @@
+"""Table specs joined with the ledger: rows, aggregation, rendering, plots, protocols and their prose, the results page."""

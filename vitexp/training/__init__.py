@@ -1,0 +1,1 @@
+"""One run's fits: config to objects, the LightningModules, and the objectives (what to train, test and count)."""

@@ -1,0 +1,46 @@
+"""Objectives as plug-ins: what a run trains, how it is tested and how it is counted, chosen by the
+config's ``objective`` key. :mod:`vitexp.training.fit`, :mod:`vitexp.commands.evaluate`, :mod:`vitexp.commands.inspect`
+(``vitexp-flops``, ``vitexp-bench``), :func:`vitexp.training.resolve.validate` and the rehearsal plan call
+the run's :class:`~vitexp.training.objectives.base.Objective` and never ask which one it is.
+
+- ``auto`` (:mod:`.classification`): the method's own objective, one LightningModule per stage
+  (classify, the probes, SAPER's k-NN distillation, RAPTOR's surrogate stages).
+- the other choices: one module each, named in :data:`OBJECTIVES`, which owns its config group
+  (its schema: :data:`vitexp.config.objective_schemas.OBJECTIVE_SCHEMAS`) and wraps its package.
+
+Decision: the plug-ins are named here by module path and imported when first asked for, so that
+the schema (:mod:`vitexp.config.schema`) can read their config groups without importing the training code.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Mapping
+
+from vitexp.errors import ConfigError
+from vitexp.training.objectives.base import Count, Objective
+
+#: ``objective`` choice -> "module:class" of its plug-in.
+OBJECTIVES: dict[str, str] = {"auto": "vitexp.training.objectives.classification:Classification",
+                              "detect": "vitexp.training.objectives.detection:Detection"}
+OBJECTIVE_CHOICES = tuple(OBJECTIVES)
+
+_loaded: dict[str, Objective] = {}
+
+
+def _load(name: str) -> Objective:
+    if name not in _loaded:
+        module, _, cls = OBJECTIVES[name].partition(":")
+        _loaded[name] = getattr(importlib.import_module(module), cls)()
+    return _loaded[name]
+
+
+def objective_for(cfg: Mapping[str, Any]) -> Objective:
+    """The plug-in of ``cfg``'s ``objective`` (a composed config or its resolved dict; ``auto``
+    when absent); an unknown choice is a :class:`~vitexp.errors.ConfigError` naming the valid ones."""
+    name = str(cfg.get("objective", "auto") or "auto")
+    if name not in OBJECTIVES:
+        raise ConfigError(f"objective={name!r}: valid choices are {list(OBJECTIVE_CHOICES)}")
+    return _load(name)
+
+
+__all__ = ["OBJECTIVES", "OBJECTIVE_CHOICES", "Count", "Objective", "objective_for"]
