@@ -8,6 +8,7 @@ Mermaid flowchart (GitHub and the MkDocs site render it), written between two ma
     python scripts/layers_picture.py           # rewrite the picture in docs/layout.md
     python scripts/layers_picture.py --check   # exit 1 when the picture is not the code's
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,7 @@ def picture() -> str:
     """The Mermaid flowchart: one row of boxes per layer, top first, and the imports as arrows."""
     lines = ["```mermaid", "flowchart TD"]
     for i, layer in enumerate(layers()):
-        lines.append(f"  subgraph L{i}[\" \"]")
+        lines.append(f'  subgraph L{i}[" "]')
         lines += [f"    {p.split('.', 1)[1]}[{p.split('.', 1)[1]}]" for p in layer]
         lines.append("  end")
     for (a, b), n in sorted(package_edges().items()):
@@ -70,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     new = f"{head}{BEGIN}\n{picture()}\n{END}{tail}"
     if args.check:
         if new != text:
-            print(f"{PAGE.relative_to(ROOT)}: the layers picture is stale; run python scripts/layers_picture.py",
-                  file=sys.stderr)
+            print(
+                f"{PAGE.relative_to(ROOT)}: the layers picture is stale; run python"
+                " scripts/layers_picture.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     PAGE.write_text(new)

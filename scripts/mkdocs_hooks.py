@@ -3,6 +3,7 @@ and reports where they lie in the repository, ``../results/...`` relative to ``d
 link also works where the Markdown is read as it is (GitHub). The build adds those files to the
 site under ``results/`` and points the links there (the pages are all at the top of ``docs/``).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,8 +19,14 @@ def on_files(files, config):
     for folder, suffixes in SHARED:
         for path in sorted((ROOT / folder).glob("*")):
             if path.suffix in suffixes:
-                files.append(File(path.relative_to(ROOT).as_posix(), str(ROOT), config["site_dir"],
-                                  config["use_directory_urls"]))
+                files.append(
+                    File(
+                        path.relative_to(ROOT).as_posix(),
+                        str(ROOT),
+                        config["site_dir"],
+                        config["use_directory_urls"],
+                    )
+                )
     return files
 
 

@@ -12,6 +12,7 @@ progress bar, the rest of the loop; after it: the test, the FLOPs count, the thr
 before it: imports, composition and building (``other``). Samples of W&B's and tqdm's own threads
 are left out: they wait, or run beside the main thread.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,7 +37,9 @@ STAGES = [
 
 def stage(stack: str) -> str:
     if "Trainer.fit" in stack:
-        return next((name for name, keys in STAGES if any(k in stack for k in keys)), "fit: the rest of the loop")
+        return next(
+            (name for name, keys in STAGES if any(k in stack for k in keys)), "fit: the rest of the loop"
+        )
     if "Trainer.test" in stack:
         return "test"
     if "count_macs" in stack or "flop" in stack.lower():
@@ -55,8 +58,23 @@ def main(argv: list[str]) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="vitexp-demo-profile-"))
     try:
         raw = scratch / "demo.raw"
-        command = ["py-spy", "record", "-r", str(RATE), "-f", "raw", "-o", str(raw), "--",
-                   sys.executable, "-m", "vitexp.commands.cli", "train", *argv, f"hydra.run.dir={scratch / 'outputs'}"]
+        command = [
+            "py-spy",
+            "record",
+            "-r",
+            str(RATE),
+            "-f",
+            "raw",
+            "-o",
+            str(raw),
+            "--",
+            sys.executable,
+            "-m",
+            "vitexp.commands.cli",
+            "train",
+            *argv,
+            f"hydra.run.dir={scratch / 'outputs'}",
+        ]
         env = {**os.environ, "VITEXP_RESULTS": str(scratch / "results")}
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:

@@ -29,6 +29,7 @@ seconds.
 
     python scripts/seed_scatter.py [--table fmnist_bspf_protocols] [--out PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,19 +62,31 @@ def scatter(claims: list[dict[str, Any]], image_ratio: float) -> dict[str, Any]:
             if n < 3 or val["n"] != n or not cell["std"] or not val["std"]:
                 continue
             ratio = val["std"] / cell["std"]
-            cells.append({"claim": claim["claim"], "protocol": cell["protocol"], "pairs": n,
-                          "sd_test": cell["std"], "sd_val": val["std"], "ratio": ratio,
-                          "p_high": float(stats.f.sf(ratio ** 2 / image_ratio, n - 1, n - 1))})
+            cells.append(
+                {
+                    "claim": claim["claim"],
+                    "protocol": cell["protocol"],
+                    "pairs": n,
+                    "sd_test": cell["std"],
+                    "sd_val": val["std"],
+                    "ratio": ratio,
+                    "p_high": float(stats.f.sf(ratio**2 / image_ratio, n - 1, n - 1)),
+                }
+            )
     if not cells:
         return {"cells": [], "expected_ratio": [1.0, math.sqrt(image_ratio)]}
     p_min = min(c["p_high"] for c in cells)
     largest = max(cells, key=lambda c: c["ratio"])
-    return {"cells": cells, "expected_ratio": [1.0, math.sqrt(image_ratio)],
-            "geometric_mean_ratio": math.exp(sum(math.log(c["ratio"]) for c in cells) / len(cells)),
-            "cells_over_expected": sum(c["ratio"] > math.sqrt(image_ratio) for c in cells),
-            "cells_under_1": sum(c["ratio"] < 1 for c in cells),
-            "largest": {k: largest[k] for k in ("claim", "protocol", "ratio", "p_high")},
-            "p_min": p_min, "p_min_of_k": 1.0 - (1.0 - p_min) ** len(cells)}
+    return {
+        "cells": cells,
+        "expected_ratio": [1.0, math.sqrt(image_ratio)],
+        "geometric_mean_ratio": math.exp(sum(math.log(c["ratio"]) for c in cells) / len(cells)),
+        "cells_over_expected": sum(c["ratio"] > math.sqrt(image_ratio) for c in cells),
+        "cells_under_1": sum(c["ratio"] < 1 for c in cells),
+        "largest": {k: largest[k] for k in ("claim", "protocol", "ratio", "p_high")},
+        "p_min": p_min,
+        "p_min_of_k": 1.0 - (1.0 - p_min) ** len(cells),
+    }
 
 
 def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
@@ -111,8 +124,11 @@ def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
     out["splits"] = {"family": splits[True], "others": splits[False]}
     out["mean_gap"] = {"family": _mean(groups[True]), "others": _mean(groups[False])}
     out["family_minus_others"] = out["mean_gap"]["family"] - out["mean_gap"]["others"] if both else None
-    out["mannwhitney_p"] = (float(stats.mannwhitneyu(groups[True], groups[False], alternative="two-sided").pvalue)
-                            if both else None)
+    out["mannwhitney_p"] = (
+        float(stats.mannwhitneyu(groups[True], groups[False], alternative="two-sided").pvalue)
+        if both
+        else None
+    )
     return out
 
 
@@ -124,8 +140,11 @@ def _welch(family: list[float], others: list[float]) -> dict[str, float]:
     """mean(family) − mean(others), its Welch standard error and the parts ``s²/n`` that
     Welch–Satterthwaite's degrees of freedom are made of."""
     parts = [(stats.tvar(g) / len(g), len(g) - 1) for g in (family, others)]
-    return {"difference": sum(family) / len(family) - sum(others) / len(others),
-            "se": math.sqrt(sum(v for v, _ in parts)), "parts": parts}
+    return {
+        "difference": sum(family) / len(family) - sum(others) / len(others),
+        "se": math.sqrt(sum(v for v, _ in parts)),
+        "parts": parts,
+    }
 
 
 def _satterthwaite(parts: list[tuple[float, int]]) -> float:
@@ -147,15 +166,33 @@ def draw_contrast(first: dict[str, Any], second: dict[str, Any]) -> dict[str, An
     if any(len(g) < 2 for gaps in (first, second) for g in gaps["gaps"].values()):
         return None
     welch = [_welch(gaps["gaps"]["family"], gaps["gaps"]["others"]) for gaps in (first, second)]
-    draws = [{"family_minus_others": w["difference"], "se": w["se"],
-              "df": _satterthwaite(w["parts"])} for w in welch]
+    draws = [
+        {"family_minus_others": w["difference"], "se": w["se"], "df": _satterthwaite(w["parts"])}
+        for w in welch
+    ]
     change = draws[1]["family_minus_others"] - draws[0]["family_minus_others"]
     se = math.hypot(draws[0]["se"], draws[1]["se"])
     df = _satterthwaite(welch[0]["parts"] + welch[1]["parts"])
-    by_split = {split: [{"difference": _welch(gaps["splits"]["family"][split], gaps["splits"]["others"][split])["difference"]}
-                        for gaps in (first, second)] for split in ("test", "val")}
-    return {"draws": draws, "change": change, "se": se, "t": change / se, "df": df,
-            "p": float(2 * stats.t.sf(abs(change / se), df)), "by_split": by_split}
+    by_split = {
+        split: [
+            {
+                "difference": _welch(gaps["splits"]["family"][split], gaps["splits"]["others"][split])[
+                    "difference"
+                ]
+            }
+            for gaps in (first, second)
+        ]
+        for split in ("test", "val")
+    }
+    return {
+        "draws": draws,
+        "change": change,
+        "se": se,
+        "t": change / se,
+        "df": df,
+        "p": float(2 * stats.t.sf(abs(change / se), df)),
+        "by_split": by_split,
+    }
 
 
 def main() -> None:
@@ -164,11 +201,20 @@ def main() -> None:
     parser.add_argument("--table", default="fmnist_bspf_protocols", help="a verdict file of sweeps/verdicts/")
     parser.add_argument("--root", default=data_cfg.root)
     parser.add_argument("--out", default=None)
-    parser.add_argument("--gaps", nargs="*", default=["fmnist_bspf_grid14", "fmnist_bspf_grid14_split1"],
-                        help="tables whose runs' validation - test gaps are listed (run_gaps)")
-    parser.add_argument("--infix", default="_split1",
-                        help="what the second --gaps table adds to the names of the first's rows it repeats")
-    parser.add_argument("--family", default="bspf", help="experiments containing this form run_gaps' first group")
+    parser.add_argument(
+        "--gaps",
+        nargs="*",
+        default=["fmnist_bspf_grid14", "fmnist_bspf_grid14_split1"],
+        help="tables whose runs' validation - test gaps are listed (run_gaps)",
+    )
+    parser.add_argument(
+        "--infix",
+        default="_split1",
+        help="what the second --gaps table adds to the names of the first's rows it repeats",
+    )
+    parser.add_argument(
+        "--family", default="bspf", help="experiments containing this form run_gaps' first group"
+    )
     args = parser.parse_args()
     ledger = Ledger.load(default_results_dir())
     cache: dict[str, list[dict[str, Any]]] = {}
@@ -181,17 +227,27 @@ def main() -> None:
     claims = protocols.evaluate(protocols.load(args.table), fill_table)
     test_images = len(load_fashion_mnist(args.root, data_cfg.package)["test"][1])
     image_ratio = test_images / int(data_cfg.val_size)
-    report = {"table": args.table, "images": {"val": int(data_cfg.val_size), "test": test_images},
-              "method": __doc__.split("\n\n")[1].replace("\n", " "), **scatter(claims, image_ratio),
-              "run_gaps": {table: run_gaps(fill_table(table), args.family) for table in args.gaps}}
+    report = {
+        "table": args.table,
+        "images": {"val": int(data_cfg.val_size), "test": test_images},
+        "method": __doc__.split("\n\n")[1].replace("\n", " "),
+        **scatter(claims, image_ratio),
+        "run_gaps": {table: run_gaps(fill_table(table), args.family) for table in args.gaps},
+    }
     if len(args.gaps) == 2:  # the first table's rows that the second repeats (its names without --infix)
         first, second = (fill_table(t) for t in args.gaps)
         repeated = {r["experiment"].replace(args.infix, "") for r in second if r.get("experiment")}
         same_rows = [r for r in first if r.get("experiment") in repeated]
-        report["draw_contrast"] = {"tables": args.gaps, "rows": [r["experiment"] for r in same_rows],
-                                   **(draw_contrast(run_gaps(same_rows, args.family),
-                                                    run_gaps(second, args.family)) or {})}
-    out = Path(args.out) if args.out else PROJECT_ROOT / "results" / "analysis" / f"{args.table}_seed_scatter.json"
+        report["draw_contrast"] = {
+            "tables": args.gaps,
+            "rows": [r["experiment"] for r in same_rows],
+            **(draw_contrast(run_gaps(same_rows, args.family), run_gaps(second, args.family)) or {}),
+        }
+    out = (
+        Path(args.out)
+        if args.out
+        else PROJECT_ROOT / "results" / "analysis" / f"{args.table}_seed_scatter.json"
+    )
     atomic_write_json(out, report)
     print(json.dumps({k: report.get(k) for k in ("geometric_mean_ratio", "largest", "p_min_of_k")}))
 

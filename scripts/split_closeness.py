@@ -16,6 +16,7 @@ more of their foreground there; equal coverage rules that out. Writes
 
     python scripts/split_closeness.py [--root /usr/share/datasets/fashion-mnist] [--out PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,7 +49,7 @@ def nearest(queries: torch.Tensor, pool: torch.Tensor, chunk: int = 500) -> np.n
     pool_sq = (pool * pool).sum(1)
     out = []
     for start in range(0, len(queries), chunk):
-        q = queries[start:start + chunk]
+        q = queries[start : start + chunk]
         d2 = (q * q).sum(1, keepdim=True) - 2 * q @ pool.T + pool_sq
         out.append(d2.min(1).values.clamp_min(0).sqrt())
     return torch.cat(out).numpy()
@@ -58,7 +59,9 @@ def main() -> None:
     data_cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "data" / "fashion_mnist.yaml")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default=data_cfg.root)
-    parser.add_argument("--out", default=str(PROJECT_ROOT / "results" / "analysis" / "fmnist_split_closeness.json"))
+    parser.add_argument(
+        "--out", default=str(PROJECT_ROOT / "results" / "analysis" / "fmnist_split_closeness.json")
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = load_fashion_mnist(args.root, data_cfg.package)
@@ -67,22 +70,30 @@ def main() -> None:
     flat = lambda x: x.reshape(len(x), -1).float() / 255  # noqa: E731
     pool = flat(images[train_idx])
     splits = {"val": (images[val_idx], labels[val_idx]), "test": data["test"]}
-    report = {"pool": {"images": len(pool), "what": "the tier's training split (train minus the validation split)"},
-              "distance": "L2 over 784 pixels scaled to [0, 1], to the nearest training image",
-              "grid14_foreground_tokens": f"tokens of the 14 x 14 grid ({GRID14_PATCH} x {GRID14_PATCH} original pixels) "
-                                          f"holding a non-zero pixel, of 196; keep 0.5 keeps {GRID14_KEPT}"}
+    report = {
+        "pool": {"images": len(pool), "what": "the tier's training split (train minus the validation split)"},
+        "distance": "L2 over 784 pixels scaled to [0, 1], to the nearest training image",
+        "grid14_foreground_tokens": (
+            f"tokens of the 14 x 14 grid ({GRID14_PATCH} x {GRID14_PATCH} original pixels) "
+            f"holding a non-zero pixel, of 196; keep 0.5 keeps {GRID14_KEPT}"
+        ),
+    }
     for split, (x, y) in splits.items():
         d = nearest(flat(x), pool)
-        report[split] = {"images": len(d),
-                         "quantiles": {str(q): round(float(np.quantile(d, q)), 4) for q in QUANTILES},
-                         "share_under": {str(t): round(float((d < t).mean()), 4) for t in UNDER},
-                         "per_class": np.bincount(y.numpy(), minlength=10).tolist(),
-                         "per_class_median": [round(float(np.median(d[y.numpy() == c])), 4) for c in range(10)]}
+        report[split] = {
+            "images": len(d),
+            "quantiles": {str(q): round(float(np.quantile(d, q)), 4) for q in QUANTILES},
+            "share_under": {str(t): round(float((d < t).mean()), 4) for t in UNDER},
+            "per_class": np.bincount(y.numpy(), minlength=10).tolist(),
+            "per_class_median": [round(float(np.median(d[y.numpy() == c])), 4) for c in range(10)],
+        }
         tokens, labels_np = foreground_tokens(x), y.numpy()
         report[split]["grid14_foreground_tokens"] = {
             "per_class_mean": [round(float(tokens[labels_np == c].mean()), 2) for c in range(10)],
-            f"per_class_share_over_{GRID14_KEPT}": [round(float((tokens[labels_np == c] > GRID14_KEPT).mean()), 4)
-                                                    for c in range(10)]}
+            f"per_class_share_over_{GRID14_KEPT}": [
+                round(float((tokens[labels_np == c] > GRID14_KEPT).mean()), 4) for c in range(10)
+            ],
+        }
     atomic_write_json(Path(args.out), report)
     print(json.dumps({s: report[s]["quantiles"] for s in splits}))
 

@@ -1,4 +1,5 @@
 """Shared fixtures: every test writes its ledger and outputs under a temporary folder."""
+
 from __future__ import annotations
 
 import itertools
@@ -32,8 +33,11 @@ def pairwise(backbones, methods) -> list:
     under :data:`PAIRWISE_METHODS` run in the default suite; the rest of the cross product is marked
     ``slow`` (``pytest -m slow``, and CI's full-matrix step when methods or backbones change)."""
     assert PAIRWISE_BACKBONE in backbones and set(PAIRWISE_METHODS) <= set(methods)
-    return [pytest.param(b, m, marks=() if b == PAIRWISE_BACKBONE or m in PAIRWISE_METHODS else pytest.mark.slow)
-            for b in backbones for m in methods]
+    return [
+        pytest.param(b, m, marks=() if b == PAIRWISE_BACKBONE or m in PAIRWISE_METHODS else pytest.mark.slow)
+        for b in backbones
+        for m in methods
+    ]
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +58,10 @@ def _signal_handlers_restored():
     import signal
 
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    if before[signal.SIGINT] in (signal.SIG_IGN, None):  # ignored before this test began: Python's default back
+    if before[signal.SIGINT] in (
+        signal.SIG_IGN,
+        None,
+    ):  # ignored before this test began: Python's default back
         signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     for s, handler in before.items():
@@ -178,7 +185,9 @@ def config_of(name: str, seed: int | None = None, top: dict | None = None) -> di
 
 def _merged(base: dict, top: dict) -> dict:
     for k, v in top.items():
-        base[k] = _merged(base.get(k) if isinstance(base.get(k), dict) else {}, v) if isinstance(v, dict) else v
+        base[k] = (
+            _merged(base.get(k) if isinstance(base.get(k), dict) else {}, v) if isinstance(v, dict) else v
+        )
     return base
 
 
@@ -186,8 +195,11 @@ def ledger_entries(results_dir: Path) -> list[dict]:
     """The entries under ``results_dir/runs``, read as the ledger reads them: hidden files are
     atomic_write's temporary files (a requeued job's killed attempt can orphan an empty one)."""
     runs = results_dir / "runs"
-    return [json.loads(p.read_text()) for p in sorted(runs.glob("*.json"))
-            if not p.name.startswith(".")] if runs.exists() else []
+    return (
+        [json.loads(p.read_text()) for p in sorted(runs.glob("*.json")) if not p.name.startswith(".")]
+        if runs.exists()
+        else []
+    )
 
 
 _PORTS = itertools.count()

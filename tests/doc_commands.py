@@ -6,6 +6,7 @@ placeholders (``<folder>``, ``<job id>``) filled in, and fails when the page has
 tests/test_cluster_docs.py checks that every command of the page is the literal first argument of a
 ``run_doc`` call in the tests, so no command is on the page that no test runs.
 """
+
 from __future__ import annotations
 
 import ast
@@ -28,8 +29,13 @@ def commands(page: Path = PAGE) -> list[str]:
     return out
 
 
-def run_doc(command: str, placeholders: dict[str, str] | None = None, then: str = "", background: bool = False,
-            **kwargs):
+def run_doc(
+    command: str,
+    placeholders: dict[str, str] | None = None,
+    then: str = "",
+    background: bool = False,
+    **kwargs,
+):
     """Run the page's ``command`` in bash with ``placeholders`` filled in, then ``then`` in the same shell
     (``export`` lines); keyword arguments are ``subprocess.run``'s (``env``, ``cwd``, ``timeout``),
     output captured as text. ``background``: started, its ``Popen`` returned."""
@@ -48,7 +54,12 @@ def run_by_tests(folder: Path = ROOT / "tests") -> set[str]:
     found = set()
     for path in folder.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_doc" and node.args \
-                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", None) == "run_doc"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 found.add(node.args[0].value)
     return found

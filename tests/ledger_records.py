@@ -1,4 +1,5 @@
 """The ledger's records as the tests read them (vitexp.ledger.Ledger, checked: a broken entry raises)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,9 @@ def iter_runs(results_dir: Path | str | None = None) -> Iterator[dict[str, Any]]
     yield from ledger.records
 
 
-def completed_runs(experiment: str | None = None, kind: str | None = None,
-                   results_dir: Path | str | None = None) -> list[dict[str, Any]]:
+def completed_runs(
+    experiment: str | None = None, kind: str | None = None, results_dir: Path | str | None = None
+) -> list[dict[str, Any]]:
     """The completed entries (of ``experiment`` and ``kind`` when given), oldest first."""
     ledger = Ledger.load(results_dir)
     ledger.check(None if experiment is None else [experiment])

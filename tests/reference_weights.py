@@ -16,6 +16,7 @@ with n ~ N(0, 1), u ~ U(0, 1) drawn in float64 from one ``torch.Generator`` in t
 Every value is then rounded to a multiple of 2⁻¹⁴, so a float32 file holds it exactly and the sum
 of two of them (DINOv2-reg's ``cls_token + pos_embed[:, 0]``, folded by timm at load) is exact too.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,7 +27,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "reference"
-GRID = 2.0 ** -14
+GRID = 2.0**-14
 TOKEN_TABLES = ("cls_token", "pos_embed", "reg_token", "register_tokens", "mask_token", "dist_token")
 
 

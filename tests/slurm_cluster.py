@@ -4,6 +4,7 @@ The cluster starts once per session (per xdist worker) in a temporary folder and
 session's end. Where slurm-wlm or munge is missing, or this is not root, the tests skip with the
 reason; ``VITEXP_REQUIRE_SLURM=1`` (CI) makes that a failure.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,18 +39,28 @@ class Cluster:
         """A job's environment (sbatch passes the submitter's on): this cluster, results under
         ``results``, W&B off, the interpreter's scripts first on PATH, this checkout importable."""
         env = dict(os.environ)
-        env.update(SLURM_CONF=str(self.conf), VITEXP_RESULTS=str(results), WANDB_MODE="disabled",
-                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-                       p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **extra)
+        env.update(
+            SLURM_CONF=str(self.conf),
+            VITEXP_RESULTS=str(results),
+            WANDB_MODE="disabled",
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            **extra,
+        )
         for var in [v for v in env if v.startswith("SLURM_") and v != "SLURM_CONF"]:
             env.pop(var)  # a test run inside a SLURM job must not pass its own job on
         return env
 
     def job(self, job_id: str) -> dict[str, str]:
         """``scontrol show job``'s fields (``{}`` once SLURM has forgotten the job)."""
-        out = subprocess.run(["scontrol", "show", "job", job_id], env={**os.environ, "SLURM_CONF": str(self.conf)},
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "job", job_id],
+            env={**os.environ, "SLURM_CONF": str(self.conf)},
+            capture_output=True,
+            text=True,
+        ).stdout
         return dict(re.findall(r"(\w+)=(\S*)", out))
 
     def wait(self, job_id: str, timeout: float = 600, restarts: int = 0) -> dict[str, str]:
@@ -57,19 +68,30 @@ class Cluster:
         deadline = time.time() + timeout
         while time.time() < deadline:
             info = self.job(job_id)
-            if info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY") \
-                    and int(info.get("Restarts", 0)) >= restarts:
+            if (
+                info.get("JobState")
+                in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+                and int(info.get("Restarts", 0)) >= restarts
+            ):
                 return info
             time.sleep(1)
-        raise AssertionError(f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout} s; logs in {self.folder}/log")
+        raise AssertionError(
+            f"job {job_id} still {self.job(job_id).get('JobState')} after {timeout} s; logs in"
+            f" {self.folder}/log"
+        )
 
 
 def start(folder: Path) -> Cluster:
     from doc_commands import run_doc
 
     env = {**os.environ, "PATH": f"{os.environ['PATH']}{os.pathsep}/usr/sbin"}
-    done = run_doc("bash scripts/local_slurm.sh start <folder>", {"<folder>": str(folder)}, env=env, cwd=ROOT,
-                   timeout=120)
+    done = run_doc(
+        "bash scripts/local_slurm.sh start <folder>",
+        {"<folder>": str(folder)},
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
     if done.returncode != 0:
         logs = "".join(p.read_text()[-1500:] for p in sorted((folder / "log").glob("*.log")))
         raise RuntimeError(f"the one-node SLURM did not start: {done.stderr[-1500:]}\n{logs}")
@@ -80,8 +102,13 @@ def start(folder: Path) -> Cluster:
 def stop(cluster: Cluster) -> None:
     from doc_commands import run_doc
 
-    run_doc("bash scripts/local_slurm.sh stop <folder>", {"<folder>": str(cluster.folder)}, cwd=ROOT, timeout=120,
-            env={**os.environ, "PATH": f"{os.environ['PATH']}{os.pathsep}/usr/sbin"})
+    run_doc(
+        "bash scripts/local_slurm.sh stop <folder>",
+        {"<folder>": str(cluster.folder)},
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "PATH": f"{os.environ['PATH']}{os.pathsep}/usr/sbin"},
+    )
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +116,9 @@ def slurm_cluster(tmp_path_factory):
     """The one-node cluster of this session (module docstring)."""
     gone = missing()
     if gone:
-        reason = f"no one-node SLURM here: missing {', '.join(gone)} (as root: apt-get install -y slurm-wlm munge)"
+        reason = (
+            f"no one-node SLURM here: missing {', '.join(gone)} (as root: apt-get install -y slurm-wlm munge)"
+        )
         if os.environ.get("VITEXP_REQUIRE_SLURM") == "1":
             pytest.fail(f"{reason}; VITEXP_REQUIRE_SLURM=1 requires it")
         pytest.skip(reason)

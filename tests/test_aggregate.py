@@ -1,5 +1,6 @@
 """Seeds in tables: mean ± sample std (n), the paired difference to a baseline row, rows with fewer
 seeds than asked, and vitexp-sweep's plan that launches only the missing (row, seed) pairs."""
+
 from __future__ import annotations
 
 import re
@@ -55,9 +56,13 @@ def seeded_ledger(results_dir):
     _run(results_dir, "pre", 0, {"top1": 88.8, "gmacs": 0.02})
     for seed, v in BASE.items():
         _run(results_dir, aggregate.seeded_name("base", seed), seed, {"top1": v, "gmacs": 0.0201})
-    _run(results_dir, "meth+seed=0", 0, {"top1": 10.0, "gmacs": 0.01}, started="2000-01-01T00:00:00+00:00")  # older
+    _run(
+        results_dir, "meth+seed=0", 0, {"top1": 10.0, "gmacs": 0.01}, started="2000-01-01T00:00:00+00:00"
+    )  # older
     _run(results_dir, "meth+seed=0", 0, {"top1": METH[0], "gmacs": 0.0101})  # newer: started now
-    _run(results_dir, "meth", 1, {"top1": METH[1], "gmacs": 0.0101})  # by hand: `experiment=meth seed=1` named meth
+    _run(
+        results_dir, "meth", 1, {"top1": METH[1], "gmacs": 0.0101}
+    )  # by hand: `experiment=meth seed=1` named meth
     _run(results_dir, "meth+seed=2", 2, {}, fail=True)
     _run(results_dir, "meth+seed=7", 7, {"top1": 0.0, "gmacs": 0.0101})  # a seed the spec does not ask for
     return results_dir
@@ -74,7 +79,10 @@ def test_mean_sample_std_and_paired_difference(seeded_ledger):
     diff = rows["Method"]["paired"]["top1"]  # d = (0.5, 0.2): mean 0.35, std 0.15 * sqrt(2)
     assert diff["mean"] == pytest.approx(0.35) and diff["std"] == pytest.approx(0.15 * math.sqrt(2))
     assert diff["n"] == 2 and diff["seeds"] == [0, 1]
-    assert rows["Pretrained"]["cells"]["top1"]["value"] == 88.8 and "n" not in rows["Pretrained"]["cells"]["top1"]
+    assert (
+        rows["Pretrained"]["cells"]["top1"]["value"] == 88.8
+        and "n" not in rows["Pretrained"]["cells"]["top1"]
+    )
 
 
 def test_rendered_cells_say_n_and_missing_seeds(seeded_ledger, tmp_path):
@@ -83,12 +91,17 @@ def test_rendered_cells_say_n_and_missing_seeds(seeded_ledger, tmp_path):
     md = re.sub(r" {2,}", " ", md)  # tabulate pads the cells of a column to one width
     # GMACs, the same in every seed, without "± 0.000"; a value that varies keeps its std
     assert "| Baseline | 90.17 ± 0.76 (3) | — | 0.020 (3) | — | — |" in md
-    assert "| Method | 90.85 ± 0.49 (2 of 3 seeds) | — | 0.010 (2 of 3 seeds) | — | +0.35 ± 0.21 (2 of 3 seeds) |" in md
+    assert (
+        "| Method | 90.85 ± 0.49 (2 of 3 seeds) | — | 0.010 (2 of 3 seeds) | — | +0.35 ± 0.21 (2 of 3"
+        " seeds) |" in md
+    )
     assert "not independent" not in md  # every seeded run drew its own orders
     assert "| Pretrained | 88.80 | — | 0.020 | — | — |" in md
     assert "Δ Top-1 vs baseline" in md.splitlines()[2]
     written = tables.write_table(SPEC, runs, tmp_path / "tables")
-    rows = {r["row"]: r for r in csv.DictReader(io.StringIO((tmp_path / "tables" / "seeded.csv").read_text()))}
+    rows = {
+        r["row"]: r for r in csv.DictReader(io.StringIO((tmp_path / "tables" / "seeded.csv").read_text()))
+    }
     assert rows["Method"]["top1_n"] == "2" and rows["Method"]["top1_seeds_asked"] == "3"
     assert float(rows["Method"]["top1_delta_mean"]) == pytest.approx(0.35)
     assert r"$\pm$" in (tmp_path / "tables" / "seeded.tex").read_text() and "png" in written
@@ -102,7 +115,9 @@ def test_baseline_must_be_a_seeded_row():
 
 def test_malformed_seeds_fail_when_the_spec_loads(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text("title: t\ncolumns: [{key: top1, label: T}]\nrows: [{label: a, experiment: demo, seeds: 3}]\n")
+    path.write_text(
+        "title: t\ncolumns: [{key: top1, label: T}]\nrows: [{label: a, experiment: demo, seeds: 3}]\n"
+    )
     with pytest.raises(ValueError, match="seeds must be a non-empty list of integers"):
         tables.load_spec(path)
 
@@ -110,11 +125,15 @@ def test_malformed_seeds_fail_when_the_spec_loads(tmp_path):
 def test_sweep_plan_launches_only_missing_row_seed_pairs(results_dir):
     from vitexp.commands.sweep import plan
 
-    spec = {"name": "s", "seeds": [0, 1, 2], "rows": [
-        {"label": "pre", "experiment": "demo", "seeds": None},
-        {"label": "chunk", "experiment": "chunk_demo"},
-        {"label": "bspf", "experiment": "bspf_demo", "seeds": [0]},
-    ]}
+    spec = {
+        "name": "s",
+        "seeds": [0, 1, 2],
+        "rows": [
+            {"label": "pre", "experiment": "demo", "seeds": None},
+            {"label": "chunk", "experiment": "chunk_demo"},
+            {"label": "bspf", "experiment": "bspf_demo", "seeds": [0]},
+        ],
+    }
     _run(results_dir, "chunk_demo+seed=1", 1, {"top1": 1.0})
     _run(results_dir, "chunk_demo+seed=2", 2, {}, fail=True)  # failed: relaunched
     todo = plan(spec, None, False, results_dir)["train"]
@@ -128,11 +147,18 @@ def test_sweep_plan_launches_only_missing_row_seed_pairs(results_dir):
 def test_sweep_reruns_a_shared_start_whose_weights_are_not_on_this_machine(results_dir, tmp_path):
     from vitexp.commands.sweep import plan
 
-    spec = {"name": "s", "seeds": [0], "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
-                                                {"label": "ft", "experiment": "chunk_demo", "weights": "run:demo"}]}
+    spec = {
+        "name": "s",
+        "seeds": [0],
+        "rows": [
+            {"label": "pre", "experiment": "demo", "seeds": None},
+            {"label": "ft", "experiment": "chunk_demo", "weights": "run:demo"},
+        ],
+    }
     weights = tmp_path / "weights.pth"
     LedgerEntry("demo", "train", config_of("demo", 0), results_dir).start().finish(
-        {"top1": 1.0}, artifacts={"weights": str(weights)})  # a committed ledger, weights elsewhere
+        {"top1": 1.0}, artifacts={"weights": str(weights)}
+    )  # a committed ledger, weights elsewhere
     assert plan(spec, None, False, results_dir)["train"]["launch"] == ["demo", "chunk_demo+seed=0"]
     weights.write_bytes(b"weights")
     todo = plan(spec, None, False, results_dir)["train"]
@@ -140,7 +166,8 @@ def test_sweep_reruns_a_shared_start_whose_weights_are_not_on_this_machine(resul
     unseeded = {**spec, "seeds": None}  # not a shared start: a completed run is enough
     weights.unlink()
     LedgerEntry("demo", "train", config_of("demo"), results_dir).start().finish(  # the experiment's own seed
-        {"top1": 1.0}, artifacts={"weights": str(weights)})
+        {"top1": 1.0}, artifacts={"weights": str(weights)}
+    )
     assert plan(unseeded, None, False, results_dir)["train"]["skip"] == ["demo"]
 
 
@@ -159,7 +186,9 @@ def test_the_sweeps_seed_override_names_runs_as_the_tables_expect():
 
     cfg = compose(["experiment=chunk_demo", "seed=1"])
     choices = {"experiment": "chunk_demo", "backbone": "vit_micro", "method": "chunk", "data": "digits"}
-    assert run_name(cfg, choices, ["experiment=chunk_demo", "seed=1"]) == aggregate.seeded_name("chunk_demo", 1)
+    assert run_name(cfg, choices, ["experiment=chunk_demo", "seed=1"]) == aggregate.seeded_name(
+        "chunk_demo", 1
+    )
 
 
 def test_seeds_from_the_overlapping_sampler_are_flagged_and_trained_again(results_dir):
@@ -168,11 +197,17 @@ def test_seeds_from_the_overlapping_sampler_are_flagged_and_trained_again(result
     rerun replaces the old value in the cell."""
     from vitexp.commands.sweep import plan
 
-    spec = {"name": "s", "title": "t", "seeds": [0, 1, 2], "columns": SPEC["columns"],
-            "rows": [{"label": "chunk", "experiment": "chunk_demo"}]}
+    spec = {
+        "name": "s",
+        "title": "t",
+        "seeds": [0, 1, 2],
+        "columns": SPEC["columns"],
+        "rows": [{"label": "chunk", "experiment": "chunk_demo"}],
+    }
     _run(results_dir, "chunk_demo+seed=0", 0, {"top1": 90.0}, order=None)
-    old = _run(results_dir, "chunk_demo+seed=1", 1, {"top1": 50.0}, order=None,
-               started="2000-01-01T00:00:00+00:00")
+    old = _run(
+        results_dir, "chunk_demo+seed=1", 1, {"top1": 50.0}, order=None, started="2000-01-01T00:00:00+00:00"
+    )
     _run(results_dir, "chunk_demo+seed=2", 2, {"top1": 92.0})
     todo = plan(spec, None, False, results_dir)["train"]
     assert todo["seeds"] == {"chunk_demo": [1]} and todo["skip"] == ["chunk_demo+seed=0", "chunk_demo+seed=2"]
@@ -187,7 +222,9 @@ def test_seeds_from_the_overlapping_sampler_are_flagged_and_trained_again(result
 
 def _ft(results_dir, name, seed, start, started):
     """A completed fine-tuning of ``seed`` that loaded ``backbone.pretrained=start``."""
-    entry = LedgerEntry(name, "train", config_of(name, seed, {"backbone": {"pretrained": start}}), results_dir).start()
+    entry = LedgerEntry(
+        name, "train", config_of(name, seed, {"backbone": {"pretrained": start}}), results_dir
+    ).start()
     entry.record["started"] = started
     entry.finish({"top1": 90.0 + seed}, {"data_order": DATA_ORDER})
     return entry.run_id
@@ -210,12 +247,21 @@ def test_seeds_fine_tuned_from_another_run_of_the_shared_start_train_again(resul
     ``run:<experiment>`` resolved by time) is named under the table and launched again."""
     from vitexp.commands.sweep import plan
 
-    spec = {"name": "s", "title": "t", "seeds": [0, 1, 2], "columns": SPEC["columns"],
-            "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
-                     {"label": "ft", "experiment": "chunk_demo", "weights": "run:demo"}]}
+    spec = {
+        "name": "s",
+        "title": "t",
+        "seeds": [0, 1, 2],
+        "columns": SPEC["columns"],
+        "rows": [
+            {"label": "pre", "experiment": "demo", "seeds": None},
+            {"label": "ft", "experiment": "chunk_demo", "weights": "run:demo"},
+        ],
+    }
     old = _start(results_dir, tmp_path, "2001-01-01T00:00:00+00:00", "2001-01-01T01:00:00+00:00")
     new = _start(results_dir, tmp_path, "2002-01-01T00:00:00+00:00", "2002-01-01T01:00:00+00:00")
-    by_time = _ft(results_dir, "chunk_demo+seed=0", 0, "run:demo", "2001-06-01T00:00:00+00:00")  # loaded `old`
+    by_time = _ft(
+        results_dir, "chunk_demo+seed=0", 0, "run:demo", "2001-06-01T00:00:00+00:00"
+    )  # loaded `old`
     _ft(results_dir, "chunk_demo+seed=1", 1, f"run:{new}", "2002-06-01T00:00:00+00:00")
     _ft(results_dir, "chunk_demo+seed=2", 2, "run:demo", "2002-06-01T00:00:00+00:00")  # loaded `new`
     runs = list(iter_runs(results_dir))
@@ -224,7 +270,9 @@ def test_seeds_fine_tuned_from_another_run_of_the_shared_start_train_again(resul
     todo = plan(spec, None, False, results_dir)["train"]
     assert todo["seeds"] == {"chunk_demo": [0]} and "demo" in todo["skip"]
     md = tables.render_markdown(spec, tables.fill(spec, runs))
-    assert "1 of the seeded runs fine-tuned another run" in md and f"`{by_time}`" in md.split("another run")[1]
+    assert (
+        "1 of the seeded runs fine-tuned another run" in md and f"`{by_time}`" in md.split("another run")[1]
+    )
     for weights in tmp_path.glob("w-2002*"):  # the start's weights are gone: it and all its seeds train again
         weights.unlink()
     todo = plan(spec, None, False, results_dir)["train"]
@@ -232,7 +280,13 @@ def test_seeds_fine_tuned_from_another_run_of_the_shared_start_train_again(resul
 
 
 def test_only_trained_ledger_seeds_from_the_old_sampler_count_as_overlapping():
-    base = {"kind": "train", "status": "completed", "config": {"seed": 1}, "protocol": {}, "metrics": {"steps": 40}}
+    base = {
+        "kind": "train",
+        "status": "completed",
+        "config": {"seed": 1},
+        "protocol": {},
+        "metrics": {"steps": 40},
+    }
     assert aggregate.overlapping_order(base)
     assert not aggregate.overlapping_order({**base, "config": {"seed": 0}})  # seed 0: the same orders
     assert not aggregate.overlapping_order({**base, "protocol": {"data_order": DATA_ORDER}})

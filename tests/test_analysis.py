@@ -1,4 +1,5 @@
 """SAPER's interpretability analyses on the micro DINOv2 with digits (vitexp/analysis/heads.py)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,13 @@ import timm
 import torch
 
 import vitexp  # noqa: F401
-from vitexp.analysis.heads import (attention_maps, cluster_heads, davies_bouldin_precomputed, laplace_rgb,
-                                   normalized_laplacian)
+from vitexp.analysis.heads import (
+    attention_maps,
+    cluster_heads,
+    davies_bouldin_precomputed,
+    laplace_rgb,
+    normalized_laplacian,
+)
 
 from conftest import ledger_entries
 
@@ -23,7 +29,9 @@ def test_attention_maps_reproduce_timms_attention_output():
     torch.manual_seed(0)
     model = timm.create_model("vit_micro_patch14_dinov2", init_values=1.0).double().eval()
     seen = []
-    hooks = [b.attn.register_forward_hook(lambda m, args, out: seen.append((args[0], out))) for b in model.blocks]
+    hooks = [
+        b.attn.register_forward_hook(lambda m, args, out: seen.append((args[0], out))) for b in model.blocks
+    ]
     x = torch.randn(2, 3, 56, 56, dtype=torch.float64)
     model.forward_features(x)
     for h in hooks:
@@ -34,7 +42,9 @@ def test_attention_maps_reproduce_timms_attention_output():
     for block, a, (inp, out) in zip(model.blocks, maps, seen[:4]):
         attn = block.attn
         v = attn.qkv(inp).reshape(2, 17, 3, 4, 16)[:, :, 2].transpose(1, 2)  # B, heads, N, d
-        torch.testing.assert_close(attn.proj((a @ v).transpose(1, 2).reshape(2, 17, 64)), out, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(
+            attn.proj((a @ v).transpose(1, 2).reshape(2, 17, 64)), out, rtol=1e-10, atol=1e-10
+        )
 
 
 def test_symmetrised_normalised_laplacian_is_psd_and_has_a_zero_eigenvalue():
@@ -63,11 +73,9 @@ def test_laplace_maps_do_not_depend_on_the_eigensolvers_signs(monkeypatch):
 
 def test_davies_bouldin_from_precomputed_distances_uses_medoids():
     # clusters {0, 1, 2} (medoid 1: summed distance 2) and {3, 4} (medoid 3, the first of a tie)
-    d = np.array([[0, 1, 2, 9, 9],
-                  [1, 0, 1, 8, 9],
-                  [2, 1, 0, 7, 9],
-                  [9, 8, 7, 0, 2],
-                  [9, 9, 9, 2, 0]], dtype=float)
+    d = np.array(
+        [[0, 1, 2, 9, 9], [1, 0, 1, 8, 9], [2, 1, 0, 7, 9], [9, 8, 7, 0, 2], [9, 9, 9, 2, 0]], dtype=float
+    )
     labels = np.array([0, 0, 0, 1, 1])
     s0, s1 = (1 + 0 + 1) / 3, (0 + 2) / 2
     assert davies_bouldin_precomputed(d, labels) == pytest.approx((s0 + s1) / 8)
@@ -80,7 +88,9 @@ def test_cluster_scores_use_the_correlation_distance_the_clustering_used():
     rng = np.random.default_rng(0)
     signals = rng.normal(size=(200, 3))
     scales = [1e-2, 1.0, 1e2]
-    heads = [scale * signals[:, c] + offset for c in range(3) for scale, offset in zip(scales, (0.0, 5.0, -3.0))]
+    heads = [
+        scale * signals[:, c] + offset for c in range(3) for scale, offset in zip(scales, (0.0, 5.0, -3.0))
+    ]
     values = np.stack(heads, 1) + 1e-6 * rng.normal(size=(200, 9))
     result = cluster_heads(values, 3)
     labels = result["labels"]
@@ -89,7 +99,9 @@ def test_cluster_scores_use_the_correlation_distance_the_clustering_used():
     assert result["silhouette"] > 0.99 and result["davies_bouldin"] < 0.01
 
 
-@pytest.mark.parametrize("analysis, extra", [("laplace", []), ("clusters", ["--images", "64", "--clusters", "3"])])
+@pytest.mark.parametrize(
+    "analysis, extra", [("laplace", []), ("clusters", ["--images", "64", "--clusters", "3"])]
+)
 def test_analyze_cli_on_micro_dinov2_and_digits(analysis, extra, results_dir, capsys):
     from vitexp.commands.cli import analyze_main
     from vitexp.ledger import local_path

@@ -1,5 +1,6 @@
 """vitexp-analyze splits: two runs' per-image correctness on the validation and test splits, the paired
 difference, McNemar's counts and the paired bootstrap over images (vitexp/analysis/splits.py)."""
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,20 @@ def test_a_run_against_itself_differs_by_nothing(results_dir, capsys, trained_ru
     report = json.loads(open(result["report"]).read())
     for split, key in (("val", "val_top1"), ("test", "top1")):
         row = report[split]
-        assert row["diff"] == 0 and row["only_a"] == row["only_b"] == 0 and row["se"] == 0 and row["ci95"] == [0, 0]
+        assert (
+            row["diff"] == 0
+            and row["only_a"] == row["only_b"] == 0
+            and row["se"] == 0
+            and row["ci95"] == [0, 0]
+        )
         assert row["top1_a"] == pytest.approx(run["metrics"][key], abs=1e-4)
     assert report["gap"] == {"diff": 0, "se": 0, "z": None}
     assert sorted(e["kind"] for e in ledger_entries(results_dir)) == ["analyze", "train"]
 
 
-def test_two_runs_accuracies_are_the_ledgers_and_the_bootstrap_is_paired(results_dir, tmp_path, capsys, trained_run):
+def test_two_runs_accuracies_are_the_ledgers_and_the_bootstrap_is_paired(
+    results_dir, tmp_path, capsys, trained_run
+):
     """Each model's accuracy on each split is its ledger value; b - c over the split is the difference;
     the bootstrap's standard error is the paired one, 100 sqrt(b + c - (b - c)^2 / n) / n in closed form
     (2,000 replicates: about 1.6 % relative error, 6 % allowed), not the unpaired one of two accuracies."""
@@ -45,7 +53,10 @@ def test_two_runs_accuracies_are_the_ledgers_and_the_bootstrap_is_paired(results
     assert result["status"] == "completed" and result["report"] == str(out)
     report = json.loads(out.read_text())
     assert report["runs"] == {"a": a["run_id"], "b": b["run_id"]}
-    assert (report["val"]["images"], report["test"]["images"]) == (359, 360)  # the digits split of 1,797 images
+    assert (report["val"]["images"], report["test"]["images"]) == (
+        359,
+        360,
+    )  # the digits split of 1,797 images
     disagreements = 0
     for split, key in (("val", "val_top1"), ("test", "top1")):
         row, n = report[split], report[split]["images"]
@@ -70,8 +81,12 @@ def test_two_runs_accuracies_are_the_ledgers_and_the_bootstrap_is_paired(results
     for split in ("val", "test"):
         n = report[split]["images"]
         assert sum(c[split]["images"] for c in classes) == n
-        assert sum(c[split]["images"] * c[split]["top1_a"] for c in classes) / n == pytest.approx(report[split]["top1_a"])
-        assert sum(c[split]["images"] * c[split]["diff"] for c in classes) / n == pytest.approx(report[split]["diff"])
+        assert sum(c[split]["images"] * c[split]["top1_a"] for c in classes) / n == pytest.approx(
+            report[split]["top1_a"]
+        )
+        assert sum(c[split]["images"] * c[split]["diff"] for c in classes) / n == pytest.approx(
+            report[split]["diff"]
+        )
     assert all(c["gap"]["diff"] == pytest.approx(c["test"]["diff"] - c["val"]["diff"]) for c in classes)
     for c in classes:  # a confusion-matrix row per model: its diagonal is the label's correct images
         for split in ("val", "test"):
@@ -83,7 +98,9 @@ def test_two_runs_accuracies_are_the_ledgers_and_the_bootstrap_is_paired(results
     assert any(c[s]["predicted_a"][c["label"]] < c[s]["images"] for c in classes for s in ("val", "test"))
     entry = next(e for e in ledger_entries(results_dir) if e["kind"] == "analyze")
     assert entry["status"] == "completed" and entry["analyzes"] == [a["run_id"], b["run_id"]]
-    again = analyze(capsys, "--runs", a["run_id"], b["run_id"], "--out", str(tmp_path / "again.json"), "logger=none")
+    again = analyze(
+        capsys, "--runs", a["run_id"], b["run_id"], "--out", str(tmp_path / "again.json"), "logger=none"
+    )
     assert json.loads(open(again["report"]).read()) == report  # --seed fixes the bootstrap
 
 
@@ -129,21 +146,36 @@ def test_seed_scatter_compares_each_cells_splits_and_leaves_out_what_the_verdict
     module = _script("seed_scatter")
 
     def cell(protocol, n, sd_test, sd_val, reference=False, val_n=None):
-        return {"protocol": protocol, "sign": "undecided", "n": n, "std": sd_test, "reference": reference,
-                "val": {"n": val_n or n, "std": sd_val}}
+        return {
+            "protocol": protocol,
+            "sign": "undecided",
+            "n": n,
+            "std": sd_test,
+            "reference": reference,
+            "val": {"n": val_n or n, "std": sd_val},
+        }
 
-    claims = [{"claim": "a beats b", "cells": [
-        cell("p1", 5, 0.1, 0.45), cell("p2", 5, 0.3, 0.3), cell("ref", 5, 0.1, 0.9, reference=True),
-        cell("short", 2, 0.1, 0.9), cell("uneven", 5, 0.1, 0.9, val_n=4),
-        {"protocol": "p3", "sign": None, "text": "not in this protocol"}]}]
+    claims = [
+        {
+            "claim": "a beats b",
+            "cells": [
+                cell("p1", 5, 0.1, 0.45),
+                cell("p2", 5, 0.3, 0.3),
+                cell("ref", 5, 0.1, 0.9, reference=True),
+                cell("short", 2, 0.1, 0.9),
+                cell("uneven", 5, 0.1, 0.9, val_n=4),
+                {"protocol": "p3", "sign": None, "text": "not in this protocol"},
+            ],
+        }
+    ]
     report = module.scatter(claims, image_ratio=2.0)
     assert [c["protocol"] for c in report["cells"]] == ["p1", "p2"]
     first, second = report["cells"]
     assert first["ratio"] == pytest.approx(4.5) and second["ratio"] == pytest.approx(1.0)
     for c in report["cells"]:
         z = 1.0 / (1.0 + c["ratio"] ** 2 / 2.0)
-        assert c["p_high"] == pytest.approx(3 * z ** 2 - 2 * z ** 3, rel=1e-9)
-    assert report["geometric_mean_ratio"] == pytest.approx(4.5 ** 0.5)
+        assert c["p_high"] == pytest.approx(3 * z**2 - 2 * z**3, rel=1e-9)
+    assert report["geometric_mean_ratio"] == pytest.approx(4.5**0.5)
     assert report["largest"]["protocol"] == "p1" and report["cells_over_expected"] == 1
     assert report["p_min_of_k"] == pytest.approx(1 - (1 - first["p_high"]) ** 2)
 
@@ -156,21 +188,33 @@ def test_seed_scatter_counts_which_runs_score_lower_on_validation():
     module = _script("seed_scatter")
 
     def row(name, test, val):
-        return {"experiment": name, "cells": {"top1": {"seeds": dict(enumerate(test))},
-                                              "val_top1": {"seeds": dict(enumerate(val))}}}
+        return {
+            "experiment": name,
+            "cells": {"top1": {"seeds": dict(enumerate(test))}, "val_top1": {"seeds": dict(enumerate(val))}},
+        }
 
-    rows = [{"experiment": "grid_baseline", "cells": {"top1": {"value": 80.0}}},
-            row("grid_bspf", [86.0, 86.5, 86.2], [85.5, 86.0, 86.4]),
-            row("grid_ft", [87.0, 87.1, 87.3], [87.5, 87.4, 87.2])]
+    rows = [
+        {"experiment": "grid_baseline", "cells": {"top1": {"value": 80.0}}},
+        row("grid_bspf", [86.0, 86.5, 86.2], [85.5, 86.0, 86.4]),
+        row("grid_ft", [87.0, 87.1, 87.3], [87.5, 87.4, 87.2]),
+    ]
     gaps = module.run_gaps(rows, "bspf")
     assert list(gaps["rows"]) == ["grid_bspf", "grid_ft"]
-    assert gaps["rows"]["grid_bspf"] == {"0": pytest.approx(-0.5), "1": pytest.approx(-0.5), "2": pytest.approx(0.2)}
+    assert gaps["rows"]["grid_bspf"] == {
+        "0": pytest.approx(-0.5),
+        "1": pytest.approx(-0.5),
+        "2": pytest.approx(0.2),
+    }
     assert gaps["lower_on_val"]["family"] == [2, 1] and gaps["lower_on_val"]["others"] == [1, 2]
     assert gaps["fisher_p"] == pytest.approx(stats.fisher_exact([[2, 1], [1, 2]]).pvalue)
-    assert gaps["mean_gap"]["family"] == pytest.approx(-0.8 / 3) and gaps["mean_gap"]["others"] == pytest.approx(0.7 / 3)
+    assert gaps["mean_gap"]["family"] == pytest.approx(-0.8 / 3) and gaps["mean_gap"][
+        "others"
+    ] == pytest.approx(0.7 / 3)
     assert gaps["family_minus_others"] == pytest.approx(-0.5)
     # family gaps (-0.5, -0.5, 0.2) against (0.5, 0.3, -0.1): the exact two-sided p of U
-    assert gaps["mannwhitney_p"] == pytest.approx(stats.mannwhitneyu([-0.5, -0.5, 0.2], [0.5, 0.3, -0.1]).pvalue)
+    assert gaps["mannwhitney_p"] == pytest.approx(
+        stats.mannwhitneyu([-0.5, -0.5, 0.2], [0.5, 0.3, -0.1]).pvalue
+    )
     assert gaps["mannwhitney_p"] < 0.5
     only = module.run_gaps(rows[:2], "bspf")
     assert only["family_minus_others"] is None and only["mannwhitney_p"] is None
@@ -183,23 +227,35 @@ def test_seed_scatter_contrasts_two_validation_draws():
     from scipy import stats
 
     module = _script("seed_scatter")
-    first = {"family_minus_others": -0.9, "gaps": {"family": [-0.3, -0.5, -0.1], "others": [0.6, 0.4, 0.8, 0.6]},
-             "splits": {"family": {"test": [87.0, 87.2, 87.1], "val": [86.7, 86.7, 87.0]},
-                        "others": {"test": [88.0, 88.2, 88.1, 88.3], "val": [88.6, 88.6, 88.9, 88.9]}}}
-    second = {"family_minus_others": 0.1, "gaps": {"family": [0.5, 0.3], "others": [0.2, 0.4]},
-              "splits": {"family": {"test": [87.0, 87.2], "val": [87.5, 87.5]},
-                         "others": {"test": [89.0, 89.2], "val": [89.2, 89.6]}}}
+    first = {
+        "family_minus_others": -0.9,
+        "gaps": {"family": [-0.3, -0.5, -0.1], "others": [0.6, 0.4, 0.8, 0.6]},
+        "splits": {
+            "family": {"test": [87.0, 87.2, 87.1], "val": [86.7, 86.7, 87.0]},
+            "others": {"test": [88.0, 88.2, 88.1, 88.3], "val": [88.6, 88.6, 88.9, 88.9]},
+        },
+    }
+    second = {
+        "family_minus_others": 0.1,
+        "gaps": {"family": [0.5, 0.3], "others": [0.2, 0.4]},
+        "splits": {
+            "family": {"test": [87.0, 87.2], "val": [87.5, 87.5]},
+            "others": {"test": [89.0, 89.2], "val": [89.2, 89.6]},
+        },
+    }
     out = module.draw_contrast(first, second)
     v = [0.04 / 3, (0.08 / 3) / 4, 0.02 / 2, 0.02 / 2]  # s^2 / n of the four groups
     se1, se2 = (v[0] + v[1]) ** 0.5, (v[2] + v[3]) ** 0.5
     assert out["draws"][0]["se"] == pytest.approx(se1) and out["draws"][1]["se"] == pytest.approx(se2)
     assert out["change"] == pytest.approx(1.0)
-    assert out["t"] == pytest.approx(1.0 / (se1 ** 2 + se2 ** 2) ** 0.5)
+    assert out["t"] == pytest.approx(1.0 / (se1**2 + se2**2) ** 0.5)
     df = sum(v) ** 2 / (v[0] ** 2 / 2 + v[1] ** 2 / 3 + v[2] ** 2 / 1 + v[3] ** 2 / 1)
     assert out["df"] == pytest.approx(df)
     assert out["p"] == pytest.approx(2 * stats.t.sf(out["t"], df))
     test_first, test_second = out["by_split"]["test"]
-    assert test_first["difference"] == pytest.approx(87.1 - 88.15) and test_second["difference"] == pytest.approx(87.1 - 89.1)
+    assert test_first["difference"] == pytest.approx(87.1 - 88.15) and test_second[
+        "difference"
+    ] == pytest.approx(87.1 - 89.1)
     assert out["by_split"]["val"][1]["difference"] == pytest.approx(87.5 - 89.4)
     assert module.draw_contrast(first, {**second, "gaps": {"family": [0.5], "others": [0.2, 0.4]}}) is None
 
@@ -212,7 +268,9 @@ def test_committed_draw_contrast_pairs_the_rows_the_second_draw_repeats():
     from vitexp import PROJECT_ROOT
     from vitexp.report.tables import load_spec
 
-    report = json.loads((PROJECT_ROOT / "results" / "analysis" / "fmnist_bspf_protocols_seed_scatter.json").read_text())
+    report = json.loads(
+        (PROJECT_ROOT / "results" / "analysis" / "fmnist_bspf_protocols_seed_scatter.json").read_text()
+    )
     contrast = report["draw_contrast"]
     second = load_spec(contrast["tables"][1])
     repeated = {(r.get("name") or r["experiment"]).replace("_split1", "") for r in second["rows"]}

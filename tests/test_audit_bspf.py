@@ -1,4 +1,5 @@
 """The BSPF audit's measurements (vitexp/analysis/audit_bspf.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,9 @@ def _demo_run(results_dir, weights_dir, seed: int, started: str | None = None) -
     weights = weights_dir / f"weights_{seed}.pth"
     torch.save(timm.create_model("vit_micro_patch4_32", num_classes=10).state_dict(), weights)
     cfg = compose(["experiment=demo"])
-    config = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("backbone", "method", "data", "recipe")}
+    config = {
+        k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("backbone", "method", "data", "recipe")
+    }
     entry = LedgerEntry("demo", "train", {**config, "name": "demo"}, results_dir).start()
     if started:
         entry.record["started"] = started
@@ -77,18 +80,27 @@ def test_audit_without_a_pinned_run_names_what_to_train(results_dir):
 def test_report_separates_what_was_measured_from_what_is_true_by_construction(results_dir, tmp_path):
     run_id = _demo_run(results_dir, tmp_path, seed=0)
     micro = audit_bspf.micro_findings("run:demo", images=2, results_dir=results_dir)
-    findings = {"micro": micro, "deit_small": micro, "deit_small_weights": audit_bspf.RANDOM_DEIT,
-                "images": {"micro": 4, "deit_small": 2}, "prune_layers": [4, 6, 9],
-                "scoring_cost": audit_bspf.scoring_cost_per_layer(196, 1, 384, 49, [4, 6, 9], 12, 0.5),
-                "gmacs": {"deit_small": 4.599, "chunk": 4.333, "bspf": 2.391},
-                "top1": {"deit_small": None, "chunk": None, "bspf": None},
-                "top1_runs": {"deit_small": None, "chunk": None, "bspf": None}}
+    findings = {
+        "micro": micro,
+        "deit_small": micro,
+        "deit_small_weights": audit_bspf.RANDOM_DEIT,
+        "images": {"micro": 4, "deit_small": 2},
+        "prune_layers": [4, 6, 9],
+        "scoring_cost": audit_bspf.scoring_cost_per_layer(196, 1, 384, 49, [4, 6, 9], 12, 0.5),
+        "gmacs": {"deit_small": 4.599, "chunk": 4.333, "bspf": 2.391},
+        "top1": {"deit_small": None, "chunk": None, "bspf": None},
+        "top1_runs": {"deit_small": None, "chunk": None, "bspf": None},
+    }
     report = audit_bspf.render(findings)
     sections = dict(part.split("\n", 1) for part in report.split("## (")[1:])
     a, b, c, d = (next(v for k, v in sections.items() if k.startswith(x)) for x in "abcd")
     assert run_id in report.split("## (")[0]
     assert "Measured" in a and "DeiT-S at random initialisation" in a and "untrained DeiT-S" in report
-    assert "True by construction" in b and "complement of the same mask" in b and "by construction" in b.split("Verdict")[1]
+    assert (
+        "True by construction" in b
+        and "complement of the same mask" in b
+        and "by construction" in b.split("Verdict")[1]
+    )
     assert "Counted" in c
     assert "GMACs" in d.split("\n\n")[0] and "Verdict on FLOPs" in d and "accuracy not run" in d
     metrics, protocol = audit_bspf.summary(findings)
@@ -105,4 +117,3 @@ def test_audit_cli_writes_report_and_ledger(results_dir, tmp_path):
     for section in ("(a)", "(b)", "(c)", "(d)"):
         assert f"## {section}" in report
     assert "not run" in report
-

@@ -1,5 +1,6 @@
 """The SAPER audit's measures (vitexp/analysis/audit_saper.py): the Laplacian's spectrum with and
 without symmetrisation, and the agreement between kept heads and head clusters."""
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,9 @@ def test_a_missing_saper_run_names_what_to_run(tmp_path):
         saper_record("run:saper_micro_ft_k4", tmp_path)
 
 
-def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_finding(make_cfg, results_dir, tmp_path):
+def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_finding(
+    make_cfg, results_dir, tmp_path
+):
     """A constructed ledger: two teacher runs (the second finished after the SAPER run started, so
     it is not the one SAPER pruned), a SAPER run with kept_heads; the audit loads the first teacher's
     weights, measures on the run's own test digits and renders (a), (b) and (c)."""
@@ -80,24 +83,56 @@ def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_findin
     def record(run_id, experiment, cfg, started, finished, **extra):
         path = results_dir / "runs" / f"{run_id}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"run_id": run_id, "experiment": experiment, "status": "completed", "kind": "train",
-                                    "config": cfg, "metrics": {"top1": 50.0}, "started": started,
-                                    "finished": finished, **extra}))
+        path.write_text(
+            json.dumps(
+                {
+                    "run_id": run_id,
+                    "experiment": experiment,
+                    "status": "completed",
+                    "kind": "train",
+                    "config": cfg,
+                    "metrics": {"top1": 50.0},
+                    "started": started,
+                    "finished": finished,
+                    **extra,
+                }
+            )
+        )
 
     teacher_cfg = to_container(make_cfg(["experiment=saper_micro_teacher"]))
     for i, seed in enumerate((0, 1)):
         torch.manual_seed(seed)
         weights = tmp_path / f"teacher{i}.pth"
-        torch.save(build_backbone({**teacher_cfg["backbone"], "pretrained": None}, num_classes=10).state_dict(), weights)
-        record(f"t{i}", "saper_micro_teacher", teacher_cfg, f"2026-01-0{1 + 2 * i}T00:00:00+00:00",
-               f"2026-01-0{1 + 2 * i}T01:00:00+00:00", artifacts={"weights": str(weights)})
+        torch.save(
+            build_backbone({**teacher_cfg["backbone"], "pretrained": None}, num_classes=10).state_dict(),
+            weights,
+        )
+        record(
+            f"t{i}",
+            "saper_micro_teacher",
+            teacher_cfg,
+            f"2026-01-0{1 + 2 * i}T00:00:00+00:00",
+            f"2026-01-0{1 + 2 * i}T01:00:00+00:00",
+            artifacts={"weights": str(weights)},
+        )
     saper_cfg = to_container(make_cfg(["experiment=saper_micro", "name=saper_micro_ft_k4"]))
-    record("s0", "saper_micro_ft_k4", saper_cfg, "2026-01-02T00:00:00+00:00", "2026-01-02T01:00:00+00:00",
-           kept_heads=[[1], [0, 1], [1], []])
-    findings = audit_saper.audit(["run:saper_micro_ft_k4"], images=12, clusters=(2,), selections=50,
-                                 results_dir=results_dir)
+    record(
+        "s0",
+        "saper_micro_ft_k4",
+        saper_cfg,
+        "2026-01-02T00:00:00+00:00",
+        "2026-01-02T01:00:00+00:00",
+        kept_heads=[[1], [0, 1], [1], []],
+    )
+    findings = audit_saper.audit(
+        ["run:saper_micro_ft_k4"], images=12, clusters=(2,), selections=50, results_dir=results_dir
+    )
     (run,) = findings["runs"]
-    assert run["weights"] == "run:t0" and run["images"] == 12 and (run["layers"], run["heads_per_layer"]) == (4, 4)
+    assert (
+        run["weights"] == "run:t0"
+        and run["images"] == 12
+        and (run["layers"], run["heads_per_layer"]) == (4, 4)
+    )
     assert run["laplacian"]["graphs"] == 4 * 12 * 4 and run["laplacian"]["symmetrised"]["imag_abs_max"] == 0.0
     assert run["clusters"][2]["k"] == 4 and run["clusters"][2]["heads"] == 16
     report = audit_saper.render(findings)
@@ -105,6 +140,10 @@ def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_findin
         assert heading in report
     metrics, protocol = audit_saper.summary(findings)
     assert protocol["saper_runs"] == {"s0": "run:t0"} and "saper_micro_ft_k4_c2_ami" in metrics
-    given = str(tmp_path / "teacher1.pth")  # --weights: e.g. a real DINOv2 checkpoint replaces the pinned teacher
-    (run,) = audit_saper.audit(["run:s0"], given, images=4, clusters=(2,), selections=10, results_dir=results_dir)["runs"]
+    given = str(
+        tmp_path / "teacher1.pth"
+    )  # --weights: e.g. a real DINOv2 checkpoint replaces the pinned teacher
+    (run,) = audit_saper.audit(
+        ["run:s0"], given, images=4, clusters=(2,), selections=10, results_dir=results_dir
+    )["runs"]
     assert run["weights"] == given and run["laplacian"]["graphs"] == 4 * 4 * 4

@@ -1,6 +1,7 @@
 """bf16 autocast, as the GPU table configs run (``trainer=gpu``: ``precision: bf16-mixed``): every
 method config on every micro backbone it accepts trains a step under ``torch.autocast("cpu",
 torch.bfloat16)``, and BSPF-DeiT-S infers at full size."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,14 +18,26 @@ from conftest import pairwise
 METHODS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "method").glob("*.yaml"))
 MICRO = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "backbone").glob("*micro*.yaml"))
 #: the budget each method accepts (RAPTOR's phases are given: Method.prepare needs no data then)
-BUDGETS = {"bspf": ["budget=keep_ratio"], "evit": ["budget=keep_ratio"], "tome": ["budget=merge", "budget.r=2"],
-           "saper_ft": ["budget=heads", "budget.k=4"],
-           "saper_kd": ["budget=heads", "budget.k=4"], "raptor": ["budget=blocks", "budget.k=2"]}
+BUDGETS = {
+    "bspf": ["budget=keep_ratio"],
+    "evit": ["budget=keep_ratio"],
+    "tome": ["budget=merge", "budget.r=2"],
+    "saper_ft": ["budget=heads", "budget.k=4"],
+    "saper_kd": ["budget=heads", "budget.k=4"],
+    "raptor": ["budget=blocks", "budget.k=2"],
+}
 
 
 def _config(method: str, backbone: str):
-    cfg = vconfig.compose([f"backbone={backbone}", f"method={method}", *BUDGETS.get(method, ["budget=none"]),
-                           "data=synthetic", "logger=none"])
+    cfg = vconfig.compose(
+        [
+            f"backbone={backbone}",
+            f"method={method}",
+            *BUDGETS.get(method, ["budget=none"]),
+            "data=synthetic",
+            "logger=none",
+        ]
+    )
     if method == "raptor":
         depth = int(cfg.backbone.arch.depth)
         cfg.method.phases = [list(range(depth // 2)), list(range(depth // 2, depth))]
@@ -46,7 +59,18 @@ def _stage_loss(module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def test_every_method_config_is_covered():
-    assert {"baseline", "bspf", "chunk", "probe", "raptor", "saper_ft", "saper_kd", "tome", "evit", "knn"} <= set(METHODS)
+    assert {
+        "baseline",
+        "bspf",
+        "chunk",
+        "probe",
+        "raptor",
+        "saper_ft",
+        "saper_kd",
+        "tome",
+        "evit",
+        "knn",
+    } <= set(METHODS)
     assert {"vit_micro", "caformer_micro", "dinov2_micro", "shvit_micro"} <= set(MICRO)
     for method in ("bspf", "chunk"):  # BSPF-ViT applies to SHViT: its matrix cells run, not skip
         _config(method, "shvit_micro")
@@ -66,12 +90,15 @@ def test_bf16_autocast_trains_every_method_on_every_micro_backbone(method, backb
     size, classes = int(cfg.backbone.img_size), int(cfg.data.num_classes)
     x, y = torch.randn(2, 3, size, size), torch.tensor([0, 1])
     for stage in built.stages(model):
-        module = module_for(stage.objective)(stage.model(), num_classes=classes, recipe=cfg.recipe,
-                                             **dict(stage.module_kwargs)).train()
+        module = module_for(stage.objective)(
+            stage.model(), num_classes=classes, recipe=cfg.recipe, **dict(stage.module_kwargs)
+        ).train()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = _stage_loss(module, x, y)
         assert torch.isfinite(loss), f"{stage.name}: loss {loss}"
-        if not any(p.requires_grad for p in module.parameters()):  # method=knn: a frozen backbone, nothing to train
+        if not any(
+            p.requires_grad for p in module.parameters()
+        ):  # method=knn: a frozen backbone, nothing to train
             continue
         loss.backward()
         grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
@@ -89,9 +116,19 @@ def test_bf16_mixed_trainer_fits_bspf():
     cfg = _config("bspf", "vit_micro")
     model, _, _ = build_model(cfg)
     data = torch.utils.data.TensorDataset(torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3]))
-    trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed", fast_dev_run=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(ClassifyModule(model, 10, cfg.recipe), train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        precision="bf16-mixed",
+        fast_dev_run=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(
+        ClassifyModule(model, 10, cfg.recipe),
+        train_dataloaders=torch.utils.data.DataLoader(data, batch_size=4),
+    )
     assert trainer.global_step == 1 and torch.isfinite(trainer.callback_metrics["train/loss"])
 
 

@@ -1,4 +1,5 @@
 """BSPF-ViT: chunk attention, block-based 2D pruning, fusion, symmetric Q/K (vitexp/methods/bspf/)."""
+
 from __future__ import annotations
 
 import copy
@@ -65,7 +66,9 @@ def test_keep_ratio_one_with_one_chunk_reproduces_the_backbone():
     expected = base(x)
     one_chunk = ChunkOnly(chunk_size=None).apply(copy.deepcopy(base), {"kind": "none"})
     assert torch.equal(one_chunk(x), expected)  # the same fused attention call: bit-exact
-    model = BSPF(chunk_size=None, prune_layers=[1, 3]).apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+    model = BSPF(chunk_size=None, prune_layers=[1, 3]).apply(
+        copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0}
+    )
     # the pruning layers compute the softmax explicitly (its blocks are scored): float tolerance
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -193,7 +196,9 @@ def test_bspf_on_lvvit_keeps_its_residual_scaling_and_aux_head():
     base = timm.create_model("lvvit_micro", num_classes=10).eval()
     x = torch.randn(2, 3, 64, 64)
     expected = base(x)
-    same = BSPF(chunk_size=None, prune_layers=[1]).apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+    same = BSPF(chunk_size=None, prune_layers=[1]).apply(
+        copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0}
+    )
     torch.testing.assert_close(same(x), expected, rtol=1e-5, atol=1e-5)
     pruned = BSPF(chunk_size=4, prune_layers=[1]).apply(copy.deepcopy(base), KEEP).eval()
     with torch.no_grad():
@@ -208,7 +213,9 @@ def test_bspf_on_t2t_vit_uses_its_attention_scale():
     base = timm.create_model("t2t_vit_micro", num_classes=10, qk_scale=0.05).eval()
     x = torch.randn(2, 3, 64, 64)
     expected = base(x)
-    same = BSPF(chunk_size=None, prune_layers=[1]).apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+    same = BSPF(chunk_size=None, prune_layers=[1]).apply(
+        copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0}
+    )
     torch.testing.assert_close(same(x), expected, rtol=1e-5, atol=1e-5)
     chunked = ChunkOnly(chunk_size=4).apply(copy.deepcopy(base), {"kind": "none"})
     assert chunked(x).shape == (2, 10)
@@ -222,7 +229,9 @@ def test_bspf_on_caformer_prunes_stage_3_and_restores_the_grid():
     base = timm.create_model("caformer_micro", num_classes=10).eval()
     x = torch.randn(2, 3, 64, 64)
     expected = base(x)
-    same = BSPF(chunk_size=None, prune_layers=[0]).apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+    same = BSPF(chunk_size=None, prune_layers=[0]).apply(
+        copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0}
+    )
     torch.testing.assert_close(same(x), expected, rtol=1e-5, atol=1e-5)
     model = BSPF(chunk_size=4, prune_layers=[0]).apply(copy.deepcopy(base), KEEP).eval()
     stage = model.stages[2]
@@ -289,13 +298,19 @@ def test_window_order_and_pruning_keep_tokens_in_their_windows():
     ids = torch.arange(1 + 4 * 49, dtype=torch.float).view(1, -1, 1)  # token value = its window-order slot
     out = pruner(ids, torch.rand(1, 4, 49, 49))
     survivors = out[0, 1:, 0].round().long().reshape(4, 25) - 1
-    assert ((survivors // 49) == torch.arange(4).view(4, 1)).all()  # each chunk's survivors come from its window
+    assert (
+        (survivors // 49) == torch.arange(4).view(4, 1)
+    ).all()  # each chunk's survivors come from its window
     assert (survivors.diff(dim=1) > 0).all()  # in order: a later layer's chunk is again that window
 
 
 def test_window_and_raster_layouts_cost_the_same_gmacs():
-    window = count_macs(BSPF(chunk_size=16, prune_layers=[1, 3], chunk_layout="window").apply(micro(), KEEP), 32)
-    raster = count_macs(BSPF(chunk_size=16, prune_layers=[1, 3], chunk_layout="raster").apply(micro(), KEEP), 32)
+    window = count_macs(
+        BSPF(chunk_size=16, prune_layers=[1, 3], chunk_layout="window").apply(micro(), KEEP), 32
+    )
+    raster = count_macs(
+        BSPF(chunk_size=16, prune_layers=[1, 3], chunk_layout="raster").apply(micro(), KEEP), 32
+    )
     assert window.gmacs == raster.gmacs
     assert window.protocol["chunk_layout"] == "window" and raster.protocol["chunk_layout"] == "raster"
     assert window.protocol["chunks"] == 4
@@ -303,12 +318,19 @@ def test_window_and_raster_layouts_cost_the_same_gmacs():
 
 def test_a_grid_that_windows_cannot_tile_is_a_config_error():
     cfg = vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_size=8"])  # 8x8 grid, Ω = 8
-    with pytest.raises(vconfig.ConfigError, match=r"chunk_layout=window needs Ω = s².*valid chunk sizes: \[1, 4, 16, 64\]"):
+    with pytest.raises(
+        vconfig.ConfigError, match=r"chunk_layout=window needs Ω = s².*valid chunk sizes: \[1, 4, 16, 64\]"
+    ):
         resolve.validate(cfg)
-    resolve.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_size=8",
-                                      "method.chunk_layout=raster"]))
+    resolve.validate(
+        vconfig.compose(
+            ["method=bspf", "budget=keep_ratio", "method.chunk_size=8", "method.chunk_layout=raster"]
+        )
+    )
     with pytest.raises(Exception, match=r"chunk_layout='diagonal': valid values are \('window', 'raster'\)"):
-        resolve.validate(vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_layout=diagonal"]))
+        resolve.validate(
+            vconfig.compose(["method=bspf", "budget=keep_ratio", "method.chunk_layout=diagonal"])
+        )
 
 
 def test_caformer_windows_are_undone_when_the_grid_is_restored():
@@ -319,7 +341,9 @@ def test_caformer_windows_are_undone_when_the_grid_is_restored():
     torch.manual_seed(0)
     base = timm.create_model("caformer_micro", num_classes=10).eval()
     windowed = BSPF(chunk_size=4, prune_layers=[0]).apply(copy.deepcopy(base), KEEP).eval()
-    raster = BSPF(chunk_size=4, prune_layers=[0], chunk_layout="raster").apply(copy.deepcopy(base), KEEP).eval()
+    raster = (
+        BSPF(chunk_size=4, prune_layers=[0], chunk_layout="raster").apply(copy.deepcopy(base), KEEP).eval()
+    )
     seen = {}
     windowed.stages[2].blocks.register_forward_hook(lambda m, i, o: seen.update(tokens_in=i[0], tokens_out=o))
     with torch.no_grad():
@@ -409,12 +433,17 @@ def test_a_gradient_step_changes_the_kernels_shape_not_its_scale():
 
 # -- realised keep fraction (point 6) ------------------------------------------------------------
 def test_realised_keep_fraction_per_layer_is_recorded():
-    report = count_macs(BSPF(chunk_size=16, prune_layers=[1, 3]).apply(micro(), {"kind": "keep_ratio", "keep_ratio": 0.3}), 32)
+    report = count_macs(
+        BSPF(chunk_size=16, prune_layers=[1, 3]).apply(micro(), {"kind": "keep_ratio", "keep_ratio": 0.3}), 32
+    )
     metrics = report.metrics()
     # Ω = 16: ⌈0.3·16⌉ = 5 kept; then Ω' = 5: ⌈0.3·5⌉ = 2 kept
     assert metrics["keep_fraction_layers"] == pytest.approx([5 / 16, 2 / 5])
     assert metrics["keep_fraction"] == pytest.approx((5 / 16 * 2 / 5) ** 0.5)
-    assert "keep_fraction" not in count_macs(ChunkOnly(chunk_size=16).apply(micro(), {"kind": "none"}), 32).metrics()
+    assert (
+        "keep_fraction"
+        not in count_macs(ChunkOnly(chunk_size=16).apply(micro(), {"kind": "none"}), 32).metrics()
+    )
 
 
 def test_flops_run_records_the_layout_and_keep_fractions(make_cfg):
@@ -423,7 +452,9 @@ def test_flops_run_records_the_layout_and_keep_fractions(make_cfg):
     out = run_flops(make_cfg(["experiment=bspf_demo", "logger=none"]))
     assert out["protocol"]["chunk_layout"] == "window"
     assert out["metrics"]["keep_fraction_layers"] == pytest.approx([8 / 16, 4 / 8])
-    assert all(type(v) is float for v in out["metrics"]["keep_fraction_layers"])  # plain numbers in the ledger
+    assert all(
+        type(v) is float for v in out["metrics"]["keep_fraction_layers"]
+    )  # plain numbers in the ledger
     spec = yaml.safe_load((Path(__file__).parents[1] / "sweeps" / "bspf_table7.yaml").read_text())
     assert "keep_fraction" in [c["key"] for c in spec["columns"]]
 
@@ -433,8 +464,11 @@ def test_flops_run_records_the_layout_and_keep_fractions(make_cfg):
 def test_model_deep_copies_after_a_forward_with_gradients(backbone):
     torch.manual_seed(0)
     size = 32 if backbone.startswith("vit") else 64
-    model = BSPF(chunk_size=16 if size == 32 else 4, prune_layers=[1] if size == 32 else [0]).apply(
-        timm.create_model(backbone, num_classes=10), KEEP).train()
+    model = (
+        BSPF(chunk_size=16 if size == 32 else 4, prune_layers=[1] if size == 32 else [0])
+        .apply(timm.create_model(backbone, num_classes=10), KEEP)
+        .train()
+    )
     loss = F.cross_entropy(model(torch.randn(2, 3, size, size)), torch.tensor([0, 1]))
     loss.backward()
     ema = copy.deepcopy(model)  # what an EMA / SWA callback does
@@ -468,7 +502,9 @@ def test_keep_warmup_goes_from_one_to_the_target_along_a_half_cosine(make_cfg):
     model(x)
     assert seen["tokens"] == 33  # evaluation always uses the target
     with pytest.raises(vconfig.ConfigError, match="never reach"):
-        resolve.validate(make_cfg(["experiment=bspf_demo", "method.keep_warmup_epochs=30", "recipe.epochs=20"]))
+        resolve.validate(
+            make_cfg(["experiment=bspf_demo", "method.keep_warmup_epochs=30", "recipe.epochs=20"])
+        )
 
 
 def test_window_ordered_tokens_refuse_raster_feature_maps():

@@ -1,6 +1,7 @@
 """BSPF-ViT on SHViT (vitexp/methods/bspf/shvit.py): keep 1 is the unmodified model, pruned tokens
 leave the attention and the FFN while the depthwise convolutions run on the restored grid, the
 FLOPs drop by exactly the pruned tokens' work, and the micro model trains under bf16 autocast."""
+
 from __future__ import annotations
 
 import copy
@@ -34,8 +35,11 @@ def shvit(seed: int = 0, dtype=torch.float32):
 @pytest.mark.parametrize("train", [False, True])
 def test_keep_one_without_chunks_is_the_unmodified_model(train):
     base = shvit(dtype=torch.float64).train(train)
-    model = BSPF(chunk_size=None, prune_layers=[0, 1]).apply(copy.deepcopy(base),
-                                                            {"kind": "keep_ratio", "keep_ratio": 1.0}).train(train)
+    model = (
+        BSPF(chunk_size=None, prune_layers=[0, 1])
+        .apply(copy.deepcopy(base), {"kind": "keep_ratio", "keep_ratio": 1.0})
+        .train(train)
+    )
     assert isinstance(model.stages[1].blocks, TokenStage) and isinstance(model.stages[2].blocks, TokenStage)
     x = torch.randn(2, 3, 128, 128, dtype=torch.float64)
     torch.testing.assert_close(model(x), base(x), rtol=0, atol=1e-9)
@@ -46,7 +50,9 @@ def _token_counts(model) -> dict[str, tuple]:
     seen: dict[str, tuple] = {}
     for j, block in enumerate(model.stages[1].blocks):
         for name, module in (("conv", block.conv), ("qkv", block.mixer.m.qkv), ("ffn", block.ffn.m.pw1)):
-            module.register_forward_hook(lambda m, args, out, key=f"{name}{j}": seen.__setitem__(key, tuple(args[0].shape)))
+            module.register_forward_hook(
+                lambda m, args, out, key=f"{name}{j}": seen.__setitem__(key, tuple(args[0].shape))
+            )
     model(torch.randn(2, 3, 128, 128))
     return seen
 
@@ -73,7 +79,7 @@ def test_the_restored_grid_gives_each_window_its_kept_tokens_values():
     for b in range(2):
         for i in (0, 2):
             for j in (0, 2):
-                window = grid[b, :, i:i + 2, j:j + 2].flatten(1).T  # 4 positions x 48 channels
+                window = grid[b, :, i : i + 2, j : j + 2].flatten(1).T  # 4 positions x 48 channels
                 assert window.unique(dim=0).shape[0] == 2
 
 
@@ -85,8 +91,11 @@ def test_flops_drop_by_exactly_the_pruned_tokens_work():
     pruned = count_macs(BSPF(chunk_size=4, prune_layers=[0]).apply(shvit(), KEEP), 128).gmacs * 1e9
     D, pdim, qk, hidden, C, L, K = 48, 12, 8, 96, 4, 4, 2
     gone = C * (L - K)
-    saved = gone * 2 * D * hidden + gone * (pdim * (2 * qk + pdim) + D * D + 2 * D * hidden) \
+    saved = (
+        gone * 2 * D * hidden
+        + gone * (pdim * (2 * qk + pdim) + D * D + 2 * D * hidden)
         + C * (L * L - K * K) * (qk + pdim)
+    )
     added = C * L * L * 9 + C * (L - K) * K * D + C * (L - K) * K * L
     assert chunked - pruned == pytest.approx(saved - added, abs=0.5)
     assert pruned < chunked < count_macs(shvit(), 128).gmacs * 1e9
@@ -125,7 +134,9 @@ def test_a_padded_slot_never_receives_attention_weight_and_a_chunk_attends_over_
     empty = ~chunks.valid()
     assert empty.any() and attn.shape == (2, 6, 4, 4)
     assert (attn[:, empty.unsqueeze(1).expand(6, 4, 4)] == 0).all()  # every query, every empty key: exactly 0
-    torch.testing.assert_close(attn[:, ~empty].sum(-1), torch.ones(2, int((~empty).sum()), dtype=torch.float64))
+    torch.testing.assert_close(
+        attn[:, ~empty].sum(-1), torch.ones(2, int((~empty).sum()), dtype=torch.float64)
+    )
     x1, x2 = x.split([shsa.pdim, 48 - shsa.pdim], dim=1)
     q, k, v = shsa.qkv(shsa.pre_norm(x1)).flatten(2).split([shsa.qk_dim, shsa.qk_dim, shsa.pdim], dim=1)
     start, ref = 0, []
@@ -158,7 +169,9 @@ def test_a_partial_chunk_is_pruned_and_fused_as_a_chunk_of_its_real_tokens(fusio
     torch.manual_seed(3)
     tokens = torch.randn(2, chunks.tokens, D, dtype=torch.float64)
     x = torch.cat([tokens, tokens.new_zeros(2, 1, D)], dim=1)[:, chunks.token_of_slot()]
-    logits = torch.randn(2, C, L, L, dtype=torch.float64).masked_fill(~chunks.valid()[None, :, None, :], float("-inf"))
+    logits = torch.randn(2, C, L, L, dtype=torch.float64).masked_fill(
+        ~chunks.valid()[None, :, None, :], float("-inf")
+    )
     blocks = logits.softmax(-1)
     pruner = _pruner(fusion)
     out = pruner(x, blocks, counts=chunks.counts).reshape(2, C, 2, D)
@@ -168,9 +181,9 @@ def test_a_partial_chunk_is_pruned_and_fused_as_a_chunk_of_its_real_tokens(fusio
     for c, r in enumerate(chunks.counts):
         alone = _pruner(fusion)
         alone.scorer.logits.data.copy_(pruner.scorer.logits.data)
-        ref = alone(tokens[:, start:start + r], blocks[:, c:c + 1, :r, :r])
-        assert torch.equal(pruner.last["keep"][:, c, :kept_counts[c]], alone.last["keep"][:, 0])
-        torch.testing.assert_close(out[:, c, :kept_counts[c]], ref, rtol=0, atol=1e-12)
+        ref = alone(tokens[:, start : start + r], blocks[:, c : c + 1, :r, :r])
+        assert torch.equal(pruner.last["keep"][:, c, : kept_counts[c]], alone.last["keep"][:, 0])
+        torch.testing.assert_close(out[:, c, : kept_counts[c]], ref, rtol=0, atol=1e-12)
         start += r
 
 
@@ -205,7 +218,9 @@ def test_bspf_shvit_micro_trains_a_step_under_bf16_autocast():
 
     from vitexp.training.build import build_model
 
-    cfg = vconfig.compose(["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "data=synthetic", "logger=none"])
+    cfg = vconfig.compose(
+        ["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "data=synthetic", "logger=none"]
+    )
     resolve.validate(cfg, need_data=False)
     torch.manual_seed(0)
     model, _, _ = build_model(cfg)
@@ -221,8 +236,16 @@ def test_bspf_shvit_micro_trains_a_step_under_bf16_autocast():
 
 
 def test_shared_qk_is_refused_on_shvit():
-    cfg = vconfig.compose(["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "method.symmetric=true",
-                           "data=synthetic", "logger=none"])
+    cfg = vconfig.compose(
+        [
+            "backbone=shvit_micro",
+            "method=bspf",
+            "budget=keep_ratio",
+            "method.symmetric=true",
+            "data=synthetic",
+            "logger=none",
+        ]
+    )
     with pytest.raises(vconfig.ConfigError, match="method.symmetric"):
         resolve.validate(cfg, need_data=False)
 
@@ -241,23 +264,45 @@ def test_the_detector_count_records_the_chunks_of_each_attention_stage(make_cfg)
     from vitexp.training.build import build_model
     from vitexp.detection import detection_flops, detector_for
 
-    overrides = ["experiment=micro_coco_bspf_shvit", "data.root=/nonexistent", "detector.flops_size=[160,224]"]
+    overrides = [
+        "experiment=micro_coco_bspf_shvit",
+        "data.root=/nonexistent",
+        "detector.flops_size=[160,224]",
+    ]
     model, _, data_config = build_model(make_cfg(overrides))
     cfg = make_cfg(overrides)
     metrics, protocol = detection_flops(cfg, detector_for(cfg, model, data_config))
     assert protocol["resolution"] == "224x160"
-    assert protocol["chunks_by_stage"] == {"stages.1": {"grid": "5x7", "padded": "6x8", "chunks": 12},
-                                           "stages.2": {"grid": "3x4", "padded": "4x4", "chunks": 4}}
+    assert protocol["chunks_by_stage"] == {
+        "stages.1": {"grid": "5x7", "padded": "6x8", "chunks": 12},
+        "stages.2": {"grid": "3x4", "padded": "4x4", "chunks": 4},
+    }
     assert 0.5 < metrics["keep_fraction"] < 1  # realised on the padded stage: ⌈r/2⌉ of each window's r tokens
 
 
 def test_shvit_takes_any_grid_but_needs_square_windows():
     """The token stages pad any grid to whole windows, so a backbone size whose grid the windows do
     not tile is accepted; a window needs a square chunk size."""
-    ok = vconfig.compose(["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "backbone.img_size=160",
-                          "data=synthetic", "logger=none"])
+    ok = vconfig.compose(
+        [
+            "backbone=shvit_micro",
+            "method=bspf",
+            "budget=keep_ratio",
+            "backbone.img_size=160",
+            "data=synthetic",
+            "logger=none",
+        ]
+    )
     resolve.validate(ok, need_data=False)
-    bad = vconfig.compose(["backbone=shvit_micro", "method=bspf", "budget=keep_ratio", "method.chunk_size=6",
-                           "data=synthetic", "logger=none"])
+    bad = vconfig.compose(
+        [
+            "backbone=shvit_micro",
+            "method=bspf",
+            "budget=keep_ratio",
+            "method.chunk_size=6",
+            "data=synthetic",
+            "logger=none",
+        ]
+    )
     with pytest.raises(vconfig.ConfigError, match="square"):
         resolve.validate(bad, need_data=False)

@@ -2,6 +2,7 @@
 (``conf/train.yaml``: ``optional bspf_spec: ${backbone}``), not in the backbone configs. Every
 experiment and every backbone composes to the method settings it had when the defaults were keys
 of the backbone configs (``fixtures/bspf_method_settings.json``, captured from that code)."""
+
 from __future__ import annotations
 
 import functools
@@ -78,11 +79,22 @@ def test_shvit_defaults_are_read_from_its_spec():
 
 
 def test_a_backbone_without_bspf_defaults_is_a_config_error_naming_the_file():
-    cfg = vconfig.compose(["backbone=vit_micro", "method=bspf", "budget=keep_ratio", "~bspf_spec", "data=synthetic"])
+    cfg = vconfig.compose(
+        ["backbone=vit_micro", "method=bspf", "budget=keep_ratio", "~bspf_spec", "data=synthetic"]
+    )
     with pytest.raises(vconfig.ConfigError, match="conf/bspf_spec/vit_micro.yaml"):
         resolve.validate(cfg, need_data=False)
-    cfg = vconfig.compose(["backbone=vit_micro", "method=bspf", "budget=keep_ratio", "~bspf_spec", "data=synthetic",
-                           "method.chunk_size=16", "method.prune_layers=[1]"])
+    cfg = vconfig.compose(
+        [
+            "backbone=vit_micro",
+            "method=bspf",
+            "budget=keep_ratio",
+            "~bspf_spec",
+            "data=synthetic",
+            "method.chunk_size=16",
+            "method.prune_layers=[1]",
+        ]
+    )
     resolve.validate(cfg, need_data=False)  # set by hand: fine
 
 
@@ -91,6 +103,13 @@ def test_choosing_other_bspf_defaults_renames_the_run():
     cfg = vconfig.compose(["experiment=bspf_demo"])
     choices = {"experiment": "bspf_demo", "backbone": "vit_micro", "method": "bspf", "bspf_spec": "vit_micro"}
     assert vconfig.run_name(cfg, choices, ["experiment=bspf_demo"]) == "bspf_demo"
-    assert vconfig.run_name(cfg, dict(choices, bspf_spec="deit_small"),
-                            ["experiment=bspf_demo", "bspf_spec=deit_small"]) == "bspf_demo+bspf_spec=deit_small"
-    assert vconfig.run_name(cfg, choices, ["bspf_spec.prune_layers=[2]"]) == "bspf_demo+bspf_spec.prune_layers=[2]"
+    assert (
+        vconfig.run_name(
+            cfg, dict(choices, bspf_spec="deit_small"), ["experiment=bspf_demo", "bspf_spec=deit_small"]
+        )
+        == "bspf_demo+bspf_spec=deit_small"
+    )
+    assert (
+        vconfig.run_name(cfg, choices, ["bspf_spec.prune_layers=[2]"])
+        == "bspf_demo+bspf_spec.prune_layers=[2]"
+    )

@@ -1,4 +1,5 @@
 """The console scripts as a user runs them: closing JSON line, exit codes, ledger entries."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,17 @@ from conftest import cli_env, ledger_entries
 BIN = Path(sys.executable).parent
 
 
-def run(app: str, *args: str, results_dir: Path, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / app), *args], capture_output=True, text=True, cwd=cwd,
-                          env=cli_env(results_dir), timeout=timeout)
+def run(
+    app: str, *args: str, results_dir: Path, cwd: Path, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / app), *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=cli_env(results_dir),
+        timeout=timeout,
+    )
 
 
 def last_json(stdout: str) -> dict:
@@ -24,8 +33,9 @@ def last_json(stdout: str) -> dict:
 
 
 def test_flops_cli_prints_params_and_gmacs(results_dir, tmp_path, monkeypatch, capfd):
-    code, out, err = _in_process("flops", ["experiment=deit_small_baseline", "logger=none"], results_dir, tmp_path,
-                                 monkeypatch, capfd)
+    code, out, err = _in_process(
+        "flops", ["experiment=deit_small_baseline", "logger=none"], results_dir, tmp_path, monkeypatch, capfd
+    )
     assert code == 0, err[-2000:]
     result = last_json(out)
     assert result["status"] == "completed"
@@ -38,8 +48,14 @@ def test_flops_cli_prints_params_and_gmacs(results_dir, tmp_path, monkeypatch, c
 
 
 def test_bench_throughput_records_both_models(results_dir, tmp_path, monkeypatch, capfd):
-    code, out, err = _in_process("bench", ["logger=none", "bench.batch_size=8", "bench.rounds=2", "bench.iters=2"],
-                                 results_dir, tmp_path, monkeypatch, capfd)
+    code, out, err = _in_process(
+        "bench",
+        ["logger=none", "bench.batch_size=8", "bench.rounds=2", "bench.iters=2"],
+        results_dir,
+        tmp_path,
+        monkeypatch,
+        capfd,
+    )
     assert code == 0, err[-2000:]
     m = last_json(out)["metrics"]
     assert m["throughput"] > 0 and m["baseline_throughput"] > 0
@@ -50,11 +66,28 @@ def test_bench_throughput_records_both_models(results_dir, tmp_path, monkeypatch
 
 def test_bench_train_step_records_training_images_per_second(results_dir, tmp_path, monkeypatch, capfd):
     """The measurement a lent GPU's factor comes from (scripts/gpu_check.sh anchor), here on the CPU."""
-    code, out, err = _in_process("bench", ["logger=none", "bench.mode=train_step", "bench.batch_size=4", "bench.rounds=2",
-                                           "bench.iters=2", "bench.warmup=1"], results_dir, tmp_path, monkeypatch, capfd)
+    code, out, err = _in_process(
+        "bench",
+        [
+            "logger=none",
+            "bench.mode=train_step",
+            "bench.batch_size=4",
+            "bench.rounds=2",
+            "bench.iters=2",
+            "bench.warmup=1",
+        ],
+        results_dir,
+        tmp_path,
+        monkeypatch,
+        capfd,
+    )
     assert code == 0, err[-2000:]
     (entry,) = ledger_entries(results_dir)
-    assert entry["kind"] == "bench" and entry["protocol"]["mode"] == "train_step" and entry["protocol"]["batch_size"] == 4
+    assert (
+        entry["kind"] == "bench"
+        and entry["protocol"]["mode"] == "train_step"
+        and entry["protocol"]["batch_size"] == 4
+    )
     assert entry["metrics"]["train_images_per_s"] > 0 and entry["protocol"]["device"] == "cpu"
     assert entry["protocol"]["train_images_per_s_min"] <= entry["metrics"]["train_images_per_s"]
 
@@ -62,8 +95,11 @@ def test_bench_train_step_records_training_images_per_second(results_dir, tmp_pa
 def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path, monkeypatch, capfd):
     """vitexp-sweep and vitexp-tables through their entry points in this process; the flops
     multirun the sweep launches is the real console script."""
+
     def sweep(*args):
-        return _in_process("sweep", ["demo", "--kind", "flops", *args], results_dir, tmp_path, monkeypatch, capfd)
+        return _in_process(
+            "sweep", ["demo", "--kind", "flops", *args], results_dir, tmp_path, monkeypatch, capfd
+        )
 
     code, out, err = sweep("logger=none")
     assert code == 0, err[-2000:]
@@ -73,7 +109,9 @@ def test_sweep_runs_rows_then_skips_completed_ones(results_dir, tmp_path, monkey
     entries = ledger_entries(results_dir)
     assert sorted(e["experiment"] for e in entries) == ["deit_small_baseline", "deit_tiny_baseline", "demo"]
     again = last_json(sweep("logger=none", "--dry-run")[1])
-    assert again["status"] == "dry_run" and again["would_launch"] == {} and len(again["skipped"]["flops"]) == 3
+    assert (
+        again["status"] == "dry_run" and again["would_launch"] == {} and len(again["skipped"]["flops"]) == 3
+    )
     assert "launched" not in again and again["commands"] == []
     forced = last_json(sweep("--force", "--dry-run")[1])
     assert forced["status"] == "dry_run" and len(forced["would_launch"]["flops"]) == 3
@@ -93,9 +131,18 @@ def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, caps
     from vitexp.config.composition import to_container
 
     (results_dir / "runs").mkdir(parents=True, exist_ok=True)
-    (results_dir / "runs" / "r1.json").write_text(json.dumps({
-        "run_id": "r1", "experiment": "demo", "status": "completed", "kind": "train",
-        "started": "2026-01-01T00:00:00+00:00", "config": to_container(make_cfg(["logger=none"]))}))
+    (results_dir / "runs" / "r1.json").write_text(
+        json.dumps(
+            {
+                "run_id": "r1",
+                "experiment": "demo",
+                "status": "completed",
+                "kind": "train",
+                "started": "2026-01-01T00:00:00+00:00",
+                "config": to_container(make_cfg(["logger=none"])),
+            }
+        )
+    )
     with pytest.raises(SystemExit) as exited:
         eval_main(["r1", "logger=nope"])  # no such logger option: Hydra's error
     out = capsys.readouterr()
@@ -109,7 +156,11 @@ def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, caps
     with pytest.raises(SystemExit) as exited:
         tables_main(["demo", "--out", "/nonexistent-but-unused"])
     assert exited.value.code == 1
-    assert last_json(capsys.readouterr().out) == {"status": "failed", "error": "OSError: disk full", "ledger": None}
+    assert last_json(capsys.readouterr().out) == {
+        "status": "failed",
+        "error": "OSError: disk full",
+        "ledger": None,
+    }
 
 
 @pytest.mark.parametrize("app", ["eval", "sweep", "tables", "audit", "analyze"])
@@ -118,7 +169,9 @@ def test_a_usage_error_ends_with_the_invalid_line(app, capsys):
     from vitexp.commands import cli
 
     with pytest.raises(SystemExit) as exited:
-        first = {"eval": ["r1"], "sweep": ["demo"], "tables": [], "audit": ["bspf"], "analyze": ["tokens"]}[app]
+        first = {"eval": ["r1"], "sweep": ["demo"], "tables": [], "audit": ["bspf"], "analyze": ["tokens"]}[
+            app
+        ]
         getattr(cli, f"{app}_main")([*first, "--bogus"])
     out = capsys.readouterr()
     closing = last_json(out.out)
@@ -127,7 +180,9 @@ def test_a_usage_error_ends_with_the_invalid_line(app, capsys):
     assert "--bogus" in line and "--help" in line
 
 
-def test_an_official_training_checkpoint_with_args_passes_the_cli_checks(results_dir, tmp_path, monkeypatch, capfd):
+def test_an_official_training_checkpoint_with_args_passes_the_cli_checks(
+    results_dir, tmp_path, monkeypatch, capfd
+):
     """A file as timm's CheckpointSaver, SHViT's main.py and the official T2T-ViT / LV-ViT scripts
     save it (``state_dict`` with a ``module.`` prefix, ``state_dict_ema``, an ``argparse.Namespace``
     under ``args``) passes the checks vitexp-flops runs before it starts (the weights-only load
@@ -141,10 +196,23 @@ def test_an_official_training_checkpoint_with_args_passes_the_cli_checks(results
 
     state = timm.create_model("t2t_vit_micro", num_classes=10).state_dict()
     path = tmp_path / "t2t_vit_micro.pth.tar"
-    torch.save({"state_dict": {f"module.{k}": v for k, v in state.items()}, "state_dict_ema": state,
-                "args": argparse.Namespace(model="t2t_vit_micro", lr=1e-3, model_ema=True), "epoch": 309}, path)
-    code, out, err = _in_process("flops", ["backbone=t2t_vit_micro", f"backbone.pretrained={path}", "logger=none"],
-                                 results_dir, tmp_path, monkeypatch, capfd)
+    torch.save(
+        {
+            "state_dict": {f"module.{k}": v for k, v in state.items()},
+            "state_dict_ema": state,
+            "args": argparse.Namespace(model="t2t_vit_micro", lr=1e-3, model_ema=True),
+            "epoch": 309,
+        },
+        path,
+    )
+    code, out, err = _in_process(
+        "flops",
+        ["backbone=t2t_vit_micro", f"backbone.pretrained={path}", "logger=none"],
+        results_dir,
+        tmp_path,
+        monkeypatch,
+        capfd,
+    )
     assert code == 0, err[-2000:]
     assert last_json(out)["status"] == "completed"
     (entry,) = ledger_entries(results_dir)
@@ -187,15 +255,25 @@ BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file fr
     (["trainer.accelerator=tpu"], "trainer.accelerator=tpu"),
     (["+trainer.enable_checkpointing=false"], "trainer.enable_checkpointing: set by vitexp"),
     (["+foo=1"], "foo: not a key of the config"),
-    *[([*RAPTOR, f"method.{key}={{ckpt:{name}}}"], f"{{ckpt:{name}}}")  # RAPTOR's own files
-      for key in ("probe_head", "surrogate") for name in ("random", "empty", "pickled")],
+    *[
+        ([*RAPTOR, f"method.{key}={{ckpt:{name}}}"], f"{{ckpt:{name}}}")  # RAPTOR's own files
+        for key in ("probe_head", "surrogate")
+        for name in ("random", "empty", "pickled")
+    ],
     ([*RAPTOR, "method.probe.lr=abc"], "method.probe.lr"),  # recipe keys of the probe stages
     ([*RAPTOR, "+method.probe.lrr=1"], "method.probe.lrr"),
 ]
 
 
-def _in_process(app: str, args: list[str], results_dir: Path, cwd: Path, monkeypatch, capfd,
-                env: dict[str, str] | None = None) -> tuple[int, str, str]:
+def _in_process(
+    app: str,
+    args: list[str],
+    results_dir: Path,
+    cwd: Path,
+    monkeypatch,
+    capfd,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str, str]:
     """``vitexp-<app> ARGS`` (a Hydra app: train, flops, bench) through its entry point in this
     process, with ``env`` added: (exit code, stdout, stderr). Every logger's handlers and level are
     restored afterwards (Hydra configures logging for the job it starts, and a library imported
@@ -218,7 +296,10 @@ def _in_process(app: str, args: list[str], results_dir: Path, cwd: Path, monkeyp
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else 1
     finally:
-        for lg in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
+        for lg in [
+            logging.getLogger(),
+            *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict)),
+        ]:
             if isinstance(lg, logging.Logger):
                 lg.handlers[:], level = saved.get(id(lg), ([], lg.level))
                 lg.setLevel(level)
@@ -255,8 +336,9 @@ def _bad_input(overrides: list[str], names: str, tmp_path: Path, results_dir: Pa
 
 
 @pytest.mark.parametrize("overrides, names", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
-def test_a_bad_input_is_one_line_naming_it_and_writes_nothing(overrides, names, results_dir, tmp_path,
-                                                              monkeypatch, capfd):
+def test_a_bad_input_is_one_line_naming_it_and_writes_nothing(
+    overrides, names, results_dir, tmp_path, monkeypatch, capfd
+):
     """Each bad input stops vitexp-train before anything starts (:func:`_check_refused`), called
     through its entry point in this process; :func:`test_the_console_script_refuses_a_bad_input`
     runs some of them as a user does."""
@@ -265,9 +347,18 @@ def test_a_bad_input_is_one_line_naming_it_and_writes_nothing(overrides, names, 
     _check_refused(*refused, names, results_dir, tmp_path)
 
 
-CONSOLE_CASES = [case for case in BAD_INPUTS if case[0] in (
-    ["recipe.lr=abc"], ["backbone=nope"], ["recipe.lr=${nope}"], ["backbone.pretrained={ckpt:pickled}"],
-    [*RAPTOR, "method.probe_head={ckpt:random}"])]
+CONSOLE_CASES = [
+    case
+    for case in BAD_INPUTS
+    if case[0]
+    in (
+        ["recipe.lr=abc"],
+        ["backbone=nope"],
+        ["recipe.lr=${nope}"],
+        ["backbone.pretrained={ckpt:pickled}"],
+        [*RAPTOR, "method.probe_head={ckpt:random}"],
+    )
+]
 
 
 @pytest.mark.parametrize("overrides, names", CONSOLE_CASES, ids=[" ".join(o) for o, _ in CONSOLE_CASES])
@@ -289,8 +380,17 @@ def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, t
     """A run that fails inside training: exit 1, its last stderr line names the error, no
     traceback, the closing JSON line and its ledger entry say failed; with VITEXP_DEBUG=1 the
     traceback is there too."""
-    args = ["data=synthetic", "data.noise=nan", "data.num_train=32", "recipe.batch_size=16", "recipe.epochs=1",
-            "recipe.warmup_epochs=0", "logger=none", "trainer.enable_progress_bar=false", "eval.throughput=false"]
+    args = [
+        "data=synthetic",
+        "data.noise=nan",
+        "data.num_train=32",
+        "recipe.batch_size=16",
+        "recipe.epochs=1",
+        "recipe.warmup_epochs=0",
+        "logger=none",
+        "trainer.enable_progress_bar=false",
+        "eval.throughput=false",
+    ]
     code, out, err = _in_process("train", args, results_dir, tmp_path, monkeypatch, capfd)
     assert code == 1
     assert err.splitlines()[-1].startswith("vitexp-train: failed: NonFiniteLossError: ")
@@ -299,47 +399,83 @@ def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, t
     assert result["status"] == "failed" and "NonFiniteLossError" in result["error"]
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "failed" and Path(result["ledger"]).name == f"{entry['run_id']}.json"
-    code, _, err = _in_process("train", args, results_dir, tmp_path, monkeypatch, capfd, env={"VITEXP_DEBUG": "1"})
+    code, _, err = _in_process(
+        "train", args, results_dir, tmp_path, monkeypatch, capfd, env={"VITEXP_DEBUG": "1"}
+    )
     assert code == 1 and "Traceback" in err
 
 
 @pytest.mark.parametrize("plus", ["+", "++"])
 def test_a_key_added_to_a_mapping_of_the_schema_is_accepted(plus, results_dir, tmp_path, monkeypatch, capfd):
     """``backbone.kwargs`` is a mapping (``Dict[str, Any]`` in vitexp.config.schema): ``+backbone.kwargs.init_values=1.0``
-    adds a timm argument, as ``vitexp.config.composition.compose`` accepts it, and reaches the model (LayerScale)."""
-    code, _, err = _in_process("flops", ["backbone=dinov2_micro", f"{plus}backbone.kwargs.init_values=1.0", "logger=none"],
-                               results_dir, tmp_path, monkeypatch, capfd)
+    adds a timm argument, as ``vitexp.config.composition.compose`` accepts it, and reaches the model (LayerScale).
+    """
+    code, _, err = _in_process(
+        "flops",
+        ["backbone=dinov2_micro", f"{plus}backbone.kwargs.init_values=1.0", "logger=none"],
+        results_dir,
+        tmp_path,
+        monkeypatch,
+        capfd,
+    )
     assert code == 0, err[-2000:]
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "completed" and entry["config"]["backbone"]["kwargs"] == {"init_values": 1.0}
 
 
-def test_values_from_the_environment_and_optional_warmup_steps_are_accepted(results_dir, tmp_path, monkeypatch, capfd):
+def test_values_from_the_environment_and_optional_warmup_steps_are_accepted(
+    results_dir, tmp_path, monkeypatch, capfd
+):
     """``${oc.env:SLURM_ARRAY_TASK_ID,3}`` for ``seed`` and ``${oc.env:LR,0.001}`` for ``recipe.lr`` are
     strings that convert losslessly to the integer and float expected: accepted, and recorded as
     those numbers (as a structured config would convert them); ``recipe.warmup_steps=null`` (no
     step warmup) with recipe=raptor too."""
-    args = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor",
-            "seed=${oc.env:SLURM_ARRAY_TASK_ID,3}", "recipe.lr=${oc.env:LR,0.001}", "recipe.warmup_steps=null",
-            "logger=none"]
-    code, _, err = _in_process("flops", args, results_dir, tmp_path, monkeypatch, capfd,
-                               env={"SLURM_ARRAY_TASK_ID": "3", "LR": "0.001"})
+    args = [
+        "backbone=dinov2_micro_reg",
+        "method=raptor",
+        "budget=blocks",
+        "recipe=raptor",
+        "seed=${oc.env:SLURM_ARRAY_TASK_ID,3}",
+        "recipe.lr=${oc.env:LR,0.001}",
+        "recipe.warmup_steps=null",
+        "logger=none",
+    ]
+    code, _, err = _in_process(
+        "flops",
+        args,
+        results_dir,
+        tmp_path,
+        monkeypatch,
+        capfd,
+        env={"SLURM_ARRAY_TASK_ID": "3", "LR": "0.001"},
+    )
     assert code == 0, err[-2000:]
     (entry,) = ledger_entries(results_dir)
     assert entry["config"]["seed"] == 3 and entry["config"]["recipe"]["lr"] == 0.001
     assert entry["config"]["recipe"]["warmup_steps"] is None
-    code, _, err = _in_process("flops", ["seed=${oc.env:SLURM_ARRAY_TASK_ID}", "logger=none"], results_dir, tmp_path,
-                               monkeypatch, capfd, env={"SLURM_ARRAY_TASK_ID": "3.5"})
+    code, _, err = _in_process(
+        "flops",
+        ["seed=${oc.env:SLURM_ARRAY_TASK_ID}", "logger=none"],
+        results_dir,
+        tmp_path,
+        monkeypatch,
+        capfd,
+        env={"SLURM_ARRAY_TASK_ID": "3.5"},
+    )
     assert code == 2 and "seed: '3.5' is not an integer" in err
 
 
-def test_bench_on_a_gpu_this_machine_lacks_is_refused_before_its_entry(results_dir, tmp_path, monkeypatch, capfd):
+def test_bench_on_a_gpu_this_machine_lacks_is_refused_before_its_entry(
+    results_dir, tmp_path, monkeypatch, capfd
+):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     (results_dir / "runs").mkdir(parents=True)
-    code, _, err = _in_process("bench", ["bench.device=cuda", "logger=none"], results_dir, tmp_path, monkeypatch, capfd)
+    code, _, err = _in_process(
+        "bench", ["bench.device=cuda", "logger=none"], results_dir, tmp_path, monkeypatch, capfd
+    )
     (line,) = err.splitlines()
     assert code == 2 and "bench.device=cuda" in line, err[-2000:]
     assert list((results_dir / "runs").iterdir()) == [] and not (tmp_path / "outputs").exists()

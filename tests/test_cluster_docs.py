@@ -1,5 +1,6 @@
 """docs/cluster.md holds only commands a test runs (tests/doc_commands.py): each command of its code
 blocks is the literal text of a ``run_doc`` call in the tests, which runs it against the one-node SLURM."""
+
 from __future__ import annotations
 
 from doc_commands import PAGE, commands, run_by_tests
@@ -20,6 +21,8 @@ def test_the_guides_first_command_needs_no_path_and_no_gpu():
 
 def test_commands_are_read_from_bash_blocks_with_continuations_and_comments(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("text `inline cmd`\n```bash\nsbatch a \\\n    b   # note\n# comment\n\nsqueue\n```\n"
-                    "```yaml\nkey: value\n```\n")
+    page.write_text(
+        "text `inline cmd`\n```bash\nsbatch a \\\n    b   # note\n# comment\n\nsqueue\n```\n"
+        "```yaml\nkey: value\n```\n"
+    )
     assert commands(page) == ["sbatch a b", "squeue"]

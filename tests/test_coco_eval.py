@@ -2,6 +2,7 @@
 CocoDataModule, DetectModule and torchmetrics' MeanAveragePrecision) gives the 12 summary numbers
 that pycocotools' COCOeval gives on the same annotation file and the same detections, box and mask,
 on a split with crowd regions; training targets leave the crowds out."""
+
 from __future__ import annotations
 
 import json
@@ -15,15 +16,28 @@ import torch.nn as nn
 from vitexp.detection.micro_coco import make_micro_coco
 
 #: torchmetrics' names of COCOeval's 12 summary numbers, in COCOeval's ``stats`` order.
-STATS = ("map", "map_50", "map_75", "map_small", "map_medium", "map_large",
-         "mar_1", "mar_10", "mar_100", "mar_small", "mar_medium", "mar_large")
+STATS = (
+    "map",
+    "map_50",
+    "map_75",
+    "map_small",
+    "map_medium",
+    "map_large",
+    "mar_1",
+    "mar_10",
+    "mar_100",
+    "mar_small",
+    "mar_medium",
+    "mar_large",
+)
 
 
 @pytest.fixture(scope="module")
 def crowded(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("coco") / "crowded"
-    make_micro_coco(out, n_train=6, n_val=16, size=96, max_items=4, scale=(0.8, 2.0), seed=11, source="digits",
-                    crowd=0.7)
+    make_micro_coco(
+        out, n_train=6, n_val=16, size=96, max_items=4, scale=(0.8, 2.0), seed=11, source="digits", crowd=0.7
+    )
     return out
 
 
@@ -60,7 +74,7 @@ def _detections(coco, seed: int = 0) -> dict[int, list[dict]]:
                 for _ in range(2):
                     px, pw = x + int(rng.integers(0, max(1, bw // 2))), max(4, bw // 3)
                     part = np.zeros_like(mask)
-                    part[y:y + bh, px:px + pw] = mask[y:y + bh, px:px + pw]
+                    part[y : y + bh, px : px + pw] = mask[y : y + bh, px : px + pw]
                     dets.append((part, [px, y, px + pw, y + bh], ann["category_id"]))
                 continue
             for _ in range(int(rng.integers(1, 3))):  # a hit of some IoU, sometimes twice (a duplicate)
@@ -71,11 +85,18 @@ def _detections(coco, seed: int = 0) -> dict[int, list[dict]]:
             bw, bh = (int(v) for v in rng.integers(6, 40, size=2))
             x, y = int(rng.integers(0, w - bw)), int(rng.integers(0, h - bh))
             box = np.zeros((h, w), dtype=np.uint8)
-            box[y:y + bh, x:x + bw] = 1
+            box[y : y + bh, x : x + bw] = 1
             dets.append((box, [x, y, x + bw, y + bh], int(rng.choice(cats))))
         scores = rng.permutation(len(dets)) / max(1, len(dets)) * 0.9 + rng.uniform(0.05, 0.1)
-        out[image_id] = [{"mask": m.astype(np.uint8), "box": [float(v) for v in b], "category_id": c,
-                          "score": float(np.float32(s))} for (m, b, c), s in zip(dets, scores)]
+        out[image_id] = [
+            {
+                "mask": m.astype(np.uint8),
+                "box": [float(v) for v in b],
+                "category_id": c,
+                "score": float(np.float32(s)),
+            }
+            for (m, b, c), s in zip(dets, scores)
+        ]
     return out
 
 
@@ -114,7 +135,7 @@ class Replay(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(1))
 
     def forward(self, images):
-        out = self.outputs[self.served:self.served + len(images)]
+        out = self.outputs[self.served : self.served + len(images)]
         assert [tuple(o["masks"].shape[-2:]) for o in out] == [tuple(i.shape[-2:]) for i in images]
         self.served += len(images)
         return out
@@ -133,18 +154,28 @@ def _vitexp_eval(root: Path, detections: dict[int, list[dict]], tmp_path: Path) 
     outputs = []
     for image_id in data.test_set.coco_ds.ids:  # the loader's order
         dets = detections[image_id]
-        outputs.append({
-            "boxes": torch.tensor([d["box"] for d in dets], dtype=torch.float32).reshape(-1, 4),
-            "labels": torch.tensor([label_of[d["category_id"]] for d in dets], dtype=torch.int64),
-            "scores": torch.tensor([d["score"] for d in dets], dtype=torch.float32),
-            "masks": torch.stack([torch.from_numpy(d["mask"]).float().mul(0.8).add(0.1)[None] for d in dets]),
-        })
+        outputs.append(
+            {
+                "boxes": torch.tensor([d["box"] for d in dets], dtype=torch.float32).reshape(-1, 4),
+                "labels": torch.tensor([label_of[d["category_id"]] for d in dets], dtype=torch.int64),
+                "scores": torch.tensor([d["score"] for d in dets], dtype=torch.float32),
+                "masks": torch.stack(
+                    [torch.from_numpy(d["mask"]).float().mul(0.8).add(0.1)[None] for d in dets]
+                ),
+            }
+        )
     module = DetectModule(Replay(outputs), 10, {"opt": "sgd", "lr": 0.1, "weight_decay": 0.0, "epochs": 1})
     computed: dict[str, float] = {}
-    module._log_map = lambda split, metric: computed.update({k: float(v) for k, v in metric.compute().items()
-                                                             if v.numel() == 1})
-    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",
-                        default_root_dir=str(tmp_path))
+    module._log_map = lambda split, metric: computed.update(
+        {k: float(v) for k, v in metric.compute().items() if v.numel() == 1}
+    )
+    trainer = L.Trainer(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        accelerator="cpu",
+        default_root_dir=str(tmp_path),
+    )
     trainer.test(module, datamodule=data, verbose=False)
     assert module.model.served == len(outputs)
     return computed
@@ -155,13 +186,18 @@ def test_the_split_has_crowd_regions_that_training_leaves_out(crowded):
 
     coco = _gt(crowded)
     crowds = [a for a in coco.loadAnns(coco.getAnnIds()) if a["iscrowd"]]
-    assert len(crowds) >= 4 and all(isinstance(a["segmentation"]["counts"], list) for a in crowds)  # uncompressed RLE
+    assert len(crowds) >= 4 and all(
+        isinstance(a["segmentation"]["counts"], list) for a in crowds
+    )  # uncompressed RLE
     for a in crowds:  # the RLE decodes to the annotated area, inside the annotated box
         m = coco.annToMask(a).astype(bool)
         x, y, w, h = a["bbox"]
-        assert m.sum() == a["area"] and not m[:y].any() and not m[y + h:].any() and not m[:, x + w:].any()
+        assert m.sum() == a["area"] and not m[:y].any() and not m[y + h :].any() and not m[:, x + w :].any()
     images, annotations = crowded / "val2017", crowded / "annotations" / "instances_val2017.json"
-    train, evaluation = CocoInstances(images, annotations), CocoInstances(images, annotations, evaluation=True)
+    train, evaluation = (
+        CocoInstances(images, annotations),
+        CocoInstances(images, annotations, evaluation=True),
+    )
     n_crowd = n_all = 0
     for i in range(len(train)):
         _, t = train[i]

@@ -1,4 +1,5 @@
 """Data modules: the digits split, synthetic data, ImageFolder and CIFAR-100 from local roots."""
+
 from __future__ import annotations
 
 import os
@@ -9,8 +10,14 @@ import torch
 
 from torch.utils.data import DistributedSampler
 
-from vitexp.data.datamodules import (CIFAR100DataModule, DigitsDataModule, EpochSeededSampler, ImageFolderDataModule,
-                         SyntheticDataModule, train_sampler)
+from vitexp.data.datamodules import (
+    CIFAR100DataModule,
+    DigitsDataModule,
+    EpochSeededSampler,
+    ImageFolderDataModule,
+    SyntheticDataModule,
+    train_sampler,
+)
 
 CFG32 = {"input_size": (3, 32, 32)}
 
@@ -81,7 +88,11 @@ def test_the_training_loader_shards_by_the_process_group(monkeypatch):
     shares = []
     for rank in range(2):
         monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
-        sampler = DigitsDataModule(batch_size=8, data_config=CFG32, loader_seed=2)._loader(range(40), train=True).sampler
+        sampler = (
+            DigitsDataModule(batch_size=8, data_config=CFG32, loader_seed=2)
+            ._loader(range(40), train=True)
+            .sampler
+        )
         assert isinstance(sampler, DistributedSampler)
         sampler.set_epoch(3)
         shares.append(list(sampler))
@@ -114,8 +125,13 @@ def test_imagefolder_from_local_root(tmp_path):
             folder.mkdir(parents=True)
             for i in range(3):
                 Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    dm = ImageFolderDataModule(root=str(tmp_path), num_classes=2, batch_size=4, num_workers=0,
-                               data_config={**CFG32, "interpolation": "bicubic", "crop_pct": 0.875})
+    dm = ImageFolderDataModule(
+        root=str(tmp_path),
+        num_classes=2,
+        batch_size=4,
+        num_workers=0,
+        data_config={**CFG32, "interpolation": "bicubic", "crop_pct": 0.875},
+    )
     dm.setup()
     x, y = next(iter(dm.train_dataloader()))
     assert x.shape == (4, 3, 32, 32)
@@ -182,9 +198,20 @@ def test_a_ddp_strategy_on_one_device_keeps_the_seeded_order(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     dm = DigitsDataModule(batch_size=64, data_config=CFG32, loader_seed=2, num_workers=0)
-    trainer = L.Trainer(strategy="ddp", devices=1, accelerator="cpu", max_epochs=2, limit_train_batches=1,
-                        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Record()], default_root_dir=tmp_path)
+    trainer = L.Trainer(
+        strategy="ddp",
+        devices=1,
+        accelerator="cpu",
+        max_epochs=2,
+        limit_train_batches=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record()],
+        default_root_dir=tmp_path,
+    )
     environ = dict(os.environ)  # Lightning sets MASTER_PORT, WORLD_SIZE, LOCAL_RANK ... for its group
     try:
         trainer.fit(Tiny(), datamodule=dm)

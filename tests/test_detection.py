@@ -1,5 +1,6 @@
 """Detection: the micro COCO generator, COCO AP against hand-computed cases, Mask R-CNN on a
 vitexp backbone (one training step, evaluation), and the detector's FLOPs protocol."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,9 +32,13 @@ def micro_coco(tmp_path_factory) -> Path:
 
 def test_generator_is_deterministic_for_a_seed(tmp_path, micro_coco):
     again = tmp_path / "again"
-    make_micro_coco(again, n_train=8, n_val=4, size=64, max_items=3, scale=(0.8, 1.2), seed=3, source="digits")
+    make_micro_coco(
+        again, n_train=8, n_val=4, size=64, max_items=3, scale=(0.8, 1.2), seed=3, source="digits"
+    )
     other = tmp_path / "other"
-    make_micro_coco(other, n_train=8, n_val=4, size=64, max_items=3, scale=(0.8, 1.2), seed=4, source="digits")
+    make_micro_coco(
+        other, n_train=8, n_val=4, size=64, max_items=3, scale=(0.8, 1.2), seed=4, source="digits"
+    )
     assert _digest(again) == _digest(micro_coco)
     assert _digest(other) != _digest(micro_coco)
 
@@ -48,7 +53,7 @@ def test_generator_masks_lie_inside_tight_boxes(micro_coco):
         mask = coco.annToMask(ann).astype(bool)
         x, y, w, h = ann["bbox"]
         inside = np.zeros_like(mask)
-        inside[y:y + h, x:x + w] = True
+        inside[y : y + h, x : x + w] = True
         assert mask.sum() == ann["area"] > 0
         assert not (mask & ~inside).any()  # no mask pixel outside its box
         ys, xs = np.nonzero(mask)  # and the box is the mask's tight extent
@@ -102,11 +107,19 @@ def test_map_of_a_shifted_box_is_what_its_iou_implies():
     # shifted right by s = 9: IoU = (40 − s)/(40 + s) = 31/49, clear of the 0.6 and 0.65 thresholds
     pred2 = gt2 + torch.tensor([[9.0, 0.0, 9.0, 0.0]])
     gt1 = torch.tensor([[2.0, 2.0, 20.0, 20.0]])
-    targets = [{"boxes": gt1, "labels": torch.tensor([1]), "masks": _box_mask(gt1[0])[None]},
-               {"boxes": gt2, "labels": torch.tensor([1]), "masks": _box_mask(gt2[0])[None]}]
-    preds = [{**targets[0], "scores": torch.tensor([0.9])},
-             {"boxes": pred2, "labels": torch.tensor([1]), "scores": torch.tensor([0.8]),
-              "masks": _box_mask(pred2[0])[None]}]
+    targets = [
+        {"boxes": gt1, "labels": torch.tensor([1]), "masks": _box_mask(gt1[0])[None]},
+        {"boxes": gt2, "labels": torch.tensor([1]), "masks": _box_mask(gt2[0])[None]},
+    ]
+    preds = [
+        {**targets[0], "scores": torch.tensor([0.9])},
+        {
+            "boxes": pred2,
+            "labels": torch.tensor([1]),
+            "scores": torch.tensor([0.8]),
+            "masks": _box_mask(pred2[0])[None],
+        },
+    ]
     expected = (3 * 1.0 + 7 * 51 / 101) / 10
     ap = _ap_of(preds, targets)
     assert ap["ap_box"] == pytest.approx(expected, abs=1e-4)
@@ -120,10 +133,24 @@ def _detector(size=64, **cfg):
     import vitexp.models  # noqa: F401  (registers the micro backbones)
     from vitexp.detection.model import build_detector
 
-    backbone = timm.create_model("caformer_micro", num_classes=10, pretrained_cfg_overlay=dict(input_size=(3, size, size)))
-    return build_detector(backbone, 10, {"min_size": size, "max_size": size, "anchor_scale": 4,
-                                         "rpn_post_nms_top_n_test": 50, "detections_per_img": 10, "fpn_channels": 32,
-                                         "box_representation": 64, "mask_layers": [16, 16], **cfg})
+    backbone = timm.create_model(
+        "caformer_micro", num_classes=10, pretrained_cfg_overlay=dict(input_size=(3, size, size))
+    )
+    return build_detector(
+        backbone,
+        10,
+        {
+            "min_size": size,
+            "max_size": size,
+            "anchor_scale": 4,
+            "rpn_post_nms_top_n_test": 50,
+            "detections_per_img": 10,
+            "fpn_channels": 32,
+            "box_representation": 64,
+            "mask_layers": [16, 16],
+            **cfg,
+        },
+    )
 
 
 def test_mask_rcnn_trains_one_step_and_evaluates_on_micro_coco(micro_coco, tmp_path):
@@ -134,15 +161,34 @@ def test_mask_rcnn_trains_one_step_and_evaluates_on_micro_coco(micro_coco, tmp_p
 
     torch.manual_seed(0)
     data = CocoDataModule(str(micro_coco), name="micro_coco", num_classes=10, batch_size=2, num_workers=0)
-    recipe = {"opt": "sgd", "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4, "epochs": 1,
-              "sched": "multistep", "decay_epochs": [1], "warmup_steps": 1}
+    recipe = {
+        "opt": "sgd",
+        "lr": 0.01,
+        "momentum": 0.9,
+        "weight_decay": 1e-4,
+        "epochs": 1,
+        "sched": "multistep",
+        "decay_epochs": [1],
+        "warmup_steps": 1,
+    }
     module = DetectModule(_detector(), 10, recipe)
     before = {k: v.clone() for k, v in module.model.state_dict().items() if v.is_floating_point()}
-    trainer = L.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, default_root_dir=str(tmp_path), accelerator="cpu")
+    trainer = L.Trainer(
+        max_steps=1,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+        accelerator="cpu",
+    )
     trainer.fit(module, datamodule=data)
-    changed = [k for k, v in module.model.state_dict().items() if k in before and not torch.equal(v, before[k])]
-    assert any(k.startswith("roi_heads") for k in changed) and any(k.startswith("backbone.body") for k in changed)
+    changed = [
+        k for k, v in module.model.state_dict().items() if k in before and not torch.equal(v, before[k])
+    ]
+    assert any(k.startswith("roi_heads") for k in changed) and any(
+        k.startswith("backbone.body") for k in changed
+    )
     result = trainer.test(module, datamodule=data, verbose=False)[0]
     assert {"test/ap_box", "test/ap_mask", "test/ap_box_50", "test/ap_mask_75"} <= set(result)
     assert all(0.0 <= v <= 1.0 for v in result.values())
@@ -158,8 +204,9 @@ def test_coco_targets_follow_the_annotations(micro_coco):
     image, target = ds[0]
     anns = coco.loadAnns(coco.getAnnIds(imgIds=ds.coco_ds.ids[0]))
     assert image.shape == (3, 64, 64) and image.max() <= 1.0
-    assert target["boxes"].tolist() == [[a["bbox"][0], a["bbox"][1], a["bbox"][0] + a["bbox"][2],
-                                         a["bbox"][1] + a["bbox"][3]] for a in anns]
+    assert target["boxes"].tolist() == [
+        [a["bbox"][0], a["bbox"][1], a["bbox"][0] + a["bbox"][2], a["bbox"][1] + a["bbox"][3]] for a in anns
+    ]
     assert target["labels"].tolist() == [a["category_id"] for a in anns]  # ids 1..10 map to labels 1..10
     assert target["masks"].sum().item() == sum(a["area"] for a in anns)
 
@@ -170,8 +217,14 @@ def test_detector_macs_count_the_heads_on_the_test_time_rois():
     configured numbers of RoIs and detections, the parts follow those formulas exactly."""
     from vitexp.detection.model import detector_macs
 
-    det = _detector(size=64, rpn_post_nms_top_n_test=30, detections_per_img=7, fpn_channels=32,
-                    box_representation=64, mask_layers=[16, 16, 16, 16])
+    det = _detector(
+        size=64,
+        rpn_post_nms_top_n_test=30,
+        detections_per_img=7,
+        fpn_channels=32,
+        box_representation=64,
+        mask_layers=[16, 16, 16, 16],
+    )
     r = detector_macs(det, 64, 64)
     c, m, rep, k = 32, 16, 64, 11
     mask_per_det = 14 * 14 * c * m * 9 + 3 * 14 * 14 * m * m * 9 + 14 * 14 * m * m * 4 + 28 * 28 * m * k
@@ -185,11 +238,29 @@ def test_detector_macs_count_the_heads_on_the_test_time_rois():
 def test_cli_writes_the_dataset_and_prints_json(tmp_path, capsys):
     from vitexp.detection.micro_coco import main
 
-    assert main(["make-micro-coco", "--out", str(tmp_path / "m"), "--train", "2", "--val", "1", "--size", "64",
-                 "--source", "digits"]) == 0
+    assert (
+        main(
+            [
+                "make-micro-coco",
+                "--out",
+                str(tmp_path / "m"),
+                "--train",
+                "2",
+                "--val",
+                "1",
+                "--size",
+                "64",
+                "--source",
+                "digits",
+            ]
+        )
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["status"] == "completed" and summary["train"]["images"] == 2
-    assert main(["make-micro-coco", "--out", str(tmp_path / "m"), "--source", "digits"]) == 2  # exists: refused
+    assert (
+        main(["make-micro-coco", "--out", str(tmp_path / "m"), "--source", "digits"]) == 2
+    )  # exists: refused
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == "failed"
 
 
@@ -205,7 +276,9 @@ def test_detector_trains_under_bf16_autocast(experiment, make_cfg):
     detector = detector_for(cfg, model, data_config).train()
     mask = torch.zeros(1, 128, 128, dtype=torch.uint8)
     mask[0, 20:60, 30:70] = 1
-    targets = [{"boxes": torch.tensor([[30.0, 20.0, 70.0, 60.0]]), "labels": torch.tensor([4]), "masks": mask}] * 2
+    targets = [
+        {"boxes": torch.tensor([[30.0, 20.0, 70.0, 60.0]]), "labels": torch.tensor([4]), "masks": mask}
+    ] * 2
     with torch.autocast("cpu", dtype=torch.bfloat16):
         losses = detector([torch.rand(3, 128, 128), torch.rand(3, 128, 128)], targets)
     loss = sum(losses.values())
@@ -217,7 +290,9 @@ def test_detector_trains_under_bf16_autocast(experiment, make_cfg):
     # zero-initialised residual BatchNorm scales would stay 0 and switch its blocks off
     for name, stage in detector.backbone.body.model.stages.named_children():
         scales = [p.grad for n, p in stage.named_parameters() if n.endswith("weight") and p.dim() == 1]
-        assert any(g is not None and g.abs().sum() > 0 for g in scales), f"stage {name}: no normalisation scale learns"
+        assert any(g is not None and g.abs().sum() > 0 for g in scales), (
+            f"stage {name}: no normalisation scale learns"
+        )
     if experiment.startswith("bspf"):  # the detector's backbone really pruned
         from vitexp.methods.bspf import TokenPruner
 
@@ -253,11 +328,26 @@ def test_micro_detection_runs_under_ddp_gloo(results_dir, tmp_path):
     from conftest import cli_env, ledger_entries
 
     proc = subprocess.run(
-        [str(Path(sys.executable).parent / "vitexp-train"), "experiment=micro_coco_caformer", "trainer=ddp_cpu",
-         f"data.root={tmp_path / 'coco'}", "data.generate.n_train=8", "data.generate.n_val=3", "recipe.batch_size=2",
-         "recipe.epochs=1", "recipe.warmup_steps=1", "logger=none", "trainer.enable_progress_bar=false",
-         "trainer.num_sanity_val_steps=0", f"hydra.run.dir={tmp_path / 'out'}"],
-        capture_output=True, text=True, cwd=tmp_path, env=cli_env(results_dir), timeout=900,
+        [
+            str(Path(sys.executable).parent / "vitexp-train"),
+            "experiment=micro_coco_caformer",
+            "trainer=ddp_cpu",
+            f"data.root={tmp_path / 'coco'}",
+            "data.generate.n_train=8",
+            "data.generate.n_val=3",
+            "recipe.batch_size=2",
+            "recipe.epochs=1",
+            "recipe.warmup_steps=1",
+            "logger=none",
+            "trainer.enable_progress_bar=false",
+            "trainer.num_sanity_val_steps=0",
+            f"hydra.run.dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=cli_env(results_dir),
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (entry,) = ledger_entries(results_dir)
@@ -265,7 +355,9 @@ def test_micro_detection_runs_under_ddp_gloo(results_dir, tmp_path):
     assert entry["status"] == "completed" and m["world_size"] == 2
     assert m["steps"] == 2  # 8 canvases, batch 2, 2 ranks: 2 steps per rank
     assert {"ap_box", "ap_mask", "ap_box_50", "gmacs", "gmacs_backbone_fpn"} <= set(m)
-    assert m["best_val_ap_box"] == pytest.approx(m["val_ap_box"]) and m["best_val_epoch"] == 1  # one epoch: its own
+    assert (
+        m["best_val_ap_box"] == pytest.approx(m["val_ap_box"]) and m["best_val_epoch"] == 1
+    )  # one epoch: its own
 
 
 def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_cfg, tmp_path):
@@ -280,8 +372,11 @@ def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_c
         cfg = make_cfg(["experiment=micro_coco_shvit", "data.root=/nonexistent", *overrides])
         model, _, data_config = build_model(cfg)
         body = detector_for(cfg, model, data_config).backbone.body
-        return [isinstance(m, FrozenBatchNorm2d) for m in body.modules()
-                if isinstance(m, (torch.nn.BatchNorm2d, FrozenBatchNorm2d))]
+        return [
+            isinstance(m, FrozenBatchNorm2d)
+            for m in body.modules()
+            if isinstance(m, (torch.nn.BatchNorm2d, FrozenBatchNorm2d))
+        ]
 
     scratch = frozen([])
     assert scratch and not any(scratch)
@@ -309,17 +404,29 @@ def test_flips_follow_the_epoch_in_persistent_workers(micro_coco):
 
     dm = CocoDataModule(micro_coco, num_classes=10, batch_size=4, num_workers=1, hflip=0.5, loader_seed=1)
     dm.setup()
-    plain = {int(t["image_id"]): img for img, t in (dm.val_set.__class__(micro_coco / "train2017",
-             micro_coco / "annotations" / "instances_train2017.json")[i] for i in range(len(dm.train_set)))}
+    plain = {
+        int(t["image_id"]): img
+        for img, t in (
+            dm.val_set.__class__(
+                micro_coco / "train2017", micro_coco / "annotations" / "instances_train2017.json"
+            )[i]
+            for i in range(len(dm.train_set))
+        )
+    }
     loader = dm.train_dataloader()
     assert loader.persistent_workers
     flipped = []
     for epoch in (0, 1):
         loader.sampler.set_epoch(epoch)
-        seen = {int(t["image_id"]): not torch.equal(img, plain[int(t["image_id"])])
-                for images, targets in loader for img, t in zip(images, targets)}
-        expected = {int(t["image_id"]): not torch.equal(img, plain[int(t["image_id"])])
-                    for img, t in (dm.train_set[(epoch, i)] for i in range(len(dm.train_set)))}
+        seen = {
+            int(t["image_id"]): not torch.equal(img, plain[int(t["image_id"])])
+            for images, targets in loader
+            for img, t in zip(images, targets)
+        }
+        expected = {
+            int(t["image_id"]): not torch.equal(img, plain[int(t["image_id"])])
+            for img, t in (dm.train_set[(epoch, i)] for i in range(len(dm.train_set)))
+        }
         assert seen == expected, epoch
         flipped.append({k for k, v in seen.items() if v})
     assert flipped[0] != flipped[1] and flipped[0] and flipped[1]

@@ -1,6 +1,7 @@
 """The documentation: the MkDocs site in docs/ builds with ``--strict`` (every link and image
 resolves, the generated tables included, scripts/mkdocs_hooks.py), and the README stays a few
 screens whose test command is the one CI runs (.ci/run)."""
+
 from __future__ import annotations
 
 import os
@@ -15,13 +16,30 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build(root: Path, site: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(root / "mkdocs.yml"),
-                           "--site-dir", str(site)], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(root / "mkdocs.yml"),
+            "--site-dir",
+            str(site),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_the_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[dev]' installs it")
-    pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[dev]' installs it")
+    pytest.importorskip(
+        "material", reason="mkdocs-material is not installed: pip install -e '.[dev]' installs it"
+    )
     done = build(ROOT, tmp_path / "site")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "site" / "results" / "index.html").is_file()
@@ -31,8 +49,11 @@ def test_the_site_builds_strict(tmp_path):
 def test_the_readme_is_a_few_screens_and_names_ci_s_test_command():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
-    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
-          if line.strip() and not line.lstrip().startswith("#")]
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     command = ci[-1]  # .ci/run ends with the README's test command
     two = readme.split("## The two commands", 1)[1].split("```")[1]
     (line,) = [line for line in two.splitlines() if "test suite" in line]

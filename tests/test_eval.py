@@ -1,4 +1,5 @@
 """vitexp-eval: the model a run saved, rebuilt and tested, gives the ledger's top-1."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,17 @@ import pytest
 from conftest import QUIET, ledger_entries
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = QUIET + ["data=synthetic", "data.num_train=32", "data.num_val=16", "data.num_test=32", "recipe.batch_size=16",
-                "recipe.epochs=2", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false"]
+TINY = QUIET + [
+    "data=synthetic",
+    "data.num_train=32",
+    "data.num_val=16",
+    "data.num_test=32",
+    "recipe.batch_size=16",
+    "recipe.epochs=2",
+    "recipe.warmup_epochs=0",
+    "eval.throughput=false",
+    "eval.flops=false",
+]
 
 
 def run_eval(capsys, *argv: str) -> dict:
@@ -26,8 +36,13 @@ def run_eval(capsys, *argv: str) -> dict:
 def test_eval_reproduces_a_saper_micro_runs_top1(method, make_cfg, results_dir, tmp_path, capsys):
     from vitexp.training.fit import train
 
-    trained = train(make_cfg(TINY + ["backbone=dinov2_micro", f"method={method}", "budget=heads", "budget.k=5",
-                                     "recipe.lr=0.01"], tmp_path / method))
+    trained = train(
+        make_cfg(
+            TINY
+            + ["backbone=dinov2_micro", f"method={method}", "budget=heads", "budget.k=5", "recipe.lr=0.01"],
+            tmp_path / method,
+        )
+    )
     result = run_eval(capsys, trained["run_id"], "logger=none", "trainer.enable_progress_bar=false")
     assert result["status"] == "completed" and result["evaluates"] == trained["run_id"]
     assert result["metrics"]["top1"] == pytest.approx(trained["metrics"]["top1"], abs=1e-9)
@@ -39,8 +54,9 @@ def test_eval_reproduces_a_saper_micro_runs_top1(method, make_cfg, results_dir, 
     assert kinds == ["eval", "train"]
 
 
-def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(make_cfg, results_dir, tmp_path, capsys,
-                                                                    trained_run):
+def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(
+    make_cfg, results_dir, tmp_path, capsys, trained_run
+):
     """``--weights <run>/checkpoints/last.ckpt`` (the ``model.`` prefix removed) and
     ``backbone.pretrained=<last.ckpt>`` load the trained weights; a misspelt key is refused."""
     from vitexp.training.build import build_configured_backbone
@@ -86,17 +102,23 @@ def test_eval_reads_the_runs_portable_paths_as_paths_on_this_machine(make_cfg, r
     weights = results_dir / "outputs" / "teacher" / "weights.pth"
     weights.parent.mkdir(parents=True)
     weights.write_bytes(b"")
-    config = to_container(make_cfg(["data=micro_coco", f"backbone.pretrained={weights}"], results_dir / "outputs" / "r"))
+    config = to_container(
+        make_cfg(["data=micro_coco", f"backbone.pretrained={weights}"], results_dir / "outputs" / "r")
+    )
     entry = LedgerEntry("demo", "train", config, results_dir).start()
     entry.finish({"top1": 1.0})
     stored = json.loads(entry.path.read_text())["config"]
-    assert (stored["data"]["root"], stored["backbone"]["pretrained"]) == ("data/micro_coco", "outputs/teacher/weights.pth")
+    assert (stored["data"]["root"], stored["backbone"]["pretrained"]) == (
+        "data/micro_coco",
+        "outputs/teacher/weights.pth",
+    )
     cfg, _ = eval_config(entry.run_id)
     assert cfg.data.root == str(ROOT / "data" / "micro_coco") and cfg.backbone.pretrained == str(weights)
 
 
-def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, results_dir, tmp_path, capsys,
-                                                                    monkeypatch):
+def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(
+    make_cfg, results_dir, tmp_path, capsys, monkeypatch
+):
     """A run logged to W&B (offline here) logs its deployed weights as a model artifact, which its
     offline run keeps for ``wandb sync``, and its ledger entry names it. ``vitexp-eval <artifact>``
     on a machine with neither the run's entry nor its weights (W&B's API stubbed with what the run
@@ -112,8 +134,14 @@ def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, re
 
     logged = {}
     real_log_artifact = Run.log_artifact
-    monkeypatch.setattr(Run, "log_artifact", lambda self, artifact, *a, **kw: (
-        logged.update({artifact.name: artifact}), real_log_artifact(self, artifact, *a, **kw))[1])
+    monkeypatch.setattr(
+        Run,
+        "log_artifact",
+        lambda self, artifact, *a, **kw: (
+            logged.update({artifact.name: artifact}),
+            real_log_artifact(self, artifact, *a, **kw),
+        )[1],
+    )
     trained = train(make_cfg(TINY + ["logger=wandb"], tmp_path / "run"))
     (entry,) = ledger_entries(results_dir)
     reference = entry["artifacts"]["wandb_model"]
@@ -121,11 +149,17 @@ def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, re
     assert reference == f"vitexp/{name}:latest"  # offline: no entity until synced
     artifact = logged[name]
     assert artifact.type == "model" and list(artifact.manifest.entries) == ["weights.pth"]
-    assert artifact.metadata["run_id"] == trained["run_id"] and artifact.metadata["metrics"]["top1"] == trained["metrics"]["top1"]
+    assert (
+        artifact.metadata["run_id"] == trained["run_id"]
+        and artifact.metadata["metrics"]["top1"] == trained["metrics"]["top1"]
+    )
     offline_run = local_path(entry["wandb_url"].removeprefix("offline:"), results_dir).parent
     # kept for wandb sync; W&B's service process may still be writing the file after finish() returns
     deadline = time.monotonic() + 60
-    while name.encode() not in next(offline_run.glob("run-*.wandb")).read_bytes() and time.monotonic() < deadline:
+    while (
+        name.encode() not in next(offline_run.glob("run-*.wandb")).read_bytes()
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.5)
     assert name.encode() in next(offline_run.glob("run-*.wandb")).read_bytes()
 
@@ -140,8 +174,13 @@ def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(make_cfg, re
         return root
 
     stored = SimpleNamespace(name=f"{name}:v0", metadata=artifact.metadata, download=download)
-    monkeypatch.setattr(wandb, "Api", lambda: SimpleNamespace(artifact=lambda ref, type=None: stored if ref == reference
-                                                              else pytest.fail(f"asked for {ref}")))
+    monkeypatch.setattr(
+        wandb,
+        "Api",
+        lambda: SimpleNamespace(
+            artifact=lambda ref, type=None: stored if ref == reference else pytest.fail(f"asked for {ref}")
+        ),
+    )
     result = run_eval(capsys, reference, "logger=none", "trainer.enable_progress_bar=false")
     assert result["status"] == "completed" and result["evaluates"] == trained["run_id"]
     assert result["metrics"]["top1"] == pytest.approx(trained["metrics"]["top1"], abs=1e-9)
@@ -172,14 +211,23 @@ def test_bad_weights_are_refused_before_the_eval_entry(results_dir, tmp_path, ca
         assert [e["kind"] for e in ledger_entries(results_dir)] == ["train"]
 
 
-STUDENTS = {"fine-tuned": [],  # RAPTOR: its phases chosen from the teacher's weights, on data
-            "raptor": ["experiment=raptor_micro", "data=synthetic", "recipe.epochs=1", "method.probe.epochs=1",
-                       "method.phase_images=16", "method.teacher_probe=false"]}
+STUDENTS = {
+    "fine-tuned": [],  # RAPTOR: its phases chosen from the teacher's weights, on data
+    "raptor": [
+        "experiment=raptor_micro",
+        "data=synthetic",
+        "recipe.epochs=1",
+        "method.probe.epochs=1",
+        "method.phase_images=16",
+        "method.teacher_probe=false",
+    ],
+}
 
 
 @pytest.mark.parametrize("student_kind", list(STUDENTS))
-def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(student_kind, make_cfg, results_dir,
-                                                                                 tmp_path, capsys, trained_run):
+def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(
+    student_kind, make_cfg, results_dir, tmp_path, capsys, trained_run
+):
     """A student trained from ``backbone.pretrained=run:<teacher>`` is evaluated from its own
     weights alone: with the teacher's ledger entry and run folder gone (a machine that did not
     train the teacher), ``vitexp-eval <student>`` reproduces the student's top-1."""
@@ -189,8 +237,15 @@ def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(
 
     backbone = ["backbone=dinov2_micro_reg"] if student_kind == "raptor" else []
     teacher = trained_run(TINY + backbone + ["name=teacher"], "teacher")
-    student = train(make_cfg(TINY + backbone + STUDENTS[student_kind] + [
-        "name=student", f"backbone.pretrained=run:{teacher['run_id']}"], tmp_path / "student"))
+    student = train(
+        make_cfg(
+            TINY
+            + backbone
+            + STUDENTS[student_kind]
+            + ["name=student", f"backbone.pretrained=run:{teacher['run_id']}"],
+            tmp_path / "student",
+        )
+    )
     (results_dir / "runs" / f"{teacher['run_id']}.json").unlink()
     shutil.rmtree(tmp_path / "teacher")
     result = run_eval(capsys, student["run_id"], "logger=none")
@@ -224,14 +279,25 @@ def test_a_config_recorded_before_the_package_layout_names_classes_that_still_im
 
     from vitexp.config.composition import with_moved_targets
 
-    old = {"data": {"_target_": "vitexp.fashion_mnist.FashionMNISTDataModule"},
-           "other": [{"_target_": "vitexp.data.DigitsDataModule"}],
-           "method": {"_target_": "vitexp.methods.bspf.BSPF"},
-           "today": {"_target_": "vitexp.data.datamodules.DigitsDataModule"}}
+    old = {
+        "data": {"_target_": "vitexp.fashion_mnist.FashionMNISTDataModule"},
+        "other": [{"_target_": "vitexp.data.DigitsDataModule"}],
+        "method": {"_target_": "vitexp.methods.bspf.BSPF"},
+        "today": {"_target_": "vitexp.data.datamodules.DigitsDataModule"},
+    }
     new = with_moved_targets(old)
-    targets = [new["data"]["_target_"], new["other"][0]["_target_"], new["method"]["_target_"], new["today"]["_target_"]]
-    assert targets == ["vitexp.data.fashion_mnist.FashionMNISTDataModule", "vitexp.data.datamodules.DigitsDataModule",
-                       "vitexp.methods.bspf.BSPF", "vitexp.data.datamodules.DigitsDataModule"]
+    targets = [
+        new["data"]["_target_"],
+        new["other"][0]["_target_"],
+        new["method"]["_target_"],
+        new["today"]["_target_"],
+    ]
+    assert targets == [
+        "vitexp.data.fashion_mnist.FashionMNISTDataModule",
+        "vitexp.data.datamodules.DigitsDataModule",
+        "vitexp.methods.bspf.BSPF",
+        "vitexp.data.datamodules.DigitsDataModule",
+    ]
     for target in targets:
         module, _, name = target.rpartition(".")
         assert hasattr(importlib.import_module(module), name)

@@ -1,6 +1,7 @@
 """Fashion-MNIST: the IDX reader against facts of the real files, the fixed split, batch preparation,
 and the error that names the Debian package. Tests that read the files skip where the package
 ``dataset-fashion-mnist`` is not installed (.ci/run installs it)."""
+
 from __future__ import annotations
 
 import gzip
@@ -12,8 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from vitexp.data.fashion_mnist import (FASHION_MNIST_FILES, FASHION_MNIST_ROOT, FashionMNISTDataModule, GreyBatchDataset,
-                         load_fashion_mnist)
+from vitexp.data.fashion_mnist import (
+    FASHION_MNIST_FILES,
+    FASHION_MNIST_ROOT,
+    FashionMNISTDataModule,
+    GreyBatchDataset,
+    load_fashion_mnist,
+)
 from vitexp.data.idx import IMAGES_MAGIC, LABELS_MAGIC, parse_idx, read_idx
 
 ROOT = Path(FASHION_MNIST_ROOT)
@@ -21,7 +27,9 @@ ROOT = Path(FASHION_MNIST_ROOT)
 requires_fashion_mnist = pytest.mark.skipif(
     not all((ROOT / f).is_file() for pair in FASHION_MNIST_FILES.values() for f in pair)
     and not os.environ.get("VITEXP_REQUIRE_FASHION_MNIST"),
-    reason=f"Fashion-MNIST not installed in {ROOT}: apt-get install -y dataset-fashion-mnist (.ci/run does it)",
+    reason=(
+        f"Fashion-MNIST not installed in {ROOT}: apt-get install -y dataset-fashion-mnist (.ci/run does it)"
+    ),
 )
 CFG = {"input_size": (3, 32, 32), "mean": (0.485, 0.456, 0.406), "std": (0.229, 0.224, 0.225)}
 
@@ -76,7 +84,12 @@ def test_idx_reader_round_trip_and_bad_files(tmp_path):
 def test_split_is_fixed_stratified_and_the_test_set_is_whole():
     a, b = FashionMNISTDataModule(data_config=CFG), FashionMNISTDataModule(data_config=CFG)
     a.setup(), b.setup()
-    assert (len(a.train_set), len(a.val_set), len(a.test_set), len(a.train_eval_set)) == (55000, 5000, 10000, 55000)
+    assert (len(a.train_set), len(a.val_set), len(a.test_set), len(a.train_eval_set)) == (
+        55000,
+        5000,
+        10000,
+        55000,
+    )
     assert np.array_equal(a.split_indices["val"], b.split_indices["val"])
     assert not set(a.split_indices["val"]) & set(a.split_indices["train"])
     assert torch.bincount(a.val_set.labels, minlength=10).tolist() == [500] * 10
@@ -106,15 +119,21 @@ def test_batches_upscale_pad_flip_and_translate_without_losing_pixels():
     out = (aug[:, 0] * 255).round().to(torch.uint8)
     moved = 0
     for img, o in zip(imgs, out):
-        candidates = [torch.roll(src, (dy, dx), (0, 1)) for src in (img, img.flip(-1))
-                      for dy in range(-2, 3) for dx in range(-2, 3)]
+        candidates = [
+            torch.roll(src, (dy, dx), (0, 1))
+            for src in (img, img.flip(-1))
+            for dy in range(-2, 3)
+            for dx in range(-2, 3)
+        ]
         assert any(torch.equal(o, c) for c in candidates)  # a flip and a shift, nothing else
         moved += not torch.equal(o, img)
     assert moved > 48  # 49 of the 50 (flip, shift) draws change the image
 
 
 def test_missing_root_names_the_package_and_command(tmp_path, make_cfg):
-    with pytest.raises(FileNotFoundError, match="dataset-fashion-mnist.*apt-get install -y dataset-fashion-mnist"):
+    with pytest.raises(
+        FileNotFoundError, match="dataset-fashion-mnist.*apt-get install -y dataset-fashion-mnist"
+    ):
         FashionMNISTDataModule(root=str(tmp_path), data_config=CFG).setup()
     from vitexp.config.composition import ConfigError
     from vitexp.training.resolve import validate

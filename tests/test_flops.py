@@ -1,4 +1,5 @@
 """The MAC counter against an analytic ViT formula and the published DeiT figures."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,13 +24,16 @@ from vitexp.measure.flops import count_macs
 def test_counter_equals_analytic_vit_formula(name, img, patch, dim, depth, classes):
     model = timm.create_model(name, num_classes=classes)
     counted = count_macs(model, img)
-    analytic = vit_analytic_macs(img_size=img, patch_size=patch, embed_dim=dim, depth=depth, mlp_ratio=4.0,
-                                 num_classes=classes)
+    analytic = vit_analytic_macs(
+        img_size=img, patch_size=patch, embed_dim=dim, depth=depth, mlp_ratio=4.0, num_classes=classes
+    )
     assert counted.gmacs * 1e9 == pytest.approx(analytic, rel=1e-9)
     assert counted.gflops == pytest.approx(2 * counted.gmacs)
 
 
-@pytest.mark.parametrize("name, published", [("deit_tiny_patch16_224", 1.26), ("deit_small_patch16_224", 4.61)])
+@pytest.mark.parametrize(
+    "name, published", [("deit_tiny_patch16_224", 1.26), ("deit_small_patch16_224", 4.61)]
+)
 def test_published_deit_gmacs(name, published):
     report = count_macs(timm.create_model(name), 224)
     assert report.gmacs == pytest.approx(published, abs=0.02)
@@ -88,8 +92,18 @@ def test_flops_of_a_saper_model_count_the_same_heads_whatever_the_global_rng(tmp
     from vitexp.config.composition import compose
 
     def once(global_seed: int):
-        cfg = compose(["backbone=dinov2_micro", "method=saper_ft", "budget=heads", "budget.k=3", "data=digits",
-                       "logger=none", f"results_dir={tmp_path}", f"output_dir={tmp_path}/out{global_seed}"])
+        cfg = compose(
+            [
+                "backbone=dinov2_micro",
+                "method=saper_ft",
+                "budget=heads",
+                "budget.k=3",
+                "data=digits",
+                "logger=none",
+                f"results_dir={tmp_path}",
+                f"output_dir={tmp_path}/out{global_seed}",
+            ]
+        )
         torch.manual_seed(global_seed)
         result = run_flops(cfg)
         return result["metrics"], json.loads(local_path(result["ledger"], tmp_path).read_text())["kept_heads"]

@@ -1,6 +1,7 @@
 """A fresh clone reruns nothing: on the committed ledger and kept weights alone (no run folder of this
 machine), ``vitexp-sweep TABLE --dry-run`` plans, for every ``fmnist_*`` table, only (row, seed) pairs
 that have no completed run, and never a shared start (issue 45)."""
+
 from __future__ import annotations
 
 import shutil
@@ -14,14 +15,23 @@ from vitexp import PROJECT_ROOT
 #: with the reason. Their tables are complete, so the plan does not need them; a seed added to a row that
 #: loads one would train that start and every row loading it again (vitexp.commands.sweep.plan), hours of CPU each.
 KNOWN_ABSENT = {
-    "fmnist_vit_micro_baseline": "run 420a24 (tables 1, 6, 7, 8): trained from a dirty tree before weights were "
-                                 "kept; its config trained again gives 88.89 % test top-1, not its 88.66 "
-                                 "(sweeps/fmnist_bspf_long.yaml), so it cannot be restored bit for bit",
-    "fmnist_t2t_vit_micro_baseline": "run c31829 (table 2): its run folder left with the machine that trained it",
-    "fmnist_lvvit_micro_baseline": "run fca579 (table 2): its run folder left with the machine that trained it",
-    "fmnist_caformer_micro_baseline": "run 75eb39 (table 2): its run folder left with the machine that trained it",
-    "fmnist_dinov2_micro_reg_baseline": "run 8e8488 (fmnist_raptor): its run folder left with the machine that "
-                                        "trained it",
+    "fmnist_vit_micro_baseline": (
+        "run 420a24 (tables 1, 6, 7, 8): trained from a dirty tree before weights were "
+        "kept; its config trained again gives 88.89 % test top-1, not its 88.66 "
+        "(sweeps/fmnist_bspf_long.yaml), so it cannot be restored bit for bit"
+    ),
+    "fmnist_t2t_vit_micro_baseline": (
+        "run c31829 (table 2): its run folder left with the machine that trained it"
+    ),
+    "fmnist_lvvit_micro_baseline": (
+        "run fca579 (table 2): its run folder left with the machine that trained it"
+    ),
+    "fmnist_caformer_micro_baseline": (
+        "run 75eb39 (table 2): its run folder left with the machine that trained it"
+    ),
+    "fmnist_dinov2_micro_reg_baseline": (
+        "run 8e8488 (fmnist_raptor): its run folder left with the machine that trained it"
+    ),
 }
 
 
@@ -38,10 +48,13 @@ def clone(tmp_path, monkeypatch):
 
     root = tmp_path / "clone"
     try:
-        files = subprocess.run(["git", "ls-files", "-z", "results"], cwd=PROJECT_ROOT, check=True,
-                               capture_output=True, text=True).stdout.split("\0")
+        files = subprocess.run(
+            ["git", "ls-files", "-z", "results"], cwd=PROJECT_ROOT, check=True, capture_output=True, text=True
+        ).stdout.split("\0")
     except (OSError, subprocess.CalledProcessError):
-        files = [str(p.relative_to(PROJECT_ROOT)) for p in (PROJECT_ROOT / "results").rglob("*") if p.is_file()]
+        files = [
+            str(p.relative_to(PROJECT_ROOT)) for p in (PROJECT_ROOT / "results").rglob("*") if p.is_file()
+        ]
     for rel in filter(None, files):
         target = root / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,14 +94,23 @@ def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
         starts = {row_name(r) for r in expand_rows(spec["rows"]) if shared_start(spec, r)}
         held = {row["experiment"]: _held(row) for row in fill(spec, ledger) if row.get("experiment")}
         for kind, rows in todo.items():
-            assert not set(rows["launch"]) & starts, f"{table}: a fresh clone trains its start again: {rows['launch']}"
+            assert not set(rows["launch"]) & starts, (
+                f"{table}: a fresh clone trains its start again: {rows['launch']}"
+            )
             for name in rows["launch"]:
-                base, seed = name.split("+seed=")[0], (int(name.split("+seed=")[1]) if "+seed=" in name else None)
-                assert seed not in held.get(base, set()), f"{table}: {name} is in the table and is planned again"
+                base, seed = (
+                    name.split("+seed=")[0],
+                    (int(name.split("+seed=")[1]) if "+seed=" in name else None),
+                )
+                assert seed not in held.get(base, set()), (
+                    f"{table}: {name} is in the table and is planned again"
+                )
         planned = [name for rows in todo.values() for name in rows["launch"]]
         assert len(planned) == STILL_TO_RUN.get(table, 0), f"{table}: a fresh clone plans {planned}"
         absent |= {s for s in starts if f"vitexp-sweep: {s} is the shared start" in err}
-    assert absent == set(KNOWN_ABSENT), "the starts without weights changed: keep them, or say why in KNOWN_ABSENT"
+    assert absent == set(KNOWN_ABSENT), (
+        "the starts without weights changed: keep them, or say why in KNOWN_ABSENT"
+    )
 
 
 def test_a_new_seed_of_one_backbone_retrains_only_its_start(clone, capsys):
@@ -98,12 +120,19 @@ def test_a_new_seed_of_one_backbone_retrains_only_its_start(clone, capsys):
     from vitexp.report.tables import load_spec
 
     spec = load_spec("fmnist_bspf_table2")
-    spec = {**spec, "rows": [{**r, "seeds": [0, 1, 2, 3]} if "caformer" in r["experiment"] and "seeds" not in r
-                             else r for r in spec["rows"]]}
+    spec = {
+        **spec,
+        "rows": [
+            {**r, "seeds": [0, 1, 2, 3]} if "caformer" in r["experiment"] and "seeds" not in r else r
+            for r in spec["rows"]
+        ],
+    }
     todo = plan(spec, None, False, clone)["train"]
     caformer = ["fmnist_caformer_micro_ft", "fmnist_bspf_caformer_micro"]
-    assert todo["launch"] == ["fmnist_caformer_micro_baseline",
-                              *[f"{name}+seed={s}" for name in caformer for s in range(4)]]
+    assert todo["launch"] == [
+        "fmnist_caformer_micro_baseline",
+        *[f"{name}+seed={s}" for name in caformer for s in range(4)],
+    ]
     assert not [name for name in todo["launch"] if "t2t" in name or "lvvit" in name]
     err = capsys.readouterr().err
     for start in ("fmnist_t2t_vit_micro_baseline", "fmnist_lvvit_micro_baseline"):

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh's budget, without a GPU: ``--dry-run`` runs nothing and says, row by row, whether
 the row's worst case fits in what is left of GPU_CHECK_BUDGET_S."""
+
 from __future__ import annotations
 
 import os
@@ -14,8 +15,13 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 
 def dry_run(which: str, budget: int) -> list[tuple[str, int, int]]:
     """(would run | skipped, worst case s, seconds left) of each row."""
-    done = subprocess.run(["bash", str(SCRIPT), which, "--dry-run"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "GPU_CHECK_BUDGET_S": str(budget), "OUT": "/nonexistent"})
+    done = subprocess.run(
+        ["bash", str(SCRIPT), which, "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "GPU_CHECK_BUDGET_S": str(budget), "OUT": "/nonexistent"},
+    )
     assert done.returncode == 0, done.stderr
     rows = []
     for line in done.stdout.splitlines():
@@ -38,7 +44,7 @@ def test_no_row_starts_unless_its_worst_case_fits_the_budget_left(which):
 
 def test_a_row_with_31_s_left_is_skipped():
     """The issue's case: 31 s of budget left and a row that may run 300 s."""
-    (first, *_) = dry_run("2", 31)
+    first, *_ = dry_run("2", 31)
     assert first[0] == "skip" and first[2] == 31
 
 

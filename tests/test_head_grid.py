@@ -1,5 +1,6 @@
 """``vitexp-analyze heads``: a SAPER run's kept heads and scores beside the head clusters
 (vitexp/analysis/head_grid.py, vitexp/analysis/reports.py)."""
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,24 @@ def test_kept_heads_outside_the_layer_are_refused():
 
 
 #: A SAPER run on the micro DINOv2 (16 heads) in seconds: 5 heads kept, scores in its checkpoint.
-TINY_SAPER = ["backbone=dinov2_micro", "+backbone.kwargs.init_values=1.0", "method=saper_ft", "budget=heads",
-              "budget.k=5", "data=synthetic", "data.num_train=64", "data.num_val=32", "data.num_test=32",
-              "recipe.batch_size=32", "recipe.epochs=1", "recipe.warmup_epochs=0", "recipe.lr=0.05",
-              "eval.throughput_iters=1", "eval.throughput_batch=8", "trainer.num_sanity_val_steps=0"]
+TINY_SAPER = [
+    "backbone=dinov2_micro",
+    "+backbone.kwargs.init_values=1.0",
+    "method=saper_ft",
+    "budget=heads",
+    "budget.k=5",
+    "data=synthetic",
+    "data.num_train=64",
+    "data.num_val=32",
+    "data.num_test=32",
+    "recipe.batch_size=32",
+    "recipe.epochs=1",
+    "recipe.warmup_epochs=0",
+    "recipe.lr=0.05",
+    "eval.throughput_iters=1",
+    "eval.throughput_batch=8",
+    "trainer.num_sanity_val_steps=0",
+]
 
 
 def test_analyze_heads_draws_the_runs_kept_heads_and_scores(make_cfg, results_dir, tmp_path, capsys):
@@ -64,9 +79,24 @@ def test_analyze_heads_refuses_a_run_that_is_not_saper(make_cfg, results_dir, tm
     from vitexp.commands.cli import analyze_main
     from vitexp.training.fit import train
 
-    train(make_cfg(QUIET + ["backbone=dinov2_micro", "data=synthetic", "data.num_train=32", "data.num_val=32",
-                            "data.num_test=32", "recipe.epochs=1", "recipe.warmup_epochs=0", "eval.throughput_iters=1",
-                            "eval.throughput_batch=8", "trainer.num_sanity_val_steps=0"], tmp_path / "base"))
+    train(
+        make_cfg(
+            QUIET
+            + [
+                "backbone=dinov2_micro",
+                "data=synthetic",
+                "data.num_train=32",
+                "data.num_val=32",
+                "data.num_test=32",
+                "recipe.epochs=1",
+                "recipe.warmup_epochs=0",
+                "eval.throughput_iters=1",
+                "eval.throughput_batch=8",
+                "trainer.num_sanity_val_steps=0",
+            ],
+            tmp_path / "base",
+        )
+    )
     (run,) = ledger_entries(results_dir)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

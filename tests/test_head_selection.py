@@ -1,5 +1,6 @@
 """SAPER's head-selection baselines (``method.selection``: random, magnitude, importance) at the
 same budget k as LapSum (vitexp/methods/saper/selection.py, method.py)."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ def micro(**kwargs):
 def synthetic(batch_size: int = 16):
     from vitexp.data.datamodules import SyntheticDataModule
 
-    return SyntheticDataModule(num_train=64, num_val=16, num_test=16, batch_size=batch_size,
-                               data_config={"input_size": (3, 56, 56)})
+    return SyntheticDataModule(
+        num_train=64, num_val=16, num_test=16, batch_size=batch_size, data_config={"input_size": (3, 56, 56)}
+    )
 
 
 def selected(method, backbone, budget=BUDGET, datamodule=None):
@@ -48,7 +50,9 @@ def test_every_rule_deploys_exactly_k_physical_heads(mode, selection):
     assert heads == [len(h) for h in method.kept_heads]
     for attn, h in zip(attns, heads):  # the weights of the removed heads are gone, not masked
         if h:
-            assert attn.qkv.out_features == 3 * h * attn.head_dim and attn.proj.in_features == h * attn.head_dim
+            assert (
+                attn.qkv.out_features == 3 * h * attn.head_dim and attn.proj.in_features == h * attn.head_dim
+            )
             assert type(attn) is not ScaledAttention  # timm's own attention, no gates
 
 
@@ -56,7 +60,9 @@ def kept_with_seed(seed: int) -> list[list[int]]:
     import vitexp.config.composition as vconfig
     from vitexp.methods import method_from_config
 
-    method = method_from_config(vconfig.compose(["method=saper_ft", "method.selection=random", f"seed={seed}"]).method)
+    method = method_from_config(
+        vconfig.compose(["method=saper_ft", "method.selection=random", f"seed={seed}"]).method
+    )
     torch.manual_seed(1000 + seed)  # the draw must not depend on the global RNG
     selected(method, micro())
     return method.kept_heads
@@ -73,7 +79,7 @@ def test_magnitude_keeps_the_heads_whose_projection_columns_were_scaled_up():
     with torch.no_grad():
         for layer, head in planted:
             attn = backbone.blocks[layer].attn
-            attn.proj.weight[:, head * attn.head_dim:(head + 1) * attn.head_dim] *= 10
+            attn.proj.weight[:, head * attn.head_dim : (head + 1) * attn.head_dim] *= 10
     method = SaperHeads(selection="magnitude")
     selected(method, backbone)
     assert {(l, h) for l, heads in enumerate(method.kept_heads) for h in heads} == planted
@@ -94,7 +100,9 @@ def test_head_importance_is_the_mean_of_each_examples_absolute_gradient():
         return F.cross_entropy(tokens[:, 0] @ probe.T, y, reduction="none")
 
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(3, 3, 56, 56, generator=g), torch.randint(0, 10, (3,), generator=g)) for _ in range(2)]
+    batches = [
+        (torch.randn(3, 3, 56, 56, generator=g), torch.randint(0, 10, (3,), generator=g)) for _ in range(2)
+    ]
     got = head_importance(backbone, batches, loss)
 
     for block in backbone.blocks:
@@ -105,7 +113,9 @@ def test_head_importance_is_the_mean_of_each_examples_absolute_gradient():
             gates = [torch.ones(4, dtype=torch.float64, requires_grad=True) for _ in backbone.blocks]
             for block, gate in zip(backbone.blocks, gates):
                 block.attn.gate_values = gate
-            grads = torch.autograd.grad(loss(backbone.forward_features(x[i:i + 1].double()), y[i:i + 1]).sum(), gates)
+            grads = torch.autograd.grad(
+                loss(backbone.forward_features(x[i : i + 1].double()), y[i : i + 1]).sum(), gates
+            )
             expected += torch.stack(grads).abs()
     torch.testing.assert_close(got, expected / 6, rtol=1e-9, atol=1e-12)
 
@@ -117,7 +127,9 @@ def test_the_distillation_loss_gives_no_importance_at_gates_one():
     x = torch.randn(4, 3, 56, 56, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         teacher_tokens = backbone.forward_features(x)
-    scores = head_importance(backbone, [(x, teacher_tokens)], lambda t, target: (t - target).square().mean(dim=(1, 2)))
+    scores = head_importance(
+        backbone, [(x, teacher_tokens)], lambda t, target: (t - target).square().mean(dim=(1, 2))
+    )
     assert torch.count_nonzero(scores) == 0
 
 
@@ -136,7 +148,7 @@ def test_importance_ranks_the_one_head_that_reaches_the_output_first():
                     v_rows = slice((2 * attn.num_heads + h) * d, (2 * attn.num_heads + h + 1) * d)
                     attn.qkv.weight[v_rows] = 0
                     attn.qkv.bias[v_rows] = 0
-                    attn.proj.weight[:, h * d:(h + 1) * d] *= 10
+                    attn.proj.weight[:, h * d : (h + 1) * d] *= 10
     assert magnitude_scores(backbone).flatten().argmax() != planted[0] * 4 + planted[1]
     for mode in (SaperHeads, SaperDistill):
         method = mode(selection="importance", importance_batches=2)
@@ -170,8 +182,12 @@ def test_fixed_heads_train_what_trainable_leaves(selection):
     ``scores`` in distillation mode: nothing trains, and the run is zero epochs."""
     pair, _ = selected(SaperDistill(selection=selection, trainable="mlp"), micro())
     names = {n for n, p in pair.named_parameters() if p.requires_grad}
-    assert names == {f"student.backbone.blocks.{i}.mlp.{fc}.{p}" for i in range(4) for fc in ("fc1", "fc2")
-                     for p in ("weight", "bias")}
+    assert names == {
+        f"student.backbone.blocks.{i}.mlp.{fc}.{p}"
+        for i in range(4)
+        for fc in ("fc1", "fc2")
+        for p in ("weight", "bias")
+    }
     method = SaperDistill(selection=selection)
     pair, _ = selected(method, micro())
     assert not any(p.requires_grad for p in pair.parameters())
@@ -180,11 +196,27 @@ def test_fixed_heads_train_what_trainable_leaves(selection):
     assert {n for n, p in ft.named_parameters() if p.requires_grad} == {"head.weight", "head.bias"}
 
 
-RUN = ["logger=none", "trainer.enable_progress_bar=false", "backbone=dinov2_micro", "+backbone.kwargs.init_values=1.0",
-       "budget=heads", "budget.k=5", "method.selection=importance", "method.importance_batches=2", "data=synthetic",
-       "data.num_train=64", "data.num_val=16", "data.num_test=32", "recipe.batch_size=16", "recipe.epochs=1",
-       "recipe.warmup_epochs=0", "recipe.lr=0.01", "eval.throughput=false", "trainer.num_sanity_val_steps=0",
-       "trainer.limit_val_batches=0"]
+RUN = [
+    "logger=none",
+    "trainer.enable_progress_bar=false",
+    "backbone=dinov2_micro",
+    "+backbone.kwargs.init_values=1.0",
+    "budget=heads",
+    "budget.k=5",
+    "method.selection=importance",
+    "method.importance_batches=2",
+    "data=synthetic",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_test=32",
+    "recipe.batch_size=16",
+    "recipe.epochs=1",
+    "recipe.warmup_epochs=0",
+    "recipe.lr=0.01",
+    "eval.throughput=false",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=0",
+]
 
 
 class DeployedModel(Callback):
@@ -197,8 +229,9 @@ class DeployedModel(Callback):
 
 
 @pytest.mark.parametrize("method, trainable", [("saper_ft", "scores"), ("saper_kd", "mlp")])
-def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trainable, make_cfg, tmp_path, capsys,
-                                                                     results_dir):
+def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(
+    method, trainable, make_cfg, tmp_path, capsys, results_dir
+):
     import lightning as L
 
     from vitexp.training.build import build_configured_backbone, build_datamodule, data_config_for
@@ -211,7 +244,9 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trai
     from vitexp.ledger.paths import local_path
 
     entry = json.loads(local_path(result["ledger"], results_dir).read_text())
-    assert entry["status"] == "completed" and result["metrics"]["heads"] == 5 and result["metrics"]["steps"] > 0
+    assert (
+        entry["status"] == "completed" and result["metrics"]["heads"] == 5 and result["metrics"]["steps"] > 0
+    )
     assert sum(len(h) for h in entry["kept_heads"]) == 5 and count_heads(keep.model) == 5
     assert entry["selection_source"].startswith("importance over 2 calibration batches")
     # no soft gates: the model trained is the deployed one, tested once, with no soft_top1
@@ -238,7 +273,8 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(method, trai
     eval_main([result["run_id"], "logger=none", "trainer.enable_progress_bar=false"])
     evaluated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert evaluated["status"] == "completed" and evaluated["metrics"]["top1"] == pytest.approx(
-        result["metrics"]["top1"], abs=1e-9)
+        result["metrics"]["top1"], abs=1e-9
+    )
 
     torch.manual_seed(123)  # the rebuilt backbone's own weights are all overwritten
     rebuilt = method_from_config(cfg.method).rebuild_deployed(build_configured_backbone(cfg), entry)

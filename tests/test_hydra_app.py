@@ -1,5 +1,6 @@
 """Hydra conventions of the vitexp apps: the app's name, its help, the run folder named after the
 run, the SLURM launcher config without the schema-matching warning, DDP inside a local multirun."""
+
 from __future__ import annotations
 
 import subprocess
@@ -15,8 +16,14 @@ from conftest import cli_env
 
 
 def vitexp_cli(*args: str, results_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vitexp.commands.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=cli_env(results_dir), timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "vitexp.commands.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=cli_env(results_dir),
+        timeout=300,
+    )
 
 
 def test_help_names_the_app_and_lists_the_groups(results_dir, tmp_path):
@@ -50,11 +57,15 @@ def test_slurm_launcher_composes_without_the_schema_matching_warning():
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.max_num_timeout >= 1
 
 
-@pytest.mark.parametrize("trainer", [["trainer=ddp_cpu"],
-                                     pytest.param(["trainer=cpu", "trainer.devices=2"], marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "trainer",
+    [["trainer=ddp_cpu"], pytest.param(["trainer=cpu", "trainer.devices=2"], marks=pytest.mark.slow)],
+)
 def test_subprocess_ddp_inside_a_local_multirun_is_refused(trainer, results_dir, tmp_path):
     """strategy=ddp, and strategy=auto with two devices (Lightning then picks the same subprocess DDP)."""
-    proc = vitexp_cli("train", "-m", *trainer, "logger=none", "seed=1,2", results_dir=results_dir, cwd=tmp_path)
+    proc = vitexp_cli(
+        "train", "-m", *trainer, "logger=none", "seed=1,2", results_dir=results_dir, cwd=tmp_path
+    )
     assert proc.returncode == 2
     assert "hydra/launcher=slurm" in proc.stderr and '"status": "invalid"' in proc.stdout.splitlines()[-1]
 
@@ -69,7 +80,9 @@ def test_cfg_prints_the_config_of_every_app(app, cfg_type, resolve, monkeypatch,
     from vitexp.commands import cli
 
     overrides = ["experiment=demo", "recipe.epochs=3", "hydra/launcher=slurm", "trainer.num_nodes=2"]
-    monkeypatch.setattr(sys, "argv", [f"vitexp-{app}", "--cfg", cfg_type, *(["--resolve"] if resolve else []), *overrides])
+    monkeypatch.setattr(
+        sys, "argv", [f"vitexp-{app}", "--cfg", cfg_type, *(["--resolve"] if resolve else []), *overrides]
+    )
     getattr(cli, f"{app}_main")()
     printed = yaml.safe_load(capsys.readouterr().out)
     assert ("hydra" in printed) == (cfg_type != "job") and ("recipe" in printed) == (cfg_type != "hydra")
@@ -79,13 +92,18 @@ def test_cfg_prints_the_config_of_every_app(app, cfg_type, resolve, monkeypatch,
         run_dir, launcher = printed["hydra"]["run"]["dir"], printed["hydra"]["launcher"]
         if resolve:
             # two nodes are another configuration (the global batch): the name says so (vitexp.ledger.fingerprint)
-            assert run_dir.startswith("outputs/demo+recipe.epochs=3,trainer.num_nodes=2/") and "${" not in run_dir
+            assert (
+                run_dir.startswith("outputs/demo+recipe.epochs=3,trainer.num_nodes=2/")
+                and "${" not in run_dir
+            )
             assert launcher["name"] == "demo+recipe.epochs=3,trainer.num_nodes=2" and launcher["nodes"] == 2
         else:
             assert "${vitexp_name:" in run_dir and "${" in str(launcher["nodes"])
 
 
-@pytest.mark.parametrize("buffering", [1, -1])  # line-buffered (fails in print), block-buffered (at the flush)
+@pytest.mark.parametrize(
+    "buffering", [1, -1]
+)  # line-buffered (fails in print), block-buffered (at the flush)
 def test_a_reader_that_leaves_early_ends_the_app_quietly(buffering, monkeypatch):
     """``vitexp-train --help | head -3``: the pipe closes under the app; it exits 1, no traceback."""
     import os
@@ -113,7 +131,11 @@ def test_the_device_count_lightning_will_use():
     from vitexp.commands.cli import _device_count
 
     assert _device_count(OmegaConf.create({"d": [0]}).d, "gpu") == 1
-    assert _device_count([0, 1], "gpu") == 2 and _device_count(2, "cpu") == 2 and _device_count("0,1", "gpu") == 2
+    assert (
+        _device_count([0, 1], "gpu") == 2
+        and _device_count(2, "cpu") == 2
+        and _device_count("0,1", "gpu") == 2
+    )
     assert _device_count("auto", "cpu") == 1
     assert _device_count("auto", "gpu") == (torch.cuda.device_count() if torch.cuda.is_available() else 1)
 
@@ -125,34 +147,69 @@ def test_a_multirun_ends_with_one_summary_line(results_dir, tmp_path):
 
     from conftest import ledger_entries
 
-    proc = vitexp_cli("train", "-m", "data=synthetic", "data.noise=nan,0.5", "data.num_train=32", "data.num_val=16",
-                      "data.num_test=16", "recipe.batch_size=16", "recipe.epochs=1", "recipe.warmup_epochs=0",
-                      "eval.throughput=false", "eval.flops=false", "logger=none", "trainer.enable_progress_bar=false",
-                      results_dir=results_dir, cwd=tmp_path)
+    proc = vitexp_cli(
+        "train",
+        "-m",
+        "data=synthetic",
+        "data.noise=nan,0.5",
+        "data.num_train=32",
+        "data.num_val=16",
+        "data.num_test=16",
+        "recipe.batch_size=16",
+        "recipe.epochs=1",
+        "recipe.warmup_epochs=0",
+        "eval.throughput=false",
+        "eval.flops=false",
+        "logger=none",
+        "trainer.enable_progress_bar=false",
+        results_dir=results_dir,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     by_status = {e["status"]: e["run_id"] for e in ledger_entries(results_dir)}
-    assert (summary["status"], summary["runs"], summary["completed"], summary["failed"], summary["interrupted"]) == \
-        ("failed", 2, 1, 1, 0)
-    assert summary["run_ids"] == {"completed": [by_status["completed"]], "failed": [by_status["failed"]], "interrupted": []}
-    assert not summary["multirun"].startswith("/")  # relative to the results root: no machine path in a closing line
+    assert (
+        summary["status"],
+        summary["runs"],
+        summary["completed"],
+        summary["failed"],
+        summary["interrupted"],
+    ) == ("failed", 2, 1, 1, 0)
+    assert summary["run_ids"] == {
+        "completed": [by_status["completed"]],
+        "failed": [by_status["failed"]],
+        "interrupted": [],
+    }
+    assert not summary["multirun"].startswith(
+        "/"
+    )  # relative to the results root: no machine path in a closing line
     assert (results_dir / summary["multirun"]).resolve().parent == (tmp_path / "multirun").resolve()
     assert "Error executing job" not in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("trainer, asked", [
-    (["trainer=cpu"], {"gpus_per_node": None, "tasks_per_node": 1, "cpus_per_task": 1, "mem_gb": 4}),
-    (["trainer=ddp_cpu"], {"gpus_per_node": None, "tasks_per_node": 2, "cpus_per_task": 1, "mem_gb": 4}),
-    (["trainer=ddp", "trainer.devices=8"], {"gpus_per_node": 8, "tasks_per_node": 8, "cpus_per_task": 10, "mem_gb": 64}),
-    (["trainer=ddp", "trainer.devices=8", "hydra.launcher.cpus_per_task=16"],
-     {"gpus_per_node": 8, "tasks_per_node": 8, "cpus_per_task": 16, "mem_gb": 64}),
-])
+@pytest.mark.parametrize(
+    "trainer, asked",
+    [
+        (["trainer=cpu"], {"gpus_per_node": None, "tasks_per_node": 1, "cpus_per_task": 1, "mem_gb": 4}),
+        (["trainer=ddp_cpu"], {"gpus_per_node": None, "tasks_per_node": 2, "cpus_per_task": 1, "mem_gb": 4}),
+        (
+            ["trainer=ddp", "trainer.devices=8"],
+            {"gpus_per_node": 8, "tasks_per_node": 8, "cpus_per_task": 10, "mem_gb": 64},
+        ),
+        (
+            ["trainer=ddp", "trainer.devices=8", "hydra.launcher.cpus_per_task=16"],
+            {"gpus_per_node": 8, "tasks_per_node": 8, "cpus_per_task": 16, "mem_gb": 64},
+        ),
+    ],
+)
 def test_a_slurm_jobs_resources_follow_its_trainer(trainer, asked, monkeypatch, capsys):
     """The CPU demo asks no GPU (the guide's first sweep runs as written on a CPU partition); DDP on GPUs
     asks one task per GPU; a launcher override wins (vitexp.runs.slurm.resources)."""
     from vitexp.commands import cli
 
-    monkeypatch.setattr(sys, "argv", ["vitexp-train", "--cfg", "hydra", "--resolve", "hydra/launcher=slurm", *trainer])
+    monkeypatch.setattr(
+        sys, "argv", ["vitexp-train", "--cfg", "hydra", "--resolve", "hydra/launcher=slurm", *trainer]
+    )
     cli.train_main()
     launcher = yaml.safe_load(capsys.readouterr().out)["hydra"]["launcher"]
     assert {k: launcher[k] for k in asked} == asked

@@ -1,6 +1,7 @@
 """Kept weights (vitexp.ledger.kept): a shared start's weights stored with the results, so its seeded
 rows go on from the same start after the run folder is gone, and a copy whose bytes changed is
 refused instead of loaded."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +9,25 @@ import json
 import pytest
 import torch
 
-from vitexp.ledger import KeptWeightsError, Ledger, LedgerEntry, keep, kept_path, sha256, weights_file, weights_run
+from vitexp.ledger import (
+    KeptWeightsError,
+    Ledger,
+    LedgerEntry,
+    keep,
+    kept_path,
+    sha256,
+    weights_file,
+    weights_run,
+)
 
-SPEC = {"name": "s", "seeds": [0], "rows": [{"label": "pre", "experiment": "demo", "seeds": None},
-                                            {"label": "ft", "experiment": "chunk_demo"}]}
+SPEC = {
+    "name": "s",
+    "seeds": [0],
+    "rows": [
+        {"label": "pre", "experiment": "demo", "seeds": None},
+        {"label": "ft", "experiment": "chunk_demo"},
+    ],
+}
 
 
 def _start(results_dir, tmp_path, record_hash=True, state=None):
@@ -36,10 +52,16 @@ def test_a_kept_start_outlives_its_run_folder_and_the_sweep_goes_on_from_it(resu
     assert keep_starts(SPEC, results_dir)["demo"]["copied"] is False  # already kept: left as it is
     weights.unlink()  # the run folder is gone (a new machine, a cleaned scratch disk)
     found = weights_run("run:demo", results_dir)
-    assert found["run_id"] == run["run_id"] and weights_file(found, results_dir) == kept_path(run["run_id"], results_dir)
-    assert torch.equal(torch.load(weights_file(found, results_dir), weights_only=True)["w"], torch.arange(6.0))
+    assert found["run_id"] == run["run_id"] and weights_file(found, results_dir) == kept_path(
+        run["run_id"], results_dir
+    )
+    assert torch.equal(
+        torch.load(weights_file(found, results_dir), weights_only=True)["w"], torch.arange(6.0)
+    )
     todo = plan(SPEC, None, False, results_dir)["train"]
-    assert todo["skip"] == ["demo"] and todo["launch"] == ["chunk_demo+seed=0"]  # the start does not train again
+    assert todo["skip"] == ["demo"] and todo["launch"] == [
+        "chunk_demo+seed=0"
+    ]  # the start does not train again
 
 
 def test_a_kept_copy_whose_bytes_changed_is_refused_naming_both_hashes(results_dir, tmp_path):
@@ -52,11 +74,18 @@ def test_a_kept_copy_whose_bytes_changed_is_refused_naming_both_hashes(results_d
     data = bytearray(copy.read_bytes())
     data[-1] ^= 1  # one bit flipped in the last block
     copy.write_bytes(bytes(data))
-    with pytest.raises(KeptWeightsError, match=f"{sha256(copy)[:12]}, not the {run['artifacts']['weights_sha256'][:12]}"):
+    with pytest.raises(
+        KeptWeightsError, match=f"{sha256(copy)[:12]}, not the {run['artifacts']['weights_sha256'][:12]}"
+    ):
         weights_file(run, results_dir)
     copy.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")  # an LFS pointer
-    with pytest.raises(KeptWeightsError, match=f"backbone.pretrained=run:demo: .*{sha256(copy)[:12]}, not the "
-                                               f"{run['artifacts']['weights_sha256'][:12]}"):
+    with pytest.raises(
+        KeptWeightsError,
+        match=(
+            f"backbone.pretrained=run:demo: .*{sha256(copy)[:12]}, not the "
+            f"{run['artifacts']['weights_sha256'][:12]}"
+        ),
+    ):
         weights_run("run:demo", results_dir)
     # the sweep stops there, naming the start, instead of training it and its seeded rows again
     with pytest.raises(ValueError, match="the shared start demo: .*git-lfs|the shared start demo: .*sha256"):
@@ -113,8 +142,10 @@ def test_a_sweep_that_trained_keeps_its_start(results_dir, tmp_path, monkeypatch
     import vitexp.commands.sweep
 
     spec = tmp_path / "spec.yaml"
-    spec.write_text("title: t\nseeds: [0]\ncolumns: [{key: top1, label: T}]\n"
-                    "rows: [{label: pre, experiment: demo, seeds: null}]\n")
+    spec.write_text(
+        "title: t\nseeds: [0]\ncolumns: [{key: top1, label: T}]\n"
+        "rows: [{label: pre, experiment: demo, seeds: null}]\n"
+    )
     made = {}
 
     def fake_run(cmd, *a, **k):
@@ -142,8 +173,10 @@ def test_keep_starts_says_which_start_has_no_weights_here_and_fails(results_dir,
     run, weights = _start(results_dir, tmp_path, record_hash=False)
     weights.unlink()
     spec = tmp_path / "spec.yaml"
-    spec.write_text("title: t\nseeds: [0]\ncolumns: [{key: top1, label: T}]\n"
-                    "rows: [{label: pre, experiment: demo, seeds: null}, {label: ft, experiment: chunk_demo}]\n")
+    spec.write_text(
+        "title: t\nseeds: [0]\ncolumns: [{key: top1, label: T}]\n"
+        "rows: [{label: pre, experiment: demo, seeds: null}, {label: ft, experiment: chunk_demo}]\n"
+    )
     assert main([str(spec), "--keep-starts", f"results_dir={results_dir}"]) == 1
     out = capsys.readouterr()
     line = json.loads(out.out.strip().splitlines()[-1])
@@ -154,8 +187,22 @@ def test_keep_starts_says_which_start_has_no_weights_here_and_fails(results_dir,
 def test_a_train_run_records_the_sha256_of_the_weights_it_saved(make_cfg, results_dir):
     from vitexp.training.fit import train
 
-    train(make_cfg(["logger=none", "trainer.enable_progress_bar=false", "data=synthetic", "data.num_train=32",
-                    "data.num_val=16", "data.num_test=16", "recipe.batch_size=16", "recipe.epochs=1",
-                    "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false"]))
+    train(
+        make_cfg(
+            [
+                "logger=none",
+                "trainer.enable_progress_bar=false",
+                "data=synthetic",
+                "data.num_train=32",
+                "data.num_val=16",
+                "data.num_test=16",
+                "recipe.batch_size=16",
+                "recipe.epochs=1",
+                "recipe.warmup_epochs=0",
+                "eval.throughput=false",
+                "eval.flops=false",
+            ]
+        )
+    )
     (run,) = [r for r in Ledger.load(results_dir) if r["kind"] == "train"]
     assert run["artifacts"]["weights_sha256"] == sha256(weights_file(run, results_dir))

@@ -1,4 +1,5 @@
 """LapSum soft top-k: closed-form forward, O(n) backward (vitexp/methods/lapsum.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -80,4 +81,6 @@ def test_bad_k_and_alpha_are_refused():
 
 def test_laplace_cdf_values():
     x = torch.tensor([-1000.0, -1.0, 0.0, 1.0, 1000.0])
-    torch.testing.assert_close(laplace_cdf(x), torch.tensor([0.0, 0.5 * 0.36787944, 0.5, 1 - 0.5 * 0.36787944, 1.0]))
+    torch.testing.assert_close(
+        laplace_cdf(x), torch.tensor([0.0, 0.5 * 0.36787944, 0.5, 1 - 0.5 * 0.36787944, 1.0])
+    )

@@ -1,5 +1,6 @@
 """The package layout (docs/layout.md): few top-level entries, each package's job in its docstring,
 and the layers picture drawn from today's code."""
+
 import ast
 import subprocess
 import sys
@@ -21,6 +22,9 @@ def test_every_package_states_its_job_in_its_first_docstring_line():
 
 
 def test_the_layers_picture_is_the_codes():
-    result = subprocess.run([sys.executable, str(PROJECT_ROOT / "scripts" / "layers_picture.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(PROJECT_ROOT / "scripts" / "layers_picture.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr

@@ -1,4 +1,5 @@
 """The ledger: atomic writes, concurrent writers, finished entries never overwritten."""
+
 from __future__ import annotations
 
 import json
@@ -17,16 +18,33 @@ def test_entry_lifecycle_and_schema(results_dir):
     assert on_disk["status"] == "running"
     path = entry.finish({"top1": 90.0}, {"unit": "GMACs"}, wandb_url=None)
     record = json.loads(path.read_text())
-    for key in ("run_id", "experiment", "status", "kind", "config", "metrics", "protocol", "env",
-                "wandb_url", "started", "finished", "error"):
+    for key in (
+        "run_id",
+        "experiment",
+        "status",
+        "kind",
+        "config",
+        "metrics",
+        "protocol",
+        "env",
+        "wandb_url",
+        "started",
+        "finished",
+        "error",
+    ):
         assert key in record
     assert record["status"] == "completed" and record["metrics"]["top1"] == 90.0
     assert record["env"]["packages"]["torch"]
     import torch
 
-    from vitexp.ledger.entry import cpu_model  # the machine is recorded: one-thread runs repeat only on one machine
+    from vitexp.ledger.entry import (
+        cpu_model,
+    )  # the machine is recorded: one-thread runs repeat only on one machine
 
-    assert record["env"]["cpu"] == {"model": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability()}
+    assert record["env"]["cpu"] == {
+        "model": cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+    }
     assert record["env"]["cpu"]["model"] and record["env"]["cpu"]["capability"]
     with pytest.raises(RuntimeError, match="already completed"):
         entry.fail(ValueError("late"))
@@ -80,25 +98,42 @@ def test_a_broken_file_is_an_error_that_names_it_never_skipped(results_dir):
 
     (results_dir / "runs").mkdir(parents=True)
     (results_dir / "runs" / "broken.json").write_text("{not json")
-    (results_dir / "runs" / "wrong.json").write_text(json.dumps({"run_id": "wrong", "experiment": "demo",
-                                                                  "status": "done", "kind": "train",
-                                                                  "started": "2026-01-01T00:00:00+00:00"}))
+    (results_dir / "runs" / "wrong.json").write_text(
+        json.dumps(
+            {
+                "run_id": "wrong",
+                "experiment": "demo",
+                "status": "done",
+                "kind": "train",
+                "started": "2026-01-01T00:00:00+00:00",
+            }
+        )
+    )
     LedgerEntry("demo", "flops", {}, results_dir).start().finish({"gmacs": 1.0})
     ledger = Ledger.load(results_dir)
     assert [r["experiment"] for r in ledger] == ["demo"]
     assert {b.path: b.problem for b in ledger.broken} == {
-        "runs/broken.json": "not JSON (Expecting property name enclosed in double quotes at line 1, column 2: "
-                            "a truncated copy or a merge conflict?)",
-        "runs/wrong.json": "status 'done' is not one of ['running', 'completed', 'failed', 'interrupted']"}
-    with pytest.raises(LedgerError, match="2 broken ledger entries.*runs/broken.json: not JSON.*runs/wrong.json"):
+        "runs/broken.json": (
+            "not JSON (Expecting property name enclosed in double quotes at line 1, column 2: "
+            "a truncated copy or a merge conflict?)"
+        ),
+        "runs/wrong.json": "status 'done' is not one of ['running', 'completed', 'failed', 'interrupted']",
+    }
+    with pytest.raises(
+        LedgerError, match="2 broken ledger entries.*runs/broken.json: not JSON.*runs/wrong.json"
+    ):
         list(iter_runs(results_dir))
     # wrong.json says it is demo's; broken.json could be anyone's; a truncated run file names its experiment
-    (results_dir / "runs" / "20260101-000000-train-fmnist_x-seed-1-abc123.json").write_text('{"run_id": "2026')
+    (results_dir / "runs" / "20260101-000000-train-fmnist_x-seed-1-abc123.json").write_text(
+        '{"run_id": "2026'
+    )
     ledger = Ledger.load(results_dir)
     assert [b.path for b in ledger.broken_for(["other"])] == ["runs/broken.json"]
     assert [b.path for b in ledger.broken_for(["demo+seed=1"])] == ["runs/broken.json", "runs/wrong.json"]
     assert [b.path for b in ledger.broken_for(["fmnist_x"])] == [
-        "runs/20260101-000000-train-fmnist_x-seed-1-abc123.json", "runs/broken.json"]
+        "runs/20260101-000000-train-fmnist_x-seed-1-abc123.json",
+        "runs/broken.json",
+    ]
 
 
 def _strings(value):
@@ -122,9 +157,15 @@ def test_no_entry_holds_an_absolute_path_of_this_machine(make_cfg, results_dir, 
     assert str(cfg.data.root).startswith(str(PROJECT_ROOT))
     run_flops(cfg)
     (entry,) = [json.loads(p.read_text()) for p in (results_dir / "runs").glob("*.json")]
-    machine = [s for s in _strings(entry) if s.removeprefix("offline:").startswith((str(PROJECT_ROOT), str(tmp_path)))]
+    machine = [
+        s
+        for s in _strings(entry)
+        if s.removeprefix("offline:").startswith((str(PROJECT_ROOT), str(tmp_path)))
+    ]
     assert machine == []
-    assert entry["config"]["data"]["root"] == "data/micro_coco" and entry["config"]["output_dir"] == "outputs/f1"
+    assert (
+        entry["config"]["data"]["root"] == "data/micro_coco" and entry["config"]["output_dir"] == "outputs/f1"
+    )
     assert local_path(entry["output_dir"], results_dir) == results_dir / "outputs" / "f1"
 
 
@@ -135,7 +176,9 @@ def test_run_weights_resolve_to_a_file_on_this_machine(results_dir, tmp_path, mo
     weights = results_dir / "outputs" / "teacher" / "weights.pth"
     weights.parent.mkdir(parents=True)
     weights.write_bytes(b"")
-    LedgerEntry("teacher", "train", {}, results_dir).start().finish({"top1": 1.0}, artifacts={"weights": weights})
+    LedgerEntry("teacher", "train", {}, results_dir).start().finish(
+        {"top1": 1.0}, artifacts={"weights": weights}
+    )
     monkeypatch.chdir(tmp_path)
     assert resolve_weights("run:teacher", results_dir) == str(weights)
 
@@ -155,7 +198,9 @@ def test_the_committed_ledger_holds_no_absolute_machine_path():
     assert not offenders, offenders
 
 
-def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(make_cfg, results_dir, tmp_path, monkeypatch):
+def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(
+    make_cfg, results_dir, tmp_path, monkeypatch
+):
     """backbone.pretrained=run:<experiment> is resolved once, at validation, to run:<run_id> (the
     ledger then says which run's weights were loaded); building the model opens that one entry
     without scanning the ledger again."""
@@ -170,10 +215,22 @@ def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(mak
     cfg = make_cfg(["backbone=vit_micro", "data=synthetic", "logger=none"])
     torch.save(build_configured_backbone(cfg).state_dict(), weights)
     (results_dir / "runs").mkdir(parents=True, exist_ok=True)
-    for run_id, started in (("old", "2026-01-01T00:00:00+00:00"), ("new", "2026-01-02T00:00:00+00:00")):  # by hand
-        (results_dir / "runs" / f"{run_id}.json").write_text(json.dumps({
-            "run_id": run_id, "experiment": "teacher", "status": "completed", "kind": "train", "started": started,
-            "artifacts": {"weights": str(weights)}}))
+    for run_id, started in (
+        ("old", "2026-01-01T00:00:00+00:00"),
+        ("new", "2026-01-02T00:00:00+00:00"),
+    ):  # by hand
+        (results_dir / "runs" / f"{run_id}.json").write_text(
+            json.dumps(
+                {
+                    "run_id": run_id,
+                    "experiment": "teacher",
+                    "status": "completed",
+                    "kind": "train",
+                    "started": started,
+                    "artifacts": {"weights": str(weights)},
+                }
+            )
+        )
     cfg = make_cfg(["backbone=vit_micro", "data=synthetic", "logger=none", "backbone.pretrained=run:teacher"])
     validate(cfg, need_data=False)
     assert cfg.backbone.pretrained == "run:new"
@@ -199,10 +256,14 @@ def test_only_paths_in_the_checkout_or_the_results_root_are_rewritten(tmp_path):
     from vitexp.ledger import portable_text
 
     results = tmp_path / "results"
-    text = (f"data.root=/path/to/dataset; no {results}/outputs/x/last.ckpt; /usr/share/datasets/fashion-mnist; "
-            f"{PROJECT_ROOT}/conf/train.yaml")
-    assert portable_text(text, results) == ("data.root=/path/to/dataset; no outputs/x/last.ckpt; "
-                                           "/usr/share/datasets/fashion-mnist; conf/train.yaml")
+    text = (
+        f"data.root=/path/to/dataset; no {results}/outputs/x/last.ckpt; /usr/share/datasets/fashion-mnist; "
+        f"{PROJECT_ROOT}/conf/train.yaml"
+    )
+    assert (
+        portable_text(text, results) == "data.root=/path/to/dataset; no outputs/x/last.ckpt; "
+        "/usr/share/datasets/fashion-mnist; conf/train.yaml"
+    )
 
 
 def test_stderr_and_the_closing_line_name_a_path_alike(tmp_path, capsys, monkeypatch):
@@ -212,7 +273,11 @@ def test_stderr_and_the_closing_line_name_a_path_alike(tmp_path, capsys, monkeyp
 
     results = tmp_path / "results"
     monkeypatch.setenv("VITEXP_RESULTS", str(results))
-    _report("failed", FileNotFoundError(f"no checkpoint at {results}/outputs/r1/checkpoints/last.ckpt"), "vitexp-train")
+    _report(
+        "failed",
+        FileNotFoundError(f"no checkpoint at {results}/outputs/r1/checkpoints/last.ckpt"),
+        "vitexp-train",
+    )
     captured = capsys.readouterr()
     closing = json.loads(captured.out.strip().splitlines()[-1])
     assert closing["error"] == "FileNotFoundError: no checkpoint at outputs/r1/checkpoints/last.ckpt"

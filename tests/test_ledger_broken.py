@@ -3,6 +3,7 @@ non-gzip pack, a pack's bad line, a truncated loose copy of a row's run under an
 entry without ``started`` or started in the future. Each is named with what is wrong, never as a
 W&B failure; ``--skip-broken`` leaves it out and lists it; a run refuses to start on an unreadable
 pack before Hydra writes anything; two ``--pack`` at once leave one consistent set of packs."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -18,12 +19,18 @@ from conftest import config_of
 from vitexp.report import tables
 from vitexp.ledger import Ledger, LedgerEntry, LedgerError, packs
 
-DEMO = {"name": "demo", "title": "t", "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
-        "rows": [{"label": "demo", "experiment": "demo"}]}
+DEMO = {
+    "name": "demo",
+    "title": "t",
+    "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
+    "rows": [{"label": "demo", "experiment": "demo"}],
+}
 
 
 def _entry(results_dir: Path, name: str, top1: float, started: str, config: dict | None = None) -> str:
-    entry = LedgerEntry(name, "train", config if config is not None else config_of("demo"), results_dir).start()
+    entry = LedgerEntry(
+        name, "train", config if config is not None else config_of("demo"), results_dir
+    ).start()
     entry.record["started"] = started
     entry.finish({"top1": top1})
     return entry.run_id
@@ -71,7 +78,9 @@ def test_a_pack_that_is_not_gzip_and_a_bad_line_are_named(results_dir, monkeypat
     ledger = Ledger.load(results_dir)
     assert [r["run_id"] for r in ledger] == [real]
     assert [(b.path, b.problem.split(" (")[0]) for b in ledger.broken] == [
-        (f"ledger/{pack.name}:2", "not JSON"), (f"ledger/{other.name}", "unreadable")]
+        (f"ledger/{pack.name}:2", "not JSON"),
+        (f"ledger/{other.name}", "unreadable"),
+    ]
     assert "BadGzipFile" in ledger.broken[1].problem
 
 
@@ -97,7 +106,9 @@ def test_a_lookup_by_run_id_names_an_unreadable_pack_and_reads_each_pack_once(re
         load_entry("no-such-run", results_dir)
 
 
-def test_a_run_refuses_to_start_on_an_unreadable_pack_before_hydra_writes(results_dir, tmp_path, monkeypatch, capsys):
+def test_a_run_refuses_to_start_on_an_unreadable_pack_before_hydra_writes(
+    results_dir, tmp_path, monkeypatch, capsys
+):
     """``vitexp-train`` on a results root whose pack is truncated: exit 1 naming the pack, and no
     run folder (Hydra's ``.hydra``) left behind."""
     from vitexp.commands import cli
@@ -106,7 +117,9 @@ def test_a_run_refuses_to_start_on_an_unreadable_pack_before_hydra_writes(result
     pack = results_dir / "ledger" / "20260101-000000.jsonl.gz"
     pack.write_bytes(gzip.compress(json.dumps({"run_id": "x"}).encode() * 50)[:30])
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["vitexp-train", "experiment=demo", "logger=none", "backbone.pretrained=run:demo"])
+    monkeypatch.setattr(
+        sys, "argv", ["vitexp-train", "experiment=demo", "logger=none", "backbone.pretrained=run:demo"]
+    )
     with pytest.raises(SystemExit) as stopped:
         cli.train_main()
     assert stopped.value.code == 1
@@ -131,7 +144,9 @@ def test_a_resumed_run_whose_own_entry_is_unreadable_is_refused(results_dir, tmp
     assert [p.name for p in (results_dir / "runs").glob("*.json")] == [f"{entry.run_id}.json"]
 
 
-def test_a_broken_copy_of_a_rows_run_under_another_name_is_reported_for_that_row(results_dir, tmp_path, capsys):
+def test_a_broken_copy_of_a_rows_run_under_another_name_is_reported_for_that_row(
+    results_dir, tmp_path, capsys
+):
     """Reproduction 2: a loose copy of the demo run under the name ``myexp`` is a run of the demo's
     configuration (50.0 fills the cell: rows match by config, whatever the name); truncated, it is
     named for the demo table (it used to vanish: rc 0, ``skipped_broken: []``, 94.4)."""
@@ -155,22 +170,37 @@ def test_a_broken_entry_is_reported_for_the_rows_its_config_could_be(results_dir
     runs = results_dir / "runs"
     runs.mkdir(parents=True)
     for name, config in (("mine", config_of("demo")), ("theirs", other)):
-        (runs / f"{name}.json").write_text(json.dumps({"run_id": name, "experiment": "myexp", "status": "done",
-                                                       "kind": "train", "started": "2026-01-01T00:00:00+00:00",
-                                                       "config": config}))
+        (runs / f"{name}.json").write_text(
+            json.dumps(
+                {
+                    "run_id": name,
+                    "experiment": "myexp",
+                    "status": "done",
+                    "kind": "train",
+                    "started": "2026-01-01T00:00:00+00:00",
+                    "config": config,
+                }
+            )
+        )
     ledger = Ledger.load(results_dir)
     assert sorted(b.path for b in ledger.broken) == ["runs/mine.json", "runs/theirs.json"]
     assert [b.path for b in tables.broken_for(DEMO, ledger)] == ["runs/mine.json"]
     (runs / "20260101-000000-train-other-abc123.json").write_text("{")
     assert [b.path for b in tables.broken_for(DEMO, Ledger.load(results_dir))] == [
-        "runs/20260101-000000-train-other-abc123.json", "runs/mine.json"]
+        "runs/20260101-000000-train-other-abc123.json",
+        "runs/mine.json",
+    ]
     named = {**DEMO, "rows": [{"label": "pre", "experiment": "pre"}]}  # composes nothing: matched by name
     assert tables.broken_for(named, Ledger.load(results_dir)) == []
 
 
-@pytest.mark.parametrize("started, problem", [(None, "no 'started'"), ("in a day", "is in the future"),
-                                              ("yesterday-ish", "is not an ISO 8601 time")])
-def test_an_entry_without_a_start_or_started_in_the_future_is_broken(results_dir, tmp_path, capsys, started, problem):
+@pytest.mark.parametrize(
+    "started, problem",
+    [(None, "no 'started'"), ("in a day", "is in the future"), ("yesterday-ish", "is not an ISO 8601 time")],
+)
+def test_an_entry_without_a_start_or_started_in_the_future_is_broken(
+    results_dir, tmp_path, capsys, started, problem
+):
     """Reproduction 6: an entry without ``started`` counted as the oldest without a word; one that
     started in the future would be the newest forever. Both are broken, and named."""
     real = _entry(results_dir, "demo", 94.4, "2026-01-01T00:00:00+00:00")
@@ -195,7 +225,9 @@ def test_two_packs_at_once_leave_one_consistent_set_of_packs(results_dir, monkey
     the ledger's lock, then finds nothing left to pack: no traceback, every entry in exactly one
     pack, none left in runs/ (without the lock both packed the same files and the second failed
     removing them)."""
-    ids = [_entry(results_dir, f"demo+seed={s}", 90.0 + s, f"2026-01-0{s + 1}T00:00:00+00:00") for s in range(3)]
+    ids = [
+        _entry(results_dir, f"demo+seed={s}", 90.0 + s, f"2026-01-0{s + 1}T00:00:00+00:00") for s in range(3)
+    ]
     monkeypatch.setattr(packs, "SETTLED_S", 0)
     names = iter(["20270101-000000", "20270101-000001"])
     monkeypatch.setattr(packs.time, "strftime", lambda *a: next(names))

@@ -4,6 +4,7 @@ runs of its own configuration, the ledger scales to 20,000 entries, and a snapsh
 The two accidents of issue 26, reproduced: a truncated copy of the newest run of a shared start
 (vitexp-tables wrote the older start's number without a word), and ``vitexp-train
 trainer.limit_train_batches=1`` recorded as ``demo`` (the demo row showed its 9.4 %)."""
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,12 @@ from vitexp.ledger import Ledger, LedgerEntry, RowQuery
 from vitexp.ledger.fingerprint import fingerprint
 from vitexp.config.rows import composed_config, row_query
 
-SHARED = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 2}],
-          "rows": [{"label": "start", "experiment": "pre", "seeds": None}, {"label": "ft", "experiment": "ft"}]}
+SHARED = {
+    "title": "t",
+    "seeds": [0],
+    "columns": [{"key": "top1", "label": "Top-1", "digits": 2}],
+    "rows": [{"label": "start", "experiment": "pre", "seeds": None}, {"label": "ft", "experiment": "ft"}],
+}
 
 
 def _entry(results_dir: Path, name: str, config: dict, top1: float, started: str, kind: str = "train") -> str:
@@ -57,11 +62,14 @@ def test_a_truncated_entry_stops_the_table_and_skip_broken_lists_it(results_dir,
     closing = _last_line(capsys)
     assert closing["status"] == "failed" and f"runs/{newest}.json: not JSON" in closing["error"]
     assert "--skip-broken" in closing["error"] and not out.exists()
-    assert tables.main([str(spec), "--results-dir", str(results_dir), "--out", str(out), "--skip-broken"]) == 0
+    assert (
+        tables.main([str(spec), "--results-dir", str(results_dir), "--out", str(out), "--skip-broken"]) == 0
+    )
     closing = _last_line(capsys)
-    assert closing["skipped_broken"] == [f"runs/{newest}.json: not JSON (Unterminated string starting at: line 5 "
-                                         f"column 11 at line 5, column 11: a truncated copy or a merge conflict?)"] \
-        or closing["skipped_broken"][0].startswith(f"runs/{newest}.json: not JSON")
+    assert closing["skipped_broken"] == [
+        f"runs/{newest}.json: not JSON (Unterminated string starting at: line 5 "
+        "column 11 at line 5, column 11: a truncated copy or a merge conflict?)"
+    ] or closing["skipped_broken"][0].startswith(f"runs/{newest}.json: not JSON")
     md = (out / "shared_start.md").read_text()
     assert "87.49" in md and f"Left out by --skip-broken: runs/{newest}.json" in md
 
@@ -70,25 +78,45 @@ def test_a_broken_entry_of_another_experiment_does_not_stop_a_table(results_dir,
     _entry(results_dir, "pre", {"seed": 0}, 88.66, "2026-01-02T00:00:00+00:00")
     other = _entry(results_dir, "unrelated", {"seed": 0}, 1.0, "2026-01-02T00:00:00+00:00")
     (results_dir / "runs" / f"{other}.json").write_text("{")
-    assert tables.main([str(_spec_file(tmp_path, SHARED)), "--results-dir", str(results_dir),
-                        "--out", str(tmp_path / "t")]) == 0
+    assert (
+        tables.main(
+            [
+                str(_spec_file(tmp_path, SHARED)),
+                "--results-dir",
+                str(results_dir),
+                "--out",
+                str(tmp_path / "t"),
+            ]
+        )
+        == 0
+    )
 
 
 def test_a_shared_start_shows_the_run_its_fine_tunes_load_not_a_newer_copy_under_another_name(results_dir):
     """A run of the start's exact configuration under another name (a from-scratch row's seed 0) is
     not the start: the seeded rows load ``run:<start name>``, the newest run so named."""
-    spec = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 2}],
-            "rows": [{"label": "start", "experiment": "demo", "seeds": None}]}
+    spec = {
+        "title": "t",
+        "seeds": [0],
+        "columns": [{"key": "top1", "label": "Top-1", "digits": 2}],
+        "rows": [{"label": "start", "experiment": "demo", "seeds": None}],
+    }
     start = _entry(results_dir, "demo", _demo_config(), 95.3, "2026-01-01T00:00:00+00:00")
     _entry(results_dir, "demo_scratch+seed=0", _demo_config(), 96.0, "2026-01-03T00:00:00+00:00")
     (row,) = tables.fill(spec, Ledger.load(results_dir))
     assert row["cells"]["top1"]["run_id"] == start
-    (row,) = tables.fill({**spec, "seeds": None, "rows": [{"label": "demo", "experiment": "demo"}]}, Ledger.load(results_dir))
+    (row,) = tables.fill(
+        {**spec, "seeds": None, "rows": [{"label": "demo", "experiment": "demo"}]}, Ledger.load(results_dir)
+    )
     assert row["cells"]["top1"]["value"] == 96.0  # an ordinary row takes its configuration's newest run
-    (row,) = tables.fill({**spec, "seeds": None, "rows": [{"label": "demo", "experiment": "demo", "start": True}]},
-                         Ledger.load(results_dir))
+    (row,) = tables.fill(
+        {**spec, "seeds": None, "rows": [{"label": "demo", "experiment": "demo", "start": True}]},
+        Ledger.load(results_dir),
+    )
     assert row["cells"]["top1"]["run_id"] == start  # marked as a start, it takes only runs under its name
-    assert [c["run_id"] for c in recheck.cited_runs(spec, results_dir)] == [start]  # the check cites the same run
+    assert [c["run_id"] for c in recheck.cited_runs(spec, results_dir)] == [
+        start
+    ]  # the check cites the same run
 
 
 def _demo_config(**trainer) -> dict:
@@ -97,9 +125,15 @@ def _demo_config(**trainer) -> dict:
     return config
 
 
-DEMO = {"name": "demo", "title": "t", "columns": [{"key": "top1", "label": "Top-1", "digits": 1},
-                                                  {"key": "throughput", "label": "tp", "digits": 0}],
-        "rows": [{"label": "demo", "experiment": "demo"}]}
+DEMO = {
+    "name": "demo",
+    "title": "t",
+    "columns": [
+        {"key": "top1", "label": "Top-1", "digits": 1},
+        {"key": "throughput", "label": "tp", "digits": 0},
+    ],
+    "rows": [{"label": "demo", "experiment": "demo"}],
+}
 
 
 def test_a_stray_run_recorded_as_demo_by_older_code_is_not_the_demo_row(results_dir):
@@ -137,7 +171,9 @@ def test_a_row_takes_only_runs_of_its_configuration_whatever_their_name(results_
     assert not GlobalHydra.instance().is_initialized()  # the rows' compositions leave Hydra as they found it
 
 
-def test_a_run_from_before_a_new_default_stays_in_its_row_and_a_stray_key_keeps_it_out(results_dir, capsys, tmp_path):
+def test_a_run_from_before_a_new_default_stays_in_its_row_and_a_stray_key_keeps_it_out(
+    results_dir, capsys, tmp_path
+):
     """An option added to the configs after a run (a key today's config has and the run's lacks)
     does not drop the run from its row; a key the run has and today's config lacks does, and
     vitexp-tables names the run and the key."""
@@ -204,7 +240,10 @@ def test_a_key_an_old_run_lacks_matches_only_at_its_group_files_default(results_
     old_demo = _entry(results_dir, "demo", old_config, 94.4, "2026-01-01T00:00:00+00:00")
     for run_id in (old_aug, old_demo):
         _without_fingerprint(results_dir, run_id)
-    augmented = {**DEMO, "rows": [{"label": "augmented", "experiment": "demo", "overrides": ["data.augment=true"]}]}
+    augmented = {
+        **DEMO,
+        "rows": [{"label": "augmented", "experiment": "demo", "overrides": ["data.augment=true"]}],
+    }
     ledger = Ledger.load(results_dir)
     (row,) = tables.fill(augmented, ledger)
     assert row["cells"]["top1"]["value"] is None and ledger.unmatched[name] == {old_aug: ["data.augment"]}
@@ -230,7 +269,9 @@ def test_a_group_default_is_read_from_its_file_with_the_files_it_extends():
     assert group_default("budget.k", {"budget": "no_such_option"}, config) is NO_DEFAULT
 
 
-def test_a_run_from_before_an_option_that_changed_what_runs_do_is_not_a_cell_of_a_row_that_sets_it(results_dir):
+def test_a_run_from_before_an_option_that_changed_what_runs_do_is_not_a_cell_of_a_row_that_sets_it(
+    results_dir,
+):
     """SAPER's one-stage runs were recorded before method.recover_epochs and method.straight_through
     (fingerprint.CHANGED_DEFAULTS: such a run had 0 and false); a row of today's two stages (2) never
     shows them, a row that asks for no recovery does."""
@@ -244,9 +285,19 @@ def test_a_run_from_before_an_option_that_changed_what_runs_do_is_not_a_cell_of_
         record = json.loads(path.read_text())
         record.pop("fingerprint")
         path.write_text(json.dumps(record))
-    spec = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
-            "rows": [{"label": "two stages", "experiment": "fmnist_saper_dinov2_micro", "name": "saper_k3",
-                      "overrides": ["method=saper_ft", "budget.k=3"]}]}
+    spec = {
+        "title": "t",
+        "seeds": [0],
+        "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
+        "rows": [
+            {
+                "label": "two stages",
+                "experiment": "fmnist_saper_dinov2_micro",
+                "name": "saper_k3",
+                "overrides": ["method=saper_ft", "budget.k=3"],
+            }
+        ],
+    }
     (row,) = tables.fill(spec, Ledger.load(results_dir))
     assert row["cells"]["top1"]["value"] is None
     spec["rows"][0]["overrides"] += ["method.recover_epochs=0", "method.straight_through=false"]
@@ -255,7 +306,9 @@ def test_a_run_from_before_an_option_that_changed_what_runs_do_is_not_a_cell_of_
     assert row["cells"]["top1"]["run_ids"] == [old]
 
 
-def test_lapsum_runs_from_before_fold_gates_fill_only_a_folded_row_and_the_fixed_rules_keep_theirs(results_dir):
+def test_lapsum_runs_from_before_fold_gates_fill_only_a_folded_row_and_the_fixed_rules_keep_theirs(
+    results_dir,
+):
     """method.fold_gates (default false) changed what LapSum deploys: a LapSum run recorded without it
     folded its gates, so it fills a row with fold_gates=true and not today's row; a fixed rule's run
     without the key folded nothing and still fills its row (fingerprint.CHANGED_DEFAULTS)."""
@@ -264,11 +317,23 @@ def test_lapsum_runs_from_before_fold_gates_fill_only_a_folded_row_and_the_fixed
     for selection in ("lapsum", "random"):
         config = copy.deepcopy(composed_config((*base, f"method.selection={selection}"), 0))
         assert config["method"].pop("fold_gates") is False
-        made[selection] = _entry(results_dir, f"{selection}_k6+seed=0", config, 80.0, "2026-01-01T00:00:00+00:00")
-    spec = {"title": "t", "seeds": [0], "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
-            "rows": [{"label": f"{s}", "experiment": "fmnist_saper_dinov2_micro", "name": f"{s}_k6",
-                      "overrides": ["method=saper_ft", "budget.k=6", f"method.selection={s}"]}
-                     for s in ("lapsum", "random")]}
+        made[selection] = _entry(
+            results_dir, f"{selection}_k6+seed=0", config, 80.0, "2026-01-01T00:00:00+00:00"
+        )
+    spec = {
+        "title": "t",
+        "seeds": [0],
+        "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
+        "rows": [
+            {
+                "label": f"{s}",
+                "experiment": "fmnist_saper_dinov2_micro",
+                "name": f"{s}_k6",
+                "overrides": ["method=saper_ft", "budget.k=6", f"method.selection={s}"],
+            }
+            for s in ("lapsum", "random")
+        ],
+    }
     lapsum, random = tables.fill(spec, Ledger.load(results_dir))
     assert lapsum["cells"]["top1"]["value"] is None
     assert random["cells"]["top1"]["run_ids"] == [made["random"]]
@@ -300,7 +365,9 @@ def test_a_temporary_file_of_an_atomic_write_is_not_an_entry(results_dir):
     assert not ledger.broken and [r["run_id"] for r in ledger.records] == [real]
 
 
-def test_a_pack_leaves_every_table_as_it_was_and_keeps_what_may_resume(results_dir, tmp_path, capsys, monkeypatch):
+def test_a_pack_leaves_every_table_as_it_was_and_keeps_what_may_resume(
+    results_dir, tmp_path, capsys, monkeypatch
+):
     """vitexp-tables --pack folds the completed entries into results/ledger/<time>.jsonl.gz and removes
     their files; the tables written before and after are identical; an interrupted entry stays a file."""
     from vitexp.ledger import packs
@@ -313,13 +380,19 @@ def test_a_pack_leaves_every_table_as_it_was_and_keeps_what_may_resume(results_d
     open_entry.interrupt("SIGTERM")
     spec = _spec_file(tmp_path, SHARED)
     assert tables.main([str(spec), "--results-dir", str(results_dir), "--out", str(tmp_path / "before")]) == 0
-    assert tables.main([str(spec), "--results-dir", str(results_dir), "--out", str(tmp_path / "after"), "--pack"]) == 0
+    assert (
+        tables.main(
+            [str(spec), "--results-dir", str(results_dir), "--out", str(tmp_path / "after"), "--pack"]
+        )
+        == 0
+    )
     assert "packed 2 completed entries" in capsys.readouterr().err
     assert [p.name for p in (results_dir / "runs").glob("*.json")] == [f"{open_entry.run_id}.json"]
     (pack,) = (results_dir / "ledger").glob("*.jsonl.gz")
     for suffix in ("md", "csv", "tex"):
-        assert (tmp_path / "before" / f"shared_start.{suffix}").read_bytes() == \
-            (tmp_path / "after" / f"shared_start.{suffix}").read_bytes()
+        assert (tmp_path / "before" / f"shared_start.{suffix}").read_bytes() == (
+            tmp_path / "after" / f"shared_start.{suffix}"
+        ).read_bytes()
     assert len(Ledger.load(results_dir)) == 3
 
 
@@ -335,7 +408,9 @@ def test_a_pack_keeps_each_entry_as_written_and_readable_by_the_group(results_di
     monkeypatch.setattr(packs, "SETTLED_S", 0)
     old_mask = os.umask(0o022)
     try:
-        entry = LedgerEntry("two_stage", "train", {"seed": 0, "method": {"z": 1, "a": 2}}, results_dir).start()
+        entry = LedgerEntry(
+            "two_stage", "train", {"seed": 0, "method": {"z": 1, "a": 2}}, results_dir
+        ).start()
         entry.finish({"top1": 1.0, "stage_times": {"select": 2.0, "recover": 1.0}})
         written = json.loads(entry.path.read_text())
         assert packs.pack(results_dir)["packed"] == 1
@@ -357,8 +432,9 @@ def test_a_runs_recorded_fingerprint_is_its_rows(make_cfg, results_dir):
     assert [r["run_id"] for r in ledger.row_runs(query)[None]] == [entry["run_id"]]
     assert not ledger.row_runs(row_query(DEMO, DEMO["rows"][0], ["backbone.img_size=64"]))[None]
     # a FLOPs count does not train: another recipe is the same model (fingerprint.WEIGHTLESS_EXCLUDED)
-    assert [r["run_id"] for r in ledger.row_runs(row_query(DEMO, DEMO["rows"][0], ["recipe.lr=0.5"]))[None]] \
-        == [entry["run_id"]]
+    assert [
+        r["run_id"] for r in ledger.row_runs(row_query(DEMO, DEMO["rows"][0], ["recipe.lr=0.5"]))[None]
+    ] == [entry["run_id"]]
 
 
 LRS = [round(0.001 * (1 + j), 4) for j in range(6)]  # a composition per row: ~0.5 s each
@@ -381,12 +457,23 @@ def _write_many(runs_dir: Path, n: int) -> None:
             configs[j, seed] = (config, fingerprint(config))
     for i in range(n):
         seed = _seed_of(i)
-        record = {"run_id": f"r{i:05d}", "status": "completed", "kind": "train", "metrics": {"top1": float(i % 97)},
-                  "protocol": {"data_order": "seed*1000003+epoch"}, "env": {}, "started": f"2026-01-01T{i % 24:02d}:00:00",
-                  "finished": None, "error": None, "wandb_url": None}
+        record = {
+            "run_id": f"r{i:05d}",
+            "status": "completed",
+            "kind": "train",
+            "metrics": {"top1": float(i % 97)},
+            "protocol": {"data_order": "seed*1000003+epoch"},
+            "env": {},
+            "started": f"2026-01-01T{i % 24:02d}:00:00",
+            "finished": None,
+            "error": None,
+            "wandb_url": None,
+        }
         if i % 2:
             config, fp = configs[(i // 2) % len(LRS), seed]
-            record.update(experiment=f"demo_lr{(i // 2) % len(LRS)}+seed={seed}", config=config, fingerprint=fp)
+            record.update(
+                experiment=f"demo_lr{(i // 2) % len(LRS)}+seed={seed}", config=config, fingerprint=fp
+            )
         else:
             record.update(experiment=f"exp{(i // 2) % 2000}+seed={seed}", config={"seed": seed})
         (runs_dir / f"r{i:05d}.json").write_text(json.dumps(record))
@@ -399,9 +486,16 @@ def test_twenty_thousand_entries_in_seconds(results_dir, tmp_path):
     fingerprint costs one Hydra composition, ~0.5 s, whatever the ledger's size)."""
     _write_many(results_dir / "runs", 20_000)
     rows = [{"label": f"row {i}", "experiment": f"exp{i}"} for i in range(40)]
-    rows += [{"label": f"lr {j}", "experiment": "demo", "overrides": [f"recipe.lr={lr}"], "name": f"demo_lr{j}"}
-             for j, lr in enumerate(LRS)]
-    spec = {"title": "t", "seeds": [0, 1, 2], "columns": [{"key": "top1", "label": "Top-1", "digits": 1}], "rows": rows}
+    rows += [
+        {"label": f"lr {j}", "experiment": "demo", "overrides": [f"recipe.lr={lr}"], "name": f"demo_lr{j}"}
+        for j, lr in enumerate(LRS)
+    ]
+    spec = {
+        "title": "t",
+        "seeds": [0, 1, 2],
+        "columns": [{"key": "top1", "label": "Top-1", "digits": 1}],
+        "rows": rows,
+    }
     path = tmp_path / "big.yaml"
     path.write_text(json.dumps(spec))
     start = time.perf_counter()
@@ -409,11 +503,15 @@ def test_twenty_thousand_entries_in_seconds(results_dir, tmp_path):
     seconds = time.perf_counter() - start
     assert seconds < 60, seconds  # README: the time on a 2-core machine
     md = (tmp_path / "t" / "big.md").read_text()
-    for label, picks in (("row 7 ", lambda i: i % 2 == 0 and (i // 2) % 2000 == 7),
-                         ("lr 5  ", lambda i: i % 2 == 1 and (i // 2) % len(LRS) == 5)):
+    for label, picks in (
+        ("row 7 ", lambda i: i % 2 == 0 and (i // 2) % 2000 == 7),
+        ("lr 5  ", lambda i: i % 2 == 1 and (i // 2) % len(LRS) == 5),
+    ):
         values = []
         for seed in range(3):  # the newest run of each seed: the last by start time, then by run id
-            newest = max((i for i in range(20_000) if picks(i) and _seed_of(i) == seed), key=lambda i: (i % 24, i))
+            newest = max(
+                (i for i in range(20_000) if picks(i) and _seed_of(i) == seed), key=lambda i: (i % 24, i)
+            )
             values.append(float(newest % 97))
         mean = sum(values) / 3
         std = (sum((v - mean) ** 2 for v in values) / 2) ** 0.5
@@ -443,16 +541,29 @@ def test_twenty_thousand_entries_fill_every_committed_table(results_dir):
                     config = query.composed(seed)
                     if config is not None:
                         name = query.name if seed is None else aggregate.seeded_name(query.name, seed)
-                        targets.append((name, seed, row.get("run", "train"), spec.get("protocol") or {}, config))
+                        targets.append(
+                            (name, seed, row.get("run", "train"), spec.get("protocol") or {}, config)
+                        )
     prints = {id(t[4]): fingerprint(t[4]) for t in targets}
     records = []
     for i in range(20_000):
-        started = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc) + datetime.timedelta(seconds=(i * 7919) % 20_000)
-        record = {"run_id": f"s{i:05d}", "status": "completed", "protocol": {"data_order": "seed*1000003+epoch"},
-                  "env": {}, "started": started.isoformat(), "finished": None,
-                  "error": None, "metrics": {k: float(i % 97) for k in keys}}
+        started = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc) + datetime.timedelta(
+            seconds=(i * 7919) % 20_000
+        )
+        record = {
+            "run_id": f"s{i:05d}",
+            "status": "completed",
+            "protocol": {"data_order": "seed*1000003+epoch"},
+            "env": {},
+            "started": started.isoformat(),
+            "finished": None,
+            "error": None,
+            "metrics": {k: float(i % 97) for k in keys},
+        }
         if i % 5 == 4:
-            records.append({**record, "experiment": f"unrelated{i % 500}", "kind": "train", "config": {"seed": 0}})
+            records.append(
+                {**record, "experiment": f"unrelated{i % 500}", "kind": "train", "config": {"seed": 0}}
+            )
             continue
         name, seed, kind, protocol, config = targets[i % len(targets)]
         record.update(experiment=name, kind=kind, protocol={**record["protocol"], **protocol})
@@ -474,7 +585,9 @@ def test_twenty_thousand_entries_fill_every_committed_table(results_dir):
     assert len(ledger) == 20_000 and not ledger.broken
     assert seconds < 45, seconds  # docs/ledger.md: the time on a 2-core machine
     demo = _demo_config()
-    ours = {key for key, value in prints.items() if value == fingerprint(demo)}  # the configs composed as demo's
+    ours = {
+        key for key, value in prints.items() if value == fingerprint(demo)
+    }  # the configs composed as demo's
     exact = [r for r in records if r["kind"] == "train" and id(r["config"]) in ours]
     newest = max(exact, key=lambda r: r["started"])  # every start differs
     (row,) = [r for r in filled["demo"] if r["experiment"] == "demo"]
@@ -482,10 +595,25 @@ def test_twenty_thousand_entries_fill_every_committed_table(results_dir):
 
 
 def test_start_of_and_newest_come_from_the_index():
-    runs = [{"run_id": f"s{i}", "experiment": "pre", "status": "completed", "kind": "train",
-             "started": f"2026-01-0{i}T00:00:00", "finished": f"2026-01-0{i}T01:00:00"} for i in (1, 2, 3)]
-    ft = {"run_id": "ft", "experiment": "ft", "status": "completed", "kind": "train",
-          "started": "2026-01-02T12:00:00", "config": {"backbone": {"pretrained": "run:pre"}}}
+    runs = [
+        {
+            "run_id": f"s{i}",
+            "experiment": "pre",
+            "status": "completed",
+            "kind": "train",
+            "started": f"2026-01-0{i}T00:00:00",
+            "finished": f"2026-01-0{i}T01:00:00",
+        }
+        for i in (1, 2, 3)
+    ]
+    ft = {
+        "run_id": "ft",
+        "experiment": "ft",
+        "status": "completed",
+        "kind": "train",
+        "started": "2026-01-02T12:00:00",
+        "config": {"backbone": {"pretrained": "run:pre"}},
+    }
     ledger = Ledger.of([*runs, ft])
     assert ledger.start_of(ft) == "s2" and ledger.newest("pre")["run_id"] == "s3"
     assert ledger.newest("s1")["run_id"] == "s1" and ledger.newest("nope") is None
@@ -506,7 +634,9 @@ def test_find_run_takes_the_short_id_a_table_prints(results_dir):
     assert find_run("pre", results_dir)["run_id"] == a  # an experiment still wins
     with pytest.raises(FileNotFoundError, match="short id or experiment 'ffffff0'"):
         find_run("ffffff0", results_dir)
-    twin = LedgerEntry("pre", "train", {"seed": 2}, results_dir, run_id=f"{a.rsplit('-', 1)[0]}x-{a.rsplit('-', 1)[-1]}")
+    twin = LedgerEntry(
+        "pre", "train", {"seed": 2}, results_dir, run_id=f"{a.rsplit('-', 1)[0]}x-{a.rsplit('-', 1)[-1]}"
+    )
     twin.start().finish({"top1": 82.0})
     with pytest.raises(FileNotFoundError, match="names 2 completed train runs"):
         find_run(a.rsplit("-", 1)[-1], results_dir)
@@ -516,10 +646,17 @@ def test_a_snapshot_regenerates_the_tables_of_its_folder(results_dir, tmp_path, 
     _entry(results_dir, "pre", {"seed": 0}, 88.66, "2026-01-02T00:00:00+00:00")
     _entry(results_dir, "ft+seed=0", {"seed": 0}, 89.0, "2026-01-03T00:00:00+00:00")
     spec, snap = str(_spec_file(tmp_path, SHARED)), tmp_path / "release.jsonl.gz"
-    assert tables.main([spec, "--results-dir", str(results_dir), "--out", str(tmp_path / "a"), "--snapshot", str(snap)]) == 0
+    assert (
+        tables.main(
+            [spec, "--results-dir", str(results_dir), "--out", str(tmp_path / "a"), "--snapshot", str(snap)]
+        )
+        == 0
+    )
     assert tables.main([spec, "--ledger", str(snap), "--out", str(tmp_path / "b")]) == 0
     for ext in ("md", "tex", "csv"):
-        assert (tmp_path / "a" / f"shared_start.{ext}").read_text() == (tmp_path / "b" / f"shared_start.{ext}").read_text()
+        assert (tmp_path / "a" / f"shared_start.{ext}").read_text() == (
+            tmp_path / "b" / f"shared_start.{ext}"
+        ).read_text()
 
 
 @pytest.mark.parametrize("root", ["main", "sweepA", "sweepB"])
@@ -542,8 +679,11 @@ def test_no_code_outside_the_ledger_opens_run_files():
     from vitexp import PROJECT_ROOT
 
     pattern = re.compile(r"""glob\(["']\*\.json|/ ["']runs["']\s*/|["']runs["']\s*\)\s*/""")
-    offenders = [str(p.relative_to(PROJECT_ROOT)) for p in (PROJECT_ROOT / "vitexp").rglob("*.py")
-                 if "ledger" not in p.parts and pattern.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(PROJECT_ROOT))
+        for p in (PROJECT_ROOT / "vitexp").rglob("*.py")
+        if "ledger" not in p.parts and pattern.search(p.read_text())
+    ]
     assert offenders == []
 
 
@@ -584,7 +724,9 @@ def test_untracked_code_makes_a_run_dirty_and_goes_into_its_patch(tmp_path):
         assert (clone / path).read_text() == (repo / path).read_text()
 
 
-def test_a_dirty_tree_keeps_its_diff_beside_the_run_and_its_hash_in_the_entry(results_dir, tmp_path, monkeypatch):
+def test_a_dirty_tree_keeps_its_diff_beside_the_run_and_its_hash_in_the_entry(
+    results_dir, tmp_path, monkeypatch
+):
     import hashlib
 
     import vitexp.ledger.entry as entry_module
@@ -604,8 +746,10 @@ def test_a_dirty_tree_keeps_its_diff_beside_the_run_and_its_hash_in_the_entry(re
 
 def _marked(results_dir, **changes) -> dict:
     entry = LedgerEntry("demo", "train", _demo_config(), results_dir).start()
-    entry.finish({"top1": 95.3, "gmacs": 0.023, "throughput": 643.0, "steps": 40},
-                 changes.pop("protocol", {"data_order": "seed*1000003+epoch"}))
+    entry.finish(
+        {"top1": 95.3, "gmacs": 0.023, "throughput": 643.0, "steps": 40},
+        changes.pop("protocol", {"data_order": "seed*1000003+epoch"}),
+    )
     entry.record["env"].update(changes)
     entry._write()
     (row,) = tables.fill(DEMO_COST, Ledger.load(results_dir))
@@ -624,7 +768,14 @@ def test_cells_of_a_stale_protocol_a_busy_machine_and_a_lost_diff_are_marked(res
     marks, md = _marked(results_dir / "b", protocol={}, **clean)
     assert marks == {"top1": "§", "throughput": "", "gmacs": ""} and "| 95.3 § |" in md.replace("  ", "")
     assert "§ trained under a protocol today's code no longer reproduces" in md
-    busy = {"data_order": "seed*1000003+epoch", "throughput": {"load": {"loadavg": [3.8, 3.5, 3.2], "cpus": 2}}}
-    assert _marked(results_dir / "c", protocol=busy, **clean)[0] == {"top1": "", "throughput": "≈", "gmacs": ""}
+    busy = {
+        "data_order": "seed*1000003+epoch",
+        "throughput": {"load": {"loadavg": [3.8, 3.5, 3.2], "cpus": 2}},
+    }
+    assert _marked(results_dir / "c", protocol=busy, **clean)[0] == {
+        "top1": "",
+        "throughput": "≈",
+        "gmacs": "",
+    }
     marks, md = _marked(results_dir / "d", git_dirty=True, code_patch=None)
     assert marks == {"top1": "‡", "throughput": "‡", "gmacs": "‡"} and "‡ trained from a dirty tree" in md

@@ -1,5 +1,6 @@
 """The data loader measured (issue 43): ImageNet-like JPEGs, the tensor decoding path normalised on the
 device, images/s per worker in CPU time, and vitexp-bench bench.mode=loader recording both decoders."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,13 @@ from vitexp.data.loader_bench import cpu_rate, winner
 from vitexp.data.tensor_images import DeviceNormalize, randaugment_options, tensor_transform
 
 SMALL = JpegSpec(classes=2, train_per_class=3, width=200, height=150, target_kb=20.0)
-DATA_CONFIG = {"input_size": (3, 64, 64), "interpolation": "bicubic", "mean": (0.485, 0.456, 0.406),
-               "std": (0.229, 0.224, 0.225), "crop_pct": 0.875}
+DATA_CONFIG = {
+    "input_size": (3, 64, 64),
+    "interpolation": "bicubic",
+    "mean": (0.485, 0.456, 0.406),
+    "std": (0.229, 0.224, 0.225),
+    "crop_pct": 0.875,
+}
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +59,20 @@ def test_a_decoder_wins_only_beyond_the_spread_of_its_rounds():
 
 
 def _bench(run_id: str, pil: float, tensor: float) -> dict:
-    return {"run_id": run_id, "kind": "bench", "status": "completed",
-            "metrics": {"pil_images_per_s_per_worker": pil, "tensor_images_per_s_per_worker": tensor},
-            "protocol": {"mode": "loader", "split": "train", "img_size": 224, "auto_augment": "rand-m9-mstd0.5-inc1",
-                         "random_erase": 0.25, "decoders": ["pil", "tensor"]}}
+    return {
+        "run_id": run_id,
+        "kind": "bench",
+        "status": "completed",
+        "metrics": {"pil_images_per_s_per_worker": pil, "tensor_images_per_s_per_worker": tensor},
+        "protocol": {
+            "mode": "loader",
+            "split": "train",
+            "img_size": 224,
+            "auto_augment": "rand-m9-mstd0.5-inc1",
+            "random_erase": 0.25,
+            "decoders": ["pil", "tensor"],
+        },
+    }
 
 
 def test_a_decoder_wins_over_repeated_runs_only_beyond_their_spread():
@@ -66,7 +82,10 @@ def test_a_decoder_wins_over_repeated_runs_only_beyond_their_spread():
     assert decoder_verdicts([_bench("a", 100, 130)])[key]["winner"] is None  # one run: no spread to beat
     assert decoder_verdicts([_bench("a", 100, 130), _bench("b", 110, 125)])[key]["winner"] == "tensor"
     overlapping = decoder_verdicts([_bench("a", 100, 130), _bench("b", 126, 125)])[key]
-    assert overlapping["winner"] is None and overlapping["medians"] == {"pil": [100, 126], "tensor": [130, 125]}
+    assert overlapping["winner"] is None and overlapping["medians"] == {
+        "pil": [100, 126],
+        "tensor": [130, 125],
+    }
 
 
 def test_the_default_decoder_is_the_measured_winner():
@@ -80,10 +99,14 @@ def test_the_default_decoder_is_the_measured_winner():
     from vitexp.ledger import Ledger
 
     root = Path(__file__).resolve().parent.parent
-    verdict = decoder_verdicts(loader_runs(Ledger.load(root / "results"))).get(("train", 224, "rand-m9-mstd0.5-inc1", 0.25))
+    verdict = decoder_verdicts(loader_runs(Ledger.load(root / "results"))).get(
+        ("train", 224, "rand-m9-mstd0.5-inc1", 0.25)
+    )
     assert verdict is not None and len(verdict["runs"]) >= 2
     for name in ("imagenet", "imagefolder"):
-        assert yaml.safe_load((root / "conf" / "data" / f"{name}.yaml").read_text())["decoder"] == (verdict["winner"] or "pil")
+        assert yaml.safe_load((root / "conf" / "data" / f"{name}.yaml").read_text())["decoder"] == (
+            verdict["winner"] or "pil"
+        )
 
 
 def test_a_run_that_read_its_jpegs_with_pil_before_the_decoder_option_is_not_a_tensor_decoder_run():
@@ -94,7 +117,9 @@ def test_a_run_that_read_its_jpegs_with_pil_before_the_decoder_option_is_not_a_t
     assert fp.differences(before, today) == ["data.decoder"]
     assert fp.differences(before, {**today, "data": {**today["data"], "decoder": "pil"}}) == []
     cifar = {"method": {"name": "baseline"}, "data": {"name": "cifar100"}}
-    assert fp.differences(cifar, {**cifar, "data": {**cifar["data"], "decoder": "tensor"}}) == ["data.decoder"]  # no default: a key it lacks separates it
+    assert fp.differences(cifar, {**cifar, "data": {**cifar["data"], "decoder": "tensor"}}) == [
+        "data.decoder"
+    ]  # no default: a key it lacks separates it
 
 
 def test_device_normalize_is_torchvisions_normalize_and_erases_only_in_training():
@@ -127,8 +152,16 @@ def test_an_imagefolder_with_the_tensor_decoder_normalises_its_training_batches_
     from vitexp.data.datamodules import ImageFolderDataModule
 
     def module(decoder):
-        dm = ImageFolderDataModule(jpegs["root"], num_classes=2, batch_size=3, num_workers=0, decoder=decoder,
-                                   auto_augment="rand-m9-mstd0.5-inc1", random_erase=0.0, data_config=DATA_CONFIG)
+        dm = ImageFolderDataModule(
+            jpegs["root"],
+            num_classes=2,
+            batch_size=3,
+            num_workers=0,
+            decoder=decoder,
+            auto_augment="rand-m9-mstd0.5-inc1",
+            random_erase=0.0,
+            data_config=DATA_CONFIG,
+        )
         dm.setup("fit")
         return dm
 
@@ -148,30 +181,69 @@ def test_an_imagefolder_with_the_tensor_decoder_normalises_its_training_batches_
 
 
 @pytest.mark.slow
-def test_a_run_trains_on_the_tensor_decoders_device_normalised_batches(jpegs, make_cfg, results_dir, tmp_path):
+def test_a_run_trains_on_the_tensor_decoders_device_normalised_batches(
+    jpegs, make_cfg, results_dir, tmp_path
+):
     """A uint8 batch reaching the model would fail its first convolution: the run completing is the
     device-side normalisation at work, under Lightning (the datamodule's on_after_batch_transfer)."""
     from vitexp.training.fit import train
 
-    cfg = make_cfg(["logger=none", "trainer.enable_progress_bar=false", "data=imagefolder", f"data.root={jpegs['root']}",
-                    "data.num_classes=2", "data.num_workers=0", "data.decoder=tensor", "recipe=deit_scratch",
-                    "recipe.epochs=1", "recipe.warmup_epochs=0", "recipe.batch_size=2", "eval.throughput_batch=2",
-                    "eval.throughput_iters=1"], tmp_path / "run")
+    cfg = make_cfg(
+        [
+            "logger=none",
+            "trainer.enable_progress_bar=false",
+            "data=imagefolder",
+            f"data.root={jpegs['root']}",
+            "data.num_classes=2",
+            "data.num_workers=0",
+            "data.decoder=tensor",
+            "recipe=deit_scratch",
+            "recipe.epochs=1",
+            "recipe.warmup_epochs=0",
+            "recipe.batch_size=2",
+            "eval.throughput_batch=2",
+            "eval.throughput_iters=1",
+        ],
+        tmp_path / "run",
+    )
     metrics = train(cfg)["metrics"]
     assert metrics["steps"] == 3 and 0 <= metrics["top1"] <= 100
     assert ledger_entries(results_dir)[0]["config"]["data"]["decoder"] == "tensor"
 
 
 @pytest.mark.slow
-def test_vitexp_bench_loader_records_images_per_second_per_worker_for_each_decoder(jpegs, results_dir, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "vitexp.commands.cli", "bench", "bench.mode=loader", "experiment=deit_tiny_baseline",
-                          "logger=none", "data.num_classes=2", f"bench.loader.root={jpegs['root']}", "recipe.batch_size=2",
-                          "bench.rounds=2", "bench.loader.batches=1"],
-                         capture_output=True, text=True, cwd=tmp_path, env=cli_env(results_dir), timeout=600)
+def test_vitexp_bench_loader_records_images_per_second_per_worker_for_each_decoder(
+    jpegs, results_dir, tmp_path
+):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vitexp.commands.cli",
+            "bench",
+            "bench.mode=loader",
+            "experiment=deit_tiny_baseline",
+            "logger=none",
+            "data.num_classes=2",
+            f"bench.loader.root={jpegs['root']}",
+            "recipe.batch_size=2",
+            "bench.rounds=2",
+            "bench.loader.batches=1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=cli_env(results_dir),
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     closing = json.loads(out.stdout.strip().splitlines()[-1])
     (entry,) = ledger_entries(results_dir)
-    assert entry["kind"] == "bench" and entry["protocol"]["mode"] == "loader" and entry["run_id"] == closing["run_id"]
+    assert (
+        entry["kind"] == "bench"
+        and entry["protocol"]["mode"] == "loader"
+        and entry["run_id"] == closing["run_id"]
+    )
     m, p = entry["metrics"], entry["protocol"]
     for decoder in ("pil", "tensor"):
         assert m[f"{decoder}_images_per_s_per_worker"] > 0 and m[f"{decoder}_min"] <= m[f"{decoder}_max"]

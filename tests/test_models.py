@@ -1,4 +1,5 @@
 """vitexp's registered architectures, tested in timm's style, and their published size and cost."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,8 +43,15 @@ def test_vit_micro_size():
     assert 0.1e6 <= sum(p.numel() for p in timm.create_model("vit_micro_patch4_32").parameters()) <= 0.5e6
 
 
-@pytest.mark.parametrize("name, params_m, gmacs", [("lvvit_s", 26.15, 6.6), ("t2t_vit_14", 21.5, 4.8),
-                                                   ("t2t_vit_t_14", 21.5, 6.1), ("caformer_s18", 26.3, 4.13)])
+@pytest.mark.parametrize(
+    "name, params_m, gmacs",
+    [
+        ("lvvit_s", 26.15, 6.6),
+        ("t2t_vit_14", 21.5, 4.8),
+        ("t2t_vit_t_14", 21.5, 6.1),
+        ("caformer_s18", 26.3, 4.13),
+    ],
+)
 def test_published_size_and_cost(name, params_m, gmacs):
     report = count_macs(timm.create_model(name), 224)
     assert report.params_m == pytest.approx(params_m, abs=0.1)
@@ -78,26 +86,47 @@ def test_lvvit_official_checkpoint_layout_loads_exactly(tmp_path, wrapper):
     path = tmp_path / "lvvit_micro.pth.tar"
     torch.save({wrapper: {f"module.{k}": v for k, v in source.state_dict().items()}, "epoch": 300}, path)
     use_ema = wrapper == "state_dict_ema"  # a file holding only EMA weights loads them when asked to
-    loaded = build_backbone({"timm_name": "lvvit_micro", "img_size": 64, "pretrained": str(path), "use_ema": use_ema},
-                            num_classes=10)
+    loaded = build_backbone(
+        {"timm_name": "lvvit_micro", "img_size": 64, "pretrained": str(path), "use_ema": use_ema},
+        num_classes=10,
+    )
     for k, v in source.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
     # another resolution: the position embedding is resized (4x4 -> 6x6 grid)
-    bigger = build_backbone({"timm_name": "lvvit_micro", "img_size": 96, "pretrained": str(path), "use_ema": use_ema},
-                            num_classes=10)
+    bigger = build_backbone(
+        {"timm_name": "lvvit_micro", "img_size": 96, "pretrained": str(path), "use_ema": use_ema},
+        num_classes=10,
+    )
     assert bigger.pos_embed.shape == (1, 37, 64)
     assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)
 
 
-@pytest.mark.parametrize("saved, use_ema, match", [
-    ({"state_dict_ema": "w"}, False, r"holds only EMA weights \(\['state_dict_ema'\]\).*\+\+backbone\.use_ema=true"),
-    ({"model_ema": "w", "epoch": 1}, False, r"holds only EMA weights \(\['model_ema'\]\)"),
-    ({"state_dict": "w"}, True, r"backbone\.use_ema=true: .* holds no EMA weights .*\['state_dict'\]"),
-    ("w", True, r"backbone\.use_ema=true: .* holds no EMA weights .*plain state dict"),
-    ({"state_dict_ema": "w"}, None, r"holds only EMA weights \(\['state_dict_ema'\]\); TokenLabeling's validate\.py "
-                                    r"loads state_dict or model \(.*validate\.py:150.*\); \+\+backbone\.use_ema=true loads these"),
-], ids=["state_dict_ema alone", "model_ema alone", "use_ema without EMA weights", "use_ema on a plain state dict",
-        "state_dict_ema alone, no override"])
+@pytest.mark.parametrize(
+    "saved, use_ema, match",
+    [
+        (
+            {"state_dict_ema": "w"},
+            False,
+            r"holds only EMA weights \(\['state_dict_ema'\]\).*\+\+backbone\.use_ema=true",
+        ),
+        ({"model_ema": "w", "epoch": 1}, False, r"holds only EMA weights \(\['model_ema'\]\)"),
+        ({"state_dict": "w"}, True, r"backbone\.use_ema=true: .* holds no EMA weights .*\['state_dict'\]"),
+        ("w", True, r"backbone\.use_ema=true: .* holds no EMA weights .*plain state dict"),
+        (
+            {"state_dict_ema": "w"},
+            None,
+            r"holds only EMA weights \(\['state_dict_ema'\]\); TokenLabeling's validate\.py "
+            r"loads state_dict or model \(.*validate\.py:150.*\); \+\+backbone\.use_ema=true loads these",
+        ),
+    ],
+    ids=[
+        "state_dict_ema alone",
+        "model_ema alone",
+        "use_ema without EMA weights",
+        "use_ema on a plain state dict",
+        "state_dict_ema alone, no override",
+    ],
+)
 def test_use_ema_never_falls_back_to_other_weights(saved, use_ema, match, tmp_path):
     """``backbone.use_ema`` picks the weights and says when the file does not hold them: EMA weights
     alone are not loaded without it, and no EMA weights with it (one line naming the file)."""
@@ -106,10 +135,14 @@ def test_use_ema_never_falls_back_to_other_weights(saved, use_ema, match, tmp_pa
 
     state = timm.create_model("lvvit_micro", num_classes=10).state_dict()
     path = tmp_path / "lvvit_micro.pth.tar"
-    torch.save({k: state if v == "w" else v for k, v in saved.items()} if isinstance(saved, dict) else state, path)
+    torch.save(
+        {k: state if v == "w" else v for k, v in saved.items()} if isinstance(saved, dict) else state, path
+    )
     with pytest.raises(CheckpointError, match=match) as err:
-        build_backbone({"timm_name": "lvvit_micro", "img_size": 64, "pretrained": str(path), "use_ema": use_ema},
-                       num_classes=10)
+        build_backbone(
+            {"timm_name": "lvvit_micro", "img_size": 64, "pretrained": str(path), "use_ema": use_ema},
+            num_classes=10,
+        )
     assert str(path) in str(err.value) and "\n" not in str(err.value)
 
 
@@ -132,8 +165,10 @@ def test_deit3_original_layer_scale_keys_load_through_timms_registered_filter(tm
     assert "blocks.0.gamma_1" in original and "blocks.0.ls1.gamma" not in original
     path = tmp_path / "deit_3_small_224_1k.pth"
     torch.save({"model": original}, path)
-    loaded = build_backbone({"timm_name": "deit3_small_patch16_224", "img_size": 64, "pretrained": str(path),
-                             "kwargs": kwargs}, num_classes=10).eval()
+    loaded = build_backbone(
+        {"timm_name": "deit3_small_patch16_224", "img_size": 64, "pretrained": str(path), "kwargs": kwargs},
+        num_classes=10,
+    ).eval()
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), source(x))
@@ -148,10 +183,14 @@ def test_loading_weights_keeps_the_initialisation_of_what_the_file_lacks(tmp_pat
     path = tmp_path / "t2t_micro.pth"
     torch.save(timm.create_model("t2t_vit_micro", num_classes=10).state_dict(), path)
     torch.manual_seed(3)
-    loaded = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=7)
+    loaded = build_backbone(
+        {"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path)}, num_classes=7
+    )
     torch.manual_seed(3)
     fresh = timm.create_model("t2t_vit_micro", num_classes=7)
-    assert torch.equal(loaded.head.weight, fresh.head.weight) and torch.equal(loaded.head.bias, fresh.head.bias)
+    assert torch.equal(loaded.head.weight, fresh.head.weight) and torch.equal(
+        loaded.head.bias, fresh.head.bias
+    )
 
 
 def test_t2t_fixed_tables_are_saved_buffers_counted_as_parameters():
@@ -165,7 +204,9 @@ def test_t2t_fixed_tables_are_saved_buffers_counted_as_parameters():
     for key in tables:
         assert key in state and key in buffers, key
     assert not set(tables) & {n for n, _ in model.named_parameters()}
-    assert count_params(model) == sum(p.numel() for p in model.parameters()) + sum(buffers[k].numel() for k in tables)
+    assert count_params(model) == sum(p.numel() for p in model.parameters()) + sum(
+        buffers[k].numel() for k in tables
+    )
     w = model.tokens_to_token.attention1.w  # orthogonal rows scaled by sqrt(m)
     torch.testing.assert_close(w @ w.T / w.shape[0], torch.eye(w.shape[0]), atol=1e-5, rtol=1e-5)
 
@@ -178,8 +219,8 @@ def test_lvvit_layer_norms_use_the_official_eps():
 
 def test_t2t_qk_scale_is_a_key():
     default = timm.create_model("t2t_vit_micro")
-    assert default.blocks[0].attn.scale == pytest.approx(16 ** -0.5)  # head_dim^-0.5, the official eval build
-    scaled = timm.create_model("t2t_vit_micro", qk_scale=64 ** -0.5)
+    assert default.blocks[0].attn.scale == pytest.approx(16**-0.5)  # head_dim^-0.5, the official eval build
+    scaled = timm.create_model("t2t_vit_micro", qk_scale=64**-0.5)
     scaled.load_state_dict(default.state_dict())
     x = torch.randn(1, 3, 64, 64)
     assert not torch.allclose(default.eval()(x), scaled.eval()(x))
@@ -192,15 +233,19 @@ def test_t2t_official_checkpoint_layout_loads_exactly(tmp_path):
     source = timm.create_model("t2t_vit_micro", num_classes=10)
     path = tmp_path / "t2t_micro.pth.tar"
     torch.save({"state_dict_ema": {f"module.{k}": v for k, v in source.state_dict().items()}}, path)
-    loaded = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path), "use_ema": True},
-                            num_classes=10)
+    loaded = build_backbone(
+        {"timm_name": "t2t_vit_micro", "img_size": 64, "pretrained": str(path), "use_ema": True},
+        num_classes=10,
+    )
     for k, v in source.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
     # another resolution at creation: the fixed table is rebuilt for the 6x6 grid, the rest loads
     from vitexp.models.t2t import sinusoid_encoding
 
-    bigger = build_backbone({"timm_name": "t2t_vit_micro", "img_size": 96, "pretrained": str(path), "use_ema": True},
-                            num_classes=10)
+    bigger = build_backbone(
+        {"timm_name": "t2t_vit_micro", "img_size": 96, "pretrained": str(path), "use_ema": True},
+        num_classes=10,
+    )
     torch.testing.assert_close(bigger.pos_embed, sinusoid_encoding(37, 64))
     assert torch.equal(bigger.tokens_to_token.attention1.w, source.tokens_to_token.attention1.w)
     assert bigger(torch.randn(1, 3, 96, 96)).shape == (1, 10)
@@ -210,7 +255,9 @@ def test_t2t_checkpoint_for_other_input_channels_is_refused_by_name(tmp_path):
     path = tmp_path / "t2t_micro.pth"
     torch.save(timm.create_model("t2t_vit_micro").state_dict(), path)
     with pytest.raises(ValueError, match="3 input channels cannot load into a model with in_chans=1"):
-        timm.create_model("t2t_vit_micro", pretrained=True, in_chans=1, pretrained_cfg_overlay=dict(file=str(path)))
+        timm.create_model(
+            "t2t_vit_micro", pretrained=True, in_chans=1, pretrained_cfg_overlay=dict(file=str(path))
+        )
 
 
 def test_caformer_micro_behaves_like_a_timm_model():

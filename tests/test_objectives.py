@@ -1,6 +1,7 @@
 """Objectives as plug-ins (vitexp/training/objectives/): train, evaluate, flops and bench ask the run's
 objective what to train, test and count, never which objective it is; a detector run is
 re-evaluated by vitexp-eval like a classifier."""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,21 @@ from conftest import QUIET, ledger_entries
 ROOT = Path(__file__).resolve().parent.parent
 #: Where the detection objective may be named: its plug-in, its LightningModule, its config group's schema
 #: and the package it wraps.
-PLUGINS = ("vitexp/training/objectives/", "vitexp/training/detection_module.py", "vitexp/config/objective_schemas.py",
-           "vitexp/detection/")
+PLUGINS = (
+    "vitexp/training/objectives/",
+    "vitexp/training/detection_module.py",
+    "vitexp/config/objective_schemas.py",
+    "vitexp/detection/",
+)
 #: The objective's words (detect, detection, detector, DetectModule, wants_detection ...); the
 #: English verb's other forms ("Lightning detects", "was detected": a statistical test) are not it.
 OBJECTIVE_WORD = re.compile(r"detect(?!s\b|ed\b)", re.IGNORECASE)
 #: Mentions that are not the objective (Lightning's API), and its config group's owner, which
 #: the ledger's fingerprint declares below the training code (docs/layout.md).
-ALLOWED = {"vitexp/runs/slurm.py": ("SLURMEnvironment.detect()",),
-           "vitexp/ledger/fingerprint.py": ('GROUP_OWNERS: dict[str, str] = {"detector": "detect"}',)}
+ALLOWED = {
+    "vitexp/runs/slurm.py": ("SLURMEnvironment.detect()",),
+    "vitexp/ledger/fingerprint.py": ('GROUP_OWNERS: dict[str, str] = {"detector": "detect"}',),
+}
 
 
 def test_no_module_outside_the_objective_plugins_names_detection():
@@ -37,11 +44,14 @@ def test_no_module_outside_the_objective_plugins_names_detection():
     assert found == [], "\n".join(found)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["objective=segment"], "objective='segment': valid choices are ['auto', 'detect']"),
-    (["objective=detect", "backbone=caformer_micro"], "data: objective=detect needs a detection dataset"),
-    (["objective=detect", "data=micro_coco"], "backbone: objective=detect needs a backbone with stages"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["objective=segment"], "objective='segment': valid choices are ['auto', 'detect']"),
+        (["objective=detect", "backbone=caformer_micro"], "data: objective=detect needs a detection dataset"),
+        (["objective=detect", "data=micro_coco"], "backbone: objective=detect needs a backbone with stages"),
+    ],
+)
 def test_the_objective_is_checked_before_anything_is_built(overrides, message, make_cfg):
     from vitexp.training.resolve import validate
     from vitexp.errors import ConfigError
@@ -64,25 +74,45 @@ def test_vitexp_bench_refuses_a_detector_before_its_entry(make_cfg, results_dir)
 #: A micro detector (with ``experiment=micro_coco_caformer``) after one step on 4 canvases of 64 px,
 #: tested on 8 (data seed 5: some of its detections hit, so its box and mask AP are not 0 and their
 #: equality says something).
-MICRO_DETECTOR = QUIET + ["data.generate.n_train=4", "data.generate.n_val=8",
-                          "data.generate.size=64", "data.generate.source=digits", "data.generate.seed=5",
-                          "backbone.img_size=64", "detector.min_size=64", "detector.max_size=64",
-                          "detector.flops_size=[64,64]", "recipe.batch_size=4", "recipe.epochs=1",
-                          "recipe.decay_epochs=[1]", "recipe.warmup_steps=2", "trainer.num_sanity_val_steps=0"]
+MICRO_DETECTOR = QUIET + [
+    "data.generate.n_train=4",
+    "data.generate.n_val=8",
+    "data.generate.size=64",
+    "data.generate.source=digits",
+    "data.generate.seed=5",
+    "backbone.img_size=64",
+    "detector.min_size=64",
+    "detector.max_size=64",
+    "detector.flops_size=[64,64]",
+    "recipe.batch_size=4",
+    "recipe.epochs=1",
+    "recipe.decay_epochs=[1]",
+    "recipe.warmup_steps=2",
+    "trainer.num_sanity_val_steps=0",
+]
 
 
 @pytest.mark.parametrize("experiment", ["micro_coco_caformer", "micro_coco_bspf_caformer"])
-def test_eval_reproduces_a_micro_detector_runs_box_and_mask_ap(experiment, make_cfg, results_dir, tmp_path, capsys):
+def test_eval_reproduces_a_micro_detector_runs_box_and_mask_ap(
+    experiment, make_cfg, results_dir, tmp_path, capsys
+):
     """The detector a run saved (weights.pth: the whole Mask R-CNN) is rebuilt from the run's config,
     tested on the same split, and gives the ledger's ap_box and ap_mask, also when the rebuilt model
     starts from another seed's initialisation (the saved weights decide)."""
     from vitexp.commands.cli import eval_main
     from vitexp.training.fit import train
 
-    trained = train(make_cfg(MICRO_DETECTOR + [f"experiment={experiment}", f"data.root={tmp_path / 'coco'}"],
-                             tmp_path / "run"))
+    trained = train(
+        make_cfg(
+            MICRO_DETECTOR + [f"experiment={experiment}", f"data.root={tmp_path / 'coco'}"], tmp_path / "run"
+        )
+    )
     # some detections hit: the equality below compares more than zeros
-    assert trained["metrics"]["ap_box"] > 0 and trained["metrics"]["ap_mask"] > 0 and "top1" not in trained["metrics"]
+    assert (
+        trained["metrics"]["ap_box"] > 0
+        and trained["metrics"]["ap_mask"] > 0
+        and "top1" not in trained["metrics"]
+    )
     capsys.readouterr()
     eval_main([trained["run_id"], "logger=none", "trainer.enable_progress_bar=false", "seed=7"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -1,4 +1,5 @@
 """The token-reduction peers run in vitexp: ToMe (vitexp/methods/tome/) and EViT (vitexp/methods/evit/)."""
+
 from __future__ import annotations
 
 import copy
@@ -152,7 +153,7 @@ def test_each_image_is_reduced_on_its_own(method):
     tome(model, 5) if method == "tome" else evit(model, 0.5, prune_layers=[1, 3])
     with torch.no_grad():
         batch = model(x)
-        single = torch.cat([model(x[i:i + 1]) for i in range(len(x))])
+        single = torch.cat([model(x[i : i + 1]) for i in range(len(x))])
     torch.testing.assert_close(batch, single, rtol=1e-4, atol=1e-5)
 
 
@@ -181,7 +182,9 @@ def test_evit_keep_rate_warmup_follows_evits_schedule_while_training_only():
     assert keep_rate_at(5, 0.5, start=10, ramp=100) == 1.0
     assert keep_rate_at(10, 0.5, start=10, ramp=100) == 1.0
     assert keep_rate_at(60, 0.5, start=10, ramp=100) == pytest.approx(0.75)
-    assert keep_rate_at(35, 0.5, start=10, ramp=100) == pytest.approx(0.5 + 0.5 * (1 + math.cos(math.pi / 4)) / 2)
+    assert keep_rate_at(35, 0.5, start=10, ramp=100) == pytest.approx(
+        0.5 + 0.5 * (1 + math.cos(math.pi / 4)) / 2
+    )
     assert keep_rate_at(110, 0.5, start=10, ramp=100) == 0.5 and keep_rate_at(3, 0.5, 0, 0) == 0.5
     model, x = micro("vit_micro")  # 64 candidates at block 1
     evit(model, 0.5, prune_layers=[1], keep_warmup_start_epochs=1, keep_warmup_epochs=2, epochs=4)
@@ -218,8 +221,16 @@ def test_evit_count_is_the_reduced_blocks_plus_the_fusion_matmul():
     evit(model, 0.5, prune_layers=[1, 3])
     outer = vit_analytic_macs(img_size=32, patch_size=4, embed_dim=64, depth=0, mlp_ratio=4, num_classes=10)
     # block 1: 65 in, 1 + 32 + 1 out (32 fused); block 3: 34 in, 1 + 17 + 1 out (16 fused)
-    expected = outer + _block_macs(65, 65) + _block_macs(65, 34) + 32 * 64 + _block_macs(34, 34) \
-        + _block_macs(34, 19) + 16 * 64 + 2 * _block_macs(19, 19)
+    expected = (
+        outer
+        + _block_macs(65, 65)
+        + _block_macs(65, 34)
+        + 32 * 64
+        + _block_macs(34, 34)
+        + _block_macs(34, 19)
+        + 16 * 64
+        + 2 * _block_macs(19, 19)
+    )
     assert count_macs(model, 32).gmacs * 1e9 == pytest.approx(expected)
 
 
@@ -263,8 +274,17 @@ def test_bench_compare_times_several_experiments_together_one_entry_each(make_cf
     from vitexp.commands.bench import run_bench
 
     names = ["demo", "tome_demo", "evit_demo"]
-    cfg = make_cfg(QUIET + [f"bench.compare=[{','.join(names)}]", "bench.rounds=1", "bench.iters=1",
-                            "bench.warmup=0", "bench.batch_size=2", "bench.device=cpu"])
+    cfg = make_cfg(
+        QUIET
+        + [
+            f"bench.compare=[{','.join(names)}]",
+            "bench.rounds=1",
+            "bench.iters=1",
+            "bench.warmup=0",
+            "bench.batch_size=2",
+            "bench.device=cpu",
+        ]
+    )
     run_bench(cfg)
     entries = {e["experiment"]: e for e in ledger_entries(results_dir)}
     assert sorted(entries) == sorted(names) and all(e["kind"] == "bench" for e in entries.values())
@@ -280,7 +300,9 @@ def test_bench_compare_times_several_experiments_together_one_entry_each(make_cf
         run_bench(make_cfg(QUIET + ["bench.compare=[demo,demo]"]))
 
 
-def test_a_comparison_that_fails_marks_its_entries_failed_and_says_so(make_cfg, results_dir, monkeypatch, capsys):
+def test_a_comparison_that_fails_marks_its_entries_failed_and_says_so(
+    make_cfg, results_dir, monkeypatch, capsys
+):
     """A runtime error while timing is a failed run (its entries failed, a closing line naming them),
     not an invalid config."""
     import json
@@ -305,9 +327,22 @@ def test_rows_of_a_series_become_one_curve_each_in_the_plot():
     from vitexp.report.tables import fill, load_spec, series_curves
 
     spec = load_spec("peers_deit_small")
-    runs = [{"run_id": f"r{i}", "experiment": e, "status": "completed", "kind": "flops", "metrics": {"gmacs": g, "top1": t}}
-            for i, (e, g, t) in enumerate([("evit_deit_small_keep07", 3.0, 79.0), ("evit_deit_small_keep05", 2.3, 78.0),
-                                           ("tome_deit_small_r13", 2.7, 79.1)])]
+    runs = [
+        {
+            "run_id": f"r{i}",
+            "experiment": e,
+            "status": "completed",
+            "kind": "flops",
+            "metrics": {"gmacs": g, "top1": t},
+        }
+        for i, (e, g, t) in enumerate(
+            [
+                ("evit_deit_small_keep07", 3.0, 79.0),
+                ("evit_deit_small_keep05", 2.3, 78.0),
+                ("tome_deit_small_r13", 2.7, 79.1),
+            ]
+        )
+    ]
     curves = series_curves(fill(spec, recorded(spec, runs)), "gmacs", "top1")
     assert curves["EViT"]["vitexp"] == [(2.3, 78.0), (3.0, 79.0)]  # sorted by GMACs
     assert curves["EViT"]["paper"] == [(2.3, 78.5), (2.6, 78.9), (3.0, 79.5)]

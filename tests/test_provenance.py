@@ -1,6 +1,7 @@
 """Provenance of the papers' numbers in the table specs (sweeps/*.yaml): every paper value names
 where it was read; a value obtained by arithmetic is marked derived, carries its formula and is
 rendered with a mark and a footnote (vitexp/report/tables.py)."""
+
 from __future__ import annotations
 
 import re
@@ -45,14 +46,20 @@ def test_every_paper_value_names_its_source_and_derived_ones_their_formula(name)
         for key, cell in (row.get("paper") or {}).items():
             assert str(cell.get("source") or "").strip(), (row["label"], key)
             if cell.get("derived"):
-                assert evaluate_formula(cell["formula"]) == pytest.approx(cell["value"], abs=1e-9), row["label"]
+                assert evaluate_formula(cell["formula"]) == pytest.approx(cell["value"], abs=1e-9), row[
+                    "label"
+                ]
     assert provenance_errors(spec) == []
     tables.load_spec(name)  # the loader enforces the same rules
 
 
 @pytest.mark.parametrize("name,experiment,key,formula", KNOWN_DERIVED)
 def test_gains_turned_into_values_are_marked_derived(name, experiment, key, formula):
-    cells = [r["paper"][key] for r in _raw(name)["rows"] if r.get("experiment") == experiment and key in r.get("paper", {})]
+    cells = [
+        r["paper"][key]
+        for r in _raw(name)["rows"]
+        if r.get("experiment") == experiment and key in r.get("paper", {})
+    ]
     assert cells, f"{name}: no paper {key} for {experiment}"
     for cell in cells:
         assert cell.get("derived") is True and cell.get("formula") == formula
@@ -66,11 +73,17 @@ def test_evit_values_name_where_each_was_read():
         assert len(rows) >= 3 and all(r.get("experiment") for r in rows)  # runnable rows, not cited ones
         for row in rows:
             top1 = row["paper"]["top1"]["source"]
-            assert top1.startswith("EViT README") and "BSPF" not in top1 and "checked against the README" in top1
+            assert (
+                top1.startswith("EViT README") and "BSPF" not in top1 and "checked against the README" in top1
+            )
         assert sum("gmacs" in r["paper"] for r in rows) == 3  # keep 0.7, 0.6, 0.5
         for row in (r for r in rows if "gmacs" in r["paper"]):
             gmacs = row["paper"]["gmacs"]["source"]
-            assert gmacs.startswith("EViT (Liang et al., ICLR 2022)") and "unchecked" in gmacs and "BSPF" not in gmacs
+            assert (
+                gmacs.startswith("EViT (Liang et al., ICLR 2022)")
+                and "unchecked" in gmacs
+                and "BSPF" not in gmacs
+            )
 
 
 def _derived_cells() -> set[tuple[str, str, str, str]]:
@@ -100,8 +113,13 @@ def test_no_value_is_cited_second_hand(name):
 
 
 def test_peer_values_cite_the_peers_publication_and_say_whether_it_was_checked():
-    cells = [(row["label"], key, cell["source"]) for name in SPECS for row in _raw(name)["rows"]
-             for key, cell in (row.get("paper") or {}).items() if row["label"].startswith(tuple(PEERS))]
+    cells = [
+        (row["label"], key, cell["source"])
+        for name in SPECS
+        for row in _raw(name)["rows"]
+        for key, cell in (row.get("paper") or {}).items()
+        if row["label"].startswith(tuple(PEERS))
+    ]
     assert len(cells) >= 11  # MCTF, SPViT, DynamicViT and ToMe in BSPF-ViT's Table 1 alone
     for label, key, source in cells:
         peer = next(p for p in PEERS if label.startswith(p))
@@ -112,17 +130,26 @@ def test_peer_values_cite_the_peers_publication_and_say_whether_it_was_checked()
             assert "unchecked" in source, (label, key, source)
 
 
-@pytest.mark.parametrize("cell,complaint", [
-    ({"value": 73.5}, "no source"),
-    ({"value": 73.5, "source": "  "}, "no source"),
-    ({"value": 73.5, "source": "BSPF-ViT abstract", "derived": True}, "without a formula"),
-    ({"value": 73.5, "source": "BSPF-ViT abstract", "derived": True, "formula": "72.2 + 1.7"}, "not 73.5"),
-    ({"value": 82.4, "source": "BSPF-ViT Table 2 (81.5 + 0.9)"}, "mark it derived"),
-    ({"value": 81.8, "source": "BSPF-ViT Table 1 (+2.0)"}, "mark it derived"),
-])
+@pytest.mark.parametrize(
+    "cell,complaint",
+    [
+        ({"value": 73.5}, "no source"),
+        ({"value": 73.5, "source": "  "}, "no source"),
+        ({"value": 73.5, "source": "BSPF-ViT abstract", "derived": True}, "without a formula"),
+        (
+            {"value": 73.5, "source": "BSPF-ViT abstract", "derived": True, "formula": "72.2 + 1.7"},
+            "not 73.5",
+        ),
+        ({"value": 82.4, "source": "BSPF-ViT Table 2 (81.5 + 0.9)"}, "mark it derived"),
+        ({"value": 81.8, "source": "BSPF-ViT Table 1 (+2.0)"}, "mark it derived"),
+    ],
+)
 def test_the_loader_refuses_a_value_without_provenance(tmp_path, cell, complaint):
-    spec = {"title": "t", "columns": [{"key": "top1", "label": "Top-1"}],
-            "rows": [{"label": "BSPF row", "experiment": "demo", "paper": {"top1": cell}}]}
+    spec = {
+        "title": "t",
+        "columns": [{"key": "top1", "label": "Top-1"}],
+        "rows": [{"label": "BSPF row", "experiment": "demo", "paper": {"top1": cell}}],
+    }
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(ValueError, match=complaint) as err:
@@ -131,12 +158,31 @@ def test_the_loader_refuses_a_value_without_provenance(tmp_path, cell, complaint
 
 
 def test_derived_values_and_notes_are_marked_in_every_rendering(tmp_path):
-    spec = {"name": "prov", "title": "Provenance fixture", "plot": {"x": "gmacs", "y": "top1"},
-            "notes": ["Prune layers fitted to the paper's GMACs."],
-            "columns": [{"key": "top1", "label": "Top-1", "digits": 1}, {"key": "gmacs", "label": "GMACs", "digits": 2}],
-            "rows": [{"label": "BSPF", "experiment": "x", "paper": {
-                "top1": {"value": 73.5, "source": "BSPF-ViT abstract", "derived": True, "formula": "72.2 + 1.3"},
-                "gmacs": {"value": 0.6, "source": "BSPF-ViT Table 1"}}}]}
+    spec = {
+        "name": "prov",
+        "title": "Provenance fixture",
+        "plot": {"x": "gmacs", "y": "top1"},
+        "notes": ["Prune layers fitted to the paper's GMACs."],
+        "columns": [
+            {"key": "top1", "label": "Top-1", "digits": 1},
+            {"key": "gmacs", "label": "GMACs", "digits": 2},
+        ],
+        "rows": [
+            {
+                "label": "BSPF",
+                "experiment": "x",
+                "paper": {
+                    "top1": {
+                        "value": 73.5,
+                        "source": "BSPF-ViT abstract",
+                        "derived": True,
+                        "formula": "72.2 + 1.3",
+                    },
+                    "gmacs": {"value": 0.6, "source": "BSPF-ViT Table 1"},
+                },
+            }
+        ],
+    }
     rows = tables.fill(spec, [])
     md = tables.render_markdown(spec, rows)
     md = re.sub(r" {2,}", " ", md)  # tabulate pads the cells of a column to one width
@@ -157,14 +203,19 @@ RECIPES = sorted(p.stem for p in (CONF_DIR / "recipe").glob("*.yaml"))
 
 def _header(recipe: str) -> list[str]:
     lines = (CONF_DIR / "recipe" / f"{recipe}.yaml").read_text().splitlines()
-    return [line[1:].strip() for line in lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))]]
+    return [
+        line[1:].strip()
+        for line in lines[: next(i for i, line in enumerate(lines) if not line.startswith("#"))]
+    ]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_names_its_source_or_says_it_is_vitexps_choice(recipe):
     source = " ".join(_header(recipe)).partition("Source:")[2]
     assert source.strip(), f"conf/recipe/{recipe}.yaml: no 'Source:' in its header comment"
-    assert any(word in source for word in ("paper", "README", "repository", "reference code", "vitexp's choice"))
+    assert any(
+        word in source for word in ("paper", "README", "repository", "reference code", "vitexp's choice")
+    )
 
 
 def test_deit_finetune_claims_no_schedule_the_papers_share():

@@ -1,5 +1,6 @@
 """RAPTOR (vitexp/methods/raptor/): phases, surrogate, the two training stages, the cache,
 the probes in a run, the phases analysis and the FLOPs audit."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,7 @@ def block_matrix(sizes, inside=0.1, outside=1.0):
     w = torch.full((n, n), outside)
     start = 0
     for s in sizes:
-        w[start:start + s, start:start + s] = inside
+        w[start : start + s, start : start + s] = inside
         start += s
     w.fill_diagonal_(0)
     return w
@@ -81,8 +82,12 @@ def test_layer_distance_matrix():
     assert float(d[0, 1]) > 0.5  # random directions: 1 - cos ~ 1 for each of the 2 token kinds
 
 
-@pytest.mark.parametrize("phases", [[range(0, 7), range(7, 12)], [range(0, 4), range(4, 7), range(7, 10), range(10, 12)]])
-@pytest.mark.parametrize("name, gflops", [("vit_base_patch14_reg4_dinov2", 61.86), ("vit_small_patch14_reg4_dinov2", 16.15)])
+@pytest.mark.parametrize(
+    "phases", [[range(0, 7), range(7, 12)], [range(0, 4), range(4, 7), range(7, 10), range(10, 12)]]
+)
+@pytest.mark.parametrize(
+    "name, gflops", [("vit_base_patch14_reg4_dinov2", 61.86), ("vit_small_patch14_reg4_dinov2", 16.15)]
+)
 def test_raptor_flops_under_its_own_setting(name, gflops, phases):
     """224 px, 4 registers (261 tokens), SwiGLU, 12 block applications, linear head on
     [CLS ‖ mean patch]: the same GFLOPs for 2 and 4 blocks."""
@@ -109,7 +114,9 @@ def test_surrogate_runs_all_layers_with_k_blocks_and_only_blocks_train():
 
 def micro_teacher(reg_tokens: int = 4, depth: int = 4):
     torch.manual_seed(0)
-    return timm.create_model("vit_micro_patch14_dinov2", num_classes=0, reg_tokens=reg_tokens, depth=depth).eval()
+    return timm.create_model(
+        "vit_micro_patch14_dinov2", num_classes=0, reg_tokens=reg_tokens, depth=depth
+    ).eval()
 
 
 def test_tau_anneals_from_teacher_forced_to_autoregressive_over_a_quarter_of_the_steps():
@@ -118,14 +125,19 @@ def test_tau_anneals_from_teacher_forced_to_autoregressive_over_a_quarter_of_the
 
 def test_weighted_token_mse_weights_cls_registers_and_patches():
     target = torch.zeros(2, 1 + 4 + 16, 8)
-    for kind, sl, weight in (("cls", slice(0, 1), 0.45), ("registers", slice(1, 5), 0.10), ("patches", slice(5, None), 0.45)):
+    for kind, sl, weight in (
+        ("cls", slice(0, 1), 0.45),
+        ("registers", slice(1, 5), 0.10),
+        ("patches", slice(5, None), 0.45),
+    ):
         pred = target.clone()
         pred[:, sl] = 2.0  # squared error 4 on that kind's tokens only
         assert float(weighted_token_mse(pred, target, 5)) == pytest.approx(4 * weight), kind
     pred = target.clone()
     pred[:, 1:] = 1.0  # no registers: CLS and patches renormalised to 0.5 each
-    assert float(weighted_token_mse(pred[:, [0] + list(range(5, 21))], target[:, [0] + list(range(5, 21))], 1)) == \
-        pytest.approx(0.5)
+    assert float(
+        weighted_token_mse(pred[:, [0] + list(range(5, 21))], target[:, [0] + list(range(5, 21))], 1)
+    ) == pytest.approx(0.5)
 
 
 def test_teacher_states_are_the_blocks_outputs():
@@ -200,13 +212,16 @@ def test_teacher_cache_hits_on_the_same_images_and_misses_on_new_ones(tmp_path):
     assert TeacherCache(tmp_path / "cache", other).dir != cache.dir  # another teacher, another folder
 
 
-@pytest.mark.parametrize("overrides, match", [
-    (["budget.k=4"], r"budget.k: 4 blocks must be in \[1, 3\]"),
-    (["budget=heads"], "accepts budget kinds \\['blocks'\\]"),
-    (["method.phases=[[0,1,2],[4,5]]"], "method.phases"),
-    (["+method.probe.lrr=1"], "method.probe.lrr: not a key of method.probe"),  # past Hydra's struct check
-    (["backbone=caformer_micro"], "MetaFormer"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["budget.k=4"], r"budget.k: 4 blocks must be in \[1, 3\]"),
+        (["budget=heads"], "accepts budget kinds \\['blocks'\\]"),
+        (["method.phases=[[0,1,2],[4,5]]"], "method.phases"),
+        (["+method.probe.lrr=1"], "method.probe.lrr: not a key of method.probe"),  # past Hydra's struct check
+        (["backbone=caformer_micro"], "MetaFormer"),
+    ],
+)
 def test_raptor_config_errors_name_the_key(make_cfg, overrides, match):
     from vitexp.training.resolve import validate
 
@@ -229,11 +244,28 @@ def test_micro_raptor_run_trains_teacher_then_surrogate_then_both_probes(make_cf
     from vitexp.training.fit import train
 
     small = ["eval.throughput_iters=1", "eval.throughput_batch=8"]
-    teacher = train(make_cfg(QUIET + small + ["experiment=raptor_micro_teacher", "recipe.epochs=4",
-                                              "recipe.warmup_epochs=1"], tmp_path / "teacher"))
-    out = train(make_cfg(QUIET + small + ["experiment=raptor_micro", f"backbone.pretrained=run:{teacher['run_id']}",
-                                          "recipe.epochs=2", "method.probe.epochs=3", "method.phase_images=64",
-                                          "recipe.warmup_steps=4", "method.probe.warmup_steps=4"], tmp_path / "raptor"))
+    teacher = train(
+        make_cfg(
+            QUIET + small + ["experiment=raptor_micro_teacher", "recipe.epochs=4", "recipe.warmup_epochs=1"],
+            tmp_path / "teacher",
+        )
+    )
+    out = train(
+        make_cfg(
+            QUIET
+            + small
+            + [
+                "experiment=raptor_micro",
+                f"backbone.pretrained=run:{teacher['run_id']}",
+                "recipe.epochs=2",
+                "method.probe.epochs=3",
+                "method.phase_images=64",
+                "recipe.warmup_steps=4",
+                "method.probe.warmup_steps=4",
+            ],
+            tmp_path / "raptor",
+        )
+    )
     m = out["metrics"]
     assert {"top1", "teacher_top1", "recovered", "stage1_val_loss", "stage2_val_loss"} <= set(m)
     assert m["best_val_top1"] >= m["val_top1"] and m["teacher_best_val_top1"] >= m["teacher_val_top1"]
@@ -260,7 +292,9 @@ def test_analyze_phases_writes_the_heatmap_and_phases(results_dir, capsys):
     from conftest import ledger_entries
     from vitexp.commands.cli import analyze_main
 
-    analyze_main(["phases", "backbone=dinov2_micro_reg", "logger=none", "--images", "32", "--blocks", "2", "3"])
+    analyze_main(
+        ["phases", "backbone=dinov2_micro_reg", "logger=none", "--images", "32", "--blocks", "2", "3"]
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["status"] == "completed"
     (entry,) = ledger_entries(results_dir)
@@ -279,7 +313,7 @@ def test_audit_raptor_decomposes_the_flops_gap(results_dir):
     assert rows["raptor_k2"]["gflops"] == pytest.approx(16.15, abs=0.02) and f["k_independent"]
     assert rows["raptor_k2"]["tokens"] == 261 and rows["raptor_noreg"]["tokens"] == 257
     # SwiGLU adds one d x 4d matrix per layer: 12 layers x 257 tokens x 4 d^2 MACs
-    assert f["swiglu_gflops"] == pytest.approx(2 * 12 * 257 * 4 * 384 ** 2 / 1e9, rel=1e-3)
+    assert f["swiglu_gflops"] == pytest.approx(2 * 12 * 257 * 4 * 384**2 / 1e9, rel=1e-3)
     total = rows["raptor_k2"]["gflops"] - rows["dinov2"]["gflops"]
     assert f["swiglu_gflops"] + f["registers_gflops"] + f["gates_gflops"] == pytest.approx(total)
     assert "upheld" in audit_raptor.render({"s": f})
@@ -301,16 +335,39 @@ def test_resumed_raptor_run_skips_finished_stages_and_ends_with_the_same_metrics
     from conftest import QUIET
     from vitexp.training.fit import train
 
-    base = QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "recipe=raptor", "data=synthetic",
-                    "data.num_train=32", "data.num_val=16", "data.num_test=16", "recipe.batch_size=8",
-                    "recipe.epochs=1", "recipe.warmup_steps=1", "method.probe.epochs=2", "method.probe.batch_size=8",
-                    "method.phase_images=16", "eval.throughput=false"]
+    base = QUIET + [
+        "backbone=dinov2_micro",
+        "method=raptor",
+        "budget=blocks",
+        "recipe=raptor",
+        "data=synthetic",
+        "data.num_train=32",
+        "data.num_val=16",
+        "data.num_test=16",
+        "recipe.batch_size=8",
+        "recipe.epochs=1",
+        "recipe.warmup_steps=1",
+        "method.probe.epochs=2",
+        "method.probe.batch_size=8",
+        "method.phase_images=16",
+        "eval.throughput=false",
+    ]
     first = train(make_cfg(base, tmp_path / "run"))["metrics"]
     ckpt = tmp_path / "run" / "checkpoints" / "probe" / "last.ckpt"
     stamp = ckpt.stat().st_mtime_ns
     again = train(make_cfg(base + ["resume=true"], tmp_path / "run"))["metrics"]
-    for key in ("top1", "teacher_top1", "test_loss", "teacher_test_loss", "best_val_top1", "teacher_best_val_top1",
-                "val_top1", "teacher_val_top1", "stage1_val_loss", "stage2_val_loss"):  # restored stages validate nothing
+    for key in (
+        "top1",
+        "teacher_top1",
+        "test_loss",
+        "teacher_test_loss",
+        "best_val_top1",
+        "teacher_best_val_top1",
+        "val_top1",
+        "teacher_val_top1",
+        "stage1_val_loss",
+        "stage2_val_loss",
+    ):  # restored stages validate nothing
         assert first[key] is not None and again[key] == pytest.approx(first[key]), key
     assert ckpt.stat().st_mtime_ns == stamp  # the probe was not trained again
 
@@ -341,21 +398,39 @@ def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg,
     from vitexp.methods import method_from_config
     from vitexp.ledger import LedgerEntry
 
-    def teacher_probe_from_ledger(method, cfg):  # as the run resolves what the method needs: it never reads storage
+    def teacher_probe_from_ledger(
+        method, cfg
+    ):  # as the run resolves what the method needs: it never reads storage
         from vitexp.training.fit import resolve_needs
 
         method.lookup(cfg, resolve_needs(method, cfg.results_dir))
         return method.extra_metrics({})
 
-    probe = LedgerEntry("probe_micro", "train", {"backbone": {"name": "dinov2_micro_reg"}, "data": {"name": "digits"}},
-                        results_dir).start()
+    probe = LedgerEntry(
+        "probe_micro",
+        "train",
+        {"backbone": {"name": "dinov2_micro_reg"}, "data": {"name": "digits"}},
+        results_dir,
+    ).start()
     probe.finish({"top1": 91.5, "top5": 99.0})
-    cfg = make_cfg(["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", f"method.teacher_probe_run={probe.run_id}"])
+    cfg = make_cfg(
+        [
+            "backbone=dinov2_micro_reg",
+            "method=raptor",
+            "budget=blocks",
+            f"method.teacher_probe_run={probe.run_id}",
+        ]
+    )
     method = method_from_config(cfg.method)
-    assert teacher_probe_from_ledger(method, cfg) == {"teacher_top1": 91.5, "teacher_top5": 99.0,
-                                                      "teacher_probe_run": probe.run_id}
+    assert teacher_probe_from_ledger(method, cfg) == {
+        "teacher_top1": 91.5,
+        "teacher_top5": 99.0,
+        "teacher_probe_run": probe.run_id,
+    }
     assert [s.name for s in method.stages(None)] == ["stage1", "stage2", "probe"]  # no teacher probe to train
-    other = make_cfg(["backbone=dinov2_micro", "method=raptor", "budget=blocks", "method.teacher_probe_run=probe_micro"])
+    other = make_cfg(
+        ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "method.teacher_probe_run=probe_micro"]
+    )
     with pytest.raises(ValueError, match="backbone is dinov2_micro_reg, this run's is dinov2_micro"):
         teacher_probe_from_ledger(method_from_config(other.method), other)
 
@@ -364,8 +439,17 @@ def test_a_wrong_teacher_probe_run_fails_before_any_training(make_cfg, results_d
     from conftest import QUIET, ledger_entries
     from vitexp.training.fit import train
 
-    cfg = make_cfg(QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "data=synthetic",
-                            "method.teacher_probe_run=nope"], tmp_path / "run")
+    cfg = make_cfg(
+        QUIET
+        + [
+            "backbone=dinov2_micro",
+            "method=raptor",
+            "budget=blocks",
+            "data=synthetic",
+            "method.teacher_probe_run=nope",
+        ],
+        tmp_path / "run",
+    )
     with pytest.raises(FileNotFoundError, match="method.teacher_probe_run=nope"):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
@@ -431,8 +515,13 @@ def test_stage1_clips_each_blocks_gradient_norm_and_stage2_clips_them_together(s
     teacher = micro_teacher()
     pair = RaptorDistill(teacher, RaptorSurrogate(teacher, [[0, 1], [2, 3]]))
     module = RaptorStageModule(pair, 10, {}, stage=stage)
-    module.trainer = L.Trainer(gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
-                               enable_progress_bar=False, accelerator="cpu")
+    module.trainer = L.Trainer(
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        accelerator="cpu",
+    )
     big, small = pair.surrogate.blocks
     for block, value in ((big, 1.0), (small, 1e-4)):
         for p in block.parameters():
@@ -450,7 +539,7 @@ def test_stage1_clips_each_blocks_gradient_norm_and_stage2_clips_them_together(s
         for p, before in zip(small.parameters(), small_before):
             torch.testing.assert_close(p.grad, before, rtol=0, atol=0)
     else:  # one scale 1 / (joint norm) for both blocks
-        scale = 1.0 / (big_norm ** 2 + small_norm ** 2) ** 0.5
+        scale = 1.0 / (big_norm**2 + small_norm**2) ** 0.5
         assert norm(big) == pytest.approx(big_norm * scale, rel=1e-4)
         assert norm(small) == pytest.approx(small_norm * scale, rel=1e-4) and scale < 0.01
 
@@ -482,7 +571,9 @@ def test_a_missing_or_misshapen_linear_head_is_a_clear_error(tmp_path, make_cfg)
     from vitexp.methods.raptor import Raptor
 
     base = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor"]
-    with pytest.raises(ConfigError, match=f"method.probe_head: checkpoint file not found: {tmp_path}/nope.pth"):
+    with pytest.raises(
+        ConfigError, match=f"method.probe_head: checkpoint file not found: {tmp_path}/nope.pth"
+    ):
         validate(make_cfg(base + [f"method.probe_head={tmp_path}/nope.pth"]))
     teacher = timm.create_model("vit_micro_patch14_dinov2", num_classes=10, reg_tokens=4, depth=4)
     save_head(tmp_path / "b.pth", 1000, 2 * 768)  # Meta's ViT-B head on a 64-wide, 10-class probe
@@ -507,17 +598,36 @@ def test_probe_records_the_best_validation_top1_including_the_evaluation_before_
 
         def on_validation_end(self, trainer, pl_module):
             if not trainer.sanity_checking:
-                self.events.append((trainer.state.fn.value, trainer.global_step,
-                                    float(trainer.callback_metrics["val/top1"])))
+                self.events.append(
+                    (trainer.state.fn.value, trainer.global_step, float(trainer.callback_metrics["val/top1"]))
+                )
 
     save_head(tmp_path / "head.pth", 10, 2 * 64)
     log = ValidationLog()
-    cfg = make_cfg(QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "recipe=raptor",
-                            "data=synthetic", "data.num_train=32", "data.num_val=16", "data.num_test=16",
-                            "method.stage1_epochs=0", "method.stage2_epochs=0", "method.teacher_probe=false",
-                            "method.probe.epochs=2", "method.probe.batch_size=8", "method.probe.lr=0.05",
-                            "method.phases=[[0,1],[2,3]]", "budget.k=2", "eval.throughput=false",
-                            f"method.probe_head={tmp_path}/head.pth"], tmp_path / "run")
+    cfg = make_cfg(
+        QUIET
+        + [
+            "backbone=dinov2_micro",
+            "method=raptor",
+            "budget=blocks",
+            "recipe=raptor",
+            "data=synthetic",
+            "data.num_train=32",
+            "data.num_val=16",
+            "data.num_test=16",
+            "method.stage1_epochs=0",
+            "method.stage2_epochs=0",
+            "method.teacher_probe=false",
+            "method.probe.epochs=2",
+            "method.probe.batch_size=8",
+            "method.probe.lr=0.05",
+            "method.phases=[[0,1],[2,3]]",
+            "budget.k=2",
+            "eval.throughput=false",
+            f"method.probe_head={tmp_path}/head.pth",
+        ],
+        tmp_path / "run",
+    )
     m = train(cfg, callbacks=[log])["metrics"]
     assert [(fn, step) for fn, step, _ in log.events] == [("validate", 0), ("fit", 4), ("fit", 8)]
     assert m["best_val_top1"] == pytest.approx(100 * max(v for _, _, v in log.events))
@@ -546,12 +656,32 @@ def test_raptor_distils_on_the_evaluation_transforms_and_probes_on_the_augmentat
     def fraction_of_evaluation_tensors(batches, bank) -> float:
         evaluated = torch.cat([x for x, _ in bank]).flatten(1)
         rows = torch.cat(batches).flatten(1)
-        return float((torch.cdist(rows, evaluated, compute_mode="donot_use_mm_for_euclid_dist").min(dim=1).values < 1e-6).float().mean())
+        return float(
+            (
+                torch.cdist(rows, evaluated, compute_mode="donot_use_mm_for_euclid_dist").min(dim=1).values
+                < 1e-6
+            )
+            .float()
+            .mean()
+        )
 
-    base = QUIET + ["backbone=dinov2_micro", "method=raptor", "budget=blocks", "recipe=raptor", "data=digits",
-                    "data.augment=true", "recipe.batch_size=64", "recipe.epochs=1", "recipe.warmup_steps=1",
-                    "method.probe.epochs=1", "method.probe.batch_size=64", "method.phase_images=32",
-                    "method.teacher_probe=false", "eval.throughput=false", "trainer.limit_train_batches=2"]
+    base = QUIET + [
+        "backbone=dinov2_micro",
+        "method=raptor",
+        "budget=blocks",
+        "recipe=raptor",
+        "data=digits",
+        "data.augment=true",
+        "recipe.batch_size=64",
+        "recipe.epochs=1",
+        "recipe.warmup_steps=1",
+        "method.probe.epochs=1",
+        "method.probe.batch_size=64",
+        "method.phase_images=32",
+        "method.teacher_probe=false",
+        "eval.throughput=false",
+        "trainer.limit_train_batches=2",
+    ]
     for augment, expected in (("false", 1.0), ("true", 0.0)):
         seen = Batches()
         train(make_cfg(base + [f"method.distill_augment={augment}"], tmp_path / augment), callbacks=[seen])
@@ -595,7 +725,9 @@ def test_a_reference_file_with_another_mlp_width_is_refused_naming_the_file(tmp_
     message = str(err.value)
     assert str(path) in message and "64" in message and "\n" not in message
     torch.save(_reference_block_state(mlp_ratio=4.0), path)  # the reference's default: accepted
-    Raptor(surrogate=str(path), phases=[[0, 1, 2, 3]]).validate_budget({"kind": "blocks", "k": 1}, REFERENCE_ARCH)
+    Raptor(surrogate=str(path), phases=[[0, 1, 2, 3]]).validate_budget(
+        {"kind": "blocks", "k": 1}, REFERENCE_ARCH
+    )
 
 
 def test_a_file_holding_another_class_is_not_a_reference_file_in_one_line(tmp_path):
@@ -635,13 +767,16 @@ def test_reference_files_without_thresholds_require_method_phases(tmp_path):
             Raptor(surrogate=surrogate).validate_budget(budget, REFERENCE_ARCH)
     method = Raptor(surrogate=[block, block], phases=[[0, 1], [2, 3]], stage1_epochs=0, stage2_epochs=0)
     method.validate_budget(budget, REFERENCE_ARCH)
-    teacher = timm.create_model("vit_micro_patch14_dinov2", embed_dim=16, num_heads=2, depth=4, reg_tokens=4,
-                                num_classes=10)
+    teacher = timm.create_model(
+        "vit_micro_patch14_dinov2", embed_dim=16, num_heads=2, depth=4, reg_tokens=4, num_classes=10
+    )
     model = method.apply(teacher, budget)
     assert model.surrogate.phases == [[0, 1], [2, 3]] and method.record()["phases_source"] == "method.phases"
 
 
-def test_each_probe_logs_its_own_keys_so_the_loggers_test_top1_is_the_ledgers(make_cfg, results_dir, tmp_path):
+def test_each_probe_logs_its_own_keys_so_the_loggers_test_top1_is_the_ledgers(
+    make_cfg, results_dir, tmp_path
+):
     """The two probe stages log under their metrics prefix: the surrogate's ``test/top1`` (the
     ledger's ``top1``, W&B's summary) is not overwritten by the teacher's, logged as
     ``teacher_test/top1`` (``teacher_top1``)."""
@@ -650,9 +785,25 @@ def test_each_probe_logs_its_own_keys_so_the_loggers_test_top1_is_the_ledgers(ma
     from conftest import QUIET
     from vitexp.training.fit import train
 
-    out = train(make_cfg([*QUIET, "logger=csv", "backbone=dinov2_micro_reg", "method=raptor", "budget=blocks",
-                          "recipe=raptor", "data=synthetic", "recipe.epochs=1", "method.probe.epochs=1",
-                          "method.phase_images=16", "eval.throughput=false", "eval.flops=false"], tmp_path / "run"))
+    out = train(
+        make_cfg(
+            [
+                *QUIET,
+                "logger=csv",
+                "backbone=dinov2_micro_reg",
+                "method=raptor",
+                "budget=blocks",
+                "recipe=raptor",
+                "data=synthetic",
+                "recipe.epochs=1",
+                "method.probe.epochs=1",
+                "method.phase_images=16",
+                "eval.throughput=false",
+                "eval.flops=false",
+            ],
+            tmp_path / "run",
+        )
+    )
     rows = list(csv.DictReader((tmp_path / "run" / "csv" / "metrics.csv").open()))
     last = lambda key: [float(r[key]) for r in rows if r.get(key)][-1]  # noqa: E731
     assert last("test/top1") == pytest.approx(out["metrics"]["top1"])

@@ -1,5 +1,6 @@
 """``vitexp-sweep TABLE --kind eval``: the runs a table cites are re-evaluated once each, and a
 re-evaluated top-1 that differs from the ledger's fails the check (constructed ledger, fake vitexp-eval)."""
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,11 @@ def ledger(results_dir):
 def test_cited_runs_are_the_tables_newest_per_seed_once_each(ledger, results_dir):
     cited = recheck.cited_runs(SPEC, results_dir)
     assert [(c["row"], c["seed"], c["metrics"]) for c in cited] == [
-        ("pre", None, {"top1": 88.0}), ("base", 0, {"top1": 90.0}), ("base", 1, {"top1": 91.0}), ("meth", 0, {"top1": 86.0})]
+        ("pre", None, {"top1": 88.0}),
+        ("base", 0, {"top1": 90.0}),
+        ("base", 1, {"top1": 91.0}),
+        ("meth", 0, {"top1": 86.0}),
+    ]
     assert cited[-1]["run_id"] == ledger[("meth", 0)]
 
 
@@ -96,7 +101,9 @@ def test_agreeing_disagreeing_already_evaluated_and_failed_runs(ledger, results_
     assert failing["not_evaluated"] == [c["run_id"] for c in recheck.cited_runs(SPEC, results_dir)]
 
 
-@pytest.mark.parametrize("reevaluated, agrees", [(90.01, True), (89.99, True), (90.02, False), (89.98, False)])
+@pytest.mark.parametrize(
+    "reevaluated, agrees", [(90.01, True), (89.99, True), (90.02, False), (89.98, False)]
+)
 def test_one_image_of_ten_thousand_agrees_two_do_not(results_dir, reevaluated, agrees):
     spec = {**SPEC, "rows": [{"label": "Pretrained", "experiment": "pre", "seeds": None}]}
     run_id = _train(results_dir, "pre", 0, 90.0)
@@ -119,7 +126,9 @@ def test_a_detector_run_is_checked_on_both_aps(results_dir, ap_mask, agrees):
     no_aps = LedgerEntry("det+seed=1", "train", {"seed": 1, "objective": "detect"}, results_dir).start()
     no_aps.finish({"top1": 50.0})  # recorded no AP: nothing to compare
     run_id = entry.record["run_id"]
-    result = recheck.recheck(spec, results_dir, lambda rid: _detector_eval(results_dir, rid, 30.0, ap_mask) or 0)
+    result = recheck.recheck(
+        spec, results_dir, lambda rid: _detector_eval(results_dir, rid, 30.0, ap_mask) or 0
+    )
     (row,) = result["runs"]
     assert row["run_id"] == run_id and row["metrics"] == {"ap_box": 30.0, "ap_mask": 25.0}
     assert row["eval_metrics"] == {"ap_box": 30.0, "ap_mask": ap_mask} and row["agrees"] is agrees
@@ -128,10 +137,17 @@ def test_a_detector_run_is_checked_on_both_aps(results_dir, ap_mask, agrees):
     assert "ap_mask 25.00 % in the ledger" in recheck.report_lines(result)[-1]
 
 
-def test_cli_runs_vitexp_eval_per_run_and_fails_on_a_disagreement(ledger, results_dir, tmp_path, monkeypatch, capsys):
+def test_cli_runs_vitexp_eval_per_run_and_fails_on_a_disagreement(
+    ledger, results_dir, tmp_path, monkeypatch, capsys
+):
     spec_path = tmp_path / "recheck_fixture.yaml"
     spec_path.write_text(yaml.safe_dump({k: v for k, v in SPEC.items() if k != "name"}))
-    top1 = {ledger["pre"]: 88.0, ledger[("base", 0)]: 90.0, ledger[("base", 1)]: 91.0, ledger[("meth", 0)]: 86.0}
+    top1 = {
+        ledger["pre"]: 88.0,
+        ledger[("base", 0)]: 90.0,
+        ledger[("base", 1)]: 91.0,
+        ledger[("meth", 0)]: 86.0,
+    }
     commands, environments = [], []
     real_run = subprocess.run
 

@@ -9,6 +9,7 @@ the reference itself. The models are small configurations of the reference const
 four blocks per stage, widths 16 to 96), so every norm, scale and key runs in a fraction of a
 second. CaFormer and SHViT are timm's ports: the reference there is the original repository, whose
 checkpoint layout timm's filter (and vitexp's SHViT renaming) must convert."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,18 @@ from vitexp.models import CheckpointMismatchError, build_backbone
 
 FLOAT64_REL = 1e-9
 FLOAT32_FLOOR_FACTOR = 16
-ALL = ("t2t_vit_14", "t2t_vit_t_14", "lvvit_s", "dinov2_vits14", "dinov2_vits14_reg", "raptor", "tome", "evit",
-       "caformer", "shvit")
+ALL = (
+    "t2t_vit_14",
+    "t2t_vit_t_14",
+    "lvvit_s",
+    "dinov2_vits14",
+    "dinov2_vits14_reg",
+    "raptor",
+    "tome",
+    "evit",
+    "caformer",
+    "shvit",
+)
 
 
 #: Each reference evaluation's choice from a release holding two weight sets: (the set it loads,
@@ -37,10 +48,12 @@ ALL = ("t2t_vit_14", "t2t_vit_t_14", "lvvit_s", "dinov2_vits14", "dinov2_vits14_
 #: - TokenLabeling @ 9dbfd59: validate.py:98 ``--use-ema`` store_true (default False), validate.py:150
 #:   ``load_checkpoint(model, args.checkpoint, args.use_ema)``: ``state_dict``.
 #: - SHViT @ 6a729cc: README.md:100 ``main.py --eval --resume``, main.py:369 ``checkpoint['model']``: ``model``.
-RELEASE_SETS = {"t2t_vit_14": ("state_dict_ema", "state_dict", False),
-                "t2t_vit_t_14": ("state_dict_ema", "state_dict", False),
-                "lvvit_s": ("state_dict", "state_dict_ema", True),
-                "shvit": ("model", "model_ema", True)}
+RELEASE_SETS = {
+    "t2t_vit_14": ("state_dict_ema", "state_dict", False),
+    "t2t_vit_t_14": ("state_dict_ema", "state_dict", False),
+    "lvvit_s": ("state_dict", "state_dict_ema", True),
+    "shvit": ("model", "model_ema", True),
+}
 
 
 def _checkpoint(fx: dict, path: Path, layout: str = "plain") -> Path:
@@ -60,7 +73,9 @@ def _checkpoint(fx: dict, path: Path, layout: str = "plain") -> Path:
         loaded, skipped, _ = RELEASE_SETS[fx["architecture"]]
         if layout == "other":
             loaded, skipped = skipped, loaded
-        wrap = module if loaded.startswith("state_dict") else dict  # timm's CheckpointSaver under DDP; SHViT's main.py
+        wrap = (
+            module if loaded.startswith("state_dict") else dict
+        )  # timm's CheckpointSaver under DDP; SHViT's main.py
         state = {loaded: wrap(state), skipped: wrap(other), "args": args, "epoch": 309}
     torch.save(state, path)
     return path
@@ -70,14 +85,26 @@ def _backbone(fx: dict, path: Path, img_size: int | None = None, use_ema: bool |
     """``build_backbone`` as ``backbone.pretrained=<path>`` builds it; ``use_ema`` None: the key
     absent, as in every backbone config file."""
     v = fx["vitexp"]
-    cfg = {"timm_name": v["timm_name"], "img_size": img_size or v["img_size"], "pretrained": str(path),
-           "kwargs": v["kwargs"], **({"img_size_kwarg": v["img_size_kwarg"]} if "img_size_kwarg" in v else {}),
-           **({} if use_ema is None else {"use_ema": use_ema})}
+    cfg = {
+        "timm_name": v["timm_name"],
+        "img_size": img_size or v["img_size"],
+        "pretrained": str(path),
+        "kwargs": v["kwargs"],
+        **({"img_size_kwarg": v["img_size_kwarg"]} if "img_size_kwarg" in v else {}),
+        **({} if use_ema is None else {"use_ema": use_ema}),
+    }
     return build_backbone(cfg, num_classes=v["num_classes"]).eval()
 
 
-def _compare(model, fx: dict, forward=None, x_spec: dict | None = None, expected=None, floor: float | None = None,
-             abs64: float | None = None):
+def _compare(
+    model,
+    fx: dict,
+    forward=None,
+    x_spec: dict | None = None,
+    expected=None,
+    floor: float | None = None,
+    abs64: float | None = None,
+):
     """float64 within FLOAT64_REL (and within ``abs64`` absolute, where given); float32 within
     FLOAT32_FLOOR_FACTOR x the fixture's floor."""
     forward = forward or (lambda m, inp: m(inp))
@@ -87,15 +114,21 @@ def _compare(model, fx: dict, forward=None, x_spec: dict | None = None, expected
     with torch.no_grad():
         out64 = forward(copy.deepcopy(model).double(), x)
         rel64 = max_rel(out64, ref)
-        assert rel64 <= FLOAT64_REL, f"{fx['architecture']}: float64 differs from {fx['repository']} by {rel64:.3g}"
+        assert rel64 <= FLOAT64_REL, (
+            f"{fx['architecture']}: float64 differs from {fx['repository']} by {rel64:.3g}"
+        )
         if abs64 is not None:
             delta = float((out64 - ref).abs().max())
-            assert delta <= abs64, f"{fx['architecture']}: float64 max |delta| {delta:.3g} from {fx['repository']}"
+            assert delta <= abs64, (
+                f"{fx['architecture']}: float64 max |delta| {delta:.3g} from {fx['repository']}"
+            )
         if floor is not None:
             out32 = forward(copy.deepcopy(model).float(), x.float())
             rel32 = max_rel(out32, ref)
             assert rel32 <= FLOAT32_FLOOR_FACTOR * floor, (
-                f"{fx['architecture']}: float32 differs by {rel32:.3g}, the reference's own float32 rounding is {floor:.3g}")
+                f"{fx['architecture']}: float32 differs by {rel32:.3g}, the reference's own float32 rounding"
+                f" is {floor:.3g}"
+            )
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -133,7 +166,10 @@ def test_a_release_with_two_weight_sets_gives_the_reference_evaluations_logits(n
     assert flipped.pretrained_weights.weights == skipped
     x = seeded_input(fx["input"]["shape"], fx["input"]["seed"])
     with torch.no_grad():
-        assert max_rel(copy.deepcopy(flipped).double()(x), torch.tensor(fx["output"], dtype=torch.float64)) > 1e-3
+        assert (
+            max_rel(copy.deepcopy(flipped).double()(x), torch.tensor(fx["output"], dtype=torch.float64))
+            > 1e-3
+        )
     _compare(_backbone(fx, _checkpoint(fx, tmp_path / f"{name}_other.pth.tar", "other"), use_ema=flip), fx)
 
 
@@ -170,11 +206,13 @@ def test_dinov2_hub_checkpoint_gives_the_hub_model_features(name, tmp_path):
 
     def features(m, x):
         f = m.forward_features(x)
-        return torch.cat([f[:, 0], f[:, m.num_prefix_tokens:].mean(dim=1)], dim=-1)
+        return torch.cat([f[:, 0], f[:, m.num_prefix_tokens :].mean(dim=1)], dim=-1)
 
     _compare(_backbone(fx, path), fx, features, floor=fx["float32_floor"]["max_rel"])
     native = fx["native"]
-    _compare(_backbone(fx, path, img_size=native["img_size"]), fx, features, native["input"], native["output"])
+    _compare(
+        _backbone(fx, path, img_size=native["img_size"]), fx, features, native["input"], native["output"]
+    )
 
 
 def _iterate(blocks, phases, x):
@@ -217,11 +255,22 @@ def test_raptor_method_starts_from_the_reference_surrogate():
 
     fx = load_fixture("raptor")
     args = fx["reference"]["args"]
-    teacher = timm.create_model("vit_micro_patch14_dinov2", embed_dim=args["dim"], num_heads=args["num_heads"],
-                                depth=fx["vitexp"]["teacher_depth"], reg_tokens=4, num_classes=10)
+    teacher = timm.create_model(
+        "vit_micro_patch14_dinov2",
+        embed_dim=args["dim"],
+        num_heads=args["num_heads"],
+        depth=fx["vitexp"]["teacher_depth"],
+        reg_tokens=4,
+        num_classes=10,
+    )
     method = Raptor(surrogate=str(FIXTURES / "raptor_surrogate.pt"), stage1_epochs=0, stage2_epochs=0)
-    arch = {"depth": 4, "num_heads": args["num_heads"], "embed_dim": args["dim"], "patch_size": 14,
-            "num_prefix_tokens": 5}
+    arch = {
+        "depth": 4,
+        "num_heads": args["num_heads"],
+        "embed_dim": args["dim"],
+        "patch_size": 14,
+        "num_prefix_tokens": 5,
+    }
     method.validate_budget({"kind": "blocks", "k": 2}, arch)
     method.prepare(teacher, datamodule=object())  # thresholds given: no distance matrix, no data touched
     model = method.apply(teacher, {"kind": "blocks", "k": 2})
@@ -230,7 +279,8 @@ def test_raptor_method_starts_from_the_reference_surrogate():
     _compare(surrogate.blocks, fx, lambda m, x: _iterate(m, surrogate.phases, x))
     with pytest.raises(Exception, match="2 blocks, budget.k=3"):
         Raptor(surrogate=str(FIXTURES / "raptor_surrogate.pt"), min_phase_size=1).validate_budget(
-            {"kind": "blocks", "k": 3}, arch)
+            {"kind": "blocks", "k": 3}, arch
+        )
 
 
 def test_tome_matches_the_reference_patch(tmp_path):
@@ -239,7 +289,9 @@ def test_tome_matches_the_reference_patch(tmp_path):
     from vitexp.methods.tome import ToMe
 
     fx = load_fixture("tome")
-    model = ToMe(prop_attn=True).apply(_backbone(fx, _checkpoint(fx, tmp_path / "deit.pth")), fx["vitexp"]["budget"])
+    model = ToMe(prop_attn=True).apply(
+        _backbone(fx, _checkpoint(fx, tmp_path / "deit.pth")), fx["vitexp"]["budget"]
+    )
     _compare(model.eval(), fx, floor=fx["float32_floor"]["max_rel"])
 
 
@@ -251,7 +303,8 @@ def test_evit_matches_the_reference_model(tmp_path):
     fx = load_fixture("evit")
     backbone = _backbone(fx, _checkpoint(fx, tmp_path / "deit.pth"))
     model = EViT(prune_layers=fx["vitexp"]["prune_layers"], fuse_token=True).apply(
-        backbone, {"kind": "keep_ratio", "keep_ratio": fx["vitexp"]["keep_ratio"]})
+        backbone, {"kind": "keep_ratio", "keep_ratio": fx["vitexp"]["keep_ratio"]}
+    )
     _compare(model.eval(), fx, floor=fx["float32_floor"]["max_rel"])
 
 
@@ -268,8 +321,13 @@ def test_unknown_checkpoint_layout_names_the_file_and_the_expected_keys(name, tm
     assert "blocks.0.norm1.weight" in err.value.missing
 
 
-@pytest.mark.parametrize("source, target, key", [("dinov2_vits14_reg", "dinov2_vits14", "register_tokens"),
-                                                 ("dinov2_vits14", "dinov2_vits14_reg", "reg_token")])
+@pytest.mark.parametrize(
+    "source, target, key",
+    [
+        ("dinov2_vits14_reg", "dinov2_vits14", "register_tokens"),
+        ("dinov2_vits14", "dinov2_vits14_reg", "reg_token"),
+    ],
+)
 def test_dinov2_hub_file_with_other_registers_names_the_file_and_the_keys(source, target, key, tmp_path):
     """A hub file with registers in a model without them, or the reverse: timm's filter fails on a
     reshape of the position table (a RuntimeError), which is the file's mismatch, named."""

@@ -1,5 +1,6 @@
 """The run owner (vitexp.runs.owner): resume=auto after SIGKILL, stale entries, portable paths, the
 closing JSON line on every exit, and the package's shape (no import cycle, short modules)."""
+
 from __future__ import annotations
 
 import ast
@@ -16,13 +17,34 @@ import pytest
 from conftest import QUIET, cli_env, ledger_entries, config_of
 
 ROOT = Path(__file__).resolve().parent.parent
-SMALL_RUN = ["data=synthetic", "data.num_train=64", "data.num_val=16", "data.num_test=32", "recipe.batch_size=16",
-             "recipe.epochs=4", "recipe.warmup_epochs=1", "recipe.mixup=0.8", "recipe.drop_path=0.1",
-             "eval.throughput=false", "eval.flops=false", "trainer.enable_progress_bar=false", "logger=wandb"]
+SMALL_RUN = [
+    "data=synthetic",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_test=32",
+    "recipe.batch_size=16",
+    "recipe.epochs=4",
+    "recipe.warmup_epochs=1",
+    "recipe.mixup=0.8",
+    "recipe.drop_path=0.1",
+    "eval.throughput=false",
+    "eval.flops=false",
+    "trainer.enable_progress_bar=false",
+    "logger=wandb",
+]
 
 
 def train_cmd(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "vitexp.commands.cli", "train", *SMALL_RUN, "resume=auto", f"hydra.run.dir={run_dir}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "vitexp.commands.cli",
+        "train",
+        *SMALL_RUN,
+        "resume=auto",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def last_json(stdout: str) -> dict:
@@ -34,15 +56,21 @@ def test_resume_auto_after_sigkill_continues_the_same_entry_and_wandb_run(tmp_pa
     """(About 2 minutes of CPU: three processes.) SIGKILL once the first epoch's checkpoint exists, then the identical command: one ledger
     entry, completed, with the test metrics of an uninterrupted run, and one W&B run id."""
     whole_results, split_results = tmp_path / "whole_results", tmp_path / "split_results"
-    whole = subprocess.run(train_cmd(tmp_path / "whole"), env=cli_env(whole_results), capture_output=True,
-                           text=True, timeout=600)
+    whole = subprocess.run(
+        train_cmd(tmp_path / "whole"), env=cli_env(whole_results), capture_output=True, text=True, timeout=600
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     expected = last_json(whole.stdout)["metrics"]
 
     run_dir = tmp_path / "split"
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    proc = subprocess.Popen(train_cmd(run_dir), env=cli_env(split_results), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        train_cmd(run_dir),
+        env=cli_env(split_results),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 300
     while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -52,7 +80,9 @@ def test_resume_auto_after_sigkill_continues_the_same_entry_and_wandb_run(tmp_pa
     (killed,) = ledger_entries(split_results)
     assert killed["status"] == "running", "killed after the run completed: nothing was interrupted"
 
-    again = subprocess.run(train_cmd(run_dir), env=cli_env(split_results), capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        train_cmd(run_dir), env=cli_env(split_results), capture_output=True, text=True, timeout=600
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     (entry,) = ledger_entries(split_results)
     assert entry["run_id"] == killed["run_id"] and entry["status"] == "completed"
@@ -78,7 +108,9 @@ class _CrashAtEpoch:
         return Crash()
 
 
-def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_run(make_cfg, results_dir, tmp_path):
+def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_run(
+    make_cfg, results_dir, tmp_path
+):
     """The fast variant: a run stopped at epoch 1, then the same config again with resume=auto. The
     same seed trained again from scratch would end with the same metrics: the second attempt's
     ``resumed_from`` (the first attempt's checkpoint, 1 epoch and 2 steps done) is what shows it resumed
@@ -86,8 +118,11 @@ def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_ru
     from vitexp.ledger import portable_path
     from vitexp.training.fit import train
 
-    over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
-        "resume=auto", "recipe.epochs=3", "data.num_train=32", "data.num_test=16"]
+    over = (
+        [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))]
+        + QUIET[:1]
+        + ["resume=auto", "recipe.epochs=3", "data.num_train=32", "data.num_test=16"]
+    )
     whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]
     with pytest.raises(RuntimeError, match="preempted"):
         train(make_cfg(over, tmp_path / "split"), callbacks=[_CrashAtEpoch(1)])
@@ -99,12 +134,17 @@ def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_ru
     assert entry["attempts"][0]["status"] == "failed" and "preempted" in entry["attempts"][0]["error"]
     assert entry["wandb_id"] == json.loads((tmp_path / "split" / "run.json").read_text())["wandb_id"]
     assert resumed["metrics"]["steps"] == whole["steps"]
-    assert resumed["metrics"]["top1"] == pytest.approx(whole["top1"]) and \
-        resumed["metrics"]["test_loss"] == pytest.approx(whole["test_loss"], rel=1e-6)
+    assert resumed["metrics"]["top1"] == pytest.approx(whole["top1"]) and resumed["metrics"][
+        "test_loss"
+    ] == pytest.approx(whole["test_loss"], rel=1e-6)
     assert first[0]["resumed_from"] is None and entry["attempts"][0]["resumed_from"] is None
     ckpt = portable_path(tmp_path / "split" / "checkpoints" / "last.ckpt", results_dir)
-    assert entry["resumed_from"] == {"main": {"checkpoint": ckpt, "epoch": 1, "global_step": 2}}  # 32 images, batch 16
-    assert [e["resumed_from"] for e in entries if e["run_id"] != entry["run_id"]] == [None]  # the uninterrupted run
+    assert entry["resumed_from"] == {
+        "main": {"checkpoint": ckpt, "epoch": 1, "global_step": 2}
+    }  # 32 images, batch 16
+    assert [e["resumed_from"] for e in entries if e["run_id"] != entry["run_id"]] == [
+        None
+    ]  # the uninterrupted run
 
 
 def test_resume_refuses_a_folder_that_holds_another_run(make_cfg, results_dir, tmp_path):
@@ -113,8 +153,11 @@ def test_resume_refuses_a_folder_that_holds_another_run(make_cfg, results_dir, t
     from vitexp.errors import ConfigError
     from vitexp.training.fit import train
 
-    over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
-        "resume=auto", "recipe.epochs=2", "data.num_train=32", "data.num_test=16"]
+    over = (
+        [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))]
+        + QUIET[:1]
+        + ["resume=auto", "recipe.epochs=2", "data.num_train=32", "data.num_test=16"]
+    )
     with pytest.raises(RuntimeError, match="preempted"):
         train(make_cfg(over, tmp_path / "split"), callbacks=[_CrashAtEpoch(1)])
     before = ledger_entries(results_dir)
@@ -149,7 +192,9 @@ def test_a_running_entry_whose_process_is_gone_is_interrupted(results_dir, tmp_p
     alive = LedgerEntry("demo", "train", config_of("demo"), results_dir).start()
     assert effective_status(alive.record) == "running"  # this process
     spec = load_spec("demo")
-    assert plan(spec, "train", False, results_dir)["train"]["skip"] == ["demo"]  # running now: not launched twice
+    assert plan(spec, "train", False, results_dir)["train"]["skip"] == [
+        "demo"
+    ]  # running now: not launched twice
     alive.record["env"]["pid"] = dead_pid()
     from vitexp.ledger import atomic_write_json
 
@@ -170,7 +215,11 @@ def test_a_running_entry_from_another_host_is_interrupted_once_its_heartbeat_sto
     from vitexp.ledger import INTERRUPTED, effective_status
 
     now = dt.datetime(2026, 1, 2, 12, 0, tzinfo=dt.timezone.utc)
-    entry = {"status": "running", "env": {"hostname": "node-17", "pid": 1}, "started": "2026-01-02T00:00:00+00:00"}
+    entry = {
+        "status": "running",
+        "env": {"hostname": "node-17", "pid": 1},
+        "started": "2026-01-02T00:00:00+00:00",
+    }
     assert effective_status(entry, now) == INTERRUPTED  # 12 h since the start, never beat
     entry["heartbeat"] = "2026-01-02T11:00:00+00:00"
     assert effective_status(entry, now) == "running"  # beat an hour ago
@@ -205,32 +254,62 @@ def test_ledger_paths_are_relative_to_the_results_folder(make_cfg, results_dir):
     from vitexp.ledger import local_path
     from vitexp.training.fit import train
 
-    cfg = make_cfg(QUIET + ["data=synthetic", "data.num_train=16", "data.num_val=8", "data.num_test=8",
-                            "recipe.batch_size=8", "recipe.epochs=1", "recipe.warmup_epochs=0", "eval.throughput=false",
-                            "logger=csv"], output_dir=results_dir / "outputs" / "r1")
+    cfg = make_cfg(
+        QUIET
+        + [
+            "data=synthetic",
+            "data.num_train=16",
+            "data.num_val=8",
+            "data.num_test=8",
+            "recipe.batch_size=8",
+            "recipe.epochs=1",
+            "recipe.warmup_epochs=0",
+            "eval.throughput=false",
+            "logger=csv",
+        ],
+        output_dir=results_dir / "outputs" / "r1",
+    )
     train(cfg)
     (entry,) = ledger_entries(results_dir)
     text = json.dumps(entry["artifacts"]) + entry["output_dir"]
     assert str(results_dir) not in text and str(ROOT) not in text
     assert entry["artifacts"]["weights"] == "outputs/r1/weights.pth"
-    assert local_path(entry["artifacts"]["weights"], results_dir) == results_dir / "outputs" / "r1" / "weights.pth"
+    assert (
+        local_path(entry["artifacts"]["weights"], results_dir)
+        == results_dir / "outputs" / "r1" / "weights.pth"
+    )
 
 
 def run_cli(*args: str, results_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vitexp.commands.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          env=cli_env(results_dir), timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "vitexp.commands.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=cli_env(results_dir),
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("args,needle", [  # vitexp-train's other bad inputs: tests/test_cli.py, BAD_INPUTS
-    (["train", "+recipe.lrr=1", "logger=none"], "valid keys"),
-    (["train", "++recipe.lrr=1", "logger=none"], "valid keys"),
-    (["tables", "--wandb", "nobody/nothing"], "W&B"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [  # vitexp-train's other bad inputs: tests/test_cli.py, BAD_INPUTS
+        (["train", "+recipe.lrr=1", "logger=none"], "valid keys"),
+        (["train", "++recipe.lrr=1", "logger=none"], "valid keys"),
+        (["tables", "--wandb", "nobody/nothing"], "W&B"),
+    ],
+)
 def test_every_exit_ends_with_a_json_line_and_leaves_no_empty_folder(args, needle, results_dir, tmp_path):
     env = cli_env(results_dir)
     env.pop("WANDB_API_KEY", None)
-    proc = subprocess.run([sys.executable, "-m", "vitexp.commands.cli", *args], capture_output=True, text=True, cwd=tmp_path,
-                          env={**env, "WANDB_MODE": "offline", "NETRC": str(tmp_path / "none")}, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vitexp.commands.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**env, "WANDB_MODE": "offline", "NETRC": str(tmp_path / "none")},
+        timeout=300,
+    )
     assert proc.returncode != 0
     result = last_json(proc.stdout)
     assert result["status"] in ("invalid", "failed") and needle in result["error"] + proc.stderr
@@ -255,9 +334,15 @@ def _vitexp_graph() -> dict[str, set[str]]:
     for mod, path in mods.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):  # function-level imports count too
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("vitexp"):
-                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else owner(node.module)
-                         for a in node.names}
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").startswith("vitexp")
+            ):
+                deps |= {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else owner(node.module)
+                    for a in node.names
+                }
             elif isinstance(node, ast.Import):
                 deps |= {owner(a.name) for a in node.names if a.name.startswith("vitexp")}
         graph[mod] = deps - {mod}
@@ -271,8 +356,11 @@ def test_vitexp_has_no_import_cycle():
     def visit(mod: str, path: list[str]) -> None:
         state[mod] = 1
         for dep in sorted(graph.get(mod, ())):
-            assert state.get(dep) != 1, "import cycle: " + " -> ".join(path[path.index(dep):] + [dep]) \
-                if dep in path else f"import cycle through {dep}"
+            assert state.get(dep) != 1, (
+                "import cycle: " + " -> ".join(path[path.index(dep) :] + [dep])
+                if dep in path
+                else f"import cycle through {dep}"
+            )
             if dep not in state:
                 visit(dep, path + [dep])
         state[mod] = 2
@@ -292,7 +380,9 @@ def _statements(path: Path) -> int:
 def test_no_module_over_300_statements():
     """Small modules: at most 300 logical lines each (the formatter spreads a statement over as many
     physical lines as its width needs, so the physical count says less about a module's size)."""
-    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "vitexp").rglob("*.py") if (n := _statements(p)) > 300}
+    long = {
+        str(p.relative_to(ROOT)): n for p in (ROOT / "vitexp").rglob("*.py") if (n := _statements(p)) > 300
+    }
     assert not long, long
 
 
@@ -310,7 +400,9 @@ def test_the_progress_bar_shows_accuracy_in_percent(monkeypatch):
 
     from vitexp.training.build import PercentProgressBar
 
-    monkeypatch.setattr(TQDMProgressBar, "get_metrics", lambda self, t, m: {"val/top1": 0.9531, "train/loss": 0.25})
+    monkeypatch.setattr(
+        TQDMProgressBar, "get_metrics", lambda self, t, m: {"val/top1": 0.9531, "train/loss": 0.25}
+    )
     assert PercentProgressBar().get_metrics(None, None) == {"val/top1": "95.31%", "train/loss": 0.25}
 
 
@@ -337,7 +429,9 @@ def test_a_resumed_run_may_pin_a_newer_run_of_its_teacher_but_not_another_teache
 
     (tmp_path / "runs").mkdir()
     for run_id, experiment in (("a1", "teacher"), ("a2", "teacher"), ("b1", "other")):
-        (tmp_path / "runs" / f"{run_id}.json").write_text(json.dumps({"run_id": run_id, "experiment": experiment}))
+        (tmp_path / "runs" / f"{run_id}.json").write_text(
+            json.dumps({"run_id": run_id, "experiment": experiment})
+        )
 
     def config(pin):
         return {"results_dir": str(tmp_path), "name": "x", "backbone": {"pretrained": f"run:{pin}"}}
@@ -357,10 +451,26 @@ def test_wandb_shows_the_ledgers_top1_in_a_group_with_tags(make_cfg, results_dir
     inits, logged = [], {}
     real_init, real_log = wandb.init, Run.log
     monkeypatch.setattr(wandb, "init", lambda **kw: (inits.append(kw), real_init(**kw))[1])
-    monkeypatch.setattr(Run, "log", lambda self, data, *a, **kw: (logged.update(data), real_log(self, data, *a, **kw))[1])
-    cfg = make_cfg(["data=synthetic", "data.noise=0.1", "data.num_train=32", "data.num_val=16", "data.num_test=64",
-                    "recipe.batch_size=16", "recipe.epochs=1", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false",
-                    "trainer.enable_progress_bar=false", "logger=wandb"], tmp_path / "wandb_run")
+    monkeypatch.setattr(
+        Run, "log", lambda self, data, *a, **kw: (logged.update(data), real_log(self, data, *a, **kw))[1]
+    )
+    cfg = make_cfg(
+        [
+            "data=synthetic",
+            "data.noise=0.1",
+            "data.num_train=32",
+            "data.num_val=16",
+            "data.num_test=64",
+            "recipe.batch_size=16",
+            "recipe.epochs=1",
+            "recipe.warmup_epochs=0",
+            "eval.throughput=false",
+            "eval.flops=false",
+            "trainer.enable_progress_bar=false",
+            "logger=wandb",
+        ],
+        tmp_path / "wandb_run",
+    )
     result = train(cfg)
     (entry,) = ledger_entries(results_dir)
     assert entry["metrics"]["top1"] == result["metrics"]["top1"] > 1.0  # a fraction would be at most 1
@@ -396,15 +506,20 @@ def _stop(signum, frame):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_interrupts_the_entry_and_the_resumed_run_sums_its_attempts(make_cfg, results_dir, tmp_path, signum):
+def test_a_signal_interrupts_the_entry_and_the_resumed_run_sums_its_attempts(
+    make_cfg, results_dir, tmp_path, signum
+):
     """SIGINT and SIGTERM close the entry ``interrupted`` with the signal (not ``failed``), then reach the
     handler that was there before the run (Python's KeyboardInterrupt for SIGINT; for SIGTERM this test's
     own handler, where a bare process would end); resume=auto continues it, and its fit_time_s is the
     sum of both attempts' (each kept under attempts)."""
     from vitexp.training.fit import train
 
-    over = [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))] + QUIET[:1] + [
-        "resume=auto", "recipe.epochs=3", "data.num_train=32", "data.num_test=16"]
+    over = (
+        [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))]
+        + QUIET[:1]
+        + ["resume=auto", "recipe.epochs=3", "data.num_train=32", "data.num_test=16"]
+    )
     cfg = make_cfg(over, tmp_path / "split")
     before = signal.signal(signal.SIGTERM, _stop) if signum == signal.SIGTERM else None
     try:
@@ -417,7 +532,11 @@ def test_a_signal_interrupts_the_entry_and_the_resumed_run_sums_its_attempts(mak
             signal.signal(signal.SIGTERM, before)
     (entry,) = ledger_entries(results_dir)
     name = signal.Signals(signum).name
-    assert entry["status"] == "interrupted" and entry["signal"] == name and entry["error"] == f"interrupted by {name}"
+    assert (
+        entry["status"] == "interrupted"
+        and entry["signal"] == name
+        and entry["error"] == f"interrupted by {name}"
+    )
     first = entry["attempt_fit_time_s"]["main"]
     assert first > 0
     resumed = train(make_cfg(over, tmp_path / "split"))
@@ -436,9 +555,28 @@ def test_a_signal_to_pytest_ends_the_session_and_the_run_is_interrupted(tmp_path
     base = tmp_path / "pytest"
     env = {**cli_env(tmp_path / "unused"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", str(ROOT / "tests" / "interrupt_target.py"), "-p", "no:cacheprovider",
-         "-p", "no:xdist", "-q", "-o", "addopts=", f"--basetemp={base}", "--rootdir", str(ROOT / "tests")],
-        cwd=ROOT / "tests", env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(ROOT / "tests" / "interrupt_target.py"),
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-q",
+            "-o",
+            "addopts=",
+            f"--basetemp={base}",
+            "--rootdir",
+            str(ROOT / "tests"),
+        ],
+        cwd=ROOT / "tests",
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not list(base.glob("test_train_until_interrupted0/run/checkpoints/*.ckpt")):  # one epoch done
@@ -486,9 +624,18 @@ def test_a_run_folder_is_owned_by_one_live_process(tmp_path):
     from vitexp.runs.lock import RunFolderLock
 
     folder = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vitexp.runs.lock import RunFolderLock; "
-                               f"RunFolderLock({str(folder)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from vitexp.runs.lock import RunFolderLock; "
+                f"RunFolderLock({str(folder)!r}).acquire(); print('held', flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError, match=f"in use by process {holder.pid}"):
@@ -498,7 +645,9 @@ def test_a_run_folder_is_owned_by_one_live_process(tmp_path):
         assert (folder / "run.lock").exists()  # the file stays; its lock died with its process
         mine = RunFolderLock(folder).acquire()
         assert json.loads((folder / "run.lock").read_text())["pid"] == __import__("os").getpid()
-        assert RunFolderLock(folder).acquire().held is False  # this process's own: re-entered, not taken twice
+        assert (
+            RunFolderLock(folder).acquire().held is False
+        )  # this process's own: re-entered, not taken twice
         mine.release()
         RunFolderLock(folder).acquire().release()
     finally:
@@ -526,10 +675,20 @@ def test_two_identical_commands_on_one_folder_never_share_a_run(tmp_path):
     completed and one refused with exit 2 (the folder in use, or, when the first finished before the
     second looked, holding a completed run); never both exiting 0 on one entry."""
     results = tmp_path / "results"
-    cmd = [*train_cmd(tmp_path / "same", "logger=none", "recipe.epochs=2", "data.num_train=32", "data.num_val=16",
-                      "data.num_test=16")]
-    procs = [subprocess.Popen(cmd, env=cli_env(results), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    cmd = [
+        *train_cmd(
+            tmp_path / "same",
+            "logger=none",
+            "recipe.epochs=2",
+            "data.num_train=32",
+            "data.num_val=16",
+            "data.num_test=16",
+        )
+    ]
+    procs = [
+        subprocess.Popen(cmd, env=cli_env(results), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     codes = sorted(p.returncode for p in procs)
     completed = [e for e in ledger_entries(results) if e["status"] == "completed"]
@@ -537,8 +696,9 @@ def test_two_identical_commands_on_one_folder_never_share_a_run(tmp_path):
     assert len(completed) == (2 if codes == [0, 0] else 1) and len(ledger_entries(results)) == len(completed)
     if codes == [0, 2]:
         refused = next(last_json(o[0]) for p, o in zip(procs, outs) if p.returncode == 2)
-        assert refused["status"] == "invalid" and ("is in use by process" in refused["error"]
-                                                   or "holds the completed run" in refused["error"])
+        assert refused["status"] == "invalid" and (
+            "is in use by process" in refused["error"] or "holds the completed run" in refused["error"]
+        )
 
 
 def test_a_run_folder_outside_the_repository_leaves_no_absolute_path(make_cfg, results_dir, tmp_path, capsys):
@@ -551,8 +711,13 @@ def test_a_run_folder_outside_the_repository_leaves_no_absolute_path(make_cfg, r
     elsewhere = tmp_path / "scratch" / "me" / "run1"
     run_flops(make_cfg(["experiment=demo", "logger=csv"], output_dir=elsewhere))
     closing = capsys.readouterr().out.strip().splitlines()[-1]
-    failed = LedgerEntry("demo", "train", {}, results_dir).start()  # closed as Run._fail closes it: with its folder
-    failed.fail(FileNotFoundError(f"[Errno 2] No such file or directory: '{elsewhere}/weights.pth'"), output_dir=elsewhere)
+    failed = LedgerEntry(
+        "demo", "train", {}, results_dir
+    ).start()  # closed as Run._fail closes it: with its folder
+    failed.fail(
+        FileNotFoundError(f"[Errno 2] No such file or directory: '{elsewhere}/weights.pth'"),
+        output_dir=elsewhere,
+    )
     texts = [closing] + [p.read_text() for p in (results_dir / "runs").glob("*.json")]
     for text in texts:
         assert str(tmp_path) not in text and str(PROJECT_ROOT) not in text, text[:2000]

@@ -1,5 +1,6 @@
 """SAPER's head gating, physical head removal, FLOPs protocol and reported accuracy
 (vitexp/methods/saper/, vitexp/training/modules.py DistillModule, vitexp/training/fit.py)."""
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,9 @@ def micro(num_classes: int = 10, **kwargs):
 def attention_matters_model(k: int, fold_gates: bool = False):
     """SAPER on the micro DINOv2 with LayerScale 1 (not 1e-5), in float64, so attention moves the
     output; the scores are random."""
-    model = SaperHeads(fold_gates=fold_gates).apply(micro(init_values=1.0), {"kind": "heads", "k": k}).double()
+    model = (
+        SaperHeads(fold_gates=fold_gates).apply(micro(init_values=1.0), {"kind": "heads", "k": k}).double()
+    )
     with torch.no_grad():
         model.selector.scores.copy_(torch.randn(16, generator=torch.Generator().manual_seed(k)))
     return model
@@ -158,10 +161,21 @@ def test_gates_follow_the_scores_and_reach_the_hard_mask_at_the_end():
     assert sel.scores.grad is not None and sel.scores.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("trainable, extra", [
-    ("scores", set()),
-    ("mlp", {f"backbone.blocks.{i}.mlp.{fc}.{p}" for i in range(4) for fc in ("fc1", "fc2") for p in ("weight", "bias")}),
-])
+@pytest.mark.parametrize(
+    "trainable, extra",
+    [
+        ("scores", set()),
+        (
+            "mlp",
+            {
+                f"backbone.blocks.{i}.mlp.{fc}.{p}"
+                for i in range(4)
+                for fc in ("fc1", "fc2")
+                for p in ("weight", "bias")
+            },
+        ),
+    ],
+)
 def test_what_trains(trainable, extra):
     model = SaperHeads(trainable=trainable).apply(micro(), {"kind": "heads", "k": 5})
     trainable_names = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -199,18 +213,24 @@ def test_knn_features_default_to_the_cls_token():
             model = method.deploy(model)
         tokens = model.backbone.forward_features(x)
         torch.testing.assert_close(model(x), tokens[:, 0])
-    both = SaperDistill(knn_features="cls_mean").deploy(SaperDistill(knn_features="cls_mean").apply(
-        micro(), {"kind": "heads", "k": 15})).eval()
+    both = (
+        SaperDistill(knn_features="cls_mean")
+        .deploy(SaperDistill(knn_features="cls_mean").apply(micro(), {"kind": "heads", "k": 15}))
+        .eval()
+    )
     tokens = both.backbone.forward_features(x)
     torch.testing.assert_close(both(x), torch.cat([tokens[:, 0], tokens[:, 1:].mean(1)], -1))
 
 
-@pytest.mark.parametrize("name, k, gflops", [
-    ("vit_base_patch14_dinov2", None, 46.33),
-    ("vit_small_patch14_dinov2", None, 12.25),
-    ("vit_base_patch14_dinov2", 24, 32.17),
-    ("vit_base_patch14_dinov2", 6, 30.05),
-])
+@pytest.mark.parametrize(
+    "name, k, gflops",
+    [
+        ("vit_base_patch14_dinov2", None, 46.33),
+        ("vit_small_patch14_dinov2", None, 12.25),
+        ("vit_base_patch14_dinov2", 24, 32.17),
+        ("vit_base_patch14_dinov2", 6, 30.05),
+    ],
+)
 def test_saper_flops_protocol(name, k, gflops):
     """224 px, no registers (257 tokens), GFLOPs = 2 x MACs, attention counted, the linear head on
     [CLS ‖ mean of patches] included; for any choice of surviving heads."""
@@ -236,10 +256,18 @@ def test_training_anneals_the_head_budget_through_the_module(tmp_path):
 
     model = SaperHeads(anneal_fraction=0.5).apply(micro(), {"kind": "heads", "k": 5})
     recipe = dict(vconfig.compose(["recipe.epochs=2", "recipe.warmup_epochs=0", "recipe.lr=0.01"]).recipe)
-    dm = SyntheticDataModule(num_train=64, num_val=16, num_test=16, batch_size=16,
-                             data_config={"input_size": (3, 56, 56)})
-    trainer = L.Trainer(accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    dm = SyntheticDataModule(
+        num_train=64, num_val=16, num_test=16, batch_size=16, data_config={"input_size": (3, 56, 56)}
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     before = model.selector.scores.detach().clone()
     trainer.fit(ClassifyModule(model, 10, recipe), datamodule=dm)
     assert float(model.selector.progress) > 0.5 and model.selector.schedule()[0] == pytest.approx(5.0)
@@ -252,9 +280,14 @@ def test_weighted_knn_votes():
 
     bank = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
     labels = torch.tensor([0, 0, 1])
-    votes = weighted_knn_votes(torch.tensor([[1.0, 0.05], [0.05, 1.0]]), bank, labels, 2, k=2, temperature=0.07)
+    votes = weighted_knn_votes(
+        torch.tensor([[1.0, 0.05], [0.05, 1.0]]), bank, labels, 2, k=2, temperature=0.07
+    )
     assert votes.argmax(-1).tolist() == [0, 1]
-    sims = torch.nn.functional.normalize(torch.tensor([[1.0, 0.05]]), dim=-1) @ torch.nn.functional.normalize(bank, dim=-1).T
+    sims = (
+        torch.nn.functional.normalize(torch.tensor([[1.0, 0.05]]), dim=-1)
+        @ torch.nn.functional.normalize(bank, dim=-1).T
+    )
     top = sims[0].topk(2).values
     torch.testing.assert_close(votes[0, 0], (top / 0.07).exp().sum())
 
@@ -263,7 +296,9 @@ def test_train_eval_loader_shards_hold_each_image_once():
     """The k-NN memory bank's shards under DDP: every training image in exactly one rank, in order."""
     from vitexp.data.datamodules import SyntheticDataModule
 
-    dm = SyntheticDataModule(num_train=101, num_val=4, num_test=4, batch_size=16, data_config={"input_size": (3, 8, 8)})
+    dm = SyntheticDataModule(
+        num_train=101, num_val=4, num_test=4, batch_size=16, data_config={"input_size": (3, 8, 8)}
+    )
     dm.setup()
     whole = torch.cat([x for x, _ in dm.train_eval_dataloader()])
     for world in (2, 3):
@@ -276,11 +311,26 @@ def test_train_eval_loader_shards_hold_each_image_once():
 
 #: A small run where attention matters (LayerScale 1) and the gates stay soft (α = 1 throughout),
 #: so the soft-gated model and the deployed one differ.
-SOFT_RUN = ["backbone=dinov2_micro", "+backbone.kwargs.init_values=1.0", "budget=heads", "budget.k=5",
-            "method.alpha_end=1.0", "data=synthetic", "data.num_train=128", "data.num_val=32", "data.num_test=64",
-            "data.noise=2.0", "recipe.batch_size=32", "recipe.epochs=2", "recipe.warmup_epochs=0", "recipe.lr=0.01",
-            "eval.throughput_iters=1", "eval.throughput_batch=8", "trainer.num_sanity_val_steps=0",
-            "trainer.limit_val_batches=0"]
+SOFT_RUN = [
+    "backbone=dinov2_micro",
+    "+backbone.kwargs.init_values=1.0",
+    "budget=heads",
+    "budget.k=5",
+    "method.alpha_end=1.0",
+    "data=synthetic",
+    "data.num_train=128",
+    "data.num_val=32",
+    "data.num_test=64",
+    "data.noise=2.0",
+    "recipe.batch_size=32",
+    "recipe.epochs=2",
+    "recipe.warmup_epochs=0",
+    "recipe.lr=0.01",
+    "eval.throughput_iters=1",
+    "eval.throughput_batch=8",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.limit_val_batches=0",
+]
 
 
 def independent_accuracy(model: nn.Module, cfg, objective: str) -> float:

@@ -1,6 +1,7 @@
 """SAPER's two stages (vitexp/methods/saper/method.py): ``select`` then ``recover`` of the deployed
 model, the same recovery for every selection rule, the three accuracies of one run, and resume in
 the middle of ``recover``."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,11 +12,26 @@ from conftest import QUIET, ledger_entries
 
 #: A small run where attention matters (LayerScale 1), two epochs of each stage at an lr that moves
 #: the MLPs visibly.
-RUN = QUIET + ["backbone=dinov2_micro", "method=saper_ft", "+backbone.kwargs.init_values=1.0", "budget=heads", "budget.k=5",
-               "data=synthetic", "data.num_train=96", "data.num_val=32", "data.num_test=64", "data.noise=2.0",
-               "recipe.batch_size=32", "recipe.epochs=2", "recipe.warmup_epochs=0", "recipe.lr=0.01",
-               "method.recover_epochs=2", "method.recover_lr=0.01", "eval.throughput=false",
-               "trainer.num_sanity_val_steps=0"]
+RUN = QUIET + [
+    "backbone=dinov2_micro",
+    "method=saper_ft",
+    "+backbone.kwargs.init_values=1.0",
+    "budget=heads",
+    "budget.k=5",
+    "data=synthetic",
+    "data.num_train=96",
+    "data.num_val=32",
+    "data.num_test=64",
+    "data.noise=2.0",
+    "recipe.batch_size=32",
+    "recipe.epochs=2",
+    "recipe.warmup_epochs=0",
+    "recipe.lr=0.01",
+    "method.recover_epochs=2",
+    "method.recover_lr=0.01",
+    "eval.throughput=false",
+    "trainer.num_sanity_val_steps=0",
+]
 
 
 class StageSteps(Callback):
@@ -31,8 +47,11 @@ class StageSteps(Callback):
         self.stage = trainer.default_root_dir
 
     def on_train_epoch_start(self, trainer, pl_module):
-        if self.crash_epoch is not None and type(pl_module.model).__name__ == "ProbeModel" \
-                and trainer.current_epoch == self.crash_epoch:
+        if (
+            self.crash_epoch is not None
+            and type(pl_module.model).__name__ == "ProbeModel"
+            and trainer.current_epoch == self.crash_epoch
+        ):
             raise RuntimeError("preempted")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -48,20 +67,25 @@ def select_checkpoint_model(cfg, output_dir):
     method = method_from_config(cfg.method)
     torch.manual_seed(0)
     model = method.apply(build_configured_backbone(cfg), cfg.budget)
-    state = torch.load(output_dir / "checkpoints" / "select" / "last.ckpt", map_location="cpu", weights_only=True)
-    model.load_state_dict({k[len("model."):]: v for k, v in state["state_dict"].items()})
+    state = torch.load(
+        output_dir / "checkpoints" / "select" / "last.ckpt", map_location="cpu", weights_only=True
+    )
+    model.load_state_dict({k[len("model.") :]: v for k, v in state["state_dict"].items()})
     return method.deploy(model)
 
 
 def deployed_weights(entry, results_dir):
     from vitexp.ledger.paths import local_path
 
-    return torch.load(local_path(entry["artifacts"]["weights"], results_dir), map_location="cpu", weights_only=True)
+    return torch.load(
+        local_path(entry["artifacts"]["weights"], results_dir), map_location="cpu", weights_only=True
+    )
 
 
 @pytest.mark.parametrize("selection", ["lapsum", "random"])
-def test_recover_trains_the_mlps_and_the_probe_of_the_deployed_model_and_leaves_attention(selection, make_cfg,
-                                                                                         results_dir, tmp_path):
+def test_recover_trains_the_mlps_and_the_probe_of_the_deployed_model_and_leaves_attention(
+    selection, make_cfg, results_dir, tmp_path
+):
     """After ``recover`` the deployed weights (what ``top1``, FLOPs and the artifact are) differ from
     the deployed model at the end of ``select`` in every MLP and in the probe, and equal it in every
     attention weight; ``selected_top1`` is that earlier model's accuracy and ``top1`` the final one's."""
@@ -81,14 +105,22 @@ def test_recover_trains_the_mlps_and_the_probe_of_the_deployed_model_and_leaves_
         assert torch.equal(before[key], after[key]), f"recover changed {key}"
     for key in mlps + ["head.weight", "head.bias"]:
         assert not torch.equal(before[key], after[key]), f"recover left {key} as selected"
-    assert metrics["selected_top1"] == pytest.approx(independent_accuracy(selected, cfg, "classify"), abs=1e-4)
+    assert metrics["selected_top1"] == pytest.approx(
+        independent_accuracy(selected, cfg, "classify"), abs=1e-4
+    )
     selected.load_state_dict(after)
     assert metrics["top1"] == pytest.approx(independent_accuracy(selected, cfg, "classify"), abs=1e-4)
     assert metrics["top1"] != metrics["selected_top1"]
-    if selection == "lapsum":  # straight-through after the anneal: the model select ends on is the deployed one
+    if (
+        selection == "lapsum"
+    ):  # straight-through after the anneal: the model select ends on is the deployed one
         assert metrics["soft_top1"] == pytest.approx(metrics["selected_top1"])
-        assert set(entry["gate_summary"]) == {"kept_gate_min", "kept_gate_mean", "dropped_gate_max",
-                                              "dropped_gate_mass"}
+        assert set(entry["gate_summary"]) == {
+            "kept_gate_min",
+            "kept_gate_mean",
+            "dropped_gate_max",
+            "dropped_gate_mass",
+        }
 
 
 def test_lapsums_probe_is_fitted_on_the_deployed_model():
@@ -100,7 +132,9 @@ def test_lapsums_probe_is_fitted_on_the_deployed_model():
 
     method = SaperHeads(recover_epochs=1)
     torch.manual_seed(0)
-    model = method.apply(timm.create_model("vit_micro_patch14_dinov2", num_classes=10), {"kind": "heads", "k": 5})
+    model = method.apply(
+        timm.create_model("vit_micro_patch14_dinov2", num_classes=10), {"kind": "heads", "k": 5}
+    )
     select, recover = method.stages(model)
     assert isinstance(select.model(), HeadPrunedModel)
     recovered = recover.model()
@@ -121,10 +155,14 @@ def _recovery(mode: str, selection: str):
     from vitexp.methods import method_from_config
     from vitexp.config import rows
 
-    row = {"experiment": "fmnist_saper_dinov2_micro", "overrides": [f"method=saper_{mode}", "budget.k=6",
-                                                                     f"method.selection={selection}"]}
-    cfg = vconfig.compose([o for o in rows.job_arguments(row, seeded=False) if not o.startswith("name=")]
-                          + ["backbone.pretrained=null"])
+    row = {
+        "experiment": "fmnist_saper_dinov2_micro",
+        "overrides": [f"method=saper_{mode}", "budget.k=6", f"method.selection={selection}"],
+    }
+    cfg = vconfig.compose(
+        [o for o in rows.job_arguments(row, seeded=False) if not o.startswith("name=")]
+        + ["backbone.pretrained=null"]
+    )
     method = method_from_config(cfg.method)
     torch.manual_seed(0)
     model = method.apply(build_configured_backbone(cfg), cfg.budget)
@@ -135,7 +173,9 @@ def _recovery(mode: str, selection: str):
     # a layer left without heads freezes its norm1, which feeds nothing (vitexp.methods.saper.method.set_trainable):
     # which layers those are is the selection's; counted as trained, the rules' lists compare as before
     empty = {n.removesuffix(".attn") for n, m in recovered.named_modules() if isinstance(m, ConstantBranch)}
-    trained = sorted(n for n, p in recovered.named_parameters() if p.requires_grad or n.rsplit(".norm1.", 1)[0] in empty)
+    trained = sorted(
+        n for n, p in recovered.named_parameters() if p.requires_grad or n.rsplit(".norm1.", 1)[0] in empty
+    )
     return cfg, stage, trained
 
 
@@ -188,10 +228,14 @@ def _recovery_start(mode: str, selection: str, overrides: tuple[str, ...] = ()):
     from vitexp.training.build import build_configured_backbone
     from vitexp.methods import method_from_config
 
-    row = {"experiment": "fmnist_saper_dinov2_micro",
-           "overrides": [f"method=saper_{mode}", "budget.k=6", f"method.selection={selection}", *overrides]}
-    cfg = vconfig.compose([o for o in rows.job_arguments(row, seeded=False) if not o.startswith("name=")]
-                          + ["backbone.pretrained=null", "+backbone.kwargs.init_values=1.0"])
+    row = {
+        "experiment": "fmnist_saper_dinov2_micro",
+        "overrides": [f"method=saper_{mode}", "budget.k=6", f"method.selection={selection}", *overrides],
+    }
+    cfg = vconfig.compose(
+        [o for o in rows.job_arguments(row, seeded=False) if not o.startswith("name=")]
+        + ["backbone.pretrained=null", "+backbone.kwargs.init_values=1.0"]
+    )
     method = method_from_config(cfg.method)
     torch.manual_seed(0)
     backbone = build_configured_backbone(cfg)
@@ -246,9 +290,12 @@ class KillAfterLastEpoch(Callback):
             raise RuntimeError("preempted")
 
 
-@pytest.mark.parametrize("selection, stage", [("lapsum", "select"), ("lapsum", "recover"), ("random", "select")])
-def test_a_run_killed_after_the_last_epoch_of_a_stage_resumes_with_every_metric(selection, stage, make_cfg,
-                                                                                 results_dir, tmp_path):
+@pytest.mark.parametrize(
+    "selection, stage", [("lapsum", "select"), ("lapsum", "recover"), ("random", "select")]
+)
+def test_a_run_killed_after_the_last_epoch_of_a_stage_resumes_with_every_metric(
+    selection, stage, make_cfg, results_dir, tmp_path
+):
     """Killed once a stage's last epoch is checkpointed, the resumed run restores that stage without
     validating it again: its last validation metrics (LapSum's soft_val_*, a fixed rule's
     selected_val_*, recover's val_*) come back from the checkpoint, every metric but the times equals

@@ -1,6 +1,7 @@
 """The SLURM code path without a cluster: Hydra's submitit_local launcher (the code path of
 hydra/launcher=slurm) and SIGUSR1, SLURM's warning before a job's time limit, with a stand-in
 ``scontrol`` on PATH (vitexp.runs.slurm)."""
+
 from __future__ import annotations
 
 import json
@@ -15,13 +16,31 @@ import pytest
 
 from conftest import cli_env, ledger_entries
 
-SMALL = ["data=synthetic", "data.num_train=64", "data.num_val=16", "data.num_test=32", "recipe.batch_size=16",
-         "recipe.epochs=3", "recipe.warmup_epochs=0", "logger=none", "trainer.enable_progress_bar=false",
-         "eval.throughput=false"]
+SMALL = [
+    "data=synthetic",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_test=32",
+    "recipe.batch_size=16",
+    "recipe.epochs=3",
+    "recipe.warmup_epochs=0",
+    "logger=none",
+    "trainer.enable_progress_bar=false",
+    "eval.throughput=false",
+]
 
 
 def _train(run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "vitexp.commands.cli", "train", *SMALL, "resume=auto", f"hydra.run.dir={run_dir}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "vitexp.commands.cli",
+        "train",
+        *SMALL,
+        "resume=auto",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
 
 
 def test_a_slurm_jobs_default_folder_is_named_by_its_job_id(monkeypatch):
@@ -59,18 +78,25 @@ def test_sigusr1_requeues_the_job_and_the_requeued_run_finishes_as_an_uninterrup
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol.calls"
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
     whole_results, split_results = tmp_path / "whole_results", tmp_path / "split_results"
-    whole = subprocess.run(_train(tmp_path / "whole"), env=cli_env(whole_results), capture_output=True, text=True,
-                           timeout=600)
+    whole = subprocess.run(
+        _train(tmp_path / "whole"), env=cli_env(whole_results), capture_output=True, text=True, timeout=600
+    )
     assert whole.returncode == 0, whole.stderr[-3000:]
     expected = json.loads(whole.stdout.strip().splitlines()[-1])["metrics"]
 
-    env = {**cli_env(split_results), "SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {
+        **cli_env(split_results),
+        "SLURM_JOB_ID": "4242",
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    }
     run_dir = tmp_path / "split"
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    proc = subprocess.Popen(_train(run_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _train(run_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 300
     while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
@@ -97,14 +123,29 @@ def test_two_rows_sweep_through_the_submitit_local_launcher(tmp_path):
     """(About 2 minutes of CPU.) ``vitexp-train -m ... hydra/launcher=submitit_local``: each job runs in a
     process of its own started by submitit, as on a cluster node, and writes its own completed entry."""
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "vitexp.commands.cli", "train", "-m", *SMALL, "recipe.epochs=2", "seed=0,1",
-           "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
-    done = subprocess.run(cmd, env=cli_env(results), capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "vitexp.commands.cli",
+        "train",
+        "-m",
+        *SMALL,
+        "recipe.epochs=2",
+        "seed=0,1",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=10",
+        f"hydra.sweep.dir={tmp_path / 'multirun'}",
+    ]
+    done = subprocess.run(
+        cmd, env=cli_env(results), capture_output=True, text=True, timeout=900, cwd=tmp_path
+    )
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     entries = ledger_entries(results)
     assert sorted(e["config"]["seed"] for e in entries) == [0, 1]
     assert all(e["status"] == "completed" for e in entries)
-    assert len({e["env"]["pid"] for e in entries}) == 2 and os.getpid() not in {e["env"]["pid"] for e in entries}
+    assert len({e["env"]["pid"] for e in entries}) == 2 and os.getpid() not in {
+        e["env"]["pid"] for e in entries
+    }
     assert list((tmp_path / "multirun").glob(".submitit/*"))  # submitit's own job folders
 
 
@@ -112,6 +153,7 @@ def _submitit_handler(calls: list):
     """A stand-in for submitit's SIGUSR2 handler on rank 0 (``SignalHandler.checkpoint_and_try_requeue``:
     checkpoint, ``scontrol requeue``, then ``SystemExit(-1)``), named by submitit's module so that
     :func:`vitexp.runs.slurm.note_submitit_requeue` wraps it as it wraps the real one."""
+
     def checkpoint_and_try_requeue(signum, frame):
         calls.append(signum)
         raise SystemExit(-1)
@@ -131,6 +173,7 @@ def _stop(signum, frame):
 def _signalled(real, *signums):
     """``real`` (a LedgerEntry method that closes the entry), preceded by ``signums`` sent to this
     process: SLURM's burst arriving while the entry is written."""
+
     def closing(self, *args, **kwargs):
         for signum in signums:
             os.kill(os.getpid(), signum)
@@ -152,8 +195,9 @@ def submitit_job(monkeypatch):
         signal.signal(s, h)
 
 
-def test_slurms_signals_while_an_interrupted_entry_closes_are_noted_never_raised(submitit_job, results_dir, tmp_path,
-                                                                                   monkeypatch):
+def test_slurms_signals_while_an_interrupted_entry_closes_are_noted_never_raised(
+    submitit_job, results_dir, tmp_path, monkeypatch
+):
     """submitit's path: SIGUSR2, its handler requeues and exits; SLURM's SIGTERM (twice: slurmd's and srun's
     forwarded copy) and another SIGUSR1 and SIGUSR2 reach the process while vitexp closes the entry. They
     are noted, never raised: the entry closes ``interrupted`` by the first signal with submitit's requeue,
@@ -182,8 +226,9 @@ def test_slurms_signals_while_an_interrupted_entry_closes_are_noted_never_raised
     assert signal.getsignal(signal.SIGTERM) is _stop  # the handlers from before the run are back
 
 
-def test_a_run_closing_completed_is_never_requeued_and_a_sigterm_then_ends_it(submitit_job, results_dir, tmp_path,
-                                                                              monkeypatch):
+def test_a_run_closing_completed_is_never_requeued_and_a_sigterm_then_ends_it(
+    submitit_job, results_dir, tmp_path, monkeypatch
+):
     """SIGUSR2 and SIGTERM while a completed run writes its entry: submitit's handler is not called (a
     completed run requeued would rerun a finished folder), the entry closes ``completed``, and the SIGTERM
     reaches the handler from before the run once the entry is closed."""

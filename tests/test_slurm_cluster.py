@@ -5,6 +5,7 @@ Marker ``slurm`` (``pytest -m slurm``; CI runs it with VITEXP_REQUIRE_SLURM=1): 
 ``hydra/launcher=slurm``, preemption through both requeue paths (the sbatch template's SIGUSR1 and
 submitit's SIGUSR2), DDP started by ``srun``, the sbatch template submitted as written.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,19 @@ pytestmark = pytest.mark.slurm
 
 TEMPLATE = ROOT / "scripts" / "slurm" / "vitexp.sbatch"
 #: A run of three short epochs on synthetic images, no FLOPs or timing (the preemption tests).
-SMALL = ["data=synthetic", "data.num_train=64", "data.num_val=16", "data.num_test=32", "recipe.batch_size=16",
-         "recipe.epochs=3", "recipe.warmup_epochs=0", "logger=none", "trainer.enable_progress_bar=false",
-         "eval.throughput=false", "eval.flops=false"]
+SMALL = [
+    "data=synthetic",
+    "data.num_train=64",
+    "data.num_val=16",
+    "data.num_test=32",
+    "recipe.batch_size=16",
+    "recipe.epochs=3",
+    "recipe.warmup_epochs=0",
+    "logger=none",
+    "trainer.enable_progress_bar=false",
+    "eval.throughput=false",
+    "eval.flops=false",
+]
 COMPARED = ("top1", "top5", "test_loss", "val_loss", "val_top1", "steps")
 
 
@@ -35,8 +46,14 @@ def sbatch(cluster, cwd: Path, results: Path, *args: str) -> str:
     cwd.mkdir(parents=True, exist_ok=True)
     options = [a for a in args if a.startswith("--")]
     overrides = [a for a in args if not a.startswith("--")]
-    done = subprocess.run(["sbatch", "--parsable", *options, str(TEMPLATE), *overrides], env=cluster.env(results),
-                          cwd=cwd, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["sbatch", "--parsable", *options, str(TEMPLATE), *overrides],
+        env=cluster.env(results),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
 
@@ -86,8 +103,12 @@ def assert_requeued_once(entry: dict, signal: str, expected: dict) -> None:
         assert entry["metrics"][key] == pytest.approx(expected[key], rel=1e-6, abs=0), key
     assert entry["attempts"][0]["resumed_from"] is None  # the first attempt started fresh
     resumed = (entry["resumed_from"] or {}).get("main")
-    assert resumed and resumed["checkpoint"] == f"{entry['output_dir']}/checkpoints/last.ckpt", entry["resumed_from"]
-    assert 0 < resumed["epoch"] <= 3 and resumed["global_step"] == 4 * resumed["epoch"], resumed  # 64 images, batch 16
+    assert resumed and resumed["checkpoint"] == f"{entry['output_dir']}/checkpoints/last.ckpt", entry[
+        "resumed_from"
+    ]
+    assert 0 < resumed["epoch"] <= 3 and resumed["global_step"] == 4 * resumed["epoch"], (
+        resumed
+    )  # 64 images, batch 16
 
 
 def test_the_guides_local_cluster_runs_jobs(slurm_cluster, tmp_path):
@@ -95,8 +116,12 @@ def test_the_guides_local_cluster_runs_jobs(slurm_cluster, tmp_path):
     cluster, whose one node is idle in partition ``local``."""
     env = slurm_cluster.env(tmp_path / "results")
     env.pop("SLURM_CONF")
-    done = run_doc("export SLURM_CONF=<folder>/slurm.conf", {"<folder>": str(slurm_cluster.folder)}, env=env,
-                   then='srun --ntasks=1 hostname -s && scontrol show config | grep -i "^SLURM_CONF"')
+    done = run_doc(
+        "export SLURM_CONF=<folder>/slurm.conf",
+        {"<folder>": str(slurm_cluster.folder)},
+        env=env,
+        then='srun --ntasks=1 hostname -s && scontrol show config | grep -i "^SLURM_CONF"',
+    )
     assert done.returncode == 0, done.stderr
     assert str(slurm_cluster.conf) in done.stdout
     done = run_doc("sinfo", env=slurm_cluster.env(tmp_path / "results"))
@@ -121,7 +146,10 @@ def test_first_command_of_the_guide_sweeps_the_demo_and_builds_its_table(slurm_c
     assert "R" in seen, "no job was seen running in squeue"
     entries = ledger_entries(results)
     assert sorted((e["kind"], e["experiment"]) for e in entries) == [
-        ("flops", "deit_small_baseline"), ("flops", "deit_tiny_baseline"), ("train", "demo")]
+        ("flops", "deit_small_baseline"),
+        ("flops", "deit_tiny_baseline"),
+        ("train", "demo"),
+    ]
     assert all(e["status"] == "completed" for e in entries)
     assert len(list(tmp_path.glob("multirun/*/.submitit/*/*_log.out"))) >= 2  # one log per SLURM job
     demo = next(e for e in entries if e["experiment"] == "demo")
@@ -135,14 +163,17 @@ def test_first_command_of_the_guide_sweeps_the_demo_and_builds_its_table(slurm_c
     assert len(ledger_entries(results)) == 3
 
 
-def test_sbatch_template_requeues_on_sigusr1_and_the_run_ends_as_an_uninterrupted_one(slurm_cluster, tmp_path,
-                                                                                        uninterrupted):
+def test_sbatch_template_requeues_on_sigusr1_and_the_run_ends_as_an_uninterrupted_one(
+    slurm_cluster, tmp_path, uninterrupted
+):
     """Lightning's SLURM path: the template's ``--signal=B:USR1@120`` and ``--requeue``, the signal sent
     as the guide says once the first epoch's checkpoint exists: the job is requeued and resumes."""
     results = tmp_path / "results"
     job = sbatch(slurm_cluster, tmp_path, results, *SMALL)
     wait_for(f"outputs/*/slurm-{job}/checkpoints/last.ckpt", tmp_path)
-    done = run_doc("scancel --signal=USR1 --batch <job id>", {"<job id>": job}, env=slurm_cluster.env(results))
+    done = run_doc(
+        "scancel --signal=USR1 --batch <job id>", {"<job id>": job}, env=slurm_cluster.env(results)
+    )
     assert done.returncode == 0, done.stderr
     info = slurm_cluster.wait(job, restarts=1)
     log = (tmp_path / f"slurm-{job}.out").read_text()
@@ -160,7 +191,12 @@ def test_submitit_requeue_on_sigusr2_closes_the_attempt_interrupted(slurm_cluste
     env = slurm_cluster.env(results)
     launcher = subprocess.Popen(
         ["vitexp-train", "-m", *SMALL, "hydra/launcher=slurm", f"hydra.sweep.dir={tmp_path / 'multirun'}"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for("multirun/0_*/checkpoints/last.ckpt", tmp_path)
     job = wait_for("multirun/.submitit/[0-9]*", tmp_path).name
     done = run_doc("scancel --signal=USR2 <job id>", {"<job id>": job}, env=env)
@@ -178,17 +214,42 @@ def test_ddp_started_by_srun_equals_one_process_on_odd_splits(slurm_cluster, tmp
     (gloo, CPU). On 7 test and 5 validation images a frozen classifier's top-1, top-5 and losses, and
     k-NN on a bank of 301 images, equal one process's, and so does the bank itself (its size, its images per
     label and the sum of its features, from the runs' protocol ``knn_bank``)."""
-    odd = ["data=synthetic", "data.noise=1.5", "data.num_val=5", "data.num_test=7", "logger=none",
-           "trainer.enable_progress_bar=false", "eval.flops=false", "eval.throughput=false"]
-    knn = ["backbone=dinov2_micro", "method=knn", "budget=none", "method.knn_features=cls_mean", "method.knn_k=50",
-           "data.num_train=301", "recipe.batch_size=32"]
+    odd = [
+        "data=synthetic",
+        "data.noise=1.5",
+        "data.num_val=5",
+        "data.num_test=7",
+        "logger=none",
+        "trainer.enable_progress_bar=false",
+        "eval.flops=false",
+        "eval.throughput=false",
+    ]
+    knn = [
+        "backbone=dinov2_micro",
+        "method=knn",
+        "budget=none",
+        "method.knn_features=cls_mean",
+        "method.knn_k=50",
+        "data.num_train=301",
+        "recipe.batch_size=32",
+    ]
     runs = {"classify": [*FROZEN_CLASSIFIER, "data.num_train=16"], "knn": knn}
     jobs = {}
     for what, model in runs.items():
         for tasks, trainer in ((2, "ddp_cpu"), (1, "cpu")):
             folder = tmp_path / f"{what}_{tasks}"
-            jobs[what, tasks] = (folder, sbatch(slurm_cluster, folder, folder / "results", f"--ntasks-per-node={tasks}",
-                                                *odd, *model, f"trainer={trainer}"))
+            jobs[what, tasks] = (
+                folder,
+                sbatch(
+                    slurm_cluster,
+                    folder,
+                    folder / "results",
+                    f"--ntasks-per-node={tasks}",
+                    *odd,
+                    *model,
+                    f"trainer={trainer}",
+                ),
+            )
     metrics, protocol = {}, {}
     for key, (folder, job) in jobs.items():
         info = slurm_cluster.wait(job)
@@ -211,15 +272,31 @@ def test_the_sbatch_template_as_written(slurm_cluster, tmp_path):
     """The guide's two sbatch commands, as written: one task, then DDP on two."""
     results = tmp_path / "results"
     env = slurm_cluster.env(results)
-    (tmp_path / "scripts").symlink_to(ROOT / "scripts")  # the guide's paths are the checkout's; the jobs' files stay here
-    submitted = [run_doc("sbatch scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=3", env=env, cwd=tmp_path,
-                         timeout=60),
-                 run_doc("sbatch --ntasks-per-node=2 scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=3 "
-                         "trainer=ddp_cpu", env=env, cwd=tmp_path, timeout=60)]
+    (tmp_path / "scripts").symlink_to(
+        ROOT / "scripts"
+    )  # the guide's paths are the checkout's; the jobs' files stay here
+    submitted = [
+        run_doc(
+            "sbatch scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=3",
+            env=env,
+            cwd=tmp_path,
+            timeout=60,
+        ),
+        run_doc(
+            "sbatch --ntasks-per-node=2 scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=3 "
+            "trainer=ddp_cpu",
+            env=env,
+            cwd=tmp_path,
+            timeout=60,
+        ),
+    ]
     assert all(done.returncode == 0 for done in submitted), [done.stderr for done in submitted]
     ids = [re.search(r"Submitted batch job (\d+)", done.stdout).group(1) for done in submitted]
     for job in ids:
         info = slurm_cluster.wait(job)
         assert info["JobState"] == "COMPLETED", (tmp_path / f"slurm-{job}.out").read_text()[-3000:]
     entries = sorted(ledger_entries(results), key=lambda e: e["metrics"]["world_size"])
-    assert [(e["status"], e["metrics"]["world_size"]) for e in entries] == [("completed", 1), ("completed", 2)]
+    assert [(e["status"], e["metrics"]["world_size"]) for e in entries] == [
+        ("completed", 1),
+        ("completed", 2),
+    ]

@@ -1,4 +1,5 @@
 """Tables rendered from a fixture ledger: vitexp beside paper, "not run", cited rows, plots."""
+
 from __future__ import annotations
 
 import csv
@@ -24,10 +25,18 @@ SPEC = {
     "plot": {"x": "gmacs", "y": "top1"},
     "rows": [
         {"label": "Trained", "experiment": "exp_a", "paper": {"top1": {"value": 72.2, "source": "Paper T1"}}},
-        {"label": "Counted only", "experiment": "exp_b", "paper": {"gmacs": {"value": 4.6, "source": "Paper T1"}}},
+        {
+            "label": "Counted only",
+            "experiment": "exp_b",
+            "paper": {"gmacs": {"value": 4.6, "source": "Paper T1"}},
+        },
         {"label": "Never run", "experiment": "exp_c", "paper": {}},
         {"label": "Trained without a FLOPs count", "experiment": "exp_d", "paper": {}},
-        {"label": "MCTF", "cited": True, "paper": {"top1": {"value": 80.1, "source": "MCTF"}, "gmacs": {"value": 2.6, "source": "MCTF"}}},
+        {
+            "label": "MCTF",
+            "cited": True,
+            "paper": {"top1": {"value": 80.1, "source": "MCTF"}, "gmacs": {"value": 2.6, "source": "MCTF"}},
+        },
     ],
 }
 
@@ -69,7 +78,9 @@ def test_written_files(ledger, tmp_path):
     written = tables.write_table(SPEC, list(iter_runs(ledger)), tmp_path / "tables")
     assert set(written) == {"md", "tex", "csv", "png"}
     rows = list(csv.DictReader(io.StringIO((tmp_path / "tables" / "fixture.csv").read_text())))
-    assert rows[2]["top1"] == "not run" and rows[4]["top1"] == "cited, not run" and rows[3]["gmacs"] == "not run"
+    assert (
+        rows[2]["top1"] == "not run" and rows[4]["top1"] == "cited, not run" and rows[3]["gmacs"] == "not run"
+    )
     assert float(rows[0]["top1"]) == pytest.approx(71.23) and rows[0]["top1_paper"] == "72.2"
     tex = (tmp_path / "tables" / "fixture.tex").read_text()
     assert r"\begin{tabular}" in tex and "not run" in tex
@@ -92,10 +103,26 @@ def test_unknown_table_names_valid_ones(capsys):
 
 def test_wandb_source(monkeypatch, tmp_path):
     runs = [
-        SimpleNamespace(id="r1", name="x", config={"name": "exp_a"}, state="finished", job_type="train",
-                        summary={"top1": 70.0, "gmacs": 1.2, "_step": 3}, created_at="2026-01-01", url="u1"),
-        SimpleNamespace(id="r2", name="y", config={"name": "exp_b"}, state="crashed", job_type="flops",
-                        summary={"gmacs": 4.6}, created_at="2026-01-02", url="u2"),
+        SimpleNamespace(
+            id="r1",
+            name="x",
+            config={"name": "exp_a"},
+            state="finished",
+            job_type="train",
+            summary={"top1": 70.0, "gmacs": 1.2, "_step": 3},
+            created_at="2026-01-01",
+            url="u1",
+        ),
+        SimpleNamespace(
+            id="r2",
+            name="y",
+            config={"name": "exp_b"},
+            state="crashed",
+            job_type="flops",
+            summary={"gmacs": 4.6},
+            created_at="2026-01-02",
+            url="u2",
+        ),
     ]
 
     class Api:
@@ -131,12 +158,33 @@ def test_a_protocol_filter_keeps_a_row_on_the_runs_of_that_protocol():
     (another protocol, other images/s) must not replace its cell."""
     from vitexp.report.tables import fill
 
-    spec = {"name": "t", "protocol": {"mode": "compare"}, "columns": [{"key": "throughput", "digits": 1}],
-            "rows": [{"label": "BSPF", "experiment": "bspf_deit_small", "paper": {}}]}
-    runs = recorded(spec, [{"run_id": "old", "experiment": "bspf_deit_small", "status": "completed", "kind": "bench",
-                            "protocol": {"mode": "compare"}, "metrics": {"throughput": 2.7}},
-                           {"run_id": "new", "experiment": "bspf_deit_small", "status": "completed", "kind": "bench",
-                            "protocol": {"mode": "throughput"}, "metrics": {"throughput": 6.2}}])
+    spec = {
+        "name": "t",
+        "protocol": {"mode": "compare"},
+        "columns": [{"key": "throughput", "digits": 1}],
+        "rows": [{"label": "BSPF", "experiment": "bspf_deit_small", "paper": {}}],
+    }
+    runs = recorded(
+        spec,
+        [
+            {
+                "run_id": "old",
+                "experiment": "bspf_deit_small",
+                "status": "completed",
+                "kind": "bench",
+                "protocol": {"mode": "compare"},
+                "metrics": {"throughput": 2.7},
+            },
+            {
+                "run_id": "new",
+                "experiment": "bspf_deit_small",
+                "status": "completed",
+                "kind": "bench",
+                "protocol": {"mode": "throughput"},
+                "metrics": {"throughput": 6.2},
+            },
+        ],
+    )
     assert fill(spec, runs)[0]["cells"]["throughput"]["run_id"] == "old"
     assert fill({**spec, "protocol": None}, runs)[0]["cells"]["throughput"]["run_id"] == "new"
 
@@ -145,17 +193,28 @@ def test_seeded_row_trained_without_an_optional_metric_says_na(results_dir):
     from vitexp.data.datamodules import DATA_ORDER
     from ledger_records import iter_runs
 
-    spec = {"name": "seeded_na", "title": "t", "seeds": [0, 1],
-            "columns": [{"key": "top1", "label": "Top-1", "unit": "%", "digits": 1},
-                        {"key": "soft_top1", "label": "Soft", "unit": "%", "digits": 1, "optional": True},
-                        {"key": "gmacs", "label": "GMACs", "unit": "GMACs", "digits": 1}],
-            "rows": [{"label": "Probe", "experiment": "probe"}, {"label": "Pruned", "experiment": "pruned"},
-                     {"label": "Missing", "experiment": "missing"}]}
+    spec = {
+        "name": "seeded_na",
+        "title": "t",
+        "seeds": [0, 1],
+        "columns": [
+            {"key": "top1", "label": "Top-1", "unit": "%", "digits": 1},
+            {"key": "soft_top1", "label": "Soft", "unit": "%", "digits": 1, "optional": True},
+            {"key": "gmacs", "label": "GMACs", "unit": "GMACs", "digits": 1},
+        ],
+        "rows": [
+            {"label": "Probe", "experiment": "probe"},
+            {"label": "Pruned", "experiment": "pruned"},
+            {"label": "Missing", "experiment": "missing"},
+        ],
+    }
     for seed in (0, 1):  # runs of today's sampler (data_order): no stale mark
         LedgerEntry(f"probe+seed={seed}", "train", {"seed": seed}, results_dir).start().finish(
-            {"top1": 80.0 + seed}, {"data_order": DATA_ORDER})
+            {"top1": 80.0 + seed}, {"data_order": DATA_ORDER}
+        )
         LedgerEntry(f"pruned+seed={seed}", "train", {"seed": seed}, results_dir).start().finish(
-            {"top1": 60.0, "soft_top1": 70.0}, {"data_order": DATA_ORDER})
+            {"top1": 60.0, "soft_top1": 70.0}, {"data_order": DATA_ORDER}
+        )
     md = re.sub(r" +", " ", tables.render_markdown(spec, tables.fill(spec, list(iter_runs(results_dir)))))
     assert "| Probe | 80.5 ± 0.7 (2) | — | n/a | — | not run | — |" in md  # only an optional column says n/a
     assert "| Pruned | 60.0 ± 0.0 (2) | — | 70.0 ± 0.0 (2) | — | not run | — |" in md
@@ -169,17 +228,39 @@ def test_a_column_that_repeats_another_by_construction_says_so_and_shows_its_num
     from vitexp.data.datamodules import DATA_ORDER
     from ledger_records import iter_runs
 
-    same = {"key": "selected_top1", "when": {"method.straight_through": True}, "text": "= selected (straight-through)"}
-    spec = {"name": "soft", "title": "t", "seeds": [0, 1],
-            "columns": [{"key": "selected_top1", "label": "Selected", "digits": 1},
-                        {"key": "soft_top1", "label": "Soft", "digits": 1, "optional": True, "same_as": same}],
-            "rows": [{"label": "ST", "experiment": "st"}, {"label": "no ST", "experiment": "soft"},
-                     {"label": "ST, one seed off", "experiment": "off"}]}
-    for name, st, soft in (("st", True, (70.0, 71.0)), ("soft", False, (70.0, 71.0)), ("off", True, (70.0, 71.1))):
+    same = {
+        "key": "selected_top1",
+        "when": {"method.straight_through": True},
+        "text": "= selected (straight-through)",
+    }
+    spec = {
+        "name": "soft",
+        "title": "t",
+        "seeds": [0, 1],
+        "columns": [
+            {"key": "selected_top1", "label": "Selected", "digits": 1},
+            {"key": "soft_top1", "label": "Soft", "digits": 1, "optional": True, "same_as": same},
+        ],
+        "rows": [
+            {"label": "ST", "experiment": "st"},
+            {"label": "no ST", "experiment": "soft"},
+            {"label": "ST, one seed off", "experiment": "off"},
+        ],
+    }
+    for name, st, soft in (
+        ("st", True, (70.0, 71.0)),
+        ("soft", False, (70.0, 71.0)),
+        ("off", True, (70.0, 71.1)),
+    ):
         for seed in (0, 1):
-            LedgerEntry(f"{name}+seed={seed}", "train", {"seed": seed, "method": {"straight_through": st}},
-                        results_dir).start().finish({"selected_top1": 70.0 + seed, "soft_top1": soft[seed]},
-                                                    {"data_order": DATA_ORDER})
+            LedgerEntry(
+                f"{name}+seed={seed}",
+                "train",
+                {"seed": seed, "method": {"straight_through": st}},
+                results_dir,
+            ).start().finish(
+                {"selected_top1": 70.0 + seed, "soft_top1": soft[seed]}, {"data_order": DATA_ORDER}
+            )
     md = re.sub(r" +", " ", tables.render_markdown(spec, tables.fill(spec, list(iter_runs(results_dir)))))
     assert "| ST | 70.5 ± 0.7 (2) | — | = selected (straight-through) | — |" in md
     assert "| no ST | 70.5 ± 0.7 (2) | — | 70.5 ± 0.7 (2) | — |" in md

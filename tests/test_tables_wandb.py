@@ -1,5 +1,6 @@
 """vitexp-tables and W&B: runs read through wandb.Api, each table and its plot logged back to W&B;
 ``--log-wandb`` logs the local ledger's tables, offline too."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,18 @@ def _assert_demo_table(data: dict, top1: str) -> None:
 def test_tables_wandb_logs_each_table_and_plot(monkeypatch, tmp_path, capsys, logged):
     import wandb
 
-    runs = [SimpleNamespace(id="r1", name="demo", config=config_of("demo"), state="finished", job_type="train",
-                            summary={"top1": 95.0, "gmacs": 0.0226}, created_at="2026-01-01", url="u1")]
+    runs = [
+        SimpleNamespace(
+            id="r1",
+            name="demo",
+            config=config_of("demo"),
+            state="finished",
+            job_type="train",
+            summary={"top1": 95.0, "gmacs": 0.0226},
+            created_at="2026-01-01",
+            url="u1",
+        )
+    ]
     monkeypatch.setattr(wandb, "Api", lambda: SimpleNamespace(runs=lambda path: runs))
     assert tables.main(["demo", "--wandb", "me/vitexp", "--out", str(tmp_path / "tables")]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == "completed"
@@ -58,9 +69,19 @@ def test_log_wandb_logs_the_local_ledger_offline(monkeypatch, tmp_path, capsys, 
     the project runs log to, which the closing line names for ``wandb sync``."""
     results = tmp_path / "results"
     (results / "runs").mkdir(parents=True)
-    (results / "runs" / "r1.json").write_text(json.dumps({
-        "run_id": "r1", "experiment": "demo", "status": "completed", "kind": "train", "started": "2026-01-01T00:00:00",
-        "config": config_of("demo"), "metrics": {"top1": 93.25, "gmacs": 0.0226}}))
+    (results / "runs" / "r1.json").write_text(
+        json.dumps(
+            {
+                "run_id": "r1",
+                "experiment": "demo",
+                "status": "completed",
+                "kind": "train",
+                "started": "2026-01-01T00:00:00",
+                "config": config_of("demo"),
+                "metrics": {"top1": 93.25, "gmacs": 0.0226},
+            }
+        )
+    )
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert tables.main(["demo", "--log-wandb", "--results-dir", str(results)]) == 0
@@ -69,7 +90,9 @@ def test_log_wandb_logs_the_local_ledger_offline(monkeypatch, tmp_path, capsys, 
     _assert_demo_table(logged["data"], "93.25")
     # reproduction 5 of issue 47: the folder is named relative to the results root, as every path of a closing line
     assert closing["wandb"].startswith("offline:wandb/")
-    assert local_path(closing["wandb"].removeprefix("offline:"), results).parent.name.startswith("offline-run-")
+    assert local_path(closing["wandb"].removeprefix("offline:"), results).parent.name.startswith(
+        "offline-run-"
+    )
 
 
 def test_wandb_runs_are_matched_by_their_config(monkeypatch, tmp_path, capsys, logged):
@@ -78,11 +101,28 @@ def test_wandb_runs_are_matched_by_their_config(monkeypatch, tmp_path, capsys, l
     configuration is."""
     import wandb
 
-    runs = [SimpleNamespace(id="r1", name="demo", config=config_of("demo"), state="finished", job_type="train",
-                            summary={"top1": 94.4}, created_at="2026-01-01T00:00:00", url="u1"),
-            SimpleNamespace(id="r2", name="demo", config=config_of("demo", None, {"recipe": {"lr": 0.5}}),
-                            state="finished", job_type="train", summary={"top1": 12.3},
-                            created_at="2026-01-02T00:00:00", url="u2")]
+    runs = [
+        SimpleNamespace(
+            id="r1",
+            name="demo",
+            config=config_of("demo"),
+            state="finished",
+            job_type="train",
+            summary={"top1": 94.4},
+            created_at="2026-01-01T00:00:00",
+            url="u1",
+        ),
+        SimpleNamespace(
+            id="r2",
+            name="demo",
+            config=config_of("demo", None, {"recipe": {"lr": 0.5}}),
+            state="finished",
+            job_type="train",
+            summary={"top1": 12.3},
+            created_at="2026-01-02T00:00:00",
+            url="u2",
+        ),
+    ]
     monkeypatch.setattr(wandb, "Api", lambda: SimpleNamespace(runs=lambda path: runs))
     assert tables.main(["demo", "--wandb", "me/vitexp", "--out", str(tmp_path / "tables")]) == 0
     md = (tmp_path / "tables" / "demo.md").read_text()

@@ -8,6 +8,7 @@ forwards, a gradient on every parameter, default configs that point at real modu
 class count. Full-size architectures are built at 64 px (their position embedding sized for it at
 creation) so the whole file runs in seconds on a CPU.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,16 @@ REGISTERED = _params(NAMES)
 
 
 def test_the_registered_names_are_found():
-    assert {"t2t_vit_14", "t2t_vit_t_14", "t2t_vit_micro", "lvvit_s", "lvvit_micro", "vit_micro_patch4_32",
-            "vit_micro_patch14_dinov2", "caformer_micro"} <= set(NAMES)
+    assert {
+        "t2t_vit_14",
+        "t2t_vit_t_14",
+        "t2t_vit_micro",
+        "lvvit_s",
+        "lvvit_micro",
+        "vit_micro_patch4_32",
+        "vit_micro_patch14_dinov2",
+        "caformer_micro",
+    } <= set(NAMES)
 
 
 def create(name: str, **kwargs) -> tuple[nn.Module, torch.Tensor]:
@@ -67,8 +76,12 @@ def _fx_kwargs() -> dict:
 def _fx_model(model: nn.Module) -> nn.Module:
     """torchvision's feature extractor on the model's output node, traced with timm's leaves."""
     train_nodes, eval_nodes = get_graph_node_names(model, tracer_kwargs=_fx_kwargs())
-    return create_feature_extractor(model, train_return_nodes=[train_nodes[-1]], eval_return_nodes=[eval_nodes[-1]],
-                                    tracer_kwargs=_fx_kwargs())
+    return create_feature_extractor(
+        model,
+        train_return_nodes=[train_nodes[-1]],
+        eval_return_nodes=[eval_nodes[-1]],
+        tracer_kwargs=_fx_kwargs(),
+    )
 
 
 def _assert_every_parameter_has_a_gradient(model: nn.Module) -> None:
@@ -105,7 +118,9 @@ def test_default_cfg_points_at_real_modules(name):
     for c in classifiers:
         assert f"{c}.weight" in state, f"classifier {c} is not in the model"
     # every layer that produces class logits is named, so a new class count re-initialises all of them
-    logit_layers = {n for n, m in modules.items() if isinstance(m, nn.Linear) and m.out_features == NUM_CLASSES}
+    logit_layers = {
+        n for n, m in modules.items() if isinstance(m, nn.Linear) and m.out_features == NUM_CLASSES
+    }
     assert logit_layers == set(classifiers)
     # first_conv: the first layer with weights on the pixels (its input is the 3 channels, or patches of them)
     first = modules[cfg["first_conv"]]
@@ -153,13 +168,17 @@ def test_feature_info_and_forward_intermediates(name):
         if is_vit(model):
             P = model.num_prefix_tokens
             raw = model.forward_intermediates(x, indices=2, output_fmt="NLC", intermediates_only=True)
-            normed = model.forward_intermediates(x, indices=2, output_fmt="NLC", norm=True, intermediates_only=True)
+            normed = model.forward_intermediates(
+                x, indices=2, output_fmt="NLC", norm=True, intermediates_only=True
+            )
             assert len(raw) == len(normed) == 2
             torch.testing.assert_close(raw[0], inter[-2].flatten(2).transpose(1, 2))
             torch.testing.assert_close(normed[0], model.norm(raw[0]))
             # the last block's output through the final norm is forward_features' patch tokens
             torch.testing.assert_close(normed[-1], final[:, P:])
-            pairs = model.forward_intermediates(x, indices=[0], return_prefix_tokens=True, intermediates_only=True)
+            pairs = model.forward_intermediates(
+                x, indices=[0], return_prefix_tokens=True, intermediates_only=True
+            )
             assert pairs[0][1].shape == (2, P, model.embed_dim)
         kept = model.prune_intermediate_layers(indices=[1])
         assert kept == [1]
@@ -212,8 +231,13 @@ def test_a_1000_class_checkpoint_fine_tunes_into_another_class_count(tmp_path, n
     path = tmp_path / f"{name}.pth"
     torch.save(source.state_dict(), path)
     kwargs = {"img_size": x.shape[-1]} if _cfg_size(name) > TEST_SIZE else {}
-    model = timm.create_model(name, pretrained=True, num_classes=5,
-                              pretrained_cfg_overlay=dict(file=str(path), num_classes=1000), **kwargs)
+    model = timm.create_model(
+        name,
+        pretrained=True,
+        num_classes=5,
+        pretrained_cfg_overlay=dict(file=str(path), num_classes=1000),
+        **kwargs,
+    )
     cfg = model.pretrained_cfg
     classifiers = cfg["classifier"] if isinstance(cfg["classifier"], (tuple, list)) else (cfg["classifier"],)
     reinitialised = {f"{c}.{p}" for c in classifiers for p in ("weight", "bias")}
@@ -230,7 +254,9 @@ def test_nchw_intermediates_of_a_token_pruned_model_are_refused():
     from vitexp.methods.bspf import BSPF
 
     model, x = create("lvvit_micro")
-    BSPF(chunk_size=8, prune_layers=[1], chunk_layout="raster").apply(model.eval(), {"kind": "keep_ratio", "keep_ratio": 0.5})
+    BSPF(chunk_size=8, prune_layers=[1], chunk_layout="raster").apply(
+        model.eval(), {"kind": "keep_ratio", "keep_ratio": 0.5}
+    )
     with torch.no_grad():
         nlc = model.forward_intermediates(x, output_fmt="NLC", intermediates_only=True)
         assert [y.shape[1] for y in nlc] == [16, 8, 8, 8]

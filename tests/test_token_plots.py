@@ -1,6 +1,7 @@
 """Token maps (vitexp/analysis/token_plots.py) mark a dropped patch and a fused one so that neither
 can be mistaken for dark image content: a hatch over each, red for a dropped patch, white over a
 tint of the token's colour for a fused one, and no dark fill."""
+
 from __future__ import annotations
 
 import matplotlib
@@ -35,7 +36,9 @@ def test_dropped_and_fused_patches_are_hatched_not_darkened():
         assert to_rgb(fused[0].get_edgecolor()) == (1.0, 1.0, 1.0)  # a white hatch shows on black
         assert overlay_alpha(ax, 0, 1) > 0  # tinted in the token's colour
         overlay = ax.images[-1].get_array()
-        assert overlay[1, 0, :3].max() > 0.5 and overlay[1, 0, 3] > 0  # the dropped cell is coloured, not dark
+        assert (
+            overlay[1, 0, :3].max() > 0.5 and overlay[1, 0, 3] > 0
+        )  # the dropped cell is coloured, not dark
         assert overlay[0, 0, 3] == 0 and overlay[1, 1, 3] == 0  # kept patches stay clear
     finally:
         plt.close(fig)

@@ -1,5 +1,6 @@
 """Token source maps (vitexp/analysis/tokens.py) from the decisions the token methods record
 (vitexp/methods/token_record.py), and ``vitexp-analyze tokens``."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,14 @@ import pytest
 import torch
 
 import vitexp  # noqa: F401
-from vitexp.analysis.tokens import (LayerMap, chunk_count, first_order, patch_chunks, record_decisions,
-                                    source_maps)
+from vitexp.analysis.tokens import (
+    LayerMap,
+    chunk_count,
+    first_order,
+    patch_chunks,
+    record_decisions,
+    source_maps,
+)
 from vitexp.methods.bspf.pruning import TokenPruner
 from vitexp.methods.evit.fuse import fuse_decision, prune_and_fuse
 from vitexp.methods.token_record import recording_modules
@@ -31,7 +38,9 @@ def check_map(m: LayerMap, chunk_of_patch: torch.Tensor | None = None) -> None:
         anchors = torch.bincount(m.token[b][m.kept[b]], minlength=m.tokens_out)
         assert anchors.max() <= 1
         held = set(m.token[b][m.token[b] >= 0].tolist())
-        assert held == set(range(m.tokens_out)), f"block {m.block}: tokens {set(range(m.tokens_out)) - held} hold no patch"
+        assert held == set(range(m.tokens_out)), (
+            f"block {m.block}: tokens {set(range(m.tokens_out)) - held} hold no patch"
+        )
     if chunk_of_patch is not None:
         alive = m.token >= 0
         per = max(1, m.tokens_out // m.chunks)  # the chunk of the token each patch went into
@@ -39,6 +48,7 @@ def check_map(m: LayerMap, chunk_of_patch: torch.Tensor | None = None) -> None:
 
 
 # -- BSPF-ViT on a constructed input whose decisions are known ------------------------------------
+
 
 def _blocks(keep_pairs):
     """(1, C, Ω, Ω) attention blocks with ones at the given entries (score=single scores A itself)."""
@@ -60,8 +70,10 @@ def _tokens(vectors):
 # chunk 1 keeps 1 and 3 (0 into 1, 2 into 3). The top-8 entries give those tokens 6 of the 8 row+column
 # counts; a pruned token's mask row is at Hamming distance 2 from both kept tokens', so the
 # cosine decides, and each pruned token is a copy of its partner.
-LAYER_A = [[(0, 0), (0, 2), (2, 0), (2, 2), (1, 0), (0, 1), (3, 2), (2, 3)],
-           [(1, 1), (1, 3), (3, 1), (3, 3), (0, 1), (1, 0), (2, 3), (3, 2)]]
+LAYER_A = [
+    [(0, 0), (0, 2), (2, 0), (2, 2), (1, 0), (0, 1), (3, 2), (2, 3)],
+    [(1, 1), (1, 3), (3, 1), (3, 3), (0, 1), (1, 0), (2, 3), (3, 2)],
+]
 X_A = [0, 0, 1, 1, 2, 2, 3, 3]
 # Layer B: 2 chunks of 2 tokens, keep 1 each: chunk 0 keeps its first, chunk 1 its second; the other
 # has the same mask row and features, so it fuses.
@@ -69,14 +81,17 @@ LAYER_B = [[(0, 0), (1, 0)], [(1, 1), (0, 1)]]
 X_B = [0, 0, 2, 2]
 
 
-@pytest.mark.parametrize("fusion, after_a, after_b", [
-    ("similarity", [0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
-    ("none", [0, -1, 1, -1, -1, 2, -1, 3], [0, -1, -1, -1, -1, -1, -1, 1]),
-    # Table 8's ablations merge too: cosine alone picks each copy's partner; Hamming alone ties at
-    # distance 2 in layer A, and the tie goes to the chunk's first kept token
-    ("cosine", [0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
-    ("hamming", [0, 0, 1, 0, 2, 2, 2, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
-])
+@pytest.mark.parametrize(
+    "fusion, after_a, after_b",
+    [
+        ("similarity", [0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
+        ("none", [0, -1, 1, -1, -1, 2, -1, 3], [0, -1, -1, -1, -1, -1, -1, 1]),
+        # Table 8's ablations merge too: cosine alone picks each copy's partner; Hamming alone ties at
+        # distance 2 in layer A, and the tie goes to the chunk's first kept token
+        ("cosine", [0, 0, 1, 1, 2, 2, 3, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
+        ("hamming", [0, 0, 1, 0, 2, 2, 2, 3], [0, 0, 0, 0, 1, 1, 1, 1]),
+    ],
+)
 def test_bspf_source_maps_on_known_decisions(fusion, after_a, after_b):
     pruners = [TokenPruner(0.5, 1, 2, "single", "none", fusion).eval() for _ in range(2)]
     for p in pruners:
@@ -109,6 +124,7 @@ def test_dropping_a_layer_is_refused():
 
 # -- EViT and ToMe on constructed inputs ------------------------------------------------------------
 
+
 def test_evit_decision_is_where_prune_and_fuse_puts_each_token():
     """CLS attention [.1, .4, .2, .3], keep 2: tokens 1 and 3 kept (slots 0, 1), 0 and 2 fused (slot 2);
     the same read off prune_and_fuse applied to one-hot features."""
@@ -117,7 +133,9 @@ def test_evit_decision_is_where_prune_and_fuse_puts_each_token():
     assert d.target.tolist() == [[2, 0, 2, 1]] and d.kept.tolist() == [[False, True, False, True]]
     assert d.tokens_out == 3
     onehot = prune_and_fuse(torch.cat([torch.zeros(1, 1, 4), torch.eye(4)[None]], 1), attn, 2, 1)[:, 1:]
-    assert (onehot != 0).float().argmax(1).tolist() == d.target.tolist()  # the output token holding each input
+    assert (onehot != 0).float().argmax(
+        1
+    ).tolist() == d.target.tolist()  # the output token holding each input
     assert fuse_decision(attn, 2, fuse=False).target.tolist() == [[-1, 0, -1, 1]]
 
 
@@ -135,6 +153,7 @@ def test_tome_decision_is_where_the_merge_puts_each_token():
 
 
 # -- the methods' own models ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("experiment", ["bspf_demo", "evit_demo", "tome_demo"])
 def test_token_maps_of_the_patched_micro_vit_account_for_every_patch(experiment):
@@ -168,6 +187,7 @@ def test_token_maps_of_the_patched_micro_vit_account_for_every_patch(experiment)
 
 # -- the command ---------------------------------------------------------------------------------------
 
+
 def _image_folder(root: Path) -> None:
     from PIL import Image
 
@@ -183,14 +203,24 @@ def test_analyze_tokens_writes_a_png_per_image_and_records_them(case, results_di
     from vitexp.commands.cli import analyze_main
     from vitexp.ledger import local_path
 
-    overrides = {"tome_digits": ["experiment=tome_demo"],
-                 "evit_imagefolder": ["experiment=evit_demo", "data=imagefolder", f"data.root={tmp_path / 'images'}",
-                                      "data.num_classes=2", "data.num_workers=0"],
-                 "bspf_fashion_mnist": ["experiment=fmnist_bspf_vit_micro", "backbone.pretrained=null"]}[case]
+    overrides = {
+        "tome_digits": ["experiment=tome_demo"],
+        "evit_imagefolder": [
+            "experiment=evit_demo",
+            "data=imagefolder",
+            f"data.root={tmp_path / 'images'}",
+            "data.num_classes=2",
+            "data.num_workers=0",
+        ],
+        "bspf_fashion_mnist": ["experiment=fmnist_bspf_vit_micro", "backbone.pretrained=null"],
+    }[case]
     if case == "evit_imagefolder":
         _image_folder(tmp_path / "images")
-    if (case == "bspf_fashion_mnist" and not Path("/usr/share/datasets/fashion-mnist").is_dir()
-            and not os.environ.get("VITEXP_REQUIRE_FASHION_MNIST")):  # .ci/run: run, and fail, without it
+    if (
+        case == "bspf_fashion_mnist"
+        and not Path("/usr/share/datasets/fashion-mnist").is_dir()
+        and not os.environ.get("VITEXP_REQUIRE_FASHION_MNIST")
+    ):  # .ci/run: run, and fail, without it
         pytest.skip("dataset-fashion-mnist is not installed")
     analyze_main(["tokens", *overrides, "logger=none", "--images", "2"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -199,11 +229,18 @@ def test_analyze_tokens_writes_a_png_per_image_and_records_them(case, results_di
     assert entry["kind"] == "analyze" and len(entry["figures"]) == 2
     for figure in entry["figures"]:
         assert open(local_path(figure, results_dir), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    assert entry["layers"] and all(layer["kept"] + layer["fused"] + layer["dropped"] == 64 for layer in entry["layers"])
+    assert entry["layers"] and all(
+        layer["kept"] + layer["fused"] + layer["dropped"] == 64 for layer in entry["layers"]
+    )
 
 
-@pytest.mark.parametrize("overrides, says", [(["experiment=demo"], "valid methods"),
-                                              (["experiment=bspf_demo", "backbone=caformer_micro"], "use a ViT backbone")])
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["experiment=demo"], "valid methods"),
+        (["experiment=bspf_demo", "backbone=caformer_micro"], "use a ViT backbone"),
+    ],
+)
 def test_analyze_tokens_refuses_what_it_cannot_draw(overrides, says, results_dir, capsys):
     from vitexp.commands.cli import analyze_main
 

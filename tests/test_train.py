@@ -1,5 +1,6 @@
 """Training end to end on the CPU: fast_dev_run per backbone x method, the demo's accuracy,
 NaN loss, exact resume, bad checkpoints and datasets, the W&B offline logger."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,15 @@ from conftest import QUIET, ledger_entries, pairwise
 #: micro-scale backbones: one fast_dev_run each per method (full-size ones are built in test_config)
 BACKBONES = sorted(p.stem for p in (CONF_DIR / "backbone").glob("*.yaml") if "micro" in p.stem)
 METHODS = sorted(p.stem for p in (CONF_DIR / "method").glob("*.yaml"))
-SMALL = QUIET + ["data=synthetic", "data.num_train=16", "data.num_val=8", "data.num_test=8",
-                 "recipe.batch_size=4", "eval.throughput_batch=2", "eval.throughput_iters=1"]
+SMALL = QUIET + [
+    "data=synthetic",
+    "data.num_train=16",
+    "data.num_val=8",
+    "data.num_test=8",
+    "recipe.batch_size=4",
+    "eval.throughput_batch=2",
+    "eval.throughput_iters=1",
+]
 
 
 def budget_for(method: str) -> str:
@@ -32,8 +40,11 @@ def budget_for(method: str) -> str:
 @pytest.mark.parametrize(("backbone", "method"), pairwise(BACKBONES, METHODS))
 def test_fast_dev_run(backbone, method, make_cfg, results_dir):
     budget = budget_for(method)
-    cfg = make_cfg(SMALL + [f"backbone={backbone}", f"method={method}", f"budget={budget}",
-                            "trainer.fast_dev_run=true"] + (["budget.k=3"] if budget == "heads" else []))
+    cfg = make_cfg(
+        SMALL
+        + [f"backbone={backbone}", f"method={method}", f"budget={budget}", "trainer.fast_dev_run=true"]
+        + (["budget.k=3"] if budget == "heads" else [])
+    )
     try:
         resolve.validate(cfg)
     except vconfig.ConfigError as err:
@@ -81,9 +92,18 @@ class _CrashAtEpoch(Callback):
 def test_resume_matches_an_uninterrupted_run(make_cfg, results_dir, tmp_path):
     """Interrupted after epoch 1, resumed: same test metrics as a run never interrupted
     (mixup, cutmix and drop path on, so the RNG state must travel with the checkpoint)."""
-    over = QUIET + ["data=synthetic", "data.num_train=64", "recipe.batch_size=16", "recipe.epochs=3",
-                    "recipe.warmup_epochs=1", "recipe.mixup=0.8", "recipe.cutmix=1.0", "recipe.drop_path=0.1",
-                    "eval.throughput=false", "eval.flops=false"]
+    over = QUIET + [
+        "data=synthetic",
+        "data.num_train=64",
+        "recipe.batch_size=16",
+        "recipe.epochs=3",
+        "recipe.warmup_epochs=1",
+        "recipe.mixup=0.8",
+        "recipe.cutmix=1.0",
+        "recipe.drop_path=0.1",
+        "eval.throughput=false",
+        "eval.flops=false",
+    ]
     whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(make_cfg(over, tmp_path / "split"), callbacks=[_CrashAtEpoch(1)])
@@ -97,7 +117,9 @@ def test_resume_matches_an_uninterrupted_run(make_cfg, results_dir, tmp_path):
     assert [e["protocol"]["data_order"] for e in entries] == ["seed*1000003+epoch"] * 2
 
 
-def test_a_run_resumed_from_a_checkpoint_of_the_old_sampler_is_not_marked_independent(make_cfg, results_dir, tmp_path):
+def test_a_run_resumed_from_a_checkpoint_of_the_old_sampler_is_not_marked_independent(
+    make_cfg, results_dir, tmp_path
+):
     """A checkpoint without the order mark was drawn by the ``seed + epoch`` sampler: the resumed
     run records ``data_order_resumed_from`` instead of ``data_order``, and so does a run requeued
     again from a checkpoint that resumed run wrote; a seed >= 1 run so recorded counts as
@@ -105,7 +127,13 @@ def test_a_run_resumed_from_a_checkpoint_of_the_old_sampler_is_not_marked_indepe
     from vitexp.report.aggregate import overlapping_order
     from vitexp.runs.callbacks import DataOrderMark
 
-    over = SMALL + ["recipe.epochs=3", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false", "seed=1"]
+    over = SMALL + [
+        "recipe.epochs=3",
+        "recipe.warmup_epochs=0",
+        "eval.throughput=false",
+        "eval.flops=false",
+        "seed=1",
+    ]
     with pytest.raises(RuntimeError, match="simulated crash"):
         train(make_cfg(over, tmp_path / "split"), callbacks=[_CrashAtEpoch(1)])
     ckpt = tmp_path / "split" / "checkpoints" / "last.ckpt"
@@ -118,7 +146,9 @@ def test_a_run_resumed_from_a_checkpoint_of_the_old_sampler_is_not_marked_indepe
     train(make_cfg(over + ["resume=true"], tmp_path / "split"))
     (entry,) = ledger_entries(results_dir)
     assert entry["status"] == "completed" and entry["metrics"]["steps"] > 0
-    assert "data_order" not in entry["protocol"] and entry["protocol"]["data_order_resumed_from"] == "seed+epoch"
+    assert (
+        "data_order" not in entry["protocol"] and entry["protocol"]["data_order_resumed_from"] == "seed+epoch"
+    )
     assert overlapping_order(entry)
 
 
@@ -172,8 +202,11 @@ def test_wandb_offline_logger_records_config_and_metrics(make_cfg, results_dir, 
         return original_finish(self, *args, **kwargs)
 
     monkeypatch.setattr(Run, "finish", spy_finish)
-    cfg = make_cfg(SMALL + ["logger=wandb", "recipe.epochs=1", "recipe.warmup_epochs=0",
-                            "trainer.limit_train_batches=2"], tmp_path / "wb")
+    cfg = make_cfg(
+        SMALL
+        + ["logger=wandb", "recipe.epochs=1", "recipe.warmup_epochs=0", "trainer.limit_train_batches=2"],
+        tmp_path / "wb",
+    )
     metrics = train(cfg)["metrics"]
     assert seen["offline"] is True
     assert seen["config"]["name"] == cfg.name and seen["config"]["recipe"]["lr"] == cfg.recipe.lr
@@ -195,10 +228,26 @@ def test_imagefolder_and_csv_logger_through_the_same_program(make_cfg, results_d
         for cls in ("a", "b", "c"):
             (root / split / cls).mkdir(parents=True)
             for i in range(4):
-                Image.fromarray(rng.integers(0, 255, (36, 36, 3), dtype=np.uint8)).save(root / split / cls / f"{i}.png")
-    cfg = make_cfg(QUIET + ["data=imagefolder", f"data.root={root}", "data.num_classes=3", "data.num_workers=0",
-                            "recipe=deit_scratch", "recipe.epochs=2", "recipe.warmup_epochs=1", "recipe.batch_size=4",
-                            "logger=csv", "eval.throughput_batch=2", "eval.throughput_iters=1"], tmp_path / "if")
+                Image.fromarray(rng.integers(0, 255, (36, 36, 3), dtype=np.uint8)).save(
+                    root / split / cls / f"{i}.png"
+                )
+    cfg = make_cfg(
+        QUIET
+        + [
+            "data=imagefolder",
+            f"data.root={root}",
+            "data.num_classes=3",
+            "data.num_workers=0",
+            "recipe=deit_scratch",
+            "recipe.epochs=2",
+            "recipe.warmup_epochs=1",
+            "recipe.batch_size=4",
+            "logger=csv",
+            "eval.throughput_batch=2",
+            "eval.throughput_iters=1",
+        ],
+        tmp_path / "if",
+    )
     metrics = train(cfg)["metrics"]
     assert metrics["epochs"] == 2 and 0 <= metrics["top1"] <= 100
     log = (tmp_path / "if" / "csv" / "metrics.csv").read_text()
@@ -208,10 +257,22 @@ def test_imagefolder_and_csv_logger_through_the_same_program(make_cfg, results_d
 
 @pytest.mark.parametrize("backbone", ["lvvit_micro", "t2t_vit_micro", "caformer_micro"])
 def test_bspf_trains_on_digits_on_each_micro_backbone(backbone, make_cfg, results_dir, tmp_path):
-    cfg = make_cfg(QUIET + [f"backbone={backbone}", "method=bspf", "budget=keep_ratio", "recipe.epochs=1",
-                            "recipe.warmup_epochs=0", "trainer.limit_train_batches=4", "trainer.limit_val_batches=2",
-                            "trainer.limit_test_batches=2", "eval.throughput_batch=4", "eval.throughput_iters=1"],
-                   tmp_path / backbone)
+    cfg = make_cfg(
+        QUIET
+        + [
+            f"backbone={backbone}",
+            "method=bspf",
+            "budget=keep_ratio",
+            "recipe.epochs=1",
+            "recipe.warmup_epochs=0",
+            "trainer.limit_train_batches=4",
+            "trainer.limit_val_batches=2",
+            "trainer.limit_test_batches=2",
+            "eval.throughput_batch=4",
+            "eval.throughput_iters=1",
+        ],
+        tmp_path / backbone,
+    )
     metrics = train(cfg)["metrics"]
     assert metrics["steps"] == 4 and 0 <= metrics["top1"] <= 100
     assert ledger_entries(results_dir)[0]["status"] == "completed"
@@ -230,8 +291,17 @@ def test_best_validation_top1_and_its_epoch_are_recorded(make_cfg, results_dir):
                 self.values.append(float(trainer.callback_metrics["val/top1"]))
 
     seen = ValAccuracies()
-    cfg = make_cfg(SMALL + ["data.num_train=64", "data.num_val=32", "recipe.epochs=4", "recipe.lr=0.05",
-                            "recipe.warmup_epochs=0", "trainer.num_sanity_val_steps=0"])
+    cfg = make_cfg(
+        SMALL
+        + [
+            "data.num_train=64",
+            "data.num_val=32",
+            "recipe.epochs=4",
+            "recipe.lr=0.05",
+            "recipe.warmup_epochs=0",
+            "trainer.num_sanity_val_steps=0",
+        ]
+    )
     metrics = train(cfg, callbacks=[seen])["metrics"]
     assert len(seen.values) == 4 and len(set(seen.values)) > 1
     best = max(seen.values)

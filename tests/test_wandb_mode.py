@@ -1,6 +1,7 @@
 """``WANDB_MODE`` from the environment: empty means unset, a value W&B refuses is a one-line config
 error before anything starts (vitexp.runs.loggers.wandb_mode, called by vitexp.config.composition.validate); the
 empty value is dropped from the environment only where W&B starts (build_logger)."""
+
 from __future__ import annotations
 
 import os

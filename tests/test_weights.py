@@ -1,5 +1,6 @@
 """Starting weights by tag (vitexp.config.weights): a spec row's ``weights`` key, resolved through
 conf/weights.yaml from $VITEXP_WEIGHTS or timm's hub cache, never downloaded unless asked."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,10 @@ from conftest import QUIET
 from vitexp.config import weights as weights_module
 from vitexp.config.rows import job_arguments
 
-MICRO = {"vit_micro_start": {"file": "vit_micro_start.pth", "hub": None, "source": "a test's own file"},
-         "deit_small_patch16_224.fb_in1k": weights_module.weights_map()["deit_small_patch16_224.fb_in1k"]}
+MICRO = {
+    "vit_micro_start": {"file": "vit_micro_start.pth", "hub": None, "source": "a test's own file"},
+    "deit_small_patch16_224.fb_in1k": weights_module.weights_map()["deit_small_patch16_224.fb_in1k"],
+}
 
 
 @pytest.fixture
@@ -27,13 +30,18 @@ def test_a_missing_tag_names_the_file_and_every_place_looked_in(tags, monkeypatc
     with pytest.raises(FileNotFoundError) as err:
         weights_module.resolve("weights:deit_small_patch16_224.fb_in1k")
     text = str(err.value)
-    assert "deit_small_patch16_224-cd65a155.pth" in text and str(tmp_path / "deit_small_patch16_224-cd65a155.pth") in text
+    assert (
+        "deit_small_patch16_224-cd65a155.pth" in text
+        and str(tmp_path / "deit_small_patch16_224-cd65a155.pth") in text
+    )
     assert "timm/deit_small_patch16_224.fb_in1k" in text and "VITEXP_WEIGHTS_HUB=1" in text
     with pytest.raises(FileNotFoundError, match="not a tag of conf/weights.yaml"):
         weights_module.resolve("weights:no_such_tag")
 
 
-def test_a_tag_resolves_in_the_weights_folder_then_in_the_hub_cache_without_a_download(tags, monkeypatch, tmp_path):
+def test_a_tag_resolves_in_the_weights_folder_then_in_the_hub_cache_without_a_download(
+    tags, monkeypatch, tmp_path
+):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.delenv("VITEXP_WEIGHTS", raising=False)
     # timm's hub cache layout (huggingface_hub): models--<org>--<name>/snapshots/<revision>/<file>
@@ -48,20 +56,27 @@ def test_a_tag_resolves_in_the_weights_folder_then_in_the_hub_cache_without_a_do
     folder.mkdir()
     (folder / "deit_small_patch16_224-cd65a155.pth").write_bytes(b"x")
     monkeypatch.setenv("VITEXP_WEIGHTS", str(folder))
-    assert weights_module.resolve("weights:deit_small_patch16_224.fb_in1k") == str(folder / "deit_small_patch16_224-cd65a155.pth")
+    assert weights_module.resolve("weights:deit_small_patch16_224.fb_in1k") == str(
+        folder / "deit_small_patch16_224-cd65a155.pth"
+    )
 
 
 def test_a_row_trains_from_its_tag_and_is_counted_without_it(tags):
     row = {"label": "r", "experiment": "demo", "weights": "vit_micro_start"}
-    assert job_arguments(row, seeded=False) == ["experiment=demo", "backbone.pretrained=weights:vit_micro_start", "name='demo'"]
+    assert job_arguments(row, seeded=False) == [
+        "experiment=demo",
+        "backbone.pretrained=weights:vit_micro_start",
+        "name='demo'",
+    ]
     assert job_arguments(row, seeded=False, weights=False) == ["experiment=demo"]
     assert job_arguments({**row, "weights": "run:pre"}, seeded=True)[1] == "backbone.pretrained=run:pre"
     with pytest.raises(ValueError, match="neither run:<row name> nor a tag"):
         job_arguments({**row, "weights": "deit_small"}, seeded=False)
 
 
-def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_weights(tags, make_cfg, results_dir,
-                                                                                       tmp_path, monkeypatch):
+def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_weights(
+    tags, make_cfg, results_dir, tmp_path, monkeypatch
+):
     """A run loads the tag's file (the recorded config keeps the tag, so a row's fingerprint does not
     depend on the machine), fills the row's top-1, and a FLOPs count of the same row, made without
     the weights, fills its GMACs."""
@@ -79,18 +94,33 @@ def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_wei
     start = build_backbone({**cfg.backbone, "pretrained": None}, num_classes=10)
     torch.save(start.state_dict(), folder / "vit_micro_start.pth")
     monkeypatch.setenv("VITEXP_WEIGHTS", str(folder))
-    row = {"label": "demo", "experiment": "demo", "weights": "vit_micro_start", "name": "demo_from_tag",
-           "overrides": ["recipe.epochs=2", "recipe.warmup_epochs=0", "eval.flops=false"]}
+    row = {
+        "label": "demo",
+        "experiment": "demo",
+        "weights": "vit_micro_start",
+        "name": "demo_from_tag",
+        "overrides": ["recipe.epochs=2", "recipe.warmup_epochs=0", "eval.flops=false"],
+    }
     over = [a.replace("'", "") for a in job_arguments(row, seeded=False)] + QUIET
     result = train(make_cfg(over, tmp_path / "run"))
     (entry,) = [json.loads(p.read_text()) for p in (results_dir / "runs").glob("*.json")]
-    assert entry["config"]["backbone"]["pretrained"] == "weights:vit_micro_start" and "gmacs" not in entry["metrics"]
+    assert (
+        entry["config"]["backbone"]["pretrained"] == "weights:vit_micro_start"
+        and "gmacs" not in entry["metrics"]
+    )
     assert entry["artifacts"]["pretrained"]["weights"] == "plain"  # the file is the state dict itself
     flops_args = [a.replace("'", "") for a in job_arguments(row, seeded=False, weights=False)]
     assert not any(a.startswith("backbone.pretrained") for a in flops_args)
     run_flops(make_cfg([*flops_args, "logger=none"]))
-    spec = {"name": "demo", "title": "t", "columns": [{"key": "top1", "label": "Top-1", "digits": 2},
-                                                      {"key": "gmacs", "label": "GMACs", "digits": 4}], "rows": [row]}
+    spec = {
+        "name": "demo",
+        "title": "t",
+        "columns": [
+            {"key": "top1", "label": "Top-1", "digits": 2},
+            {"key": "gmacs", "label": "GMACs", "digits": 4},
+        ],
+        "rows": [row],
+    }
     (filled,) = tables.fill(spec, Ledger.load(results_dir))
     assert filled["cells"]["top1"]["value"] == result["metrics"]["top1"]
     assert filled["cells"]["gmacs"]["value"] is not None  # the count made without the weights
@@ -121,12 +151,31 @@ def test_a_run_records_which_weight_set_of_its_pretrained_file_it_loaded(make_cf
     torch.manual_seed(0)
     last, ema = (timm.create_model("t2t_vit_micro", num_classes=10).state_dict() for _ in range(2))
     path = tmp_path / "t2t_vit_micro.pth.tar"
-    torch.save({"state_dict": {f"module.{k}": v for k, v in last.items()}, "state_dict_ema": ema,
-                "args": argparse.Namespace(model_ema=True), "epoch": 309}, path)
+    torch.save(
+        {
+            "state_dict": {f"module.{k}": v for k, v in last.items()},
+            "state_dict_ema": ema,
+            "args": argparse.Namespace(model_ema=True),
+            "epoch": 309,
+        },
+        path,
+    )
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    tiny = [*QUIET, "backbone=t2t_vit_micro", f"backbone.pretrained={path}", "data=synthetic", "data.num_train=16",
-            "data.num_val=8", "data.num_test=8", "recipe.batch_size=8", "recipe.epochs=1", "recipe.warmup_epochs=0",
-            "eval.throughput=false", "eval.flops=false", "trainer.limit_train_batches=0"]
+    tiny = [
+        *QUIET,
+        "backbone=t2t_vit_micro",
+        f"backbone.pretrained={path}",
+        "data=synthetic",
+        "data.num_train=16",
+        "data.num_val=8",
+        "data.num_test=8",
+        "recipe.batch_size=8",
+        "recipe.epochs=1",
+        "recipe.warmup_epochs=0",
+        "eval.throughput=false",
+        "eval.flops=false",
+        "trainer.limit_train_batches=0",
+    ]
     for extra, expected in (([], "state_dict_ema"), (["++backbone.use_ema=false"], "state_dict")):
         result = train(make_cfg([*tiny, *extra], tmp_path / expected))
         entry = json.loads((results_dir / result["ledger"]).read_text())

@@ -3,6 +3,7 @@
 The package root holds only the checkout's paths. ``import vitexp.models`` registers vitexp's
 architectures with timm (``timm.create_model("vit_micro_patch4_32")``).
 """
+
 from pathlib import Path
 
 __version__ = "0.1.0"

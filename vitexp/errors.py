@@ -1,6 +1,7 @@
 """vitexp's error types, and the one line every error is reported in. This module imports nothing
 from vitexp, so any module (config, methods, modules, the run owner) can raise them without
 importing another and without an import cycle."""
+
 from __future__ import annotations
 
 import functools
@@ -69,7 +70,8 @@ def join_lines(text: str) -> str:
 
 def console_script(main: Callable[..., None]) -> Callable[..., None]:
     """A console script ends on Ctrl-C as the shell expects of a process stopped by SIGINT: exit 130,
-    no traceback (the run's own entry and closing line were written by :func:`vitexp.runs.owner.owned_run`)."""
+    no traceback (the run's own entry and closing line were written by :func:`vitexp.runs.owner.owned_run`).
+    """
 
     @functools.wraps(main)
     def script(*args: Any, **kwargs: Any) -> None:

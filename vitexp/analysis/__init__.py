@@ -1,5 +1,6 @@
 """Audits of the papers' claims (``vitexp-audit``) and analyses of models (``vitexp-analyze``);
 :func:`save_png`, the PNG writer of the token and head figures."""
+
 from __future__ import annotations
 
 from pathlib import Path

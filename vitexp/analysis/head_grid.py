@@ -10,6 +10,7 @@ with the kept heads marked, beside the same grid coloured by the head clusters o
   ``selector.scores``: the final scores, as the stage ends on its last epoch. Without
   that file the left grid shows the kept heads only, and says so.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,7 +53,9 @@ def marked_cells(ax) -> list[tuple[int, int]]:
     return sorted(cells)
 
 
-def _grid(ax, values: np.ndarray, mask: np.ndarray, cmap, title: str, vmin=None, vmax=None, label: bool = True):
+def _grid(
+    ax, values: np.ndarray, mask: np.ndarray, cmap, title: str, vmin=None, vmax=None, label: bool = True
+):
     from matplotlib.patches import Rectangle
 
     im = ax.imshow(values, cmap=cmap, vmin=vmin, vmax=vmax, aspect="equal")
@@ -63,8 +66,15 @@ def _grid(ax, values: np.ndarray, mask: np.ndarray, cmap, title: str, vmin=None,
         for layer in range(layers):
             for head in range(heads):
                 bright = float(im.norm(values[layer, head])) > 0.6  # dark text on the bright end of viridis
-                ax.text(head, layer, f"{values[layer, head]:.2g}", ha="center", va="center", fontsize=6,
-                        color="black" if bright else "white")
+                ax.text(
+                    head,
+                    layer,
+                    f"{values[layer, head]:.2g}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="black" if bright else "white",
+                )
     ax.set_xticks(range(heads))
     ax.set_yticks(range(layers))
     ax.set_xlabel("head")
@@ -73,8 +83,14 @@ def _grid(ax, values: np.ndarray, mask: np.ndarray, cmap, title: str, vmin=None,
     return im
 
 
-def draw_head_grid(kept_heads: Sequence[Sequence[int]], heads: int, scores: torch.Tensor | None,
-                   clusters: Sequence[int] | None, out: Path, title: str) -> dict[str, Any]:
+def draw_head_grid(
+    kept_heads: Sequence[Sequence[int]],
+    heads: int,
+    scores: torch.Tensor | None,
+    clusters: Sequence[int] | None,
+    out: Path,
+    title: str,
+) -> dict[str, Any]:
     """Write the PNG: scores (or the kept heads alone) and, when given, the cluster labels
     (layer-major, one per head), each grid with the kept heads outlined. Returns the outlined
     cells of each grid, read back from the figure."""
@@ -86,7 +102,9 @@ def draw_head_grid(kept_heads: Sequence[Sequence[int]], heads: int, scores: torc
     mask = kept_mask(kept_heads, heads)
     layers = mask.shape[0]
     panels = 1 + (clusters is not None)
-    fig, axes = plt.subplots(1, panels, figsize=(0.7 * heads * panels + 2.5, 0.6 * layers + 1.6), squeeze=False)
+    fig, axes = plt.subplots(
+        1, panels, figsize=(0.7 * heads * panels + 2.5, 0.6 * layers + 1.6), squeeze=False
+    )
     if scores is not None:
         if scores.numel() != mask.size:
             raise ValueError(f"{scores.numel()} head scores for {layers} layers x {heads} heads")
@@ -94,14 +112,29 @@ def draw_head_grid(kept_heads: Sequence[Sequence[int]], heads: int, scores: torc
         im = _grid(axes[0][0], values, mask, "viridis", "head scores; kept heads outlined")
         fig.colorbar(im, ax=axes[0][0], fraction=0.046, label="score")
     else:
-        _grid(axes[0][0], mask.astype(float), mask, "Greys", "kept heads outlined (no checkpoint: scores unknown)",
-              vmin=0, vmax=3, label=False)
+        _grid(
+            axes[0][0],
+            mask.astype(float),
+            mask,
+            "Greys",
+            "kept heads outlined (no checkpoint: scores unknown)",
+            vmin=0,
+            vmax=3,
+            label=False,
+        )
     marked = {"scores": marked_cells(axes[0][0])}
     if clusters is not None:
         labels = np.asarray(clusters).reshape(layers, heads)
         n = int(labels.max()) + 1
-        _grid(axes[0][1], labels.astype(float), mask, plt.get_cmap("tab10", max(n, 2)),
-              f"spectral clusters (k={n}) of the unpruned backbone", vmin=-0.5, vmax=max(n, 2) - 0.5)
+        _grid(
+            axes[0][1],
+            labels.astype(float),
+            mask,
+            plt.get_cmap("tab10", max(n, 2)),
+            f"spectral clusters (k={n}) of the unpruned backbone",
+            vmin=-0.5,
+            vmax=max(n, 2) - 0.5,
+        )
         marked["clusters"] = marked_cells(axes[0][1])
     save_png(fig, out, title)
     return marked

@@ -26,6 +26,7 @@
 Attention probabilities are recomputed from each block's own q/k projection on the block's input,
 so fused attention (SDPA) needs no change.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -95,7 +96,7 @@ def laplace_grid(model: nn.Module, image: torch.Tensor, num_prefix: int, out: Pa
     maps = attention_maps(model, image.unsqueeze(0))[:, 0]  # layers, heads, N, N
     L, H = maps.shape[:2]
     n_patch = maps.shape[-1] - num_prefix
-    side = int(round(n_patch ** 0.5))
+    side = int(round(n_patch**0.5))
     fig, axes = plt.subplots(L, H, figsize=(1.2 * H + 1, 1.2 * L + 0.6), squeeze=False)
     min_eig = 1.0
     for l in range(L):
@@ -109,7 +110,9 @@ def laplace_grid(model: nn.Module, image: torch.Tensor, num_prefix: int, out: Pa
                 axes[l][h].set_title(f"head {h}", fontsize=7)
             if h == 0:
                 axes[l][h].set_ylabel(f"layer {l}", fontsize=7)
-    fig.suptitle("Laplace maps: eigenvectors 2-4 of the normalised Laplacian of (A + A^T)/2 as RGB", fontsize=8)
+    fig.suptitle(
+        "Laplace maps: eigenvectors 2-4 of the normalised Laplacian of (A + A^T)/2 as RGB", fontsize=8
+    )
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
@@ -147,29 +150,42 @@ def cluster_heads(values: np.ndarray, n_clusters: int) -> dict[str, Any]:
     corr = np.nan_to_num(np.corrcoef(values.T), nan=0.0)
     np.fill_diagonal(corr, 1.0)
     affinity = (1.0 + corr) / 2.0
-    labels = SpectralClustering(n_clusters=n_clusters, affinity="precomputed", random_state=0).fit_predict(affinity)
+    labels = SpectralClustering(n_clusters=n_clusters, affinity="precomputed", random_state=0).fit_predict(
+        affinity
+    )
     distance = 1.0 - affinity
-    return {"labels": labels, "correlation": corr,
-            "silhouette": float(silhouette_score(distance, labels, metric="precomputed")),
-            "davies_bouldin": davies_bouldin_precomputed(distance, labels)}
+    return {
+        "labels": labels,
+        "correlation": corr,
+        "silhouette": float(silhouette_score(distance, labels, metric="precomputed")),
+        "davies_bouldin": davies_bouldin_precomputed(distance, labels),
+    }
 
 
-def cls_max_attention(model: nn.Module, images: torch.Tensor, num_prefix: int, batch_size: int = 64) -> np.ndarray:
+def cls_max_attention(
+    model: nn.Module, images: torch.Tensor, num_prefix: int, batch_size: int = 64
+) -> np.ndarray:
     """Per image and head, the maximal attention the CLS query pays to a patch token: an
     (images, layers × heads) array, heads in layer-major order (index = layer · H + head)."""
     from tqdm.auto import tqdm
 
     values = []
-    for chunk in tqdm(images.split(batch_size), desc="head clusters: attention maps", unit="batch", leave=False,
-                      disable=None):
+    for chunk in tqdm(
+        images.split(batch_size),
+        desc="head clusters: attention maps",
+        unit="batch",
+        leave=False,
+        disable=None,
+    ):
         maps = attention_maps(model, chunk)  # layers, B, heads, N, N
         cls_max = maps[:, :, :, 0, num_prefix:].amax(-1)  # layers, B, heads
         values.append(cls_max.permute(1, 0, 2).reshape(chunk.shape[0], -1))
     return torch.cat(values).double().numpy()
 
 
-def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clusters: int, out: Path,
-                  batch_size: int = 64) -> dict[str, Any]:
+def head_clusters(
+    model: nn.Module, images: torch.Tensor, num_prefix: int, n_clusters: int, out: Path, batch_size: int = 64
+) -> dict[str, Any]:
     """Cluster heads by the correlation of their maximal CLS attention over images; heatmap PNG."""
     import matplotlib
 
@@ -183,13 +199,21 @@ def head_clusters(model: nn.Module, images: torch.Tensor, num_prefix: int, n_clu
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(corr[np.ix_(order, order)], cmap="RdBu_r", vmin=-1, vmax=1)
     fig.colorbar(im, ax=ax, label="Pearson correlation")
-    ax.set_title(f"Heads ordered by spectral cluster (k={n_clusters}); max CLS attention, {x.shape[0]} images",
-                 fontsize=8)
+    ax.set_title(
+        f"Heads ordered by spectral cluster (k={n_clusters}); max CLS attention, {x.shape[0]} images",
+        fontsize=8,
+    )
     ax.set_xlabel("head (layer-major index)")
     ax.set_ylabel("head")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
-    return {"davies_bouldin": clustering["davies_bouldin"], "silhouette": clustering["silhouette"],
-            "n_clusters": n_clusters, "images": int(x.shape[0]), "heads": int(x.shape[1]), "labels": labels.tolist()}
+    return {
+        "davies_bouldin": clustering["davies_bouldin"],
+        "silhouette": clustering["silhouette"],
+        "n_clusters": n_clusters,
+        "images": int(x.shape[0]),
+        "heads": int(x.shape[1]),
+        "labels": labels.tolist(),
+    }

@@ -7,6 +7,7 @@ The free partition's stopping rule (split while the best cut takes more than f o
 weight) is vitexp's; RAPTOR chose its thresholds by hand per k. The per-budget lines (``--blocks``)
 are the partitions a run with ``budget.k`` uses, and reproduce RAPTOR's on DINOv2-B-like matrices.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,9 @@ def one_based(phases: list[list[int]]) -> str:
     return "".join(f"[{p[0] + 1}-{p[-1] + 1}]" for p in phases)
 
 
-def phase_report(model: nn.Module, loader, images: int, f: float, blocks: Iterable[int], out: Path,
-                 min_size: int = 2) -> dict[str, Any]:
+def phase_report(
+    model: nn.Module, loader, images: int, f: float, blocks: Iterable[int], out: Path, min_size: int = 2
+) -> dict[str, Any]:
     """Distance matrix, free phases at ``f`` and phases for each feasible budget; writes ``out`` (PNG)."""
     import matplotlib
 
@@ -35,7 +37,9 @@ def phase_report(model: nn.Module, loader, images: int, f: float, blocks: Iterab
     distance = distance_matrix_from_data(model, loader, images)
     depth = distance.shape[0]
     free = max_cut_phases(distance, f=f, min_size=min_size)
-    per_k = {int(k): phases_for_blocks(distance, int(k), min_size) for k in blocks if int(k) * min_size <= depth}
+    per_k = {
+        int(k): phases_for_blocks(distance, int(k), min_size) for k in blocks if int(k) * min_size <= depth
+    }
 
     fig, ax = plt.subplots(figsize=(5.5, 5.0))
     im = ax.imshow(distance.numpy(), cmap="viridis")

@@ -8,6 +8,7 @@ method's own parameters, BSPF-ViT's scorer, at their initial values), or the sav
 train run of that method (BSPF-ViT's ``weights.pth`` with its scorer), loaded whole into the
 method model. The first is tried first; the second when the backbone refuses the file's keys.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,11 @@ from omegaconf import DictConfig, open_dict
 from vitexp.errors import ConfigError
 
 #: How the figure's title names where the weights came from (:func:`token_model`).
-WEIGHTS = {"backbone": "backbone weights, method applied", "method": "the trained method model's weights",
-           "none": "random init"}
+WEIGHTS = {
+    "backbone": "backbone weights, method applied",
+    "method": "the trained method model's weights",
+    "none": "random init",
+}
 #: The methods whose token decisions ``vitexp-analyze tokens`` draws.
 TOKEN_METHODS = ("bspf", "chunk", "evit", "tome")
 
@@ -31,15 +35,21 @@ def check_request(cfg: DictConfig, analysis: str, record: dict[str, Any] | None)
     """A ConfigError, before any ledger entry, for a method that reduces no tokens (``tokens``) or
     a run that is not a SAPER run (``heads``)."""
     if analysis == "tokens" and cfg.method.name not in TOKEN_METHODS:
-        raise ConfigError(f"vitexp-analyze tokens: method={cfg.method.name} reduces no tokens; "
-                          f"valid methods: {list(TOKEN_METHODS)}")
+        raise ConfigError(
+            f"vitexp-analyze tokens: method={cfg.method.name} reduces no tokens; "
+            f"valid methods: {list(TOKEN_METHODS)}"
+        )
     family = (cfg.backbone.get("arch") or {}).get("family", "vit")
     if analysis == "tokens" and family in ("metaformer", "shvit"):
-        raise ConfigError(f"vitexp-analyze tokens draws a ViT's patch tokens; backbone={cfg.backbone.name} is a "
-                          f"{family} (use a ViT backbone: vit_micro, t2t_vit_micro, lvvit_micro, dinov2_micro, DeiT)")
+        raise ConfigError(
+            f"vitexp-analyze tokens draws a ViT's patch tokens; backbone={cfg.backbone.name} is a "
+            f"{family} (use a ViT backbone: vit_micro, t2t_vit_micro, lvvit_micro, dinov2_micro, DeiT)"
+        )
     if analysis == "heads" and not (record or {}).get("kept_heads"):
-        raise ConfigError(f"vitexp-analyze heads: run {(record or {}).get('run_id')} ({(record or {}).get('experiment')}) "
-                          "has no kept_heads: it is not a completed SAPER train run (method=saper_ft or saper_kd)")
+        raise ConfigError(
+            f"vitexp-analyze heads: run {(record or {}).get('run_id')} ({(record or {}).get('experiment')}) "
+            "has no kept_heads: it is not a completed SAPER train run (method=saper_ft or saper_kd)"
+        )
 
 
 def token_model(cfg: DictConfig):
@@ -59,8 +69,12 @@ def token_model(cfg: DictConfig):
         model, method, data_config = build_model(bare)
         missing, unexpected = model.load_state_dict(load_weights(path), strict=False)
         if missing or unexpected:
-            raise CheckpointMismatchError(str(path), list(missing), list(unexpected),
-                                          f"neither the backbone's keys ({err}) nor the {method.name} model's") from None
+            raise CheckpointMismatchError(
+                str(path),
+                list(missing),
+                list(unexpected),
+                f"neither the backbone's keys ({err}) nor the {method.name} model's",
+            ) from None
         return model, method, data_config, "method"
 
 
@@ -88,11 +102,19 @@ def token_report(cfg: DictConfig, args: argparse.Namespace, out_dir: Path) -> di
         out = out_dir / f"{cfg.name}_tokens_{i}.png"
         title = f"{cfg.name} ({method.name}; {WEIGHTS[weights]}); test image {i}, label {int(labels[i])}"
         figures.append(draw_token_maps(batch[i], maps, i, grid, chunk_of, out, title))
-    return {"images": n, "chunks": chunks, "weights": weights, "grid": list(grid),
-            "layers": tokens.layer_counts(maps), "figures": figures}
+    return {
+        "images": n,
+        "chunks": chunks,
+        "weights": weights,
+        "grid": list(grid),
+        "layers": tokens.layer_counts(maps),
+        "figures": figures,
+    }
 
 
-def head_report(cfg: DictConfig, record: dict[str, Any], args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+def head_report(
+    cfg: DictConfig, record: dict[str, Any], args: argparse.Namespace, out_dir: Path
+) -> dict[str, Any]:
     """The heads grid of SAPER run ``record`` beside the head clusters of its unpruned backbone."""
     from vitexp.analysis.head_grid import checkpoint_scores, draw_head_grid, kept_mask
     from vitexp.analysis.heads import head_clusters
@@ -103,15 +125,30 @@ def head_report(cfg: DictConfig, record: dict[str, Any], args: argparse.Namespac
     from vitexp.ledger import RUN_WEIGHTS_PREFIX
 
     kept = record["kept_heads"]
-    if str(cfg.backbone.get("pretrained") or "").startswith(RUN_WEIGHTS_PREFIX):  # the teacher this run loaded,
-        with open_dict(cfg):                                                    # not a newer one of that name
+    if str(cfg.backbone.get("pretrained") or "").startswith(
+        RUN_WEIGHTS_PREFIX
+    ):  # the teacher this run loaded,
+        with open_dict(cfg):  # not a newer one of that name
             cfg.backbone.pretrained = teacher_of(record, Path(cfg.results_dir))
     backbone = build_configured_backbone(cfg).eval()
     heads = int(backbone.blocks[0].attn.num_heads)
     output_dir = local_path(record.get("output_dir"), cfg.results_dir)
     # the select stage's checkpoint holds the scores (a run before the two stages: checkpoints/last.ckpt)
-    checkpoint = next((c for c in (output_dir / "checkpoints" / "select" / "last.ckpt",
-                                   output_dir / "checkpoints" / "last.ckpt") if c.is_file()), None) if output_dir else None
+    checkpoint = (
+        next(
+            (
+                c
+                for c in (
+                    output_dir / "checkpoints" / "select" / "last.ckpt",
+                    output_dir / "checkpoints" / "last.ckpt",
+                )
+                if c.is_file()
+            ),
+            None,
+        )
+        if output_dir
+        else None
+    )
     scores = checkpoint_scores(checkpoint)
     mask = kept_mask(kept, heads)
     agree = None
@@ -128,11 +165,21 @@ def head_report(cfg: DictConfig, record: dict[str, Any], args: argparse.Namespac
     name = f"{record['experiment']}_{record['run_id'][-6:]}"
     clusters = head_clusters(backbone, images, prefix, args.clusters, out_dir / f"{name}_head_clusters.png")
     out = out_dir / f"{name}_heads.png"
-    title = (f"{record['experiment']} (run {record['run_id']}): {int(mask.sum())} of {mask.size} heads kept; "
-             f"clusters over {n} test images")
+    title = (
+        f"{record['experiment']} (run {record['run_id']}): {int(mask.sum())} of {mask.size} heads kept; "
+        f"clusters over {n} test images"
+    )
     marked = draw_head_grid(kept, heads, scores, clusters["labels"], out, title)
-    return {"figures": [out, out_dir / f"{name}_head_clusters.png"], "marked": marked,
-            "backbone_weights": cfg.backbone.get("pretrained"), "kept_heads": kept, "head_scores": None if scores is None else [round(float(s), 6) for s in scores],
-            "scores_from": str(checkpoint) if scores is not None else None, "scores_agree_with_kept": agree,
-            "head_clusters": clusters["labels"], "silhouette": clusters["silhouette"],
-            "davies_bouldin": clusters["davies_bouldin"], "images": n}
+    return {
+        "figures": [out, out_dir / f"{name}_head_clusters.png"],
+        "marked": marked,
+        "backbone_weights": cfg.backbone.get("pretrained"),
+        "kept_heads": kept,
+        "head_scores": None if scores is None else [round(float(s), 6) for s in scores],
+        "scores_from": str(checkpoint) if scores is not None else None,
+        "scores_agree_with_kept": agree,
+        "head_clusters": clusters["labels"],
+        "silhouette": clusters["silhouette"],
+        "davies_bouldin": clusters["davies_bouldin"],
+        "images": n,
+    }

@@ -14,6 +14,7 @@ mistaken for dark image content (Fashion-MNIST's black background, a digit's dar
 Token colours cycle through matplotlib's ``tab20`` by token index, so neighbouring tokens of a
 chunk differ. The input is min–max scaled per image for display (the model saw it normalised).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,9 +26,10 @@ import torch
 from vitexp.analysis.tokens import LayerMap
 from vitexp.analysis import save_png
 
-
-LEGEND = ("clear: kept; red, cross-hatched: dropped{chunks}\n"
-          "tinted and hatched: fused into the token of that colour (outlined: that token's own patch, if it has one)")
+LEGEND = (
+    "clear: kept; red, cross-hatched: dropped{chunks}\ntinted and hatched: fused into the token of that"
+    " colour (outlined: that token's own patch, if it has one)"
+)
 #: A dropped patch: a red cover with a cross-hatch (no dark fill: see the module docstring).
 DROPPED = (0.85, 0.1, 0.1)
 
@@ -50,8 +52,15 @@ def _chunk_edges(ax, chunks: np.ndarray, cell_h: float, cell_w: float) -> None:
                 ax.plot([c * cell_w, (c + 1) * cell_w], [(r + 1) * cell_h] * 2, color="white", lw=1.6)
 
 
-def _panel(ax, img: np.ndarray, grid: tuple[int, int], token: np.ndarray | None, kept: np.ndarray | None,
-           chunks: np.ndarray | None, title: str) -> None:
+def _panel(
+    ax,
+    img: np.ndarray,
+    grid: tuple[int, int],
+    token: np.ndarray | None,
+    kept: np.ndarray | None,
+    chunks: np.ndarray | None,
+    title: str,
+) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -61,8 +70,11 @@ def _panel(ax, img: np.ndarray, grid: tuple[int, int], token: np.ndarray | None,
     ax.imshow(img, extent=(0, w, h, 0), interpolation="nearest")
     if token is not None:
         # no greys (they read as image content) and no reds (they read as dropped)
-        palette = [c for c in plt.get_cmap("tab20").colors
-                   if max(c) - min(c) > 0.1 and not (c[0] > 0.8 and c[1] < 0.65 and c[2] < 0.65)]
+        palette = [
+            c
+            for c in plt.get_cmap("tab20").colors
+            if max(c) - min(c) > 0.1 and not (c[0] > 0.8 and c[1] < 0.65 and c[2] < 0.65)
+        ]
         overlay = np.zeros((rows, cols, 4))
         anchored = {}
         for r in range(rows):
@@ -71,18 +83,30 @@ def _panel(ax, img: np.ndarray, grid: tuple[int, int], token: np.ndarray | None,
                 cell = (c * cell_w, r * cell_h)
                 if t < 0:
                     overlay[r, c] = (*DROPPED, 0.45)
-                    ax.add_patch(Rectangle(cell, cell_w, cell_h, fill=False, hatch="xxx", edgecolor=DROPPED, lw=0.0))
+                    ax.add_patch(
+                        Rectangle(cell, cell_w, cell_h, fill=False, hatch="xxx", edgecolor=DROPPED, lw=0.0)
+                    )
                 elif kept[r, c]:
                     anchored[t] = (r, c)
                 else:
                     overlay[r, c] = (*palette[t % len(palette)], 0.55)
-                    ax.add_patch(Rectangle(cell, cell_w, cell_h, fill=False, hatch="///", edgecolor="white", lw=0.0))
+                    ax.add_patch(
+                        Rectangle(cell, cell_w, cell_h, fill=False, hatch="///", edgecolor="white", lw=0.0)
+                    )
         ax.imshow(overlay, extent=(0, w, h, 0), interpolation="nearest")
         absorbing = {int(t) for t in np.unique(token[(token >= 0) & ~kept])}
         for t in sorted(absorbing & anchored.keys()):
             r, c = anchored[t]
-            ax.add_patch(Rectangle((c * cell_w, r * cell_h), cell_w, cell_h, fill=False,
-                                   edgecolor=palette[t % len(palette)], lw=2.0))
+            ax.add_patch(
+                Rectangle(
+                    (c * cell_w, r * cell_h),
+                    cell_w,
+                    cell_h,
+                    fill=False,
+                    edgecolor=palette[t % len(palette)],
+                    lw=2.0,
+                )
+            )
     if chunks is not None:
         _chunk_edges(ax, chunks, cell_h, cell_w)
     ax.set_xlim(0, w)
@@ -92,8 +116,15 @@ def _panel(ax, img: np.ndarray, grid: tuple[int, int], token: np.ndarray | None,
     ax.set_title(title, fontsize=7)
 
 
-def draw_token_maps(image: torch.Tensor, maps: Sequence[LayerMap], index: int, grid: tuple[int, int],
-                    chunks: torch.Tensor | None, out: Path, title: str) -> Path:
+def draw_token_maps(
+    image: torch.Tensor,
+    maps: Sequence[LayerMap],
+    index: int,
+    grid: tuple[int, int],
+    chunks: torch.Tensor | None,
+    out: Path,
+    title: str,
+) -> Path:
     """Write the PNG of image ``index`` of the batch the ``maps`` describe; returns ``out``."""
     import matplotlib
 
@@ -103,13 +134,31 @@ def draw_token_maps(image: torch.Tensor, maps: Sequence[LayerMap], index: int, g
     img = display_image(image)
     chunk_grid = None if chunks is None or len(chunks.unique()) < 2 else chunks.reshape(grid).numpy()
     panels = 1 + len(maps)
-    fig, axes = plt.subplots(1, panels, figsize=(max(2.0 * panels, 5.0), 2.9), squeeze=False, layout="constrained")
-    _panel(axes[0][0], img, grid, None, None, chunk_grid, "input" + (" + chunks" if chunk_grid is not None else ""))
+    fig, axes = plt.subplots(
+        1, panels, figsize=(max(2.0 * panels, 5.0), 2.9), squeeze=False, layout="constrained"
+    )
+    _panel(
+        axes[0][0],
+        img,
+        grid,
+        None,
+        None,
+        chunk_grid,
+        "input" + (" + chunks" if chunk_grid is not None else ""),
+    )
     for ax, m in zip(axes[0][1:], maps):
         token = m.token[index].reshape(grid).cpu().numpy()
         kept = m.kept[index].reshape(grid).cpu().numpy()
         fused, dropped = int(m.fused[index].sum()), int(m.dropped[index].sum())
-        _panel(ax, img, grid, token, kept, chunk_grid,
-               f"block {m.block}: {m.tokens_out} tokens\nkept {int(kept.sum())}, fused {fused}, dropped {dropped}")
+        _panel(
+            ax,
+            img,
+            grid,
+            token,
+            kept,
+            chunk_grid,
+            f"block {m.block}: {m.tokens_out} tokens\nkept {int(kept.sum())}, fused {fused}, dropped"
+            f" {dropped}",
+        )
     legend = LEGEND.format(chunks="; white lines: chunks" if chunk_grid is not None else "")
     return save_png(fig, out, f"{title}\n{legend}")

@@ -16,6 +16,7 @@
 
 The figure (vitexp/analysis/token_plots.py) draws one panel per reducing layer.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ def _block_of(model: nn.Module) -> dict[int, int]:
     """id(module) -> index of the ViT block that holds it."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        raise TypeError(f"vitexp-analyze tokens needs a ViT with .blocks; {type(model).__name__} has none "
-                        "(CaFormer's BSPF-ViT is not drawn)")
+        raise TypeError(
+            f"vitexp-analyze tokens needs a ViT with .blocks; {type(model).__name__} has none "
+            "(CaFormer's BSPF-ViT is not drawn)"
+        )
     return {id(m): i for i, block in enumerate(blocks) for m in block.modules()}
 
 
@@ -102,19 +105,24 @@ def _first_slots(num_patches: int, order: torch.Tensor | None) -> torch.Tensor:
     return torch.argsort(order)
 
 
-def source_maps(decisions: list[tuple[int, TokenDecision]], num_patches: int,
-                order: torch.Tensor | None = None) -> list[LayerMap]:
+def source_maps(
+    decisions: list[tuple[int, TokenDecision]], num_patches: int, order: torch.Tensor | None = None
+) -> list[LayerMap]:
     """Compose the layers' decisions into one :class:`LayerMap` per reducing layer (module docstring)."""
     if not decisions:
         return []
     batch = decisions[0][1].target.shape[0]
-    token = _first_slots(num_patches, order).to(decisions[0][1].target.device).expand(batch, num_patches).clone()
+    token = (
+        _first_slots(num_patches, order).to(decisions[0][1].target.device).expand(batch, num_patches).clone()
+    )
     kept = torch.ones_like(token, dtype=torch.bool)
     maps, tokens_in = [], num_patches
     for block, d in decisions:
         if d.target.shape[1] != tokens_in:
-            raise ValueError(f"block {block} decided about {d.target.shape[1]} tokens, but {tokens_in} enter it: "
-                             "a reducing layer's decision is missing")
+            raise ValueError(
+                f"block {block} decided about {d.target.shape[1]} tokens, but {tokens_in} enter it: "
+                "a reducing layer's decision is missing"
+            )
         tokens_in = int(d.tokens_out)
         alive = token >= 0
         index = token.clamp(min=0)
@@ -126,14 +134,23 @@ def source_maps(decisions: list[tuple[int, TokenDecision]], num_patches: int,
 
 def layer_counts(maps: list[LayerMap]) -> list[dict[str, Any]]:
     """Per reducing layer, the mean over images of kept, fused and dropped patches and of tokens left."""
-    return [{"block": m.block, "tokens_out": m.tokens_out,
-             "kept": float(m.kept.sum(1).float().mean()), "fused": float(m.fused.sum(1).float().mean()),
-             "dropped": float(m.dropped.sum(1).float().mean())} for m in maps]
+    return [
+        {
+            "block": m.block,
+            "tokens_out": m.tokens_out,
+            "kept": float(m.kept.sum(1).float().mean()),
+            "fused": float(m.fused.sum(1).float().mean()),
+            "dropped": float(m.dropped.sum(1).float().mean()),
+        }
+        for m in maps
+    ]
 
 
 def patch_grid(model: nn.Module) -> tuple[int, int]:
     """The (rows, columns) grid of the model's patch tokens."""
     grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
     if grid is None:
-        raise TypeError(f"{type(model).__name__} has no patch_embed.grid_size: cannot place its patches on a grid")
+        raise TypeError(
+            f"{type(model).__name__} has no patch_embed.grid_size: cannot place its patches on a grid"
+        )
     return int(grid[0]), int(grid[1])

@@ -2,6 +2,7 @@
 ``bench.compare`` (:func:`run_compare`): several experiments' deployed models timed in one
 interleaved run. Each runs inside :func:`vitexp.runs.owner.owned_run`, which owns its ledger entry, logger
 and closing JSON line; the measurements themselves are :mod:`vitexp.measure.throughput`'s."""
+
 from __future__ import annotations
 
 import statistics
@@ -75,21 +76,38 @@ def _run_model_timing(cfg: DictConfig, run) -> None:
         baseline = build_configured_backbone(cfg)
         macs_m, macs_b = count_macs(deployed, img).gmacs, count_macs(baseline, img).gmacs
         device = bench_device(str(b.device))
-        res = compare_throughput({"method": deployed.to(device), "baseline": baseline.to(device)}, b.batch_size,
-                                 img, warmup=int(b.warmup), rounds=int(b.rounds), iters=int(b.iters), amp=b.amp,
-                                 progress=True)
-        metrics = {"throughput": res["method"]["throughput"], "baseline_throughput": res["baseline"]["throughput"],
-                   "throughput_ratio": res["method"]["throughput"] / res["baseline"]["throughput"],
-                   "gmacs": macs_m, "baseline_gmacs": macs_b, "gmacs_ratio": macs_b / macs_m}
+        res = compare_throughput(
+            {"method": deployed.to(device), "baseline": baseline.to(device)},
+            b.batch_size,
+            img,
+            warmup=int(b.warmup),
+            rounds=int(b.rounds),
+            iters=int(b.iters),
+            amp=b.amp,
+            progress=True,
+        )
+        metrics = {
+            "throughput": res["method"]["throughput"],
+            "baseline_throughput": res["baseline"]["throughput"],
+            "throughput_ratio": res["method"]["throughput"] / res["baseline"]["throughput"],
+            "gmacs": macs_m,
+            "baseline_gmacs": macs_b,
+            "gmacs_ratio": macs_b / macs_m,
+        }
         protocol = {"mode": "throughput", "interleaved": True, **res["method"]}
         protocol.pop("throughput", None)
-        print(f"{cfg.name}: {metrics['throughput']:.1f} vs baseline {metrics['baseline_throughput']:.1f} images/s "
-              f"(ratio {metrics['throughput_ratio']:.2f}; GMACs ratio {metrics['gmacs_ratio']:.2f}), "
-              f"batch {protocol['batch_size']}, {img} px, {protocol['device_name']}, {protocol['precision']}, "
-              f"{torch.get_num_threads()} threads")
+        print(
+            f"{cfg.name}: {metrics['throughput']:.1f} vs baseline {metrics['baseline_throughput']:.1f}"
+            f" images/s (ratio {metrics['throughput_ratio']:.2f}; GMACs ratio {metrics['gmacs_ratio']:.2f}),"
+            f" batch {protocol['batch_size']}, {img} px, {protocol['device_name']}, {protocol['precision']},"
+            f" {torch.get_num_threads()} threads"
+        )
     else:
         if method.objective != "classify":
-            raise ConfigError(f"bench.mode=overhead times the classify objective; method {method.name} is {method.objective}")
+            raise ConfigError(
+                f"bench.mode=overhead times the classify objective; method {method.name} is"
+                f" {method.objective}"
+            )
         import copy
 
         datamodule = build_datamodule(cfg, data_config)
@@ -101,13 +119,27 @@ def _run_model_timing(cfg: DictConfig, run) -> None:
             m.load_state_dict(state)
             return m
 
-        metrics = lightning_overhead(make_model, datamodule.train_dataloader, int(cfg.data.num_classes),
-                                     dict(cfg.recipe), steps=int(b.steps), warmup=int(b.warmup) + 3)
-        protocol = {"mode": "overhead", "batch_size": int(cfg.recipe.batch_size), "img_size": img,
-                    "device": "cpu", "threads": torch.get_num_threads(),
-                    "statistic": "median seconds between consecutive batch starts, best of 2 alternations"}
-        print(f"{cfg.name}: plain loop {metrics['plain_step_s'] * 1e3:.2f} ms/step, Lightning "
-              f"{metrics['lightning_step_s'] * 1e3:.2f} ms/step: overhead {100 * metrics['lightning_overhead']:+.1f} %")
+        metrics = lightning_overhead(
+            make_model,
+            datamodule.train_dataloader,
+            int(cfg.data.num_classes),
+            dict(cfg.recipe),
+            steps=int(b.steps),
+            warmup=int(b.warmup) + 3,
+        )
+        protocol = {
+            "mode": "overhead",
+            "batch_size": int(cfg.recipe.batch_size),
+            "img_size": img,
+            "device": "cpu",
+            "threads": torch.get_num_threads(),
+            "statistic": "median seconds between consecutive batch starts, best of 2 alternations",
+        }
+        print(
+            f"{cfg.name}: plain loop {metrics['plain_step_s'] * 1e3:.2f} ms/step, Lightning"
+            f" {metrics['lightning_step_s'] * 1e3:.2f} ms/step: overhead"
+            f" {100 * metrics['lightning_overhead']:+.1f} %"
+        )
     run.complete(metrics, protocol)
 
 
@@ -137,47 +169,78 @@ def _run_loader(cfg: DictConfig, run) -> None:
     b, lo = cfg.bench, cfg.bench.loader
     validate(cfg, need_data=False, need_trainer=False)
     if "decoder" not in cfg.data:
-        raise ConfigError(f"bench.mode=loader times an image-folder loader (data=imagenet or imagefolder); "
-                          f"data={cfg.data.name} has no decoder")
+        raise ConfigError(
+            "bench.mode=loader times an image-folder loader (data=imagenet or imagefolder); "
+            f"data={cfg.data.name} has no decoder"
+        )
     unknown = sorted(set(lo.decoders) - set(DECODERS))
     if unknown or lo.split not in ("train", "eval") or int(lo.workers) < 1 or int(lo.batches) < 1:
-        raise ConfigError(f"bench.loader: decoders {list(lo.decoders)} must be among {DECODERS}, split "
-                          f"{lo.split!r} train or eval, workers ({lo.workers}) and batches ({lo.batches}) >= 1")
+        raise ConfigError(
+            f"bench.loader: decoders {list(lo.decoders)} must be among {DECODERS}, split "
+            f"{lo.split!r} train or eval, workers ({lo.workers}) and batches ({lo.batches}) >= 1"
+        )
     run.start(to_container(cfg))
     if lo.root:
         jpegs = {"root": str(lo.root), "spec": "a given folder"}
     else:
-        spec = JpegSpec(classes=int(cfg.data.num_classes), train_per_class=int(lo.train_per_class),
-                        val_per_class=int(lo.val_per_class))
+        spec = JpegSpec(
+            classes=int(cfg.data.num_classes),
+            train_per_class=int(lo.train_per_class),
+            val_per_class=int(lo.val_per_class),
+        )
         jpegs = ensure_jpegs(spec, progress=True)
     data_config = data_config_for(cfg, build_configured_backbone(cfg))
     modules = {d: _loader_datamodule(cfg, data_config, jpegs["root"], d) for d in lo.decoders}
     train = lo.split == "train"
-    loaders = {d: (m.train_dataloader() if train else m.val_dataloader()) for d, m in modules.items()}
+    loaders = {d: m.train_dataloader() if train else m.val_dataloader() for d, m in modules.items()}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    on_batch = {d: (lambda x, m=m: m.device_normalize(x, train=train)) if m.device_normalize is not None else None
-                for d, m in modules.items()}
+    on_batch = {
+        d: (lambda x, m=m: m.device_normalize(x, train=train)) if m.device_normalize is not None else None
+        for d, m in modules.items()
+    }
     res = compare_loaders(loaders, int(lo.batches), int(b.rounds), int(lo.workers), on_batch, device)
     metrics = {f"{d}_images_per_s_per_worker": r["images_per_s_per_worker"] for d, r in res.items()}
-    metrics.update({f"{d}_{k}": r[k] for d, r in res.items() for k in ("min", "max", "wall_images_per_s_per_worker",
-                                                                         "main_ms_per_image")})
+    metrics.update(
+        {
+            f"{d}_{k}": r[k]
+            for d, r in res.items()
+            for k in ("min", "max", "wall_images_per_s_per_worker", "main_ms_per_image")
+        }
+    )
     metrics["winner"] = winner(res)
     import platform
 
-    protocol = {"mode": "loader", "split": lo.split, "decoders": list(lo.decoders), "workers": int(lo.workers),
-                "batch_size": int(cfg.data.batch_size), "batches": int(lo.batches), "rounds": int(b.rounds),
-                "img_size": int(data_config["input_size"][-1]), "interpolation": data_config.get("interpolation"),
-                "crop_pct": data_config.get("crop_pct"), "auto_augment": cfg.data.auto_augment if train else None,
-                "random_erase": float(cfg.data.random_erase or 0.0) if train else 0.0,
-                "transforms": {d: str(loaders[d].dataset.transform) for d in loaders},
-                "jpegs": {k: v for k, v in jpegs.items() if k != "root"}, "cpu": cpu_model() or platform.machine(),
-                "statistic": STATISTIC, "rounds_per_decoder": {d: r["rounds"] for d, r in res.items()},
-                "load": next(iter(res.values()))["load"], "device_side": str(device)}
-    print(f"{cfg.name}: loader ({lo.split} transform, {protocol['img_size']} px, batch {protocol['batch_size']}, "
-          f"{lo.workers} worker(s)): " + "; ".join(
-              f"{d} {r['images_per_s_per_worker']:.1f} images/s per worker (rounds {r['min']:.1f}-{r['max']:.1f}; "
-              f"wall {r['wall_images_per_s_per_worker']:.1f})" for d, r in res.items())
-          + f"; faster beyond the spread: {metrics['winner'] or 'neither'}")
+    protocol = {
+        "mode": "loader",
+        "split": lo.split,
+        "decoders": list(lo.decoders),
+        "workers": int(lo.workers),
+        "batch_size": int(cfg.data.batch_size),
+        "batches": int(lo.batches),
+        "rounds": int(b.rounds),
+        "img_size": int(data_config["input_size"][-1]),
+        "interpolation": data_config.get("interpolation"),
+        "crop_pct": data_config.get("crop_pct"),
+        "auto_augment": cfg.data.auto_augment if train else None,
+        "random_erase": float(cfg.data.random_erase or 0.0) if train else 0.0,
+        "transforms": {d: str(loaders[d].dataset.transform) for d in loaders},
+        "jpegs": {k: v for k, v in jpegs.items() if k != "root"},
+        "cpu": cpu_model() or platform.machine(),
+        "statistic": STATISTIC,
+        "rounds_per_decoder": {d: r["rounds"] for d, r in res.items()},
+        "load": next(iter(res.values()))["load"],
+        "device_side": str(device),
+    }
+    print(
+        f"{cfg.name}: loader ({lo.split} transform, {protocol['img_size']} px, batch"
+        f" {protocol['batch_size']}, {lo.workers} worker(s)): "
+        + "; ".join(
+            f"{d} {r['images_per_s_per_worker']:.1f} images/s per worker (rounds"
+            f" {r['min']:.1f}-{r['max']:.1f}; wall {r['wall_images_per_s_per_worker']:.1f})"
+            for d, r in res.items()
+        )
+        + f"; faster beyond the spread: {metrics['winner'] or 'neither'}"
+    )
     run.complete(metrics, protocol)
 
 
@@ -196,12 +259,21 @@ def _run_train_step(cfg: DictConfig, run) -> None:
     model, method, _ = build_model(cfg, method)
     device = bench_device(str(cfg.bench.device))
     batch, amp = throughput_protocol(device, cfg.bench.batch_size, cfg.bench.amp)
-    res = measure_train_step(model.to(device), int(cfg.data.num_classes), batch, int(cfg.backbone.img_size),
-                             amp=amp, warmup=int(cfg.bench.warmup), iters=int(cfg.bench.iters),
-                             rounds=int(cfg.bench.rounds))
+    res = measure_train_step(
+        model.to(device),
+        int(cfg.data.num_classes),
+        batch,
+        int(cfg.backbone.img_size),
+        amp=amp,
+        warmup=int(cfg.bench.warmup),
+        iters=int(cfg.bench.iters),
+        rounds=int(cfg.bench.rounds),
+    )
     metrics = {"train_images_per_s": res.pop("train_images_per_s")}
-    print(f"{cfg.name}: {metrics['train_images_per_s']:.1f} training images/s on {res['device_name']} "
-          f"(batch {batch}, {res['precision']}, {int(cfg.backbone.img_size)} px)")
+    print(
+        f"{cfg.name}: {metrics['train_images_per_s']:.1f} training images/s on {res['device_name']} "
+        f"(batch {batch}, {res['precision']}, {int(cfg.backbone.img_size)} px)"
+    )
     run.complete(metrics, {"mode": "train_step", **res, "threads": torch.get_num_threads()})
 
 
@@ -228,8 +300,15 @@ def _run_demo(cfg: DictConfig, run) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="vitexp-demo-bench-"))
     try:
         env = {**os.environ, "VITEXP_RESULTS": str(scratch / "results")}
-        extra = [str(a) for a in (cfg.bench.get("demo_args") or [])]
-        command = [sys.executable, "-m", "vitexp.commands.cli", "train", *extra, f"hydra.run.dir={scratch / 'outputs'}"]
+        extra = [str(a) for a in cfg.bench.get("demo_args") or []]
+        command = [
+            sys.executable,
+            "-m",
+            "vitexp.commands.cli",
+            "train",
+            *extra,
+            f"hydra.run.dir={scratch / 'outputs'}",
+        ]
         load_before = machine_load()
         started = time.perf_counter()
         done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -238,8 +317,10 @@ def _run_demo(cfg: DictConfig, run) -> None:
         lines = done.stdout.strip().splitlines()
         closing = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
         if done.returncode != 0 or closing.get("status") != "completed":
-            raise RuntimeError(f"the demo did not complete (exit {done.returncode}): "
-                               + (one_line(RuntimeError(done.stderr.strip()[-400:])) or "no output"))
+            raise RuntimeError(
+                f"the demo did not complete (exit {done.returncode}): "
+                + (one_line(RuntimeError(done.stderr.strip()[-400:])) or "no output")
+            )
         demo = closing["metrics"]
         child = next(iter(Ledger.load(scratch / "results")), {})
     finally:
@@ -247,16 +328,30 @@ def _run_demo(cfg: DictConfig, run) -> None:
     fit = float(demo["fit_time_s"])
     # the demo's own metrics under demo_* names: this entry shares the demo's config, and a table cell
     # that reads the demo's ``top1`` must never take it from a timing
-    metrics = {"demo_wall_s": wall, "demo_fit_s": fit, "demo_overhead_s": wall - fit, "demo_top1": float(demo["top1"]),
-               "demo_epochs": int(demo["epochs"]), "demo_steps": int(demo["steps"])}
-    protocol = {"mode": "demo", "command": " ".join(["vitexp-train", *extra]) + " (results in a scratch folder)",
-                "wall": "process start to exit", "overhead": "wall - fit_time_s",
-                "load_before": load_before, "load_after": load_after,
-                "demo_threads": ((child.get("env") or {}).get("load") or {}).get("threads"),
-                "cpu": cpu_model(), "demo_commit": (child.get("env") or {}).get("git_commit")}
-    print(f"{cfg.name}: vitexp-train took {wall:.1f} s: fit {fit:.1f} s, the rest {wall - fit:.1f} s "
-          f"(top-1 {metrics['demo_top1']:.2f}; load {load_before['loadavg']} -> {load_after['loadavg']} on "
-          f"{load_before['cpus']} CPUs)")
+    metrics = {
+        "demo_wall_s": wall,
+        "demo_fit_s": fit,
+        "demo_overhead_s": wall - fit,
+        "demo_top1": float(demo["top1"]),
+        "demo_epochs": int(demo["epochs"]),
+        "demo_steps": int(demo["steps"]),
+    }
+    protocol = {
+        "mode": "demo",
+        "command": " ".join(["vitexp-train", *extra]) + " (results in a scratch folder)",
+        "wall": "process start to exit",
+        "overhead": "wall - fit_time_s",
+        "load_before": load_before,
+        "load_after": load_after,
+        "demo_threads": ((child.get("env") or {}).get("load") or {}).get("threads"),
+        "cpu": cpu_model(),
+        "demo_commit": (child.get("env") or {}).get("git_commit"),
+    }
+    print(
+        f"{cfg.name}: vitexp-train took {wall:.1f} s: fit {fit:.1f} s, the rest {wall - fit:.1f} s "
+        f"(top-1 {metrics['demo_top1']:.2f}; load {load_before['loadavg']} -> {load_after['loadavg']} on "
+        f"{load_before['cpus']} CPUs)"
+    )
     run.complete(metrics, protocol)
 
 
@@ -267,7 +362,9 @@ def _compose_experiment(name: str) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra.core.global_hydra import GlobalHydra
 
-    overrides = [f"experiment={name}"] if (CONF_DIR / "experiment" / f"{name}.yaml").is_file() else _row_job(name)
+    overrides = (
+        [f"experiment={name}"] if (CONF_DIR / "experiment" / f"{name}.yaml").is_file() else _row_job(name)
+    )
     if GlobalHydra.instance().is_initialized():
         return hydra_compose(config_name="train", overrides=overrides)
     from vitexp.config.composition import compose
@@ -283,8 +380,10 @@ def _row_job(name: str) -> list[str]:
     row = row_by_name(name)
     if row is not None:
         return job_arguments(row, seeded=False, weights=False)
-    raise ConfigError(f"bench.compare: {name!r} is neither an experiment (conf/experiment/{name}.yaml) nor the "
-                      f"name of a table row (sweeps/*.yaml)")
+    raise ConfigError(
+        f"bench.compare: {name!r} is neither an experiment (conf/experiment/{name}.yaml) nor the "
+        "name of a table row (sweeps/*.yaml)"
+    )
 
 
 def run_compare(cfg: DictConfig) -> dict[str, Any]:
@@ -306,12 +405,20 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
 
     names = [str(n) for n in cfg.bench.compare]
     if len(names) < 2 or len(set(names)) != len(names):
-        raise ConfigError(f"bench.compare: {names} must name at least two different experiments (the first is the reference)")
+        raise ConfigError(
+            f"bench.compare: {names} must name at least two different experiments (the first is the"
+            " reference)"
+        )
     subs = {}
     for name in names:
         sub = _compose_experiment(name)
         with open_dict(sub):
-            sub.output_dir, sub.results_dir, sub.bench, sub.logger = cfg.output_dir, cfg.results_dir, cfg.bench, cfg.logger
+            sub.output_dir, sub.results_dir, sub.bench, sub.logger = (
+                cfg.output_dir,
+                cfg.results_dir,
+                cfg.bench,
+                cfg.logger,
+            )
         validate(sub, need_data=False)
         objective_for(sub).check_timed(sub)
         subs[name] = sub
@@ -323,7 +430,9 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
     try:
         with contextlib.ExitStack() as stack:  # one owner per experiment's entry, one closing line for all
             for name in names:
-                runs[name] = stack.enter_context(owned_run(name, "bench", cfg.results_dir, None, None, emits=False))
+                runs[name] = stack.enter_context(
+                    owned_run(name, "bench", cfg.results_dir, None, None, emits=False)
+                )
                 runs[name].start(to_container(subs[name]))
             b = cfg.bench
             device = bench_device(str(b.device))
@@ -334,32 +443,62 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                 gmacs[name] = count_macs(deployed, img).gmacs
                 models[name] = deployed.to(device)
             load_before = os.getloadavg()
-            res = compare_throughput(models, b.batch_size, img, warmup=int(b.warmup), rounds=int(b.rounds),
-                                     iters=int(b.iters), amp=b.amp, progress=True)
+            res = compare_throughput(
+                models,
+                b.batch_size,
+                img,
+                warmup=int(b.warmup),
+                rounds=int(b.rounds),
+                iters=int(b.iters),
+                amp=b.amp,
+                progress=True,
+            )
             load_after = os.getloadavg()
             ref = names[0]
             for name in names:
-                metrics = {"throughput": res[name]["throughput"], "baseline_throughput": res[ref]["throughput"],
-                           "throughput_ratio": res[name]["throughput"] / res[ref]["throughput"],
-                           "gmacs": gmacs[name], "baseline_gmacs": gmacs[ref], "gmacs_ratio": gmacs[ref] / gmacs[name]}
-                protocol = {"mode": "compare", "interleaved": True, "interleaved_with": names, "reference": ref,
-                            **{k: v for k, v in res[name].items() if k != "throughput"}, "statistic": "median over rounds",
-                            "load_average_1m_before_after": [load_before[0], load_after[0]], "cpu_count": os.cpu_count()}
-                print(f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f} over {ref} "
-                      f"(GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)")
+                metrics = {
+                    "throughput": res[name]["throughput"],
+                    "baseline_throughput": res[ref]["throughput"],
+                    "throughput_ratio": res[name]["throughput"] / res[ref]["throughput"],
+                    "gmacs": gmacs[name],
+                    "baseline_gmacs": gmacs[ref],
+                    "gmacs_ratio": gmacs[ref] / gmacs[name],
+                }
+                protocol = {
+                    "mode": "compare",
+                    "interleaved": True,
+                    "interleaved_with": names,
+                    "reference": ref,
+                    **{k: v for k, v in res[name].items() if k != "throughput"},
+                    "statistic": "median over rounds",
+                    "load_average_1m_before_after": [load_before[0], load_after[0]],
+                    "cpu_count": os.cpu_count(),
+                }
+                print(
+                    f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f}"
+                    f" over {ref} (GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)"
+                )
                 runs[name].complete(metrics, protocol)
-            print(f"batch {res[ref]['batch_size']}, {img} px, {res[ref]['device_name']}, {res[ref]['precision']}, "
-                  f"{res[ref]['threads']} threads, load average {load_before[0]:.1f} -> {load_after[0]:.1f} "
-                  f"on {os.cpu_count()} CPUs")
+            print(
+                f"batch {res[ref]['batch_size']}, {img} px, {res[ref]['device_name']},"
+                f" {res[ref]['precision']}, {res[ref]['threads']} threads, load average {load_before[0]:.1f}"
+                f" -> {load_after[0]:.1f} on {os.cpu_count()} CPUs"
+            )
     except Exception as err:  # each owner marked its entry failed; one closing line names them
         started = [r for r in runs.values() if r.ledger is not None]
-        emit({"status": "failed", "error": portable_text(f"{type(err).__name__}: {one_line(err)}", cfg.results_dir),
-              "ledger": [portable_path(r.ledger.path, cfg.results_dir) for r in started],
-              "run_id": [r.ledger.run_id for r in started]})
+        emit(
+            {
+                "status": "failed",
+                "error": portable_text(f"{type(err).__name__}: {one_line(err)}", cfg.results_dir),
+                "ledger": [portable_path(r.ledger.path, cfg.results_dir) for r in started],
+                "run_id": [r.ledger.run_id for r in started],
+            }
+        )
         err.vitexp_reported = True
         raise
-    return {"metrics": {n: r.result["metrics"] for n, r in runs.items()},
-            "ledger": [r.result["ledger"] for r in runs.values()],
-            "run_id": [r.result["run_id"] for r in runs.values()], "status": "completed"}
-
-
+    return {
+        "metrics": {n: r.result["metrics"] for n, r in runs.items()},
+        "ledger": [r.result["ledger"] for r in runs.values()],
+        "run_id": [r.result["run_id"] for r in runs.values()],
+        "status": "completed",
+    }

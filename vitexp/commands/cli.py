@@ -10,6 +10,7 @@ on stderr, ``<prog>: invalid|failed: ...`` naming the key or the file
 (:func:`vitexp.errors.one_line`); the traceback only under ``VITEXP_DEBUG=1`` or the user's
 ``HYDRA_FULL_ERROR=1``.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,9 @@ from typing import Any, Callable
 from omegaconf import DictConfig, open_dict
 
 from vitexp import CONF_DIR
-from vitexp.config import composition as _composition  # noqa: F401  (registers the resolvers conf/train.yaml uses)
+from vitexp.config import (
+    composition as _composition,
+)  # noqa: F401  (registers the resolvers conf/train.yaml uses)
 from vitexp.errors import HYDRA_FULL_ERROR_BY_VITEXP, ConfigError, console_script, debug_mode, one_line
 from vitexp.runs.owner import emit, remove_if_empty
 from vitexp.runs.owner import ArgumentParser
@@ -31,19 +34,26 @@ from vitexp.runs.owner import ArgumentParser
 _SUBPROCESS_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true")
 
 
-def _report(status: str, err: BaseException, prog: str, message: str | None = None, debug: bool | None = None) -> None:
+def _report(
+    status: str, err: BaseException, prog: str, message: str | None = None, debug: bool | None = None
+) -> None:
     """One line on stderr (``<prog>: invalid|failed: ...``, naming the key or the file; the
     traceback before it only under :func:`~vitexp.errors.debug_mode`), and the closing JSON line
     unless the run owner printed it already."""
     from vitexp.ledger import portable_text
 
     # stderr and the closing line name a path alike: relative when it lies in the checkout, the results or the run
-    message = portable_text(message or one_line(err), getattr(err, "vitexp_results_dir", None),
-                            [getattr(err, "vitexp_run_dir", None)])
+    message = portable_text(
+        message or one_line(err),
+        getattr(err, "vitexp_results_dir", None),
+        [getattr(err, "vitexp_run_dir", None)],
+    )
     if debug_mode() if debug is None else debug:
         traceback.print_exception(err)
-    print(f"{prog}: {status}: " + (message if status == "invalid" else f"{type(err).__name__}: {message}"),
-          file=sys.stderr)
+    print(
+        f"{prog}: {status}: " + (message if status == "invalid" else f"{type(err).__name__}: {message}"),
+        file=sys.stderr,
+    )
     if not getattr(err, "vitexp_reported", False):
         emit({"status": status, "error": f"{type(err).__name__}: {message}", "ledger": None})
 
@@ -63,7 +73,11 @@ def _device_count(devices: Any, accelerator: str) -> int:
     if text in ("auto", "-1"):
         import torch
 
-        return torch.cuda.device_count() if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() else 1
+        return (
+            torch.cuda.device_count()
+            if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available()
+            else 1
+        )
     if "," in text:
         return len([d for d in text.split(",") if d.strip()])
     return int(text) if text.lstrip("-").isdigit() else 1
@@ -81,10 +95,11 @@ def _refuse_ddp_in_local_multirun(cfg: DictConfig, hydra_cfg) -> None:
     # strategy=auto picks Lightning's subprocess DDP for more than one device, as strategy=ddp does
     if multirun and local and strategy in (*_SUBPROCESS_STRATEGIES, "auto") and several:
         raise ConfigError(
-            f"trainer.strategy={cfg.trainer.strategy} with trainer.devices={devices} inside a local multirun (-m): "
-            "Lightning's DDP workers re-run the command line, i.e. the whole sweep. Run each job alone "
-            "(vitexp-train experiment=X trainer=ddp), or sweep through SLURM: hydra/launcher=slurm "
-            "hydra.launcher.tasks_per_node=<devices> (docs/cluster.md)")
+            f"trainer.strategy={cfg.trainer.strategy} with trainer.devices={devices} inside a local multirun"
+            " (-m): Lightning's DDP workers re-run the command line, i.e. the whole sweep. Run each job"
+            " alone (vitexp-train experiment=X trainer=ddp), or sweep through SLURM: hydra/launcher=slurm"
+            " hydra.launcher.tasks_per_node=<devices> (docs/cluster.md)"
+        )
 
 
 def _hydra_app(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> Callable[[DictConfig], Any]:
@@ -142,7 +157,8 @@ def _check_ledger(prog: str) -> None:
 def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
     """Run a Hydra app; a composition error (``backbone=nope``, ``recipe.lrr=1``) also ends with
     the JSON line, in one line (:func:`vitexp.config.composition.composition_error`); a multirun ends with
-    its summary line (:func:`vitexp.runs.multirun.summary`); an unreadable pack stops it first (:func:`_check_ledger`)."""
+    its summary line (:func:`vitexp.runs.multirun.summary`); an unreadable pack stops it first (:func:`_check_ledger`).
+    """
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -152,7 +168,9 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
 
     if not any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") for a in sys.argv[1:]):
         _check_ledger(prog)
-    main = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(_hydra_app(body, prog))
+    main = hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")(
+        _hydra_app(body, prog)
+    )
     debug = debug_mode()
     previous = os.environ.get("HYDRA_FULL_ERROR")
     if previous != "1":  # Hydra raises instead of exiting: the error reaches the JSON line
@@ -169,11 +187,19 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
         raise SystemExit(1) from None
     except SystemExit as exit_:
         code = exit_.code
-    except KeyboardInterrupt:  # Ctrl-C: the run closed its entry ``interrupted`` (vitexp.runs.signals.pass_on)
+    except (
+        KeyboardInterrupt
+    ):  # Ctrl-C: the run closed its entry ``interrupted`` (vitexp.runs.signals.pass_on)
         code = 128 + int(signal.SIGINT)
     except Exception as err:  # noqa: BLE001 - Hydra's own: composition, a launcher
         invalid = isinstance(err, (HydraException, OmegaConfBaseException))
-        _report("invalid" if invalid else "failed", err, prog, composition_error(err, prog) if invalid else None, debug)
+        _report(
+            "invalid" if invalid else "failed",
+            err,
+            prog,
+            composition_error(err, prog) if invalid else None,
+            debug,
+        )
         code = 2 if invalid else 1
     finally:
         if previous != "1":
@@ -254,7 +280,9 @@ def eval_main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="vitexp-eval", description=eval_main.__doc__)
     parser.add_argument("run", help="a completed train run's id, or an experiment (its newest completed run)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. data.root=/datasets/imagenet")
-    parser.add_argument("--weights", help="weights.pth or a vitexp Lightning checkpoint (default: the run's weights)")
+    parser.add_argument(
+        "--weights", help="weights.pth or a vitexp Lightning checkpoint (default: the run's weights)"
+    )
     args = parser.parse_intermixed_args(argv)
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -273,7 +301,9 @@ def eval_main(argv: list[str] | None = None) -> None:
         _exit_failed(err, "vitexp-eval")
 
 
-def _closing_line_on_error(main: Callable[[list[str] | None], int], argv: list[str] | None, prog: str) -> None:
+def _closing_line_on_error(
+    main: Callable[[list[str] | None], int], argv: list[str] | None, prog: str
+) -> None:
     """Run a non-Hydra app's ``main``; an error it does not report itself still ends with the JSON line."""
     try:
         code = main(argv)
@@ -308,20 +338,57 @@ def audit_main(argv: list[str] | None = None) -> None:
 
     parser = ArgumentParser(prog="vitexp-audit", description=audit_main.__doc__)
     parser.add_argument("paper", choices=("bspf", "saper", "raptor"), help="which paper's claims to audit")
-    parser.add_argument("--micro-run", default="run:demo",
-                        help="bspf: the trained micro ViT, a ledger train run: run:<experiment> (its newest) or run:<run_id>")
-    parser.add_argument("--deit-small", help="bspf: DeiT-S weights, a local file or run:<...> (default: random init, seed 0, said so)")
-    parser.add_argument("--images", type=int, default=None,
-                        help="bspf: digits fed through the micro model, DeiT-S gets a quarter (default 16); "
-                             "saper: test images for the attention and the head clusters (default 256)")
-    parser.add_argument("--saper-run", nargs="+", default=list(audit_saper.SAPER_RUNS),
-                        help="saper: SAPER train runs whose kept_heads are audited, run:<experiment> (its newest) or run:<run_id>")
-    parser.add_argument("--weights", help="saper: the pruned backbone's weights, a local file (e.g. a real DINOv2 for a "
-                                          "paper-scale SAPER run; default: the teacher run the SAPER run loaded)")
-    parser.add_argument("--clusters", type=int, nargs="+", default=list(audit_saper.CLUSTERS), help="saper: spectral cluster counts")
-    parser.add_argument("--selections", type=int, default=10_000, help="saper: random head selections for chance")
-    parser.add_argument("--sizes", nargs="+", choices=("b", "s"), default=["b", "s"],
-                        help="raptor: DINOv2 sizes to count (ViT-B, ViT-S)")
+    parser.add_argument(
+        "--micro-run",
+        default="run:demo",
+        help="bspf: the trained micro ViT, a ledger train run: run:<experiment> (its newest) or run:<run_id>",
+    )
+    parser.add_argument(
+        "--deit-small",
+        help="bspf: DeiT-S weights, a local file or run:<...> (default: random init, seed 0, said so)",
+    )
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=None,
+        help=(
+            "bspf: digits fed through the micro model, DeiT-S gets a quarter (default 16); "
+            "saper: test images for the attention and the head clusters (default 256)"
+        ),
+    )
+    parser.add_argument(
+        "--saper-run",
+        nargs="+",
+        default=list(audit_saper.SAPER_RUNS),
+        help=(
+            "saper: SAPER train runs whose kept_heads are audited, run:<experiment> (its newest) or"
+            " run:<run_id>"
+        ),
+    )
+    parser.add_argument(
+        "--weights",
+        help=(
+            "saper: the pruned backbone's weights, a local file (e.g. a real DINOv2 for a "
+            "paper-scale SAPER run; default: the teacher run the SAPER run loaded)"
+        ),
+    )
+    parser.add_argument(
+        "--clusters",
+        type=int,
+        nargs="+",
+        default=list(audit_saper.CLUSTERS),
+        help="saper: spectral cluster counts",
+    )
+    parser.add_argument(
+        "--selections", type=int, default=10_000, help="saper: random head selections for chance"
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=("b", "s"),
+        default=["b", "s"],
+        help="raptor: DINOv2 sizes to count (ViT-B, ViT-S)",
+    )
     parser.add_argument("--results-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.images is None:
@@ -347,20 +414,38 @@ def analyze_main(argv: list[str] | None = None) -> None:
 
     parser = ArgumentParser(prog="vitexp-analyze", description=analyze_main.__doc__)
     parser.add_argument("analysis", choices=("laplace", "clusters", "phases", "tokens", "heads", "splits"))
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. backbone=dinov2_vitb14 backbone.pretrained=/p")
-    parser.add_argument("--images", type=int, default=None,
-                        help="clusters, heads: test images clustered (256); phases: training images (256); "
-                             "tokens: test images drawn, one PNG each (4)")
-    parser.add_argument("--run", help="heads: the SAPER train run, its id or experiment (its newest completed run)")
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides, e.g. backbone=dinov2_vitb14 backbone.pretrained=/p"
+    )
+    parser.add_argument(
+        "--images",
+        type=int,
+        default=None,
+        help=(
+            "clusters, heads: test images clustered (256); phases: training images (256); "
+            "tokens: test images drawn, one PNG each (4)"
+        ),
+    )
+    parser.add_argument(
+        "--run", help="heads: the SAPER train run, its id or experiment (its newest completed run)"
+    )
     parser.add_argument("--f", type=float, default=0.7, help="phases: max-cut threshold fraction f")
-    parser.add_argument("--blocks", type=int, nargs="+", default=[2, 3, 4], help="phases: block budgets k to partition for")
+    parser.add_argument(
+        "--blocks", type=int, nargs="+", default=[2, 3, 4], help="phases: block budgets k to partition for"
+    )
     parser.add_argument("--image-index", type=int, default=0, help="laplace: which test image")
     parser.add_argument("--clusters", type=int, default=4, help="clusters: number of spectral clusters")
-    parser.add_argument("--runs", nargs=2, metavar=("RUN_A", "RUN_B"),
-                        help="splits: two completed train runs, ids or experiments (their newest); difference a - b")
+    parser.add_argument(
+        "--runs",
+        nargs=2,
+        metavar=("RUN_A", "RUN_B"),
+        help="splits: two completed train runs, ids or experiments (their newest); difference a - b",
+    )
     parser.add_argument("--boot", type=int, default=2000, help="splits: bootstrap replicates over images")
     parser.add_argument("--seed", type=int, default=0, help="splits: the bootstrap's generator seed")
-    parser.add_argument("--out", help="splits: the JSON report (default results/analysis/splits_<a>_<b>.json)")
+    parser.add_argument(
+        "--out", help="splits: the JSON report (default results/analysis/splits_<a>_<b>.json)"
+    )
     args = parser.parse_intermixed_args(argv)
     if args.images is None:
         args.images = 4 if args.analysis == "tokens" else 256
@@ -382,10 +467,21 @@ def analyze_main(argv: list[str] | None = None) -> None:
         _exit_failed(err, "vitexp-analyze")
 
 
-_APPS = {"train": train_main, "flops": flops_main, "bench": bench_main, "eval": eval_main, "sweep": sweep_main,
-         "tables": tables_main, "audit": audit_main, "analyze": analyze_main, "rehearse": rehearse_main}
+_APPS = {
+    "train": train_main,
+    "flops": flops_main,
+    "bench": bench_main,
+    "eval": eval_main,
+    "sweep": sweep_main,
+    "tables": tables_main,
+    "audit": audit_main,
+    "analyze": analyze_main,
+    "rehearse": rehearse_main,
+}
 
-if __name__ == "__main__":  # python -m vitexp.commands.cli {train,flops,bench,eval,sweep,tables,audit,analyze} [args]
+if (
+    __name__ == "__main__"
+):  # python -m vitexp.commands.cli {train,flops,bench,eval,sweep,tables,audit,analyze} [args]
     if len(sys.argv) < 2 or sys.argv[1] not in _APPS:
         print(f"usage: python -m vitexp.commands.cli {{{','.join(_APPS)}}} [args]", file=sys.stderr)
         raise SystemExit(2)

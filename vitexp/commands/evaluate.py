@@ -24,6 +24,7 @@ Overrides: ``key=value`` on the run's config (``data.root=/datasets/imagenet``),
 ``group=option`` for the groups that say where and how it runs (``logger``, ``trainer``), composed
 from ``conf/<group>/<option>.yaml``. A key the run's config does not have is refused.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,8 +34,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp.errors import CheckpointError, ConfigError, join_lines
 from vitexp.runs.loggers import fetch_model
-from vitexp.ledger import (RUN_WEIGHTS_PREFIX, Ledger, default_results_dir, load_entry, local_path, portable_path,
-                           weights_file)
+from vitexp.ledger import (
+    RUN_WEIGHTS_PREFIX,
+    Ledger,
+    default_results_dir,
+    load_entry,
+    local_path,
+    portable_path,
+    weights_file,
+)
 from vitexp.config.weights import PREFIX as WEIGHTS_PREFIX
 
 #: Groups an evaluation may swap whole (where and how it runs, not what the model is).
@@ -62,15 +70,21 @@ def find_run(run: str, results_dir: Path) -> dict[str, Any]:
     ledger.check([run])
     found = ledger.newest(run, "train")
     if found is None:  # a short id, the hex tail that tables and reports print (``...-40f87a``)
-        tails = [r for r in ledger.records if r["run_id"].endswith(f"-{run}") and r.get("kind") == "train"
-                 and r.get("status") == "completed"]
+        tails = [
+            r
+            for r in ledger.records
+            if r["run_id"].endswith(f"-{run}") and r.get("kind") == "train" and r.get("status") == "completed"
+        ]
         if len(tails) > 1:
-            raise FileNotFoundError(f"short id {run!r} names {len(tails)} completed train runs "
-                                    f"({', '.join(r['run_id'] for r in tails)}); give the full id")
+            raise FileNotFoundError(
+                f"short id {run!r} names {len(tails)} completed train runs "
+                f"({', '.join(r['run_id'] for r in tails)}); give the full id"
+            )
         found = tails[0] if tails else None
     if found is None:
-        raise FileNotFoundError(f"no completed train run with id, short id or experiment {run!r} in "
-                                f"{results_dir / 'runs'}")
+        raise FileNotFoundError(
+            f"no completed train run with id, short id or experiment {run!r} in {results_dir / 'runs'}"
+        )
     return found
 
 
@@ -84,8 +98,12 @@ def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, di
     cfg = OmegaConf.create(with_moved_targets(record["config"]))
     for key in PATH_KEYS:  # stored relative to the project root or the results folder when inside one
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
-        if isinstance(value, str) and value != "???" and not value.startswith((RUN_WEIGHTS_PREFIX, WEIGHTS_PREFIX)) \
-                and not Path(value).expanduser().is_absolute():
+        if (
+            isinstance(value, str)
+            and value != "???"
+            and not value.startswith((RUN_WEIGHTS_PREFIX, WEIGHTS_PREFIX))
+            and not Path(value).expanduser().is_absolute()
+        ):
             OmegaConf.update(cfg, key, str(local_path(value, results_dir)), merge=False)
     with open_dict(cfg):
         cfg.results_dir = str(results_dir)
@@ -101,7 +119,9 @@ def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, di
             continue
         if OmegaConf.select(cfg, key, default="<missing>") == "<missing>":
             group = key.split(".")[0]
-            valid = sorted(cfg[group].keys()) if isinstance(cfg.get(group), DictConfig) else sorted(cfg.keys())
+            valid = (
+                sorted(cfg[group].keys()) if isinstance(cfg.get(group), DictConfig) else sorted(cfg.keys())
+            )
             raise ConfigError(f"{key}: not a key of run {record['run_id']}'s config; valid keys: {valid}")
         OmegaConf.update(cfg, key, OmegaConf.from_dotlist([f"v={value}"]).v, merge=False)
     check_types(cfg)
@@ -127,6 +147,7 @@ def rebuild_config(cfg: DictConfig, record: dict[str, Any]) -> DictConfig:
 class Deployed(NamedTuple):
     """A completed run's deployed model rebuilt and loaded (:func:`load_deployed`): its objective, the
     stage it was tested as, the model, the run's datamodules by stage config, and the weights file."""
+
     objective: Any
     stage: Any
     model: Any
@@ -150,13 +171,24 @@ def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None =
     key = "--weights" if weights else f"run {record['run_id']}'s weights"
     if weights:  # the file given, checked first: no fallback to the run's own
         check_file(Path(weights).expanduser(), key)
-    path = Path(weights).expanduser() if weights else (weights_file(record, cfg.results_dir)
-                                                       or local_path(artifacts.get("weights"), cfg.results_dir))
-    if not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model"):  # trained elsewhere
-        path = Path(fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"]["weights"])
+    path = (
+        Path(weights).expanduser()
+        if weights
+        else (weights_file(record, cfg.results_dir) or local_path(artifacts.get("weights"), cfg.results_dir))
+    )
+    if (
+        not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model")
+    ):  # trained elsewhere
+        path = Path(
+            fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"][
+                "weights"
+            ]
+        )
     if path is None or not path.is_file():
-        raise CheckpointError(f"{key}: {path} is not on this machine; pass --weights (weights.pth or "
-                              f"checkpoints/last.ckpt of that run) or rerun it")
+        raise CheckpointError(
+            f"{key}: {path} is not on this machine; pass --weights (weights.pth or "
+            "checkpoints/last.ckpt of that run) or rerun it"
+        )
     check_file(path, key)
     built = rebuild_config(cfg, record)
     method = validate(built)
@@ -170,8 +202,9 @@ def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None =
     try:
         model.load_state_dict(load_weights(path))
     except (RuntimeError, KeyError) as err:  # keys or shapes of another model: before the ledger entry
-        raise CheckpointError(f"{key}: {path} does not fit the model of run {record['run_id']} "
-                              f"({join_lines(str(err))[:300]})") from None
+        raise CheckpointError(
+            f"{key}: {path} does not fit the model of run {record['run_id']} ({join_lines(str(err))[:300]})"
+        ) from None
     return Deployed(objective, stage, model, datamodule_for, path)
 
 
@@ -187,11 +220,20 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
         run.start({**to_container(cfg), "evaluates": record["run_id"]})
         scfg = stage_config(cfg, stage)
         trainer = build_trainer(scfg, False, Path(cfg.output_dir), test_only=True)
-        metrics = objective.test(trainer, objective.module(scfg, stage, model), datamodule_for(scfg),
-                                 stage.metrics_prefix or "")
+        metrics = objective.test(
+            trainer, objective.module(scfg, stage, model), datamodule_for(scfg), stage.metrics_prefix or ""
+        )
         ran = record.get("metrics") or {}
-        print(f"{cfg.name}: " + ", ".join(f"{k} {metrics[k]:.2f} % (run {record['run_id']}: {ran.get(k)})"
-                                          for k in objective.headline))
-        run.complete(metrics, {"accuracy_unit": "%", "weights": portable_path(path, cfg.results_dir)},
-                     out={"evaluates": record["run_id"]}, evaluates=record["run_id"])
+        print(
+            f"{cfg.name}: "
+            + ", ".join(
+                f"{k} {metrics[k]:.2f} % (run {record['run_id']}: {ran.get(k)})" for k in objective.headline
+            )
+        )
+        run.complete(
+            metrics,
+            {"accuracy_unit": "%", "weights": portable_path(path, cfg.results_dir)},
+            out={"evaluates": record["run_id"]},
+            evaluates=record["run_id"],
+        )
     return run.result

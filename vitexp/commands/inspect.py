@@ -1,6 +1,7 @@
 """The bodies of the commands that do not train: ``vitexp-flops``,
 ``vitexp-audit``, ``vitexp-analyze``. Each runs inside :func:`vitexp.runs.owner.owned_run`, which owns
 its ledger entry, logger and closing JSON line; :mod:`vitexp.commands.cli` parses the command lines."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,17 +35,21 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
         model, method, data_config = build_model(cfg, method)
         count = objective.count(cfg, objective.measured(cfg, method.deploy(model), data_config))
         metrics, protocol = count.metrics, count.protocol
-        print(f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
-              f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {count.where}, "
-              f"attention matmuls counted; by module (GMACs): "
-              + ", ".join(f"{k} {v:.3f}" for k, v in count.parts.items() if v > 0))
-        run.complete(metrics, protocol, out={"protocol": protocol}, by_module=count.by_module, **method.record())
+        print(
+            f"{cfg.name}: {metrics['params_m']:.2f} M params, {metrics['gmacs']:.3f} GMACs "
+            f"({metrics['gflops']:.3f} GFLOPs = 2 x MACs) at {count.where}, "
+            "attention matmuls counted; by module (GMACs): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in count.parts.items() if v > 0)
+        )
+        run.complete(
+            metrics, protocol, out={"protocol": protocol}, by_module=count.by_module, **method.record()
+        )
     return run.result
 
 
 def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
     """``vitexp-audit {bspf,saper,raptor}``: the report ``results/audit/<paper>.md`` and a ledger entry (kind audit)."""
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     with owned_run(f"{args.paper}_audit", "audit", results_dir) as run:
         run.start(config)
         if args.paper == "raptor":
@@ -54,7 +59,9 @@ def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
         elif args.paper == "saper":
             from vitexp.analysis import audit_saper as auditor
 
-            findings = auditor.audit(args.saper_run, args.weights, args.images, args.clusters, args.selections, results_dir)
+            findings = auditor.audit(
+                args.saper_run, args.weights, args.images, args.clusters, args.selections, results_dir
+            )
         else:
             from vitexp.analysis import audit_bspf as auditor
 
@@ -68,11 +75,18 @@ def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
     return run.result
 
 
-def run_analyze(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_analyze(
+    cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Laplace maps, head clusters or RAPTOR's phases of the configured backbone, a token method's
     source maps, or the heads of SAPER run ``record`` (``vitexp-analyze``)."""
     from vitexp.analysis import heads as head_analysis
-    from vitexp.training.build import build_configured_backbone, build_datamodule, data_config_for, pretrained_artifacts
+    from vitexp.training.build import (
+        build_configured_backbone,
+        build_datamodule,
+        data_config_for,
+        pretrained_artifacts,
+    )
 
     analysis_dir = Path(cfg.results_dir) / "analysis"
     if args.analysis in ("tokens", "heads"):
@@ -92,7 +106,9 @@ def run_analyze(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
             from vitexp.analysis.phases import phase_report
 
             datamodule.setup("fit")
-            metrics = phase_report(model, datamodule.train_eval_dataloader(), args.images, args.f, args.blocks, out)
+            metrics = phase_report(
+                model, datamodule.train_eval_dataloader(), args.images, args.f, args.blocks, out
+            )
             print("\n".join(metrics["phases_text"]))
         else:
             import torch
@@ -104,22 +120,30 @@ def run_analyze(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
             run.logger.log_image(key=args.analysis, images=[str(out)])
         print(f"{cfg.name}: {args.analysis} -> {out}")
         figure = portable_path(out, cfg.results_dir)
-        run.complete({k: v for k, v in metrics.items() if k not in ("labels", "distance_matrix")},
-                     {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
-                     out={"figure": str(out), "metrics": metrics}, figure=figure, head_clusters=metrics.get("labels"),
-                     distance_matrix=metrics.get("distance_matrix"), artifacts=pretrained_artifacts(model, cfg.results_dir))
+        run.complete(
+            {k: v for k, v in metrics.items() if k not in ("labels", "distance_matrix")},
+            {"resolution": int(cfg.backbone.img_size), "registers": prefix - 1},
+            out={"figure": str(out), "metrics": metrics},
+            figure=figure,
+            head_clusters=metrics.get("labels"),
+            distance_matrix=metrics.get("distance_matrix"),
+            artifacts=pretrained_artifacts(model, cfg.results_dir),
+        )
     return run.result
 
 
-def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any] | None,
-                analysis_dir: Path) -> dict[str, Any]:
+def _run_report(
+    cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any] | None, analysis_dir: Path
+) -> dict[str, Any]:
     """``vitexp-analyze tokens|heads`` (vitexp/analysis/reports.py): PNGs, W&B images, ledger paths."""
     from vitexp.analysis import reports
 
     with owned_run(cfg.name, "analyze", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
         checked = cfg
         if args.analysis == "tokens" and cfg.backbone.get("pretrained"):  # a trained method model's weights
-            checked = cfg.copy()  # do not fit the bare backbone: reports.token_model loads them, or says why not
+            checked = (
+                cfg.copy()
+            )  # do not fit the bare backbone: reports.token_model loads them, or says why not
             with open_dict(checked):
                 checked.backbone.pretrained = None
         validate(checked, need_trainer=False)
@@ -136,10 +160,14 @@ def _run_report(cfg: DictConfig, args: argparse.Namespace, record: dict[str, Any
         for f in figures:
             print(f"{cfg.name}: {args.analysis} -> {f}")
         metrics = {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        run.complete(metrics, {"resolution": int(cfg.backbone.img_size)},
-                     out={"figures": [str(f) for f in figures]},
-                     figures=[portable_path(f, cfg.results_dir) for f in figures], **extra,
-                     **{k: v for k, v in report.items() if k not in metrics})
+        run.complete(
+            metrics,
+            {"resolution": int(cfg.backbone.img_size)},
+            out={"figures": [str(f) for f in figures]},
+            figures=[portable_path(f, cfg.results_dir) for f in figures],
+            **extra,
+            **{k: v for k, v in report.items() if k not in metrics},
+        )
     return run.result
 
 
@@ -170,8 +198,14 @@ def run_splits(pairs: list[tuple[DictConfig, dict[str, Any]]], args: argparse.Na
     out = Path(args.out) if args.out else results_dir / "analysis" / f"{name}.json"
     with owned_run(name, "analyze", results_dir, results_dir / "analysis" / "run" / name) as run:
         deployed = [load_deployed(cfg, record) for cfg, record in pairs]  # bad weights: before the entry
-        config = {"analysis": "splits", "runs": [r["run_id"] for r in records], "boot": args.boot, "seed": args.seed,
-                  "overrides": list(args.overrides), "out": portable_path(out, results_dir)}
+        config = {
+            "analysis": "splits",
+            "runs": [r["run_id"] for r in records],
+            "boot": args.boot,
+            "seed": args.seed,
+            "overrides": list(args.overrides),
+            "out": portable_path(out, results_dir),
+        }
         run.start(config)
         predicted = [splits.predict(cfg, record, d) for (cfg, record), d in zip(pairs, deployed)]
         prefixes = [d.stage.metrics_prefix or "" for d in deployed]
@@ -180,8 +214,13 @@ def run_splits(pairs: list[tuple[DictConfig, dict[str, Any]]], args: argparse.Na
         print(f"{splits.summary(report)} -> {out}")
         metrics = {f"{split}_{k}": report[split][k] for split in ("val", "test") for k in ("diff", "se")}
         metrics.update({f"gap_{k}": v for k, v in report["gap"].items()})
-        run.complete(metrics, {"accuracy_unit": "percentage points", "boot": args.boot, "seed": args.seed},
-                     out={"report": str(out)}, report=portable_path(out, results_dir), analyzes=config["runs"])
+        run.complete(
+            metrics,
+            {"accuracy_unit": "percentage points", "boot": args.boot, "seed": args.seed},
+            out={"report": str(out)},
+            report=portable_path(out, results_dir),
+            analyzes=config["runs"],
+        )
     return run.result
 
 

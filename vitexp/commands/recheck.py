@@ -17,6 +17,7 @@ outputs, so any larger difference means the rebuilt model is not the one that wa
 heads deployed, a pruning step missing, other weights loaded). A run trained on a GPU under bf16 and
 re-evaluated on a CPU may differ by more: pass ``--tolerance``.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,20 +36,31 @@ FLOAT_SLACK = 1e-6
 
 def training_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The spec's rows that train (not cited, not a FLOPs count or a benchmark)."""
-    return [row for row in expand_rows(spec["rows"])
-            if not row.get("cited") and row.get("experiment") and row.get("run", "train") == "train"]
+    return [
+        row
+        for row in expand_rows(spec["rows"])
+        if not row.get("cited") and row.get("experiment") and row.get("run", "train") == "train"
+    ]
 
 
 def _row_runs(spec: dict[str, Any], ledger: Ledger) -> list[tuple[str, dict[Any, list[dict[str, Any]]]]]:
     """[(row name, {seed (None for an unseeded row): its completed training runs, oldest first})]
-    per training row, found as :func:`vitexp.report.tables.fill` finds them (:meth:`vitexp.ledger.Ledger.row_runs`)."""
+    per training row, found as :func:`vitexp.report.tables.fill` finds them (:meth:`vitexp.ledger.Ledger.row_runs`).
+    """
     out = []
     with composing():
         for row in training_rows(spec):
             query = row_query(spec, row)
             found = ledger.row_runs(query)
-            out.append((query.name, {s: [r for r in rs if r["kind"] == "train" and r["status"] == "completed"]
-                                     for s, rs in found.items()}))
+            out.append(
+                (
+                    query.name,
+                    {
+                        s: [r for r in rs if r["kind"] == "train" and r["status"] == "completed"]
+                        for s, rs in found.items()
+                    },
+                )
+            )
     return out
 
 
@@ -68,8 +80,13 @@ def _values(run: dict[str, Any] | None, keys: tuple[str, ...]) -> dict[str, floa
 
 def not_checkable(spec: dict[str, Any], results_dir: Path, ledger: Ledger | None = None) -> list[str]:
     """Completed training runs of the spec's training rows without their headline metrics."""
-    found = [r["run_id"] for _, by_seed in _row_runs(spec, ledger or Ledger.load(results_dir))
-             for rs in by_seed.values() for r in rs if _values(r, headline(r)) is None]
+    found = [
+        r["run_id"]
+        for _, by_seed in _row_runs(spec, ledger or Ledger.load(results_dir))
+        for rs in by_seed.values()
+        for r in rs
+        if _values(r, headline(r)) is None
+    ]
     return list(dict.fromkeys(found))
 
 
@@ -94,7 +111,9 @@ def cited_runs(spec: dict[str, Any], results_dir: Path, ledger: Ledger | None = 
     return out
 
 
-def evaluations(results_dir: Path, before: set[str] = frozenset(), ledger: Ledger | None = None) -> dict[str, dict[str, Any]]:
+def evaluations(
+    results_dir: Path, before: set[str] = frozenset(), ledger: Ledger | None = None
+) -> dict[str, dict[str, Any]]:
     """{train run_id: its newest completed eval entry} (:meth:`vitexp.ledger.Ledger.evaluations`)."""
     return (ledger or Ledger.load(results_dir)).evaluations(before)
 
@@ -106,8 +125,13 @@ def to_evaluate(spec: dict[str, Any], results_dir: Path, force: bool = False) ->
     return [c["run_id"] for c in cited_runs(spec, results_dir, ledger) if force or c["run_id"] not in done]
 
 
-def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], int], force: bool = False,
-            tolerance: float = DEFAULT_TOLERANCE) -> dict[str, Any]:
+def recheck(
+    spec: dict[str, Any],
+    results_dir: Path,
+    evaluate: Callable[[str], int],
+    force: bool = False,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> dict[str, Any]:
     """Evaluate (``evaluate(run_id)`` -> return code) every cited run without a completed eval entry
     (every one with ``force``), then compare: {"runs": [{row, seed, run_id, metrics, eval_metrics,
     diff: {metric: eval - ledger}, eval_run_id, evaluated_now, agrees}], "disagree": [run_ids],
@@ -136,22 +160,35 @@ def recheck(spec: dict[str, Any], results_dir: Path, evaluate: Callable[[str], i
         agrees = all(abs(d) <= tolerance + FLOAT_SLACK for d in diff.values())
         if not agrees:
             disagree.append(c["run_id"])
-        rows.append({**c, "eval_metrics": values, "diff": diff, "eval_run_id": entry["run_id"], "agrees": agrees})
-    return {"runs": rows, "disagree": disagree, "not_evaluated": missing, "tolerance": tolerance,
-            "not_checkable": not_checkable(spec, results_dir, ledger)}
+        rows.append(
+            {**c, "eval_metrics": values, "diff": diff, "eval_run_id": entry["run_id"], "agrees": agrees}
+        )
+    return {
+        "runs": rows,
+        "disagree": disagree,
+        "not_evaluated": missing,
+        "tolerance": tolerance,
+        "not_checkable": not_checkable(spec, results_dir, ledger),
+    }
 
 
 def report_lines(result: dict[str, Any]) -> list[str]:
     """One line per cited run: each headline metric in the ledger, re-evaluated, and their difference."""
-    lines = [f"{run_id}: no headline metric recorded, nothing to compare" for run_id in result["not_checkable"]]
+    lines = [
+        f"{run_id}: no headline metric recorded, nothing to compare" for run_id in result["not_checkable"]
+    ]
     for r in result["runs"]:
         seed = "" if r["seed"] is None else f" seed {r['seed']}"
         ledger_text = ", ".join(f"{k} {v:.2f} %" for k, v in r["metrics"].items())
         if r["eval_metrics"] is None:
-            lines.append(f"{r['row']}{seed}: {ledger_text} in the ledger; not re-evaluated (vitexp-eval failed)")
+            lines.append(
+                f"{r['row']}{seed}: {ledger_text} in the ledger; not re-evaluated (vitexp-eval failed)"
+            )
             continue
         verdict = "agrees" if r["agrees"] else f"DISAGREES (tolerance {result['tolerance']} points)"
-        pairs = "; ".join(f"{k} {v:.2f} % in the ledger, {r['eval_metrics'][k]:.2f} % re-evaluated ({r['diff'][k]:+.3f})"
-                          for k, v in r["metrics"].items())
+        pairs = "; ".join(
+            f"{k} {v:.2f} % in the ledger, {r['eval_metrics'][k]:.2f} % re-evaluated ({r['diff'][k]:+.3f})"
+            for k, v in r["metrics"].items()
+        )
         lines.append(f"{r['row']}{seed}: {pairs}; {verdict}; {r['run_id']}")
     return lines

@@ -7,6 +7,7 @@ Decision: the app refuses a config that is not a rehearsal's (no ``trainer.max_s
 that is not synthetic), so it can never train a real row for its full recipe under the kind
 ``rehearsal``, nor a rehearsal be mistaken for a training run (the kind ``train`` is vitexp-train's).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,6 +18,7 @@ from vitexp.errors import ConfigError
 from vitexp.training.objectives import objective_for
 from vitexp.cost.rehearsal.meter import StepMeter
 from vitexp.cost.rehearsal.plan import KIND
+
 
 def device_name(cfg: DictConfig) -> str:
     """``cpu``, or ``cuda:<device name>`` when the trainer runs on a GPU."""
@@ -35,21 +37,32 @@ def rehearse(cfg: DictConfig) -> dict[str, Any]:
     from vitexp.training.fit import train
 
     if not cfg.trainer.get("max_steps") or int(cfg.trainer.max_steps) < 1:
-        raise ConfigError("a rehearsal runs a few optimiser steps: trainer.max_steps is not set "
-                          "(launch it with vitexp-sweep TABLE --rehearse)")
+        raise ConfigError(
+            "a rehearsal runs a few optimiser steps: trainer.max_steps is not set "
+            "(launch it with vitexp-sweep TABLE --rehearse)"
+        )
     synthetic = objective_for(cfg).synthetic_data
     if str(cfg.data.name) != synthetic:
-        raise ConfigError(f"a rehearsal trains on synthetic images: data={cfg.data.name} is not {synthetic} "
-                          f"(launch it with vitexp-sweep TABLE --rehearse)")
+        raise ConfigError(
+            f"a rehearsal trains on synthetic images: data={cfg.data.name} is not {synthetic} "
+            "(launch it with vitexp-sweep TABLE --rehearse)"
+        )
     meter = StepMeter()
     device = device_name(cfg)
 
     def measured() -> tuple[dict[str, Any], dict[str, Any]]:
         metrics, protocol = meter.measured(device)
-        protocol.update(rehearsal={"steps": int(cfg.trainer.max_steps), "batch_size": int(cfg.recipe.batch_size),
-                                   "precision": str(cfg.trainer.precision), "devices": cfg.trainer.get("devices"),
-                                   "strategy": str(cfg.trainer.get("strategy")), "data": str(cfg.data.name),
-                                   "torch_threads": torch.get_num_threads()})
+        protocol.update(
+            rehearsal={
+                "steps": int(cfg.trainer.max_steps),
+                "batch_size": int(cfg.recipe.batch_size),
+                "precision": str(cfg.trainer.precision),
+                "devices": cfg.trainer.get("devices"),
+                "strategy": str(cfg.trainer.get("strategy")),
+                "data": str(cfg.data.name),
+                "torch_threads": torch.get_num_threads(),
+            }
+        )
         return metrics, protocol
 
     return train(cfg, [meter], kind=KIND, measured=measured)

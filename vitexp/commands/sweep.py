@@ -30,6 +30,7 @@ trainer=ddp data.root=/datasets/imagenet``.
 ``--kind eval`` re-evaluates the weights of every completed training run the table cites
 (:mod:`vitexp.commands.recheck`) and fails when a re-evaluated top-1 differs from the ledger's.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,17 @@ from vitexp.cost import rehearsal
 from vitexp.report.aggregate import other_start, overlapping_order, seeded_name
 from vitexp.config.rows import row_seeds, shared_start
 from vitexp.errors import one_line
-from vitexp.ledger import (RUN_WEIGHTS_PREFIX, KeptWeightsError, Ledger, LedgerError, default_results_dir,
-                           effective_status, keep, portable_text, weights_run)
+from vitexp.ledger import (
+    RUN_WEIGHTS_PREFIX,
+    KeptWeightsError,
+    Ledger,
+    LedgerError,
+    default_results_dir,
+    effective_status,
+    keep,
+    portable_text,
+    weights_run,
+)
 from vitexp.ledger.fingerprint import WEIGHTLESS_KINDS
 from vitexp.config.rows import composing, expand_rows, job_arguments, row_name, row_query, row_weights
 from vitexp.report.tables import all_specs, broken_for, load_spec
@@ -67,7 +77,9 @@ def _script(app: str) -> str:
     return found
 
 
-def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides: Sequence[str] = ()) -> dict[str, dict]:
+def plan(
+    spec: dict, kind: str | None, force: bool, results_dir: Path, overrides: Sequence[str] = ()
+) -> dict[str, dict]:
     """{kind: {"launch": [names], "skip": [names], "seeds": {row name: [seeds to launch]},
     "seeded": [names of seeded jobs], "jobs": {row name: [Hydra arguments]}, "loads": {row name: the
     shared start its job loads, or ``None``}} for the spec's runnable rows; a name is the row's
@@ -79,21 +91,31 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides
     broken = broken_for(spec, ledger, overrides)  # by name, and by the config a broken entry holds
     if broken:
         raise LedgerError(broken, ledger.source)
-    starts, absent = _current_starts(spec, ledger, force, results_dir) if kind in (None, "train") else ({}, [])
+    starts, absent = (
+        _current_starts(spec, ledger, force, results_dir) if kind in (None, "train") else ({}, [])
+    )
     with composing():
         for row in expand_rows(spec["rows"]):
             _plan_row(spec, row, kind, force, overrides, ledger, starts, out)
         train = out.get("train", {})
-        needed = {train["loads"].get(name) for name in train.get("seeds", {})}  # the starts of rows with a seed to train
+        needed = {
+            train["loads"].get(name) for name in train.get("seeds", {})
+        }  # the starts of rows with a seed to train
         for name in absent:
             if name in needed:  # a seed to train from it needs its weights: it trains again
                 starts[name] = None
-                print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights are "
-                      f"not on this machine: it runs again, and so do the seeded rows fine-tuned from it", file=sys.stderr)
+                print(
+                    f"vitexp-sweep: {name} is the shared start other rows load (run:{name}), and its weights"
+                    " are not on this machine: it runs again, and so do the seeded rows fine-tuned from it",
+                    file=sys.stderr,
+                )
             else:
-                print(f"vitexp-sweep: {name} is the shared start other rows load (run:{name}); its weights are not on "
-                      f"this machine, but no row that loads it has a seed to train: it is not trained again",
-                      file=sys.stderr)
+                print(
+                    f"vitexp-sweep: {name} is the shared start other rows load (run:{name}); its weights are"
+                    " not on this machine, but no row that loads it has a seed to train: it is not trained"
+                    " again",
+                    file=sys.stderr,
+                )
         if needed & set(absent):  # only the start and the runs fine-tuned from it change (other_start)
             out = {}
             for row in expand_rows(spec["rows"]):
@@ -101,8 +123,16 @@ def plan(spec: dict, kind: str | None, force: bool, results_dir: Path, overrides
     return out
 
 
-def _plan_row(spec: dict, row: dict, kind: str | None, force: bool, overrides: Sequence[str], ledger: Ledger,
-              starts: dict[str, str | None], out: dict[str, dict]) -> None:
+def _plan_row(
+    spec: dict,
+    row: dict,
+    kind: str | None,
+    force: bool,
+    overrides: Sequence[str],
+    ledger: Ledger,
+    starts: dict[str, str | None],
+    out: dict[str, dict],
+) -> None:
     """One row's jobs into ``out`` (:func:`plan`)."""
     if row.get("cited") or not row.get("experiment"):
         return
@@ -118,13 +148,20 @@ def _plan_row(spec: dict, row: dict, kind: str | None, force: bool, overrides: S
     query = row_query(spec, row, overrides)
     bucket["loads"][name] = _loads(row, query, seeds, starts, ledger) if k not in WEIGHTLESS_KINDS else None
     found = ledger.row_runs(query)
-    active = {seed: [r for r in rs if r["kind"] == k and effective_status(r) in ("completed", "running")]
-              for seed, rs in found.items()}
+    active = {
+        seed: [r for r in rs if r["kind"] == k and effective_status(r) in ("completed", "running")]
+        for seed, rs in found.items()
+    }
     if seeds is not None:
         for seed in seeds:
             # a completed training seed from the older sampler, or fine-tuned from another run of its start, runs again
-            current = [r for r in active[seed] if k != "train" or r["status"] != "completed"
-                       or not (overlapping_order(r) or other_start(r, starts, ledger))]
+            current = [
+                r
+                for r in active[seed]
+                if k != "train"
+                or r["status"] != "completed"
+                or not (overlapping_order(r) or other_start(r, starts, ledger))
+            ]
             target = "skip" if current and not force else "launch"
             if seeded_name(name, seed) not in bucket[target]:
                 bucket[target].append(seeded_name(name, seed))
@@ -140,25 +177,36 @@ def _plan_row(spec: dict, row: dict, kind: str | None, force: bool, overrides: S
         bucket[target].append(name)
 
 
-def _loads(row: dict, query, seeds: list[int] | None, starts: dict[str, str | None], ledger: Ledger) -> str | None:
+def _loads(
+    row: dict, query, seeds: list[int] | None, starts: dict[str, str | None], ledger: Ledger
+) -> str | None:
     """The shared start (a key of ``starts``) whose weights the row's job loads: its composed
     ``backbone.pretrained`` (the experiment file's, the row's ``weights``, the sweep's overrides) as
     ``run:<start>`` or ``run:<a run id of the start>``; ``None`` for any other weights or none."""
     config = query.composed(seeds[0] if seeds else None) if query is not None else None
-    ref = str(((config or {}).get("backbone") or {}).get("pretrained") or "") if config else (row_weights(row) or "")
+    ref = (
+        str(((config or {}).get("backbone") or {}).get("pretrained") or "")
+        if config
+        else (row_weights(row) or "")
+    )
     if not ref.startswith(RUN_WEIGHTS_PREFIX):
         return None
-    start = ledger.experiment_of(ref[len(RUN_WEIGHTS_PREFIX):])
+    start = ledger.experiment_of(ref[len(RUN_WEIGHTS_PREFIX) :])
     return start if start in starts else None
 
 
 def _shared_starts(spec: dict) -> list[dict]:
     """The table's trained shared-start rows (:func:`vitexp.config.rows.shared_start`)."""
-    return [row for row in expand_rows(spec["rows"])
-            if not row.get("cited") and row.get("experiment") and shared_start(spec, row)]
+    return [
+        row
+        for row in expand_rows(spec["rows"])
+        if not row.get("cited") and row.get("experiment") and shared_start(spec, row)
+    ]
 
 
-def _current_starts(spec: dict, ledger: Ledger, force: bool, results_dir: Path) -> tuple[dict[str, str | None], list[str]]:
+def _current_starts(
+    spec: dict, ledger: Ledger, force: bool, results_dir: Path
+) -> tuple[dict[str, str | None], list[str]]:
     """({shared start's name: the run its seeded rows load, or ``None`` when it trains again (no
     completed run, ``--force``)}, [the starts whose newest completed run has no weights on this
     machine]). Such a start stays its newest run while no row that loads it has a seed to train (a
@@ -204,8 +252,11 @@ def _report_kept(kept: dict[str, dict]) -> None:
         if "error" in k:
             print(f"vitexp-sweep: {name}: not kept: {k['error']}", file=sys.stderr)
         else:
-            print(f"vitexp-sweep: {name}: weights of run {k['run_id']} {'kept' if k['copied'] else 'already kept'} "
-                  f"at {k['kept']} (sha256 {k['sha256'][:12]})", file=sys.stderr)
+            print(
+                f"vitexp-sweep: {name}: weights of run {k['run_id']}"
+                f" {'kept' if k['copied'] else 'already kept'} at {k['kept']} (sha256 {k['sha256'][:12]})",
+                file=sys.stderr,
+            )
 
 
 def job_list(rows: dict) -> list[list[str]]:
@@ -215,7 +266,9 @@ def job_list(rows: dict) -> list[list[str]]:
     plain = [n for n in unseeded if rows["jobs"][n] == [f"experiment={n}"]]
     jobs = [[f"experiment={','.join(plain)}"]] if plain else []
     jobs += [rows["jobs"][n] for n in unseeded if n not in plain]
-    return jobs + [[*rows["jobs"][n], f"seed={','.join(map(str, seeds))}"] for n, seeds in rows["seeds"].items()]
+    return jobs + [
+        [*rows["jobs"][n], f"seed={','.join(map(str, seeds))}"] for n, seeds in rows["seeds"].items()
+    ]
 
 
 def _recheck(spec: dict, results_dir: Path, args) -> int:
@@ -225,8 +278,12 @@ def _recheck(spec: dict, results_dir: Path, args) -> int:
     if args.dry_run:
         todo = recheck.to_evaluate(spec, results_dir, args.force)
         for run_id in todo:
-            print(f"vitexp-sweep: {_script('vitexp-eval')} {run_id} {' '.join(args.overrides)}", file=sys.stderr)
-        print(json.dumps({"table": spec["name"], "kind": "eval", "status": "dry_run", "would_evaluate": todo}))
+            print(
+                f"vitexp-sweep: {_script('vitexp-eval')} {run_id} {' '.join(args.overrides)}", file=sys.stderr
+            )
+        print(
+            json.dumps({"table": spec["name"], "kind": "eval", "status": "dry_run", "would_evaluate": todo})
+        )
         return 0
     env = {**os.environ, "VITEXP_RESULTS": str(results_dir)}
     overrides = [ov for ov in args.overrides if not ov.startswith("results_dir=")]
@@ -239,17 +296,31 @@ def _recheck(spec: dict, results_dir: Path, args) -> int:
         if done.returncode == 0:
             evaluated.append(run_id)
         else:  # its closing JSON line says why
-            print(f"vitexp-sweep: vitexp-eval {run_id} failed: {(done.stdout or '').strip()[-500:]}", file=sys.stderr)
+            print(
+                f"vitexp-sweep: vitexp-eval {run_id} failed: {(done.stdout or '').strip()[-500:]}",
+                file=sys.stderr,
+            )
         return done.returncode
 
     result = recheck.recheck(spec, results_dir, evaluate, force=args.force, tolerance=args.tolerance)
     for line in recheck.report_lines(result):
         print(f"vitexp-sweep: {line}", file=sys.stderr)
     ok = not (result["disagree"] or result["not_evaluated"] or result["not_checkable"])
-    print(json.dumps({"table": spec["name"], "kind": "eval", "status": "completed" if ok else "failed",
-                      "checked": len(result["runs"]), "evaluated": evaluated, "disagree": result["disagree"],
-                      "not_evaluated": result["not_evaluated"], "not_checkable": result["not_checkable"],
-                      "tolerance": result["tolerance"]}))
+    print(
+        json.dumps(
+            {
+                "table": spec["name"],
+                "kind": "eval",
+                "status": "completed" if ok else "failed",
+                "checked": len(result["runs"]),
+                "evaluated": evaluated,
+                "disagree": result["disagree"],
+                "not_evaluated": result["not_evaluated"],
+                "not_checkable": result["not_checkable"],
+                "tolerance": result["tolerance"],
+            }
+        )
+    )
     return 0 if ok else 1
 
 
@@ -258,16 +329,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("table", help=f"a table spec in sweeps/: {all_specs()}")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job")
     parser.add_argument("--force", action="store_true", help="rerun rows that already have a completed run")
-    parser.add_argument("--kind", choices=sorted([*APPS, "eval"]),
-                        help="launch this app for every row instead of each row's own; eval: re-evaluate "
-                             "every completed training run the table cites and compare its top-1")
-    parser.add_argument("--tolerance", type=float, default=recheck.DEFAULT_TOLERANCE,
-                        help="--kind eval: the largest |re-evaluated - ledger| top-1 (points) that agrees")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="run nothing: the closing line says dry_run and lists what would run (would_launch, commands)")
-    parser.add_argument("--keep-starts", action="store_true",
-                        help="run nothing: keep the weights of the table's shared starts in <results>/weights/ "
-                             "(vitexp.ledger.kept), so their seeded rows can be trained elsewhere or later")
+    parser.add_argument(
+        "--kind",
+        choices=sorted([*APPS, "eval"]),
+        help=(
+            "launch this app for every row instead of each row's own; eval: re-evaluate "
+            "every completed training run the table cites and compare its top-1"
+        ),
+    )
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=recheck.DEFAULT_TOLERANCE,
+        help="--kind eval: the largest |re-evaluated - ledger| top-1 (points) that agrees",
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run nothing: the closing line says dry_run and lists what would run (would_launch, commands)",
+    )
+    parser.add_argument(
+        "--keep-starts",
+        action="store_true",
+        help=(
+            "run nothing: keep the weights of the table's shared starts in <results>/weights/ "
+            "(vitexp.ledger.kept), so their seeded rows can be trained elsewhere or later"
+        ),
+    )
     rehearsal.add_arguments(parser)
     args = parser.parse_intermixed_args(argv)
     try:
@@ -282,12 +370,25 @@ def main(argv: list[str] | None = None) -> int:
             kept = keep_starts(spec, results_dir)
             _report_kept(kept)
             failed = any("error" in k for k in kept.values())
-            print(json.dumps({"table": spec["name"], "status": "failed" if failed else "completed", "kept": kept}))
+            print(
+                json.dumps(
+                    {"table": spec["name"], "status": "failed" if failed else "completed", "kept": kept}
+                )
+            )
             return 1 if failed else 0
         if args.rehearse:  # vitexp.cost.rehearsal: every row at full size, a few steps on synthetic data
-            summary = rehearsal.rehearse_table(spec, rehearsal.settings_from(args), results_dir, args.rehearse_dir,
-                                               args.overrides, args.force, args.dry_run, args.rehearse_timeout,
-                                               rehearsal.only_from(args), args.rehearse_budget_s)
+            summary = rehearsal.rehearse_table(
+                spec,
+                rehearsal.settings_from(args),
+                results_dir,
+                args.rehearse_dir,
+                args.overrides,
+                args.force,
+                args.dry_run,
+                args.rehearse_timeout,
+                rehearsal.only_from(args),
+                args.rehearse_budget_s,
+            )
             print(json.dumps(summary))
             return 0 if summary["status"] in ("completed", "dry_run") else 1
         todo = plan(spec, args.kind, args.force, results_dir, args.overrides)
@@ -299,16 +400,34 @@ def main(argv: list[str] | None = None) -> int:
     for kind, rows in todo.items():
         skipped[kind] = rows["skip"]
         for exp in rows["skip"]:
-            print(f"vitexp-sweep: {exp} ({kind}) has a completed or running run; skipped (--force reruns it)", file=sys.stderr)
+            print(
+                f"vitexp-sweep: {exp} ({kind}) has a completed or running run; skipped (--force reruns it)",
+                file=sys.stderr,
+            )
         if rows["launch"]:
             launch[kind] = rows["launch"]
-            grouping = [f"++logger.group={spec['name']}", f"++logger.tags=[{spec['name']}]"]  # ++: any logger group
-            commands += [(kind, [_script(APPS[kind]), "-m", *job, *grouping, *args.overrides]) for job in job_list(rows)]
+            grouping = [
+                f"++logger.group={spec['name']}",
+                f"++logger.tags=[{spec['name']}]",
+            ]  # ++: any logger group
+            commands += [
+                (kind, [_script(APPS[kind]), "-m", *job, *grouping, *args.overrides])
+                for job in job_list(rows)
+            ]
     if args.dry_run:  # nothing ran: what would run, and the commands that would run it
         for _, cmd in commands:
             print("vitexp-sweep: " + " ".join(cmd), file=sys.stderr)
-        print(json.dumps({"table": spec["name"], "status": "dry_run", "would_launch": launch, "skipped": skipped,
-                          "commands": [" ".join([APPS[kind], *cmd[1:]]) for kind, cmd in commands]}))  # no machine path
+        print(
+            json.dumps(
+                {
+                    "table": spec["name"],
+                    "status": "dry_run",
+                    "would_launch": launch,
+                    "skipped": skipped,
+                    "commands": [" ".join([APPS[kind], *cmd[1:]]) for kind, cmd in commands],
+                }
+            )
+        )  # no machine path
         return 0
     summary = {"table": spec["name"], "launched": launch, "skipped": skipped, "returncodes": {}}
     status = 0

@@ -10,6 +10,7 @@ a removed one (``~recipe.lr``). Every key's type is checked next (:mod:`vitexp.c
 backbone's architecture facts, the checkpoint and the accelerator on this machine) before any
 model is built or ledger entry written.
 """
+
 from __future__ import annotations
 
 import math
@@ -94,26 +95,42 @@ if not OmegaConf.has_resolver("vitexp_stamp"):
     OmegaConf.register_new_resolver("vitexp_stamp", run_stamp)
 if not OmegaConf.has_resolver("vitexp_job"):  # ${vitexp_job:trainer.num_nodes} in the hydra node
     OmegaConf.register_new_resolver("vitexp_job", lambda key, *, _root_: _job_value(key, _root_))
+
+
 def _slurm_resources(trainer: Any) -> dict[str, Any]:
     from vitexp.runs import slurm
 
     return slurm.resources(trainer)
 
 
-if not OmegaConf.has_resolver("vitexp_slurm"):  # ${vitexp_slurm:gpus_per_node}: a job's resources by its trainer
+if not OmegaConf.has_resolver(
+    "vitexp_slurm"
+):  # ${vitexp_slurm:gpus_per_node}: a job's resources by its trainer
     OmegaConf.register_new_resolver(
-        "vitexp_slurm", lambda key, *, _root_: _slurm_resources(_job_value("trainer", _root_))[key])
+        "vitexp_slurm", lambda key, *, _root_: _slurm_resources(_job_value("trainer", _root_))[key]
+    )
 
 #: Groups whose choice defines what a run is (a change renames the run).
 IDENTITY_GROUPS = ("backbone", "method", "budget", "data", "recipe")
 #: Groups whose keys are vitexp's schema, the objectives' own among them: ``+group.key=...`` may not
 #: add to them. (``trainer`` keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
-SCHEMA_GROUPS = ("backbone", "method", "budget", "data", "recipe", "logger", "eval", "bench", "bspf_spec",
-                 *OBJECTIVE_SCHEMAS)
+SCHEMA_GROUPS = (
+    "backbone",
+    "method",
+    "budget",
+    "data",
+    "recipe",
+    "logger",
+    "eval",
+    "bench",
+    "bspf_spec",
+    *OBJECTIVE_SCHEMAS,
+)
 
 
-def compose(overrides: Iterable[str] = (), config_name: str = "train",
-            return_hydra_config: bool = False) -> DictConfig:
+def compose(
+    overrides: Iterable[str] = (), config_name: str = "train", return_hydra_config: bool = False
+) -> DictConfig:
     """Compose the real config tree (as tests and tools do), without Hydra's runtime; every key
     checked against its type (:func:`vitexp.config.schema.check_types`)."""
     from hydra import compose as hydra_compose
@@ -124,8 +141,9 @@ def compose(overrides: Iterable[str] = (), config_name: str = "train",
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = hydra_compose(config_name=config_name, overrides=list(overrides),
-                            return_hydra_config=return_hydra_config)
+        cfg = hydra_compose(
+            config_name=config_name, overrides=list(overrides), return_hydra_config=return_hydra_config
+        )
     check_types(cfg)
     return cfg
 
@@ -168,16 +186,20 @@ def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
     for ov in overrides:
         removed = ov.lstrip("~").split("=", 1)[0]
         if ov.startswith("~") and removed.partition(".")[0] in SCHEMA_GROUPS and "." in removed:
-            raise ConfigError(f"{removed}: a key of {removed.partition('.')[0]} cannot be removed ('{ov}'); "
-                              f"set its value instead ({removed}=...)")
+            raise ConfigError(
+                f"{removed}: a key of {removed.partition('.')[0]} cannot be removed ('{ov}'); "
+                f"set its value instead ({removed}=...)"
+            )
         if not ov.startswith("+"):
             continue
         key = ov.lstrip("+").split("=", 1)[0]
         group, _, sub = key.partition(".")
         if not sub and "/" not in key and key not in top_level_keys() and not (CONF_DIR / key).is_dir():
             valid = sorted(k for k in cfg.keys() if k not in ("hydra", key))  # +foo=1: a key nothing reads
-            raise ConfigError(f"{key}: not a key of the config (added with '{ov[:len(ov) - len(ov.lstrip('+'))]}'); "
-                              f"its keys: {valid}")
+            raise ConfigError(
+                f"{key}: not a key of the config (added with '{ov[: len(ov) - len(ov.lstrip('+'))]}'); "
+                f"its keys: {valid}"
+            )
         if group not in SCHEMA_GROUPS or not sub:
             continue
         parent_key, _, leaf = key.rpartition(".")
@@ -188,13 +210,17 @@ def check_overrides(cfg: DictConfig, overrides: Iterable[str]) -> None:
                 continue
             without = _compose_beside_hydra([o for o in overrides if o != ov])
             parent = OmegaConf.select(without, parent_key, default=None, throw_on_resolution_failure=False)
-            if isinstance(parent, DictConfig) and leaf in parent.keys():  # an existing key (even ???): overridden
+            if (
+                isinstance(parent, DictConfig) and leaf in parent.keys()
+            ):  # an existing key (even ???): overridden
                 continue
         else:
             parent = OmegaConf.select(cfg, parent_key, default=None)
         valid = sorted(k for k in parent.keys() if k != leaf) if isinstance(parent, DictConfig) else []
-        raise ConfigError(f"{key}: not a key of {parent_key} (added with '{ov[:len(ov) - len(ov.lstrip('+'))]}'); "
-                          f"valid keys: {valid}")
+        raise ConfigError(
+            f"{key}: not a key of {parent_key} (added with '{ov[: len(ov) - len(ov.lstrip('+'))]}'); "
+            f"valid keys: {valid}"
+        )
 
 
 def composition_error(err: BaseException, prog: str) -> str:
@@ -211,8 +237,10 @@ def composition_error(err: BaseException, prog: str) -> str:
     trainer = " (+trainer.<arg>=... adds a lightning.Trainer argument)" if parent_key == "trainer" else ""
     if key in ADDABLE_KEYS:
         trainer = f" ({key} is added with ++{key}=...)"
-    return (f"{key}: not a key of {parent_key or 'the config'}; its keys: {keys}; "
-            f"`{prog} --cfg job` prints every key with its value{trainer}")
+    return (
+        f"{key}: not a key of {parent_key or 'the config'}; its keys: {keys}; "
+        f"`{prog} --cfg job` prints every key with its value{trainer}"
+    )
 
 
 def group_choices(cfg: DictConfig | None = None) -> dict[str, str]:
@@ -256,15 +284,20 @@ def experiment_choices(experiment: str) -> dict[str, str]:
     """Group choices an experiment composes: train.yaml's defaults, updated by the experiment
     file's ``override /group: choice`` entries."""
     pins: dict[str, str] = {}
-    for file, prefix in ((CONF_DIR / "train.yaml", ""), (CONF_DIR / "experiment" / f"{experiment}.yaml", "override /")):
+    for file, prefix in (
+        (CONF_DIR / "train.yaml", ""),
+        (CONF_DIR / "experiment" / f"{experiment}.yaml", "override /"),
+    ):
         if not file.is_file():
             continue
-        defaults = OmegaConf.to_container(OmegaConf.load(file), resolve=False).get("defaults", [])  # ${backbone} stays
+        defaults = OmegaConf.to_container(OmegaConf.load(file), resolve=False).get(
+            "defaults", []
+        )  # ${backbone} stays
         for entry in defaults or []:
             if isinstance(entry, dict):
                 for k, v in entry.items():
                     if str(k).startswith(prefix) and v is not None:
-                        pins[str(k)[len(prefix):]] = str(v)
+                        pins[str(k)[len(prefix) :]] = str(v)
     return pins
 
 
@@ -277,13 +310,16 @@ def to_container(cfg: DictConfig) -> dict[str, Any]:
 
 #: Class paths a recorded config may name from before the package layout (docs/layout.md): old prefix ->
 #: today's. ``vitexp.data.<Class>`` was the datamodules' module, now ``vitexp.data.datamodules``.
-MOVED_TARGETS = {"vitexp.fashion_mnist.": "vitexp.data.fashion_mnist.", "vitexp.data.": "vitexp.data.datamodules."}
+MOVED_TARGETS = {
+    "vitexp.fashion_mnist.": "vitexp.data.fashion_mnist.",
+    "vitexp.data.": "vitexp.data.datamodules.",
+}
 
 
 def moved_target(target: str) -> str:
     """``target`` (a ``_target_`` class path) where the class lies today (:data:`MOVED_TARGETS`)."""
     for old, new in MOVED_TARGETS.items():
-        rest = target[len(old):]
+        rest = target[len(old) :]
         if target.startswith(old) and rest and "." not in rest:
             return new + rest
     return target
@@ -292,8 +328,10 @@ def moved_target(target: str) -> str:
 def with_moved_targets(config: Any) -> Any:
     """A recorded config (plain dict) with every ``_target_`` where its class lies today."""
     if isinstance(config, dict):
-        return {k: (moved_target(v) if k == "_target_" and isinstance(v, str) else with_moved_targets(v))
-                for k, v in config.items()}
+        return {
+            k: moved_target(v) if k == "_target_" and isinstance(v, str) else with_moved_targets(v)
+            for k, v in config.items()
+        }
     if isinstance(config, list):
         return [with_moved_targets(v) for v in config]
     return config

@@ -1,5 +1,6 @@
 """The config groups an objective alone reads, with their schemas: what the config's types and the
 ledger's fingerprint need of the objectives' plug-ins (vitexp.training.objectives), declared below them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,7 @@ from typing import List, Literal, Optional, Union
 @dataclass
 class Detector:
     """``conf/detector/*.yaml`` (:func:`vitexp.detection.model.build_detector`'s keys)."""
+
     name: str
     stages: Optional[List[int]]
     fpn_channels: int

@@ -31,6 +31,7 @@ baseline, paper sources, ...) is formatted with the combination (``str.format``:
 ``budget.k={k}``). ``by_name: {<expanded name>: {row keys}}`` adds keys (paper values, a
 baseline) to the expanded row of that name.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -56,7 +57,9 @@ def expand_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _combinations(grid: Any, label: Any) -> list[dict[str, Any]]:
     if not isinstance(grid, dict) or not grid or not all(isinstance(v, list) and v for v in grid.values()):
-        raise ValueError(f"grid row {label!r}: grid must map each variable to a non-empty list of values, got {grid!r}")
+        raise ValueError(
+            f"grid row {label!r}: grid must map each variable to a non-empty list of values, got {grid!r}"
+        )
     axes = [[v if isinstance(v, dict) else {var: v} for v in values] for var, values in grid.items()]
     return [{k: v for part in combo for k, v in part.items()} for combo in itertools.product(*axes)]
 
@@ -66,8 +69,9 @@ def _format(value: Any, variables: dict[str, Any], label: Any) -> Any:
         try:
             return value.format(**variables)
         except (KeyError, IndexError) as err:
-            raise ValueError(f"grid row {label!r}: {value!r} names {err} but the grid's variables are "
-                             f"{sorted(variables)}") from None
+            raise ValueError(
+                f"grid row {label!r}: {value!r} names {err} but the grid's variables are {sorted(variables)}"
+            ) from None
     if isinstance(value, list):
         return [_format(v, variables, label) for v in value]
     if isinstance(value, dict):
@@ -84,8 +88,10 @@ def _expand_grid(row: dict[str, Any]) -> list[dict[str, Any]]:
         extra = by_name.pop(row_name(expanded), None)
         rows.append({**expanded, **(extra or {})})
     if by_name:
-        raise ValueError(f"grid row {row.get('label')!r}: by_name names {sorted(by_name)}, which are not names of "
-                         f"its rows: {[row_name(r) for r in rows]}")
+        raise ValueError(
+            f"grid row {row.get('label')!r}: by_name names {sorted(by_name)}, which are not names of "
+            f"its rows: {[row_name(r) for r in rows]}"
+        )
     return rows
 
 
@@ -93,11 +99,15 @@ def row_overrides(row: dict[str, Any]) -> list[str]:
     """The row's overrides, checked: a list of ``key=value`` strings without a reserved key."""
     overrides = row.get("overrides") or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
-        raise ValueError(f"row {row.get('label')!r}: overrides must be a list of key=value strings, got {overrides!r}")
+        raise ValueError(
+            f"row {row.get('label')!r}: overrides must be a list of key=value strings, got {overrides!r}"
+        )
     for ov in overrides:
         if ov.split("=", 1)[0].lstrip("+~") in RESERVED:
-            raise ValueError(f"row {row.get('label')!r}: override {ov!r} is a row key of its own "
-                             f"(seeds: the row's seeds; experiment and name: the row's keys)")
+            raise ValueError(
+                f"row {row.get('label')!r}: override {ov!r} is a row key of its own "
+                "(seeds: the row's seeds; experiment and name: the row's keys)"
+            )
     return overrides
 
 
@@ -106,9 +116,13 @@ def row_name(row: dict[str, Any]) -> str | None:
     if not row.get("experiment"):
         return None
     overrides = row_overrides(row)
-    name = row.get("name") or (f"{row['experiment']}+{','.join(overrides)}" if overrides else row["experiment"])
+    name = row.get("name") or (
+        f"{row['experiment']}+{','.join(overrides)}" if overrides else row["experiment"]
+    )
     if not isinstance(name, str) or any(c in name for c in UNQUOTABLE):
-        raise ValueError(f"row {row.get('label')!r}: name {name!r} may not contain any of {' '.join(UNQUOTABLE)}")
+        raise ValueError(
+            f"row {row.get('label')!r}: name {name!r} may not contain any of {' '.join(UNQUOTABLE)}"
+        )
     return name
 
 
@@ -129,8 +143,10 @@ def row_weights(row: dict[str, Any]) -> str | None:
     if isinstance(weights, str) and weights.startswith("run:") and len(weights) > 4:
         return weights
     if not isinstance(weights, str) or weights not in weights_map():
-        raise ValueError(f"row {row.get('label')!r}: weights {weights!r} is neither run:<row name> nor a tag of "
-                         f"conf/weights.yaml ({sorted(weights_map())})")
+        raise ValueError(
+            f"row {row.get('label')!r}: weights {weights!r} is neither run:<row name> nor a tag of "
+            f"conf/weights.yaml ({sorted(weights_map())})"
+        )
     return PREFIX + weights
 
 
@@ -159,7 +175,10 @@ def check_rows(rows: list[dict[str, Any]], where: str) -> None:
         row_weights(row)
         what = (row["experiment"], tuple(row_overrides(row)))
         if seen.setdefault(name, what) != what:
-            raise ValueError(f"{where}: rows {seen[name]} and {what} are both recorded as {name!r}; give one of them a name of its own")
+            raise ValueError(
+                f"{where}: rows {seen[name]} and {what} are both recorded as {name!r}; give one of them a"
+                " name of its own"
+            )
 
 
 #: {job arguments: the composed, unresolved config (``None``: it does not compose today)}, per process.
@@ -345,11 +364,18 @@ def row_query(spec: Mapping[str, Any], row: dict[str, Any], overrides: Sequence[
         return None
     from vitexp.ledger.fingerprint import excluded
 
-    changing = [ov for ov in overrides if not excluded(key := ov.split("=", 1)[0].lstrip("+~")) and "/" not in key]
+    changing = [
+        ov for ov in overrides if not excluded(key := ov.split("=", 1)[0].lstrip("+~")) and "/" not in key
+    ]
     job = (*job_arguments(row, seeded=False), *changing)
-    return RowQuery(name, row["experiment"], row_seeds(dict(spec), row), lambda seed: composed_config(job, seed),
-                    own_name=bool(row.get("start") or shared_start(dict(spec), row)),
-                    default_of=lambda key, config: group_default(key, _CHOICES.get(job, {}), config))
+    return RowQuery(
+        name,
+        row["experiment"],
+        row_seeds(dict(spec), row),
+        lambda seed: composed_config(job, seed),
+        own_name=bool(row.get("start") or shared_start(dict(spec), row)),
+        default_of=lambda key, config: group_default(key, _CHOICES.get(job, {}), config),
+    )
 
 
 def row_seeds(spec: dict[str, Any], row: dict[str, Any]) -> list[int] | None:
@@ -358,7 +384,9 @@ def row_seeds(spec: dict[str, Any], row: dict[str, Any]) -> list[int] | None:
     if seeds is None:
         return None
     if not isinstance(seeds, (list, tuple)) or not seeds or not all(isinstance(s, int) for s in seeds):
-        raise ValueError(f"row {row.get('label')!r}: seeds must be a non-empty list of integers, got {seeds!r}")
+        raise ValueError(
+            f"row {row.get('label')!r}: seeds must be a non-empty list of integers, got {seeds!r}"
+        )
     return [int(s) for s in seeds]
 
 

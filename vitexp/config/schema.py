@@ -29,6 +29,7 @@ Decisions:
   here: it would fail inside the run, after its ledger entry. So are the ``lightning.Trainer``
   arguments vitexp sets itself (``max_epochs`` comes from ``recipe.epochs``).
 """
+
 from __future__ import annotations
 
 import collections.abc as cabc
@@ -49,6 +50,7 @@ from vitexp.config.value_types import _is_union, _number, conforms, describe  # 
 @dataclass
 class Arch:
     """``backbone.arch``: the architecture facts budgets are validated against."""
+
     depth: int
     num_heads: int
     embed_dim: int
@@ -65,7 +67,9 @@ class Backbone:
     img_size_kwarg: bool
     crop_pct: Optional[float]
     pretrained: Optional[str]
-    use_ema: Optional[bool]  # not in the backbone files (vitexp.models.factory): absent, the reference evaluation's set
+    use_ema: Optional[
+        bool
+    ]  # not in the backbone files (vitexp.models.factory): absent, the reference evaluation's set
     drop_path_rate: Optional[float]
     kwargs: Dict[str, Any]
     arch: Arch
@@ -190,6 +194,7 @@ class Bench:
 class Config:
     """``conf/train.yaml`` composed; ``method`` and ``trainer`` are typed by their constructors, the
     objectives' own groups by their plug-ins (:func:`_hints`)."""
+
     name: str
     seed: int
     objective: str
@@ -221,10 +226,15 @@ def _typed_dict(annotation: Any) -> type | None:
 
 
 #: ``lightning.Trainer`` arguments vitexp sets itself, and the key that says what to set instead.
-TRAINER_SET_BY_VITEXP = {"max_epochs": "recipe.epochs", "gradient_clip_val": "recipe.grad_clip",
-                         "default_root_dir": "hydra.run.dir", "logger": "logger=wandb|csv|none",
-                         "callbacks": None, "plugins": None,
-                         "enable_checkpointing": None}  # vitexp's ModelCheckpoint: last.ckpt, which resume reads
+TRAINER_SET_BY_VITEXP = {
+    "max_epochs": "recipe.epochs",
+    "gradient_clip_val": "recipe.grad_clip",
+    "default_root_dir": "hydra.run.dir",
+    "logger": "logger=wandb|csv|none",
+    "callbacks": None,
+    "plugins": None,
+    "enable_checkpointing": None,
+}  # vitexp's ModelCheckpoint: last.ckpt, which resume reads
 
 _SKIP = object()  # ??? or an interpolation that does not resolve: validate's to name
 
@@ -243,15 +253,22 @@ def check_types(cfg: DictConfig) -> None:
         target = method.get("_target_")
         if isinstance(target, str):
             params, open_ = _constructor_hints(target, "method._target_")
-            _check_mapping({k: v for k, v in method.items() if not k.startswith("_")}, params, "method.",
-                           owner=None if open_ else target, converted=converted)
+            _check_mapping(
+                {k: v for k, v in method.items() if not k.startswith("_")},
+                params,
+                "method.",
+                owner=None if open_ else target,
+                converted=converted,
+            )
     if isinstance(trainer, dict):
         for key, instead in TRAINER_SET_BY_VITEXP.items():
             if key in trainer:
                 raise ConfigError(f"trainer.{key}: set by vitexp" + (f" (set {instead})" if instead else ""))
         params, open_ = _constructor_hints("lightning.Trainer", "trainer")
         params = {k: v for k, v in params.items() if k not in TRAINER_SET_BY_VITEXP}
-        _check_mapping(trainer, params, "trainer.", owner=None if open_ else "lightning.Trainer", converted=converted)
+        _check_mapping(
+            trainer, params, "trainer.", owner=None if open_ else "lightning.Trainer", converted=converted
+        )
     if converted:  # the numbers, as a structured config would hold them: the code reads numbers
         from omegaconf import open_dict
 
@@ -288,7 +305,9 @@ def _plain(node: Any) -> Any:
         out = {}
         for key in node.keys():
             if OmegaConf.is_missing(node, key) or "${hydra:" in str(node._get_node(key)._value()):
-                out[key] = _SKIP  # ???, or Hydra's own value (None after another compose left HydraConfig set)
+                out[key] = (
+                    _SKIP  # ???, or Hydra's own value (None after another compose left HydraConfig set)
+                )
                 continue
             try:
                 out[key] = _plain(node[key])
@@ -349,13 +368,21 @@ def _constructor_hints(target: str, key: str) -> tuple[dict[str, Any], bool]:
     except Exception:  # noqa: BLE001 - an annotation that does not resolve: that argument is unchecked
         hints = {}
     params = inspect.signature(init).parameters
-    named = {n: hints.get(n, Any) for n, p in params.items()
-             if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    named = {
+        n: hints.get(n, Any)
+        for n, p in params.items()
+        if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
     return named, any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
-def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: str, owner: str | None,
-                   converted: dict[str, Any] | None = None) -> None:
+def _check_mapping(
+    values: Mapping[str, Any],
+    hints: Mapping[str, Any],
+    prefix: str,
+    owner: str | None,
+    converted: dict[str, Any] | None = None,
+) -> None:
     """Check ``values`` against ``hints``; a string that converts losslessly to the number expected
     (``${oc.env:SLURM_ARRAY_TASK_ID}`` is ``'3'``) goes into ``converted`` as that number."""
     converted = {} if converted is None else converted
@@ -366,10 +393,14 @@ def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: 
             from vitexp.errors import one_line
 
             why = one_line(value.err).split("\n")[0]
-            raise ConfigError(f"{prefix}{key}: {value.raw} does not resolve ({why.rpartition(': ')[2] or why})")
+            raise ConfigError(
+                f"{prefix}{key}: {value.raw} does not resolve ({why.rpartition(': ')[2] or why})"
+            )
         if key not in hints:
             if owner is not None:
-                raise ConfigError(f"{prefix}{key}: not an argument of {owner}; its arguments: {sorted(hints)}")
+                raise ConfigError(
+                    f"{prefix}{key}: not an argument of {owner}; its arguments: {sorted(hints)}"
+                )
             continue  # a key no schema knows: Hydra's struct mode and check_overrides refuse unknown keys
         annotation = hints[key]
         keys = _typed_dict(annotation)
@@ -377,7 +408,9 @@ def _check_mapping(values: Mapping[str, Any], hints: Mapping[str, Any], prefix: 
             valid = typing.get_type_hints(keys)
             for sub in value:
                 if sub not in valid:
-                    raise ConfigError(f"{prefix}{key}.{sub}: not a key of {prefix}{key}; valid keys: {sorted(valid)}")
+                    raise ConfigError(
+                        f"{prefix}{key}.{sub}: not a key of {prefix}{key}; valid keys: {sorted(valid)}"
+                    )
             _check_mapping(value, valid, f"{prefix}{key}.", owner=None, converted=converted)
         elif dataclasses.is_dataclass(annotation) and isinstance(value, Mapping):
             _check_mapping(value, _hints(annotation), f"{prefix}{key}.", owner=None, converted=converted)
@@ -396,5 +429,3 @@ def _contains_skip(value: Any) -> bool:
     if isinstance(value, list):
         return any(_contains_skip(v) for v in value)
     return value is _SKIP
-
-

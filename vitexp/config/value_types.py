@@ -3,6 +3,7 @@ the predicates :mod:`vitexp.config.schema` checks every key with (strict Python 
 float, a float is no integer, only ``true``/``false`` a boolean; a ``Literal`` is a list of choices;
 a string that converts losslessly to the number expected, as ``${oc.env:...}`` gives, is that
 number)."""
+
 from __future__ import annotations
 
 import collections.abc as cabc
@@ -11,7 +12,6 @@ import re
 import types
 import typing
 from typing import Any, Literal, Mapping, Union
-
 
 _INT = re.compile(r"[+-]?\d+")
 _FLOAT = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
@@ -57,10 +57,16 @@ def conforms(value: Any, annotation: Any) -> bool:
     if origin in (list, tuple, cabc.Sequence) or annotation in (list, tuple):
         item = args[0] if args else Any
         return isinstance(value, (list, tuple)) and all(conforms(v, item) for v in value)
-    if origin in (dict, cabc.Mapping) or annotation in (dict, Mapping) or dataclasses.is_dataclass(annotation):
+    if (
+        origin in (dict, cabc.Mapping)
+        or annotation in (dict, Mapping)
+        or dataclasses.is_dataclass(annotation)
+    ):
         item = args[1] if len(args) == 2 else Any
         return isinstance(value, Mapping) and all(conforms(v, item) for v in value.values())
-    if isinstance(annotation, type):  # a class a config cannot hold (an Accelerator): never the config's value
+    if isinstance(
+        annotation, type
+    ):  # a class a config cannot hold (an Accelerator): never the config's value
         return isinstance(value, annotation)
     return True  # a TypeVar or a string annotation: unchecked
 
@@ -86,8 +92,15 @@ def describe(annotation: Any) -> str:
         return " or ".join(([f"one of {choices}"] if choices else []) + others + nullable)
     if origin in (list, tuple, cabc.Sequence) or annotation in (list, tuple):
         item = args[0] if args else Any
-        return f"a list of {_PLURALS.get(item, 'items')}" if item in _PLURALS or item is Any \
+        return (
+            f"a list of {_PLURALS.get(item, 'items')}"
+            if item in _PLURALS or item is Any
             else f"a list of items each {describe(item)}"
-    if origin in (dict, cabc.Mapping) or annotation in (dict, Mapping) or dataclasses.is_dataclass(annotation):
+        )
+    if (
+        origin in (dict, cabc.Mapping)
+        or annotation in (dict, Mapping)
+        or dataclasses.is_dataclass(annotation)
+    ):
         return "a mapping"
     return getattr(annotation, "__name__", str(annotation))

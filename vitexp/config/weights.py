@@ -14,6 +14,7 @@ Decisions:
   the file and every place looked in.
 - A hub file may be ``model.safetensors``: :func:`vitexp.models.factory.read_checkpoint` reads it.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,7 +65,7 @@ def _from_hub(repo: str, download: bool) -> str | None:
 
 def resolve(value: str) -> str:
     """The file of ``weights:<tag>`` (module docstring)."""
-    tag = value[len(PREFIX):] if is_tag(value) else value
+    tag = value[len(PREFIX) :] if is_tag(value) else value
     known = weights_map()
     if tag not in known:
         raise FileNotFoundError(f"weights:{tag}: not a tag of conf/weights.yaml (tags: {sorted(known)})")
@@ -85,14 +86,27 @@ def resolve(value: str) -> str:
         try:
             found = _from_hub(repo, download)
         except Exception as err:  # noqa: BLE001 - no network, no such file on the hub
-            raise FileNotFoundError(f"weights:{tag}: the hub download of {repo} failed ({type(err).__name__}: {err})") from None
+            raise FileNotFoundError(
+                f"weights:{tag}: the hub download of {repo} failed ({type(err).__name__}: {err})"
+            ) from None
         if found:
             return found
-        looked.append(f"the Hugging Face hub cache for {repo}" + ("" if download else
-                      " (not downloaded: set VITEXP_WEIGHTS_HUB=1 to fetch it into the cache)"
-                      if not offline else " (HF_HUB_OFFLINE is set)"))
-    raise FileNotFoundError(f"weights:{tag}: {entry['file']} ({entry.get('source', 'no source given')}) not found; "
-                            f"looked in {'; '.join(looked)}")
+        looked.append(
+            f"the Hugging Face hub cache for {repo}"
+            + (
+                ""
+                if download
+                else (
+                    " (not downloaded: set VITEXP_WEIGHTS_HUB=1 to fetch it into the cache)"
+                    if not offline
+                    else " (HF_HUB_OFFLINE is set)"
+                )
+            )
+        )
+    raise FileNotFoundError(
+        f"weights:{tag}: {entry['file']} ({entry.get('source', 'no source given')}) not found; "
+        f"looked in {'; '.join(looked)}"
+    )
 
 
 def resolve_weights(spec: str | None, results_dir: Path | str | None = None) -> str | None:

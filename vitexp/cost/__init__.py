@@ -8,10 +8,30 @@ what the data loader can feed the GPU.
 - :mod:`.render`: ``results/tables/<table>.cost.md`` and docs/cluster.md's summary.
 - :mod:`.validation`: the model against published training wall clocks (DeiT, Mask R-CNN).
 """
+
 from __future__ import annotations
 
-from vitexp.cost.rows import DATASETS, KNN_METHODS, CostContext, dataset_sizes, rehearsal_of, row_cost, table_cost
+from vitexp.cost.rows import (
+    DATASETS,
+    KNN_METHODS,
+    CostContext,
+    dataset_sizes,
+    rehearsal_of,
+    row_cost,
+    table_cost,
+)
 from vitexp.cost.render import render_cost, summary, write_cost, write_summary
 
-__all__ = ["DATASETS", "KNN_METHODS", "CostContext", "dataset_sizes", "rehearsal_of", "row_cost", "table_cost",
-           "render_cost", "summary", "write_cost", "write_summary"]
+__all__ = [
+    "DATASETS",
+    "KNN_METHODS",
+    "CostContext",
+    "dataset_sizes",
+    "rehearsal_of",
+    "row_cost",
+    "table_cost",
+    "render_cost",
+    "summary",
+    "write_cost",
+    "write_summary",
+]

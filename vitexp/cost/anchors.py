@@ -14,6 +14,7 @@
   bench.mode=train_step`` timed the DeiT-S anchor (``scripts/gpu_check.sh anchor``) takes that
   measurement over timm's DeiT-S rate instead, and a GPU outside the table gets a factor that way.
 """
+
 from __future__ import annotations
 
 import functools
@@ -54,17 +55,30 @@ class Anchor:
         config = config or cost_config()
         a = config["anchors"].get(name)
         if a is None:
-            raise ValueError(f"cost anchor {name!r} is not in conf/cost.yaml; anchors: {sorted(config['anchors'])}")
+            raise ValueError(
+                f"cost anchor {name!r} is not in conf/cost.yaml; anchors: {sorted(config['anchors'])}"
+            )
         counted = a.get("counted") or {}
         if counted.get("train_gflops") is None or counted.get("forward_gflops") is None:
-            raise ValueError(f"cost anchor {name!r}: its FLOPs are not counted (conf/cost.yaml anchors.{name}.counted; "
-                             "vitexp.cost.anchors.count_anchor)")
+            raise ValueError(
+                f"cost anchor {name!r}: its FLOPs are not counted (conf/cost.yaml anchors.{name}.counted; "
+                "vitexp.cost.anchors.count_anchor)"
+            )
         timm = config.get("timm_files") or {}
-        source = a.get("source") or (f"{timm.get('repo')} {timm.get('train')} line {a['train']['line']} (training) and "
-                                     f"{timm.get('infer')} line {a['infer']['line']} (inference) @ {timm.get('commit')}, "
-                                     f"{a['gpu']}")
-        return cls(name, a["gpu"], float(a["train"]["images_per_s"]), float(a["infer"]["images_per_s"]),
-                   float(counted["train_gflops"]), float(counted["forward_gflops"]), source)
+        source = a.get("source") or (
+            f"{timm.get('repo')} {timm.get('train')} line {a['train']['line']} (training) and "
+            f"{timm.get('infer')} line {a['infer']['line']} (inference) @ {timm.get('commit')}, "
+            f"{a['gpu']}"
+        )
+        return cls(
+            name,
+            a["gpu"],
+            float(a["train"]["images_per_s"]),
+            float(a["infer"]["images_per_s"]),
+            float(counted["train_gflops"]),
+            float(counted["forward_gflops"]),
+            source,
+        )
 
 
 @dataclass(frozen=True)
@@ -91,7 +105,9 @@ def row_anchor(config: Mapping[str, Any], cost: Mapping[str, Any] | None = None)
 
 def lambda_factor(entry: Mapping[str, Any], reference: Mapping[str, Any]) -> float:
     """sqrt(resnet50 ratio × bert_base_squad ratio) of ``entry`` to ``reference`` (conf/cost.yaml)."""
-    return math.sqrt(entry["resnet50"] / reference["resnet50"] * entry["bert_base_squad"] / reference["bert_base_squad"])
+    return math.sqrt(
+        entry["resnet50"] / reference["resnet50"] * entry["bert_base_squad"] / reference["bert_base_squad"]
+    )
 
 
 def measured_gpus(ledger) -> dict[str, dict[str, Any]]:
@@ -102,8 +118,12 @@ def measured_gpus(ledger) -> dict[str, dict[str, Any]]:
         return out
     for run in ledger.named(CALIBRATION_EXPERIMENT):
         protocol = run.get("protocol") or {}
-        if run.get("kind") == "bench" and run.get("status") == "completed" and protocol.get("mode") == "train_step" \
-                and str(protocol.get("device", "")).startswith("cuda"):
+        if (
+            run.get("kind") == "bench"
+            and run.get("status") == "completed"
+            and protocol.get("mode") == "train_step"
+            and str(protocol.get("device", "")).startswith("cuda")
+        ):
             out[str(protocol.get("device_name"))] = run
     return out
 
@@ -114,27 +134,44 @@ def gpu_factors(ledger=None, cost: Mapping[str, Any] | None = None) -> dict[str,
     cost = cost or cost_config()
     gpus = cost["gpus"]
     reference = gpus["RTX 3090"]
-    out = {name: {"factor": lambda_factor(g, reference), "basis": "vendor benchmark",
-                  "source": f"{cost['gpu_source']} line {g['line']}, geometric mean of resnet50 and bert_base_squad"}
-           for name, g in gpus.items()}
+    out = {
+        name: {
+            "factor": lambda_factor(g, reference),
+            "basis": "vendor benchmark",
+            "source": (
+                f"{cost['gpu_source']} line {g['line']}, geometric mean of resnet50 and bert_base_squad"
+            ),
+        }
+        for name, g in gpus.items()
+    }
     out["RTX 3090"]["source"] = "the GPU of timm's benchmark files (factor 1)"
     anchor = Anchor.named(CALIBRATION_ANCHOR, cost)
     for device_name, run in measured_gpus(ledger).items():
-        name = next((k for k, g in gpus.items() if str(g["match"]).lower() in device_name.lower()), device_name)
+        name = next(
+            (k for k, g in gpus.items() if str(g["match"]).lower() in device_name.lower()), device_name
+        )
         rate = float(run["metrics"]["train_images_per_s"])
-        out[name] = {"factor": rate / anchor.train_images_per_s * out.get(anchor.gpu, {"factor": 1.0})["factor"],
-                     "basis": "measured", "source": f"DeiT-S trained at {rate:,.0f} images/s on {device_name} "
-                                                    f"(run {run['run_id']}) over timm's {anchor.train_images_per_s:,.1f}"}
+        out[name] = {
+            "factor": rate / anchor.train_images_per_s * out.get(anchor.gpu, {"factor": 1.0})["factor"],
+            "basis": "measured",
+            "source": (
+                f"DeiT-S trained at {rate:,.0f} images/s on {device_name} "
+                f"(run {run['run_id']}) over timm's {anchor.train_images_per_s:,.1f}"
+            ),
+        }
     return out
 
 
-def seconds_per_image(anchor: Anchor, gflops: float, gpu: str, factors: Mapping[str, Mapping[str, Any]],
-                      train: bool = True) -> float:
+def seconds_per_image(
+    anchor: Anchor, gflops: float, gpu: str, factors: Mapping[str, Mapping[str, Any]], train: bool = True
+) -> float:
     """GPU-seconds per image on ``gpu`` of a model of ``gflops`` (training step or forward, as ``train``),
     timed from ``anchor`` (module docstring)."""
     if gpu not in factors:
-        raise ValueError(f"GPU {gpu!r} has no factor; GPUs: {sorted(factors)} (conf/cost.yaml gpus, or a "
-                         "measured DeiT-S training rate: scripts/gpu_check.sh anchor)")
+        raise ValueError(
+            f"GPU {gpu!r} has no factor; GPUs: {sorted(factors)} (conf/cost.yaml gpus, or a "
+            "measured DeiT-S training rate: scripts/gpu_check.sh anchor)"
+        )
     rate = anchor.train_images_per_s if train else anchor.infer_images_per_s
     ratio = gflops / (anchor.train_gflops if train else anchor.forward_gflops)
     return ratio / rate * factors[anchor.gpu]["factor"] / factors[gpu]["factor"]

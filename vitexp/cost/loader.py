@@ -12,6 +12,7 @@ gets on a cluster node.
   a decoder wins when its slowest run (median of its rounds) beats every other decoder's fastest run: a
   margin beyond the spread between repeated runs. ``data.decoder``'s default is the winner, else ``pil``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -61,17 +62,25 @@ def transform_key(config: Mapping[str, Any], split: str) -> tuple | None:
 
 def _bench_key(protocol: Mapping[str, Any]) -> tuple:
     train = protocol.get("split") == "train"
-    return (protocol.get("split"), int(protocol.get("img_size") or 0),
-            (protocol.get("auto_augment") or None) if train else None,
-            float(protocol.get("random_erase") or 0.0) if train else 0.0)
+    return (
+        protocol.get("split"),
+        int(protocol.get("img_size") or 0),
+        (protocol.get("auto_augment") or None) if train else None,
+        float(protocol.get("random_erase") or 0.0) if train else 0.0,
+    )
 
 
 def loader_runs(ledger) -> list[dict[str, Any]]:
     """The completed ``bench.mode=loader`` runs of ``ledger``, oldest first."""
     if ledger is None:
         return []
-    return [r for r in ledger if r.get("kind") == "bench" and r.get("status") == "completed"
-            and (r.get("protocol") or {}).get("mode") == "loader"]
+    return [
+        r
+        for r in ledger
+        if r.get("kind") == "bench"
+        and r.get("status") == "completed"
+        and (r.get("protocol") or {}).get("mode") == "loader"
+    ]
 
 
 def rate_for(config: Mapping[str, Any], split: str, runs: Iterable[Mapping[str, Any]]) -> LoaderRate | None:
@@ -80,14 +89,23 @@ def rate_for(config: Mapping[str, Any], split: str, runs: Iterable[Mapping[str, 
     if key is None:
         return None
     decoder = str(config["data"]["decoder"])
-    found = [(run, float((run.get("metrics") or {})[f"{decoder}_images_per_s_per_worker"])) for run in runs
-             if _bench_key(run.get("protocol") or {}) == key
-             and (run.get("metrics") or {}).get(f"{decoder}_images_per_s_per_worker")]
+    found = [
+        (run, float((run.get("metrics") or {})[f"{decoder}_images_per_s_per_worker"]))
+        for run in runs
+        if _bench_key(run.get("protocol") or {}) == key
+        and (run.get("metrics") or {}).get(f"{decoder}_images_per_s_per_worker")
+    ]
     if not found:
         return None
     rates = [rate for _, rate in found]
-    return LoaderRate(statistics.median(rates), min(rates), max(rates), decoder, tuple(r["run_id"] for r, _ in found),
-                      str((found[-1][0].get("protocol") or {}).get("cpu") or "?"))
+    return LoaderRate(
+        statistics.median(rates),
+        min(rates),
+        max(rates),
+        decoder,
+        tuple(r["run_id"] for r, _ in found),
+        str((found[-1][0].get("protocol") or {}).get("cpu") or "?"),
+    )
 
 
 def decoder_verdicts(runs: Iterable[Mapping[str, Any]]) -> dict[tuple, dict[str, Any]]:
@@ -103,5 +121,7 @@ def decoder_verdicts(runs: Iterable[Mapping[str, Any]]) -> dict[tuple, dict[str,
     for entry in out.values():
         m, entry["winner"] = entry["medians"], None
         if len(entry["runs"]) >= 2:
-            entry["winner"] = next((d for d, v in m.items() if all(min(v) > max(w) for o, w in m.items() if o != d)), None)
+            entry["winner"] = next(
+                (d for d, v in m.items() if all(min(v) > max(w) for o, w in m.items() if o != d)), None
+            )
     return out

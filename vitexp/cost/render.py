@@ -1,5 +1,6 @@
 """A table's cost as markdown (``results/tables/<table>.cost.md``, written by ``vitexp-tables``), and
 the summary of every table in docs/cluster.md's generated section "What each table costs"."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,7 +27,10 @@ def _relation(c: Mapping[str, Any]) -> str:
     if a["relation"] == "published":
         return f"`{a['name']}` published time ({a['gpu']}{shown} not applied)"
     if a["relation"] == "flops-only":
-        return f"**FLOPs-only** at `{a['name']}`'s FLOPs rate ({a['train_tflops']:.0f} TFLOP/s of training on the {c['gpu']}){shown}"
+        return (
+            f"**FLOPs-only** at `{a['name']}`'s FLOPs rate ({a['train_tflops']:.0f} TFLOP/s of training on"
+            f" the {c['gpu']}){shown}"
+        )
     return f"`{a['name']}` ({a['relation']}{shown})"
 
 
@@ -36,16 +40,25 @@ def _loader_cell(c: Mapping[str, Any]) -> str:
     rate = c["loader"]["train"] if c["stages"] else c["loader"]["eval"]
     if rate is None:
         return "not measured"
-    return f"{hours(c['loader_hours'])} ({c['workers']} × {rate.per_worker:.0f}/s{'' if c['stages'] else ', eval'})"
+    return (
+        f"{hours(c['loader_hours'])} ({c['workers']} ×"
+        f" {rate.per_worker:.0f}/s{'' if c['stages'] else ', eval'})"
+    )
 
 
 def render_cost(cost: Mapping[str, Any]) -> str:
     """The cost as markdown: one line per row, the totals, and what each figure is anchored on."""
     gpu = cost["gpu"]
-    lines = [f"# GPU cost of `{cost['table']}` ({gpu}-hours)", "",
-             f"| row | runs | {gpu}-hours per run | {gpu}-hours | bound | GPU time per run | loader time per run "
-             f"(workers × images/s each) | workers to keep one GPU busy | anchor | stages ({gpu}-hours per run) | rehearsal |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---|---|---|"]
+    lines = [
+        f"# GPU cost of `{cost['table']}` ({gpu}-hours)",
+        "",
+        (
+            f"| row | runs | {gpu}-hours per run | {gpu}-hours | bound | GPU time per run | loader time per"
+            f" run (workers × images/s each) | workers to keep one GPU busy | anchor | stages ({gpu}-hours"
+            " per run) | rehearsal |"
+        ),
+        "|---|---:|---:|---:|---|---:|---:|---:|---|---|---|",
+    ]
     for r in cost["rows"]:
         c = r.get("cost")
         if c is None:
@@ -53,12 +66,21 @@ def render_cost(cost: Mapping[str, Any]) -> str:
             continue
         stages = ", ".join(f"{k} {hours(v['hours'])}" for k, v in c["stages"].items()) or "evaluation only"
         basis = f"measured on {c['device'][5:]}" if c["basis"] == "measured" else _relation(c)
-        lines.append(f"| {r['label']} | {r['runs']} | {hours(c['hours'])} | {hours(r['runs'] * c['hours'])} | {c['bound']} "
-                     f"| {hours(c['gpu_hours'])} | {_loader_cell(c)} | {c['workers_needed'] or '—'} | {basis} "
-                     f"| {stages}; eval {hours(c['eval']['hours'])} | `{c['rehearsal']}` |")
+        lines.append(
+            f"| {r['label']} | {r['runs']} | {hours(c['hours'])} | {hours(r['runs'] * c['hours'])} |"
+            f" {c['bound']} | {hours(c['gpu_hours'])} | {_loader_cell(c)} | {c['workers_needed'] or '—'} |"
+            f" {basis} | {stages}; eval {hours(c['eval']['hours'])} | `{c['rehearsal']}` |"
+        )
     missing = f" ({len(cost['missing'])} row(s) without a cost left out)" if cost["missing"] else ""
-    lines += ["", f"**Total: {hours(cost['total_hours'])} {gpu}-hours**{missing}; "
-              f"GPU time alone {hours(cost['total_gpu_hours'])}.", "", *_notes(cost)]
+    lines += [
+        "",
+        (
+            f"**Total: {hours(cost['total_hours'])} {gpu}-hours**{missing}; "
+            f"GPU time alone {hours(cost['total_gpu_hours'])}."
+        ),
+        "",
+        *_notes(cost),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -66,30 +88,73 @@ def _notes(cost: Mapping[str, Any]) -> list[str]:
     gpu, factors = cost["gpu"], cost["factors"]
     costs = [r["cost"] for r in cost["rows"] if "cost" in r]
     anchors = sorted({(c["anchor"]["name"], c["anchor"]["source"]) for c in costs})
-    rates = sorted({(c["loader"][s].runs, s, c["loader"][s].per_worker, c["loader"][s].low, c["loader"][s].high,
-                     c["loader"][s].decoder, c["loader"][s].cpu) for c in costs for s in ("train", "eval")
-                    if c["loader"][s] is not None})
-    out = [f"How: each phase (a training stage, the evaluation) costs the larger of its GPU time and its loader time. "
-           f"GPU time: images × the anchor's measured seconds per image × the row's FLOPs ratio to it (counted training "
-           f"step; the deployed model's forward for evaluation), moved from the anchor's GPU to the {gpu} by the factor "
-           f"table. Loader time: images ÷ (images/s per worker × the workers a task gets: min(data.num_workers, "
-           f"cpus_per_task {cost['cpus']} − {cost['main_cores']})). vitexp/cost/, conf/cost.yaml.", "",
-           f"- GPU factor {gpu}: {factors[gpu]['factor']:.2f} × RTX 3090 ({factors[gpu]['basis']}: {factors[gpu]['source']})."]
+    rates = sorted(
+        {
+            (
+                c["loader"][s].runs,
+                s,
+                c["loader"][s].per_worker,
+                c["loader"][s].low,
+                c["loader"][s].high,
+                c["loader"][s].decoder,
+                c["loader"][s].cpu,
+            )
+            for c in costs
+            for s in ("train", "eval")
+            if c["loader"][s] is not None
+        }
+    )
+    out = [
+        (
+            "How: each phase (a training stage, the evaluation) costs the larger of its GPU time and its"
+            " loader time. GPU time: images × the anchor's measured seconds per image × the row's FLOPs"
+            " ratio to it (counted training step; the deployed model's forward for evaluation), moved from"
+            f" the anchor's GPU to the {gpu} by the factor table. Loader time: images ÷ (images/s per worker"
+            f" × the workers a task gets: min(data.num_workers, cpus_per_task {cost['cpus']} −"
+            f" {cost['main_cores']})). vitexp/cost/, conf/cost.yaml."
+        ),
+        "",
+        (
+            f"- GPU factor {gpu}: {factors[gpu]['factor']:.2f} × RTX 3090 ({factors[gpu]['basis']}:"
+            f" {factors[gpu]['source']})."
+        ),
+    ]
     for name, source in anchors:
         out.append(f"- Anchor `{name}`: {source}.")
     for runs, split, rate, low, high, decoder, cpu in rates:
-        out.append(f"- Loader, {split} transform, {decoder}: {rate:.1f} images/s per worker, the median of {len(runs)} "
-                   f"run(s) ({low:.1f}–{high:.1f}; one core of {cpu}): " + ", ".join(f"`{r}`" for r in runs) + ".")
+        out.append(
+            f"- Loader, {split} transform, {decoder}: {rate:.1f} images/s per worker, the median of"
+            f" {len(runs)} run(s) ({low:.1f}–{high:.1f}; one core of {cpu}): "
+            + ", ".join(f"`{r}`" for r in runs)
+            + "."
+        )
     unmeasured = cost.get("unmeasured_loader") or []
     if unmeasured:
         other = len([r for r in unmeasured if r in cost.get("no_decoder", [])])
         images = len(unmeasured) - other
-        out.append(f"- Loader not measured for {len(unmeasured)} row(s), GPU time only: "
-                   + ", ".join(part for part in (
-                       f"{images} on image folders whose transform no `vitexp-bench bench.mode=loader` has timed" if images else "",
-                       f"{other} on data `bench.mode=loader` does not time (it times image folders only; COCO "
-                       "decodes its JPEGs with PIL and builds masks, CIFAR-100 and Fashion-MNIST load from memory): "
-                       "the CPU cores these rows need per GPU are not known" if other else "") if part) + ".")
+        out.append(
+            f"- Loader not measured for {len(unmeasured)} row(s), GPU time only: "
+            + ", ".join(
+                part
+                for part in (
+                    (
+                        f"{images} on image folders whose transform no `vitexp-bench bench.mode=loader` has"
+                        " timed"
+                        if images
+                        else ""
+                    ),
+                    (
+                        f"{other} on data `bench.mode=loader` does not time (it times image folders only;"
+                        " COCO decodes its JPEGs with PIL and builds masks, CIFAR-100 and Fashion-MNIST load"
+                        " from memory): the CPU cores these rows need per GPU are not known"
+                        if other
+                        else ""
+                    ),
+                )
+                if part
+            )
+            + "."
+        )
     return out
 
 
@@ -106,10 +171,17 @@ def write_cost(cost: Mapping[str, Any], out_dir: Path) -> Path | None:
 def _factor_table(factors: Mapping[str, Mapping[str, Any]]) -> list[str]:
     gpus = cost_config()["gpus"]
     ref = gpus["RTX 3090"]
-    lines = ["| GPU | resnet50 / RTX 3090 | bert_base_squad / RTX 3090 | factor used | basis |", "|---|---:|---:|---:|---|"]
+    lines = [
+        "| GPU | resnet50 / RTX 3090 | bert_base_squad / RTX 3090 | factor used | basis |",
+        "|---|---:|---:|---:|---|",
+    ]
     for name, f in factors.items():
         g = gpus.get(name)
-        cols = f"{g['resnet50'] / ref['resnet50']:.2f} | {g['bert_base_squad'] / ref['bert_base_squad']:.2f}" if g else "— | —"
+        cols = (
+            f"{g['resnet50'] / ref['resnet50']:.2f} | {g['bert_base_squad'] / ref['bert_base_squad']:.2f}"
+            if g
+            else "— | —"
+        )
         basis = f"measured: {f['source']}" if f["basis"] == "measured" else f"Lambda's file, line {g['line']}"
         lines.append(f"| {name} | {cols} | {f['factor']:.2f} | {basis} |")
     return lines
@@ -118,9 +190,13 @@ def _factor_table(factors: Mapping[str, Mapping[str, Any]]) -> list[str]:
 def _loader_table(runs: Iterable[Mapping[str, Any]]) -> list[str]:
     from vitexp.cost.loader import decoder_verdicts
 
-    lines = ["| transform | runs | decoder | images/s per worker: median of each run (rounds of the newest) | "
-             "wall-clock images/s per worker (newest) | faster beyond the spread between runs |",
-             "|---|---:|---|---|---:|---|"]
+    lines = [
+        (
+            "| transform | runs | decoder | images/s per worker: median of each run (rounds of the newest) | "
+            "wall-clock images/s per worker (newest) | faster beyond the spread between runs |"
+        ),
+        "|---|---:|---|---|---:|---|",
+    ]
     runs = list(runs)
     newest = {r["run_id"]: r for r in runs}
     for key, v in decoder_verdicts(runs).items():
@@ -129,9 +205,11 @@ def _loader_table(runs: Iterable[Mapping[str, Any]]) -> list[str]:
         last = newest[v["runs"][-1]]
         m = last["metrics"]
         for d, medians in v["medians"].items():
-            lines.append(f"| {what} | {len(v['runs'])} | {d} | {', '.join(f'{x:.1f}' for x in medians)} "
-                         f"({m[f'{d}_min']:.1f}–{m[f'{d}_max']:.1f}) | {m[f'{d}_wall_images_per_s_per_worker']:.1f} "
-                         f"| {v['winner'] or ('neither' if len(v['runs']) > 1 else 'one run: no verdict')} |")
+            lines.append(
+                f"| {what} | {len(v['runs'])} | {d} | {', '.join(f'{x:.1f}' for x in medians)} "
+                f"({m[f'{d}_min']:.1f}–{m[f'{d}_max']:.1f}) | {m[f'{d}_wall_images_per_s_per_worker']:.1f} "
+                f"| {v['winner'] or ('neither' if len(v['runs']) > 1 else 'one run: no verdict')} |"
+            )
     lines.append("")
     lines.append("Runs: " + ", ".join(f"`{r['run_id']}`" for r in runs) + ".")
     return lines
@@ -148,22 +226,47 @@ def summary(costs: Iterable[Mapping[str, Any]], ledger=None) -> str:
     costs = [c for c in costs if any("cost" in r for r in c["rows"])]
     gpu = costs[0]["gpu"] if costs else cost_config()["target_gpu"]
     cpus = costs[0]["cpus"] if costs else None
-    lines = [BEGIN, "", "GPU factors (training speed, RTX 3090 = 1):", "", *_factor_table(gpu_factors(ledger)), "",
-             "Loaders measured (one worker; images per CPU-second of the worker, median and range of the rounds):", "",
-             *_loader_table(loader_runs(ledger)), "", "The model against published training times:", "",
-             render_checks(validations(ledger)).rstrip("\n"), "",
-             f"Per table ({gpu}-hours; each phase the larger of GPU and loader time at {cpus} CPU cores per GPU):", "",
-             f"| table | {gpu}-hours | GPU time alone | CPU cores per GPU to keep it busy (most any row needs) | "
-             f"rows loader-bound | rows without a cost |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        BEGIN,
+        "",
+        "GPU factors (training speed, RTX 3090 = 1):",
+        "",
+        *_factor_table(gpu_factors(ledger)),
+        "",
+        "Loaders measured (one worker; images per CPU-second of the worker, median and range of the rounds):",
+        "",
+        *_loader_table(loader_runs(ledger)),
+        "",
+        "The model against published training times:",
+        "",
+        render_checks(validations(ledger)).rstrip("\n"),
+        "",
+        f"Per table ({gpu}-hours; each phase the larger of GPU and loader time at {cpus} CPU cores per GPU):",
+        "",
+        (
+            f"| table | {gpu}-hours | GPU time alone | CPU cores per GPU to keep it busy (most any row needs)"
+            " | rows loader-bound | rows without a cost |"
+        ),
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for c in costs:
         rows = [r for r in c["rows"] if "cost" in r]
         cores = str(c["cores_needed"]) if c["cores_needed"] else "not measured"
-        lines.append(f"| [{c['table']}](../results/tables/{c['table']}.cost.md) | {hours(c['total_hours'])} "
-                     f"| {hours(c['total_gpu_hours'])} | {cores} | {len(c['loader_bound'])} of {len(rows)} | "
-                     f"{len(c['missing'])} |")
+        lines.append(
+            f"| [{c['table']}](../results/tables/{c['table']}.cost.md) | {hours(c['total_hours'])} "
+            f"| {hours(c['total_gpu_hours'])} | {cores} | {len(c['loader_bound'])} of {len(rows)} | "
+            f"{len(c['missing'])} |"
+        )
     total = sum(c["total_hours"] for c in costs)
-    lines += ["", f"All tables: {hours(total)} {gpu}-hours (vitexp-tables, from the ledger and conf/cost.yaml; each "
-              "table's file names its anchors and loader measurements).", "", END]
+    lines += [
+        "",
+        (
+            f"All tables: {hours(total)} {gpu}-hours (vitexp-tables, from the ledger and conf/cost.yaml; each"
+            " table's file names its anchors and loader measurements)."
+        ),
+        "",
+        END,
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -19,6 +19,7 @@ epoch of every stage, the test split once, and for a k-NN row (:data:`KNN_METHOD
 counted). A table's cost is the sum of its rows, each × its seeds; a row without a completed rehearsal or
 a known dataset size is listed and left out of the sum.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,10 +31,22 @@ from vitexp.cost.loader import cpus_per_task, loader_runs, rate_for, workers
 
 #: Training / validation / test images of each dataset as the rows use it (source in the comment).
 DATASETS: dict[str, dict[str, int]] = {
-    "imagenet": {"train": 1_281_167, "val": 50_000, "test": 50_000},  # ILSVRC-2012; val is also the test split
-    "cifar100": {"train": 49_000, "val": 1_000, "test": 10_000},      # 50,000 less data.val_fraction 0.02; CIFAR test set
-    "coco": {"train": 118_287, "val": 5_000, "test": 5_000},          # COCO 2017 train2017 / val2017
-    "fashion_mnist": {"train": 55_000, "val": 5_000, "test": 10_000},  # vitexp's fixed 5,000 validation images
+    "imagenet": {
+        "train": 1_281_167,
+        "val": 50_000,
+        "test": 50_000,
+    },  # ILSVRC-2012; val is also the test split
+    "cifar100": {
+        "train": 49_000,
+        "val": 1_000,
+        "test": 10_000,
+    },  # 50,000 less data.val_fraction 0.02; CIFAR test set
+    "coco": {"train": 118_287, "val": 5_000, "test": 5_000},  # COCO 2017 train2017 / val2017
+    "fashion_mnist": {
+        "train": 55_000,
+        "val": 5_000,
+        "test": 10_000,
+    },  # vitexp's fixed 5,000 validation images
 }
 #: Methods whose evaluation forwards the training split too (the k-NN memory bank).
 KNN_METHODS = ("knn", "saper_kd")
@@ -76,14 +89,24 @@ class CostContext:
     @classmethod
     def of(cls, ledger=None, gpu: str | None = None) -> "CostContext":
         cost = cost_config()
-        return cls(gpu or str(cost["target_gpu"]), gpu_factors(ledger, cost), loader_runs(ledger), cpus_per_task(),
-                   int(cost.get("main_process_cores", 1)))
+        return cls(
+            gpu or str(cost["target_gpu"]),
+            gpu_factors(ledger, cost),
+            loader_runs(ledger),
+            cpus_per_task(),
+            int(cost.get("main_process_cores", 1)),
+        )
 
 
 def _phase(images: float, gpu_s: float, loader_s: float | None) -> dict[str, Any]:
     gpu_h = images * gpu_s / 3600
     loader_h = images * loader_s / 3600 if loader_s is not None else None
-    return {"images": images, "gpu_hours": gpu_h, "loader_hours": loader_h, "hours": max(gpu_h, loader_h or 0.0)}
+    return {
+        "images": images,
+        "gpu_hours": gpu_h,
+        "loader_hours": loader_h,
+        "hours": max(gpu_h, loader_h or 0.0),
+    }
 
 
 def _measured_here(rehearsal: Mapping[str, Any], ctx: CostContext) -> bool:
@@ -93,12 +116,16 @@ def _measured_here(rehearsal: Mapping[str, Any], ctx: CostContext) -> bool:
     return device.startswith("cuda") and match.lower() in device.lower()
 
 
-def row_cost(config: Mapping[str, Any], rehearsal: Mapping[str, Any], ctx: CostContext | None = None) -> dict[str, Any]:
+def row_cost(
+    config: Mapping[str, Any], rehearsal: Mapping[str, Any], ctx: CostContext | None = None
+) -> dict[str, Any]:
     """Hours of one run of the row whose composed config is ``config`` on ``ctx.gpu`` (module docstring)."""
     ctx = ctx or CostContext.of()
     sizes = dataset_sizes(config)
     if sizes is None:
-        raise ValueError(f"dataset {(config.get('data') or {}).get('name')!r}: size unknown (vitexp.cost.DATASETS)")
+        raise ValueError(
+            f"dataset {(config.get('data') or {}).get('name')!r}: size unknown (vitexp.cost.DATASETS)"
+        )
     m = rehearsal.get("metrics") or {}
     anchor = row_anchor(config)
     scaled = bool(cost_config()["anchors"][anchor.anchor.name].get("flops_scaled", True))
@@ -115,7 +142,9 @@ def row_cost(config: Mapping[str, Any], rehearsal: Mapping[str, Any], ctx: CostC
         if measured and s.get("step_s") and s.get("batch"):
             gpu_s = float(s["step_s"]) / int(s["batch"])
         else:
-            gpu_s = seconds_per_image(anchor.anchor, gflops if scaled else anchor.anchor.train_gflops, ctx.gpu, ctx.factors)
+            gpu_s = seconds_per_image(
+                anchor.anchor, gflops if scaled else anchor.anchor.train_gflops, ctx.gpu, ctx.factors
+            )
         loader_s = 1.0 / (train_rate.per_worker * given) if train_rate else None
         stages[name] = _phase(epochs * sizes["train"], gpu_s, loader_s)
         if train_rate:
@@ -123,25 +152,46 @@ def row_cost(config: Mapping[str, Any], rehearsal: Mapping[str, Any], ctx: CostC
     eval_images = sizes["test"] + (evaluations - 1) * sizes["val"]
     if str((config.get("method") or {}).get("name")) in KNN_METHODS:
         eval_images += evaluations * sizes["train"]
-    eval_gpu_s = seconds_per_image(anchor.anchor, fwd if scaled else anchor.anchor.forward_gflops, ctx.gpu,
-                                   ctx.factors, train=False)
+    eval_gpu_s = seconds_per_image(
+        anchor.anchor, fwd if scaled else anchor.anchor.forward_gflops, ctx.gpu, ctx.factors, train=False
+    )
     evaluation = _phase(eval_images, eval_gpu_s, 1.0 / (eval_rate.per_worker * given) if eval_rate else None)
     if not stages and eval_rate:  # an evaluation-only row (a k-NN bank): the workers its forward passes need
         needed = math.ceil(1.0 / eval_gpu_s / eval_rate.per_worker)
     phases = [*stages.values(), evaluation]
     hours, gpu_hours = sum(p["hours"] for p in phases), sum(p["gpu_hours"] for p in phases)
     loader_counted = [p["loader_hours"] for p in phases if p["loader_hours"] is not None]
-    return {"gpu": ctx.gpu, "hours": hours, "gpu_hours": gpu_hours,
-            "loader_hours": sum(loader_counted) if loader_counted else None,
-            "bound": "loader" if hours > gpu_hours * (1 + 1e-9) else "GPU", "stages": stages, "eval": evaluation,
-            "workers": given, "workers_needed": needed or None, "cores_needed": needed + ctx.main_cores if needed else None,
-            "loader": {"train": train_rate, "eval": eval_rate}, "decoder": (config.get("data") or {}).get("decoder"),
-            "anchor": {"name": anchor.anchor.name, "relation": anchor.relation, "source": anchor.anchor.source,
-                       "scaled": scaled, "flops_ratio": ratios, "gpu": anchor.anchor.gpu,
-                       "train_tflops": anchor.anchor.train_gflops / 1000 / seconds_per_image(
-                           anchor.anchor, anchor.anchor.train_gflops, ctx.gpu, ctx.factors)},
-            "basis": "measured" if measured else "anchored", "device": str(m.get("device") or "cpu"),
-            "rehearsal": rehearsal["run_id"], "finished": str(rehearsal.get("finished") or "")[:10]}
+    return {
+        "gpu": ctx.gpu,
+        "hours": hours,
+        "gpu_hours": gpu_hours,
+        "loader_hours": sum(loader_counted) if loader_counted else None,
+        "bound": "loader" if hours > gpu_hours * (1 + 1e-9) else "GPU",
+        "stages": stages,
+        "eval": evaluation,
+        "workers": given,
+        "workers_needed": needed or None,
+        "cores_needed": needed + ctx.main_cores if needed else None,
+        "loader": {"train": train_rate, "eval": eval_rate},
+        "decoder": (config.get("data") or {}).get("decoder"),
+        "anchor": {
+            "name": anchor.anchor.name,
+            "relation": anchor.relation,
+            "source": anchor.anchor.source,
+            "scaled": scaled,
+            "flops_ratio": ratios,
+            "gpu": anchor.anchor.gpu,
+            "train_tflops": (
+                anchor.anchor.train_gflops
+                / 1000
+                / seconds_per_image(anchor.anchor, anchor.anchor.train_gflops, ctx.gpu, ctx.factors)
+            ),
+        },
+        "basis": "measured" if measured else "anchored",
+        "device": str(m.get("device") or "cpu"),
+        "rehearsal": rehearsal["run_id"],
+        "finished": str(rehearsal.get("finished") or "")[:10],
+    }
 
 
 def table_cost(spec: Mapping[str, Any], ledger, ctx: CostContext | None = None) -> dict[str, Any]:
@@ -170,10 +220,22 @@ def table_cost(spec: Mapping[str, Any], ledger, ctx: CostContext | None = None) 
                 total_gpu += n * entry["cost"]["gpu_hours"]
         rows.append(entry)
     costs = [r["cost"] for r in rows if "cost" in r]
-    return {"table": spec["name"], "gpu": ctx.gpu, "factors": ctx.factors, "cpus": ctx.cpus,
-            "main_cores": ctx.main_cores, "rows": rows, "total_hours": total, "total_gpu_hours": total_gpu,
-            "missing": missing, "cores_needed": max((c["cores_needed"] or 0 for c in costs), default=0) or None,
-            "loader_bound": [r["label"] for r in rows if r.get("cost", {}).get("bound") == "loader"],
-            "unmeasured_loader": [r["label"] for r in rows if "cost" in r and r["cost"]["loader"]["train"] is None
-                                  and r["cost"]["stages"]],
-            "no_decoder": [r["label"] for r in rows if "cost" in r and not r["cost"]["decoder"]]}
+    return {
+        "table": spec["name"],
+        "gpu": ctx.gpu,
+        "factors": ctx.factors,
+        "cpus": ctx.cpus,
+        "main_cores": ctx.main_cores,
+        "rows": rows,
+        "total_hours": total,
+        "total_gpu_hours": total_gpu,
+        "missing": missing,
+        "cores_needed": max((c["cores_needed"] or 0 for c in costs), default=0) or None,
+        "loader_bound": [r["label"] for r in rows if r.get("cost", {}).get("bound") == "loader"],
+        "unmeasured_loader": [
+            r["label"]
+            for r in rows
+            if "cost" in r and r["cost"]["loader"]["train"] is None and r["cost"]["stages"]
+        ],
+        "no_decoder": [r["label"] for r in rows if "cost" in r and not r["cost"]["decoder"]],
+    }

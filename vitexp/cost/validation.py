@@ -13,6 +13,7 @@ measured it (:mod:`vitexp.cost.loader`). A ``point`` publication holds when the 
 :data:`FACTOR` either way; an ``upper_bound`` ("less than 3 days") when the model is not above the
 bound × :data:`FACTOR` (a bound says nothing about how far below it the run finished).
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -28,8 +29,14 @@ def _rate(entry: Mapping[str, Any], runs: Iterable[Mapping[str, Any]]):
     t = entry.get("transform")
     if not t:
         return None
-    config = {"backbone": {"img_size": t["img_size"]},
-              "data": {"decoder": t["decoder"], "auto_augment": t["auto_augment"], "random_erase": t["random_erase"]}}
+    config = {
+        "backbone": {"img_size": t["img_size"]},
+        "data": {
+            "decoder": t["decoder"],
+            "auto_augment": t["auto_augment"],
+            "random_erase": t["random_erase"],
+        },
+    }
     return rate_for(config, "train", runs)
 
 
@@ -49,16 +56,31 @@ def predict(name: str, ledger=None) -> dict[str, Any]:
     loader = per_gpu / (int(entry["workers_per_gpu"]) * rate.per_worker) if rate is not None else None
     evaluations = int(entry.get("epochs") or 0) * 50_000
     eval_images = evaluations if entry.get("eval_on_every_gpu") else evaluations / gpus
-    evaluation = eval_images * seconds_per_image(anchor, anchor.forward_gflops, entry["gpu"], factors, train=False)
+    evaluation = eval_images * seconds_per_image(
+        anchor, anchor.forward_gflops, entry["gpu"], factors, train=False
+    )
     hours = (max(gpu_train, loader or 0.0) + evaluation) / 3600
     published = float(entry["hours"])
     ratio = hours / published
     holds = ratio <= FACTOR if entry["kind"] == "upper_bound" else 1 / FACTOR <= ratio <= FACTOR
-    return {"name": name, "what": entry["what"], "hours": hours, "published": published, "kind": entry["kind"],
-            "ratio": ratio, "holds": holds, "gpus": gpus, "gpu": entry["gpu"], "gpu_hours": hours * gpus,
-            "loader_bound": loader is not None and loader > gpu_train, "loader": rate,
-            "gpu_train_hours": gpu_train / 3600, "loader_hours": loader / 3600 if loader is not None else None,
-            "eval_hours": evaluation / 3600, "source": " ".join(str(entry["source"]).split())}
+    return {
+        "name": name,
+        "what": entry["what"],
+        "hours": hours,
+        "published": published,
+        "kind": entry["kind"],
+        "ratio": ratio,
+        "holds": holds,
+        "gpus": gpus,
+        "gpu": entry["gpu"],
+        "gpu_hours": hours * gpus,
+        "loader_bound": loader is not None and loader > gpu_train,
+        "loader": rate,
+        "gpu_train_hours": gpu_train / 3600,
+        "loader_hours": loader / 3600 if loader is not None else None,
+        "eval_hours": evaluation / 3600,
+        "source": " ".join(str(entry["source"]).split()),
+    }
 
 
 def validations(ledger=None) -> list[dict[str, Any]]:
@@ -68,12 +90,19 @@ def validations(ledger=None) -> list[dict[str, Any]]:
 
 def render(results: Iterable[Mapping[str, Any]]) -> str:
     """The checks as a markdown table (docs/cluster.md)."""
-    lines = ["| published run | published wall clock | model's wall clock (GPU; loader; evaluation) | model / published | "
-             f"within {FACTOR} |", "|---|---:|---:|---:|---|"]
+    lines = [
+        (
+            "| published run | published wall clock | model's wall clock (GPU; loader; evaluation) | model /"
+            f" published | within {FACTOR} |"
+        ),
+        "|---|---:|---:|---:|---|",
+    ]
     for r in results:
         bound = "less than " if r["kind"] == "upper_bound" else ""
         loader = f"{r['loader_hours']:.1f} h" if r["loader_hours"] is not None else "not measured"
-        lines.append(f"| {r['what']}, {r['gpus']} × {r['gpu']} | {bound}{r['published']:g} h | {r['hours']:.1f} h "
-                     f"({r['gpu_train_hours']:.1f} h; {loader}; {r['eval_hours']:.1f} h) | {r['ratio']:.2f} | "
-                     f"{'yes' if r['holds'] else '**no**'}{' (a bound: one-sided)' if r['kind'] == 'upper_bound' else ''} |")
+        lines.append(
+            f"| {r['what']}, {r['gpus']} × {r['gpu']} | {bound}{r['published']:g} h | {r['hours']:.1f} h "
+            f"({r['gpu_train_hours']:.1f} h; {loader}; {r['eval_hours']:.1f} h) | {r['ratio']:.2f} | "
+            f"{'yes' if r['holds'] else '**no**'}{' (a bound: one-sided)' if r['kind'] == 'upper_bound' else ''} |"
+        )
     return "\n".join(lines) + "\n"

@@ -10,6 +10,7 @@ Reproducibility: every DataLoader carries its own seeded generator and the train
 reshuffles from the seed and the epoch (:class:`EpochSeededSampler`), so a resumed run sees the same
 batches as an uninterrupted one and no loader draws from the global RNG.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -57,8 +58,14 @@ class EpochSeededSampler(RandomSampler):
         yield from torch.randperm(len(self.data_source), generator=g).tolist()
 
 
-def train_sampler(dataset: Sequence, seed: int, num_replicas: int | None = None, rank: int | None = None,
-                  single: type | None = None, distributed: type = DistributedSampler):
+def train_sampler(
+    dataset: Sequence,
+    seed: int,
+    num_replicas: int | None = None,
+    rank: int | None = None,
+    single: type | None = None,
+    distributed: type = DistributedSampler,
+):
     """The training sampler: :class:`EpochSeededSampler`, or under DDP (an initialised process group,
     a group of one included, or ``num_replicas`` > 1 given) a ``DistributedSampler`` seeded with
     ``seed * SEED_STRIDE``, so each rank's share of epoch e comes from ``seed * SEED_STRIDE + e`` as on
@@ -66,11 +73,15 @@ def train_sampler(dataset: Sequence, seed: int, num_replicas: int | None = None,
     given; under a DDP strategy it replaces any other sampler, a ``RandomSampler`` subclass on one
     device too, with its own seeded ``seed + epoch``.
     ``single`` / ``distributed``: subclasses to use instead (COCO's yield ``(epoch, index)`` keys)."""
-    in_group = num_replicas is None and torch.distributed.is_available() and torch.distributed.is_initialized()
+    in_group = (
+        num_replicas is None and torch.distributed.is_available() and torch.distributed.is_initialized()
+    )
     if in_group:
         num_replicas, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     if in_group or (num_replicas or 1) > 1:
-        return distributed(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed * SEED_STRIDE)
+        return distributed(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed * SEED_STRIDE
+        )
     return (single or EpochSeededSampler)(dataset, seed)
 
 
@@ -83,9 +94,13 @@ def eval_sampler(dataset: Sequence):
     ``DistributedSampler`` subclass it is given. Shards may differ by one batch: evaluation has no
     gradient all-reduce, and the metrics (torchmetrics states, Lightning's epoch-level means, the k-NN
     gather) reduce sums and counts once per epoch."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
         from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+
         return UnrepeatedDistributedSampler(dataset, shuffle=False)
     return None
 
@@ -107,8 +122,15 @@ class _TransformedTensorDataset(Dataset):
 class VitexpDataModule(L.LightningDataModule):
     """Shared loader logic; subclasses build ``self.train_set``, ``self.val_set``, ``self.test_set``."""
 
-    def __init__(self, name: str, num_classes: int, batch_size: int, num_workers: int = 0,
-                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+    def __init__(
+        self,
+        name: str,
+        num_classes: int,
+        batch_size: int,
+        num_workers: int = 0,
+        data_config: dict[str, Any] | None = None,
+        loader_seed: int = 0,
+    ):
         super().__init__()
         self.name = name
         self.num_classes = int(num_classes)
@@ -129,7 +151,13 @@ class VitexpDataModule(L.LightningDataModule):
         return DataLoader(
             dataset,
             batch_size=self.batch_size,
-            sampler=train_sampler(dataset, self.loader_seed) if train else eval_sampler(dataset) if shard else None,
+            sampler=(
+                train_sampler(dataset, self.loader_seed)
+                if train
+                else eval_sampler(dataset)
+                if shard
+                else None
+            ),
             shuffle=False if not train else None,
             drop_last=train and len(dataset) > self.batch_size,
             num_workers=self.num_workers,
@@ -176,9 +204,18 @@ class DigitsDataModule(VitexpDataModule):
     3 channels and normalised with the model's mean/std. The split is stratified and fixed by
     ``split_seed``. Training images get a small random affine jitter (torchvision v2)."""
 
-    def __init__(self, name: str = "digits", num_classes: int = 10, batch_size: int = 64,
-                 num_workers: int = 0, split: Sequence[float] = (0.6, 0.2, 0.2), split_seed: int = 0,
-                 augment: bool = True, data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+    def __init__(
+        self,
+        name: str = "digits",
+        num_classes: int = 10,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        split: Sequence[float] = (0.6, 0.2, 0.2),
+        split_seed: int = 0,
+        augment: bool = True,
+        data_config: dict[str, Any] | None = None,
+        loader_seed: int = 0,
+    ):
         super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
         self.split = tuple(float(s) for s in split)
         self.split_seed = int(split_seed)
@@ -193,21 +230,31 @@ class DigitsDataModule(VitexpDataModule):
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
         labels = torch.tensor(digits.target, dtype=torch.long)
-        images = F.interpolate(images, size=(self.img_size, self.img_size), mode="bilinear", align_corners=False)
+        images = F.interpolate(
+            images, size=(self.img_size, self.img_size), mode="bilinear", align_corners=False
+        )
         images = images.repeat(1, 3, 1, 1)
         idx = np.arange(len(labels))
         train_frac, val_frac, test_frac = self.split
-        train_idx, rest = train_test_split(idx, train_size=train_frac, stratify=labels.numpy(),
-                                           random_state=self.split_seed)
-        val_idx, test_idx = train_test_split(rest, test_size=test_frac / (val_frac + test_frac),
-                                             stratify=labels.numpy()[rest], random_state=self.split_seed)
+        train_idx, rest = train_test_split(
+            idx, train_size=train_frac, stratify=labels.numpy(), random_state=self.split_seed
+        )
+        val_idx, test_idx = train_test_split(
+            rest,
+            test_size=test_frac / (val_frac + test_frac),
+            stratify=labels.numpy()[rest],
+            random_state=self.split_seed,
+        )
         self.split_indices = {"train": train_idx, "val": val_idx, "test": test_idx}
         from torchvision.transforms import v2
 
         normalize = v2.Normalize(mean=list(self.data_config["mean"]), std=list(self.data_config["std"]))
-        train_tf = v2.Compose([v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)), normalize])
-        self.train_set = _TransformedTensorDataset(images[train_idx], labels[train_idx],
-                                                   train_tf if self.augment else normalize)
+        train_tf = v2.Compose(
+            [v2.RandomAffine(degrees=10, translate=(0.1, 0.1), scale=(0.9, 1.1)), normalize]
+        )
+        self.train_set = _TransformedTensorDataset(
+            images[train_idx], labels[train_idx], train_tf if self.augment else normalize
+        )
         self.train_eval_set = _TransformedTensorDataset(images[train_idx], labels[train_idx], normalize)
         self.val_set = _TransformedTensorDataset(images[val_idx], labels[val_idx], normalize)
         self.test_set = _TransformedTensorDataset(images[test_idx], labels[test_idx], normalize)
@@ -217,10 +264,20 @@ class SyntheticDataModule(VitexpDataModule):
     """Class-conditional synthetic images: each class has a fixed smooth random prototype
     (8×8 noise upsampled), and a sample is its prototype plus Gaussian noise of std ``noise``."""
 
-    def __init__(self, name: str = "synthetic", num_classes: int = 10, batch_size: int = 64,
-                 num_workers: int = 0, num_train: int = 512, num_val: int = 128, num_test: int = 128,
-                 noise: float = 0.5, seed: int = 0, data_config: dict[str, Any] | None = None,
-                 loader_seed: int = 0):
+    def __init__(
+        self,
+        name: str = "synthetic",
+        num_classes: int = 10,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        num_train: int = 512,
+        num_val: int = 128,
+        num_test: int = 128,
+        noise: float = 0.5,
+        seed: int = 0,
+        data_config: dict[str, Any] | None = None,
+        loader_seed: int = 0,
+    ):
         super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
         self.sizes = (int(num_train), int(num_val), int(num_test))
         self.noise = float(noise)
@@ -231,8 +288,12 @@ class SyntheticDataModule(VitexpDataModule):
             return
         g = torch.Generator().manual_seed(self.seed)
         size = self.img_size
-        protos = F.interpolate(torch.randn(self.num_classes, 3, 8, 8, generator=g), size=(size, size),
-                               mode="bilinear", align_corners=False)
+        protos = F.interpolate(
+            torch.randn(self.num_classes, 3, 8, 8, generator=g),
+            size=(size, size),
+            mode="bilinear",
+            align_corners=False,
+        )
         sets = []
         for n in self.sizes:
             labels = torch.randint(0, self.num_classes, (n,), generator=g)
@@ -268,8 +329,9 @@ def _patch_timm_posterize() -> None:
             aa.NAME_TO_OP[name] = _posterize_keeping_zero_bits
 
 
-def timm_transforms(data_config: dict[str, Any], train: bool, auto_augment: str | None = None,
-                    random_erase: float = 0.0):
+def timm_transforms(
+    data_config: dict[str, Any], train: bool, auto_augment: str | None = None, random_erase: float = 0.0
+):
     """timm's ImageNet transforms for the model's data config (RandomResizedCrop + flip + RandAugment
     + random erasing for training; resize to size / crop_pct + center crop for evaluation)."""
     from timm.data import create_transform
@@ -298,10 +360,22 @@ class ImageFolderDataModule(VitexpDataModule):
     other splits are normalised in the workers, since code reads them outside Lightning's hooks) or
     ``pil`` (timm's PIL transforms, :func:`timm_transforms`, as the papers' recipes ran)."""
 
-    def __init__(self, root: str, name: str = "imagefolder", num_classes: int = 1000, batch_size: int = 128,
-                 num_workers: int = 8, train_dir: str = "train", val_dir: str = "val",
-                 test_dir: str | None = None, auto_augment: str | None = None, random_erase: float = 0.0,
-                 data_config: dict[str, Any] | None = None, loader_seed: int = 0, decoder: str = "tensor"):
+    def __init__(
+        self,
+        root: str,
+        name: str = "imagefolder",
+        num_classes: int = 1000,
+        batch_size: int = 128,
+        num_workers: int = 8,
+        train_dir: str = "train",
+        val_dir: str = "val",
+        test_dir: str | None = None,
+        auto_augment: str | None = None,
+        random_erase: float = 0.0,
+        data_config: dict[str, Any] | None = None,
+        loader_seed: int = 0,
+        decoder: str = "tensor",
+    ):
         from vitexp.data.tensor_images import DECODERS
 
         super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
@@ -323,8 +397,11 @@ class ImageFolderDataModule(VitexpDataModule):
             return ImageFolder(str(folder), transform=tf)
         from vitexp.data.tensor_images import decode_rgb, normalised_eval_transform, tensor_transform
 
-        tf = tensor_transform(self.data_config, True, self.auto_augment) if train else \
-            normalised_eval_transform(self.data_config)
+        tf = (
+            tensor_transform(self.data_config, True, self.auto_augment)
+            if train
+            else normalised_eval_transform(self.data_config)
+        )
         return ImageFolder(str(folder), transform=tf, loader=decode_rgb)
 
     def setup(self, stage: str | None = None) -> None:
@@ -339,13 +416,16 @@ class ImageFolderDataModule(VitexpDataModule):
                 self.train_eval_set = self._dataset(folder, "train_eval")
             if len(sets[split].classes) != self.num_classes:
                 raise ValueError(
-                    f"{folder} has {len(sets[split].classes)} class folders but data.num_classes={self.num_classes}"
+                    f"{folder} has {len(sets[split].classes)} class folders but"
+                    f" data.num_classes={self.num_classes}"
                 )
         self.train_set, self.val_set, self.test_set = sets["train"], sets["val"], sets["test"]
         if self.decoder == "tensor":
             from vitexp.data.tensor_images import DeviceNormalize
 
-            self.device_normalize = DeviceNormalize(self.data_config["mean"], self.data_config["std"], self.random_erase)
+            self.device_normalize = DeviceNormalize(
+                self.data_config["mean"], self.data_config["std"], self.random_erase
+            )
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """``decoder=tensor``: a uint8 batch on the device normalised (and erased while training)."""
@@ -360,10 +440,20 @@ class CIFAR100DataModule(VitexpDataModule):
     """CIFAR-100 from a local torchvision root (``<root>/cifar-100-python``), never downloaded;
     val is a fixed stratified ``val_fraction`` of the training set, test is CIFAR's test set."""
 
-    def __init__(self, root: str, name: str = "cifar100", num_classes: int = 100, batch_size: int = 128,
-                 num_workers: int = 8, val_fraction: float = 0.02, split_seed: int = 0,
-                 auto_augment: str | None = None, random_erase: float = 0.0,
-                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+    def __init__(
+        self,
+        root: str,
+        name: str = "cifar100",
+        num_classes: int = 100,
+        batch_size: int = 128,
+        num_workers: int = 8,
+        val_fraction: float = 0.02,
+        split_seed: int = 0,
+        auto_augment: str | None = None,
+        random_erase: float = 0.0,
+        data_config: dict[str, Any] | None = None,
+        loader_seed: int = 0,
+    ):
         super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
         self.root = Path(str(root)).expanduser()
         self.val_fraction, self.split_seed = float(val_fraction), int(split_seed)
@@ -382,8 +472,9 @@ class CIFAR100DataModule(VitexpDataModule):
         full_train = CIFAR100(str(self.root), train=True, transform=train_tf, download=False)
         full_eval = CIFAR100(str(self.root), train=True, transform=eval_tf, download=False)
         idx = np.arange(len(full_train.targets))
-        train_idx, val_idx = train_test_split(idx, test_size=self.val_fraction, stratify=full_train.targets,
-                                              random_state=self.split_seed)
+        train_idx, val_idx = train_test_split(
+            idx, test_size=self.val_fraction, stratify=full_train.targets, random_state=self.split_seed
+        )
         self.train_set = Subset(full_train, train_idx)
         self.val_set = Subset(full_eval, val_idx)
         self.train_eval_set = Subset(full_eval, train_idx)

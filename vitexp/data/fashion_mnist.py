@@ -1,6 +1,7 @@
 """``data=fashion_mnist``: Fashion-MNIST from the Debian package ``dataset-fashion-mnist`` (the four
 IDX files, read by :mod:`vitexp.data.idx`), kept in memory as uint8 and prepared a batch at a time
 (docs/fashion-mnist.md)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,6 @@ from torch.utils.data import Dataset
 
 from vitexp.data.datamodules import VitexpDataModule
 
-
 #: Where the Debian package ``dataset-fashion-mnist`` installs the four IDX files.
 FASHION_MNIST_PACKAGE = "dataset-fashion-mnist"
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -23,7 +23,9 @@ FASHION_MNIST_FILES = {
 }
 
 
-def fashion_mnist_files(root: str | Path, package: str = FASHION_MNIST_PACKAGE) -> dict[str, tuple[Path, Path]]:
+def fashion_mnist_files(
+    root: str | Path, package: str = FASHION_MNIST_PACKAGE
+) -> dict[str, tuple[Path, Path]]:
     """The (images, labels) IDX files of each split under ``root``; a missing one is a
     ``FileNotFoundError`` naming the Debian package and the command that installs it."""
     root = Path(str(root)).expanduser()
@@ -31,14 +33,16 @@ def fashion_mnist_files(root: str | Path, package: str = FASHION_MNIST_PACKAGE) 
     missing = [str(p) for pair in files.values() for p in pair if not p.is_file()]
     if missing:
         raise FileNotFoundError(
-            f"Fashion-MNIST not found: {', '.join(missing)}. Install the Debian package {package} "
-            f"(apt-get install -y {package}, as root; it puts the IDX files in {FASHION_MNIST_ROOT}) "
-            f"or set data.root to a folder holding {sorted(n for pair in FASHION_MNIST_FILES.values() for n in pair)}"
+            f"Fashion-MNIST not found: {', '.join(missing)}. Install the Debian package {package} (apt-get"
+            f" install -y {package}, as root; it puts the IDX files in {FASHION_MNIST_ROOT}) or set data.root"
+            f" to a folder holding {sorted(n for pair in FASHION_MNIST_FILES.values() for n in pair)}"
         )
     return files
 
 
-def load_fashion_mnist(root: str | Path, package: str = FASHION_MNIST_PACKAGE) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def load_fashion_mnist(
+    root: str | Path, package: str = FASHION_MNIST_PACKAGE
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{"train": (60000×28×28 uint8 images, labels), "test": (10000×28×28, labels)} from the IDX files."""
     from vitexp.data.idx import IMAGES_MAGIC, LABELS_MAGIC, read_idx
 
@@ -59,8 +63,9 @@ def split_train_val(labels: torch.Tensor, val_size: int, split_seed: int) -> tup
 
     if not 0 < val_size < len(labels):
         raise ValueError(f"data.val_size={val_size} must be in (0, {len(labels)})")
-    train_idx, val_idx = train_test_split(np.arange(len(labels)), test_size=val_size, stratify=labels.numpy(),
-                                          random_state=split_seed)
+    train_idx, val_idx = train_test_split(
+        np.arange(len(labels)), test_size=val_size, stratify=labels.numpy(), random_state=split_seed
+    )
     return np.sort(train_idx), np.sort(val_idx)
 
 
@@ -74,8 +79,16 @@ class GreyBatchDataset(Dataset):
     factor ``img_size // side``, zero padding centred to ``img_size``, grey repeated to 3
     channels, then ``(x / 255 - mean) / std`` with the backbone's data config."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, img_size: int, mean: Sequence[float],
-                 std: Sequence[float], translate: int = 0, flip: bool = False):
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        img_size: int,
+        mean: Sequence[float],
+        std: Sequence[float],
+        translate: int = 0,
+        flip: bool = False,
+    ):
         side = int(images.shape[-1])
         if img_size < side:
             raise ValueError(f"backbone resolution {img_size} px is below the images' {side} px")
@@ -136,10 +149,21 @@ class FashionMNISTDataModule(VitexpDataModule):
     Training augmentation (``augment``, off by default: it slowed the tier's short schedules):
     random translation by up to ``translate`` px and horizontal flips."""
 
-    def __init__(self, root: str = FASHION_MNIST_ROOT, name: str = "fashion_mnist", num_classes: int = 10,
-                 batch_size: int = 128, num_workers: int = 0, val_size: int = 5000, split_seed: int = 0,
-                 augment: bool = False, translate: int = 2, package: str = FASHION_MNIST_PACKAGE,
-                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+    def __init__(
+        self,
+        root: str = FASHION_MNIST_ROOT,
+        name: str = "fashion_mnist",
+        num_classes: int = 10,
+        batch_size: int = 128,
+        num_workers: int = 0,
+        val_size: int = 5000,
+        split_seed: int = 0,
+        augment: bool = False,
+        translate: int = 2,
+        package: str = FASHION_MNIST_PACKAGE,
+        data_config: dict[str, Any] | None = None,
+        loader_seed: int = 0,
+    ):
         super().__init__(name, num_classes, batch_size, num_workers, data_config, loader_seed)
         self.root = Path(str(root)).expanduser()
         self.package = package
@@ -156,9 +180,15 @@ class FashionMNISTDataModule(VitexpDataModule):
         cfg = self.data_config
 
         def dataset(x, y, train=False):
-            return GreyBatchDataset(x, y, self.img_size, cfg["mean"], cfg["std"],
-                                    translate=self.translate if train and self.augment else 0,
-                                    flip=train and self.augment)
+            return GreyBatchDataset(
+                x,
+                y,
+                self.img_size,
+                cfg["mean"],
+                cfg["std"],
+                translate=self.translate if train and self.augment else 0,
+                flip=train and self.augment,
+            )
 
         train_x, train_y = images[train_idx], labels[train_idx]
         self.train_set = dataset(train_x, train_y, train=True)

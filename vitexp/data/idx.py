@@ -5,6 +5,7 @@ type 0x08 = unsigned byte; images 0x00000803 = 2051, labels 0x00000801 = 2049), 
 unsigned 32-bit sizes -- followed by the array in C order. Only the unsigned-byte type is read:
 every (Fashion-)MNIST file uses it, and any other type is an error, never a silent reinterpretation.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -24,15 +25,19 @@ def parse_idx(raw: bytes, source: str = "<bytes>") -> np.ndarray:
         raise ValueError(f"{source}: {len(raw)} bytes, too short for an IDX header")
     zero, dtype_code, ndim = int.from_bytes(raw[:2], "big"), raw[2], raw[3]
     if zero != 0 or ndim == 0:
-        raise ValueError(f"{source}: bad IDX magic {int.from_bytes(raw[:4], 'big')} "
-                         f"(images {IMAGES_MAGIC}, labels {LABELS_MAGIC})")
+        raise ValueError(
+            f"{source}: bad IDX magic {int.from_bytes(raw[:4], 'big')} "
+            f"(images {IMAGES_MAGIC}, labels {LABELS_MAGIC})"
+        )
     if dtype_code != IDX_UBYTE:
         raise ValueError(f"{source}: IDX data type 0x{dtype_code:02x}; only unsigned bytes (0x08) are read")
     header = 4 + 4 * ndim
     shape = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
     expected = int(np.prod(shape))
     if len(raw) - header != expected:
-        raise ValueError(f"{source}: header says {shape} = {expected} bytes, the file holds {len(raw) - header}")
+        raise ValueError(
+            f"{source}: header says {shape} = {expected} bytes, the file holds {len(raw) - header}"
+        )
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
 
 

@@ -18,6 +18,7 @@ the parameters and the measured file sizes: a folder without it (a killed genera
 one whose manifest names the same parameters is reused. The images live in a cache folder
 (:func:`default_root`), never in the repository.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,8 +76,13 @@ def _octave_texture(rng: np.random.Generator, height: int, width: int) -> np.nda
     for s in (32, 16, 8, 4, 2):
         h, w = max(1, height // s), max(1, width // s)
         layer = rng.normal(0.0, 1.0, (h, w, 3)).astype(np.float32) * 0.5 + rng.normal(0.0, 1.0, (h, w, 1))
-        up = np.stack([np.asarray(Image.fromarray(layer[..., c]).resize((width, height), Image.BILINEAR))
-                       for c in range(3)], axis=-1)
+        up = np.stack(
+            [
+                np.asarray(Image.fromarray(layer[..., c]).resize((width, height), Image.BILINEAR))
+                for c in range(3)
+            ],
+            axis=-1,
+        )
         total += up * s
     return total / float(np.std(total) or 1.0)
 
@@ -91,9 +97,11 @@ def _picture(rng: np.random.Generator, tiles: np.ndarray, spec: JpegSpec, grain:
     for y in range(0, h, side):
         for x in range(0, w, side):
             tile = tiles[int(rng.integers(len(tiles)))]
-            up = np.asarray(Image.fromarray(tile).resize((side, side), Image.BICUBIC), np.float32)[: h - y, : w - x]
+            up = np.asarray(Image.fromarray(tile).resize((side, side), Image.BICUBIC), np.float32)[
+                : h - y, : w - x
+            ]
             background, tint = rng.uniform(0, 140, 3), rng.uniform(0.35, 1.0, 3)
-            canvas[y:y + up.shape[0], x:x + up.shape[1]] = background + up[..., None] * tint
+            canvas[y : y + up.shape[0], x : x + up.shape[1]] = background + up[..., None] * tint
     canvas += 28.0 * _octave_texture(rng, h, w)
     canvas += rng.normal(0.0, grain, canvas.shape).astype(np.float32)
     return np.clip(canvas, 0, 255).astype(np.uint8)
@@ -125,8 +133,12 @@ def calibrate_grain(spec: JpegSpec, tiles: np.ndarray, probes: int = 6, steps: i
     return (lo + hi) / 2
 
 
-def ensure_jpegs(spec: JpegSpec, root: str | Path | None = None, fashion_mnist_root: str | Path | None = None,
-                 progress: bool = False) -> dict[str, Any]:
+def ensure_jpegs(
+    spec: JpegSpec,
+    root: str | Path | None = None,
+    fashion_mnist_root: str | Path | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
     """The folder of ``spec`` at ``root`` (default :func:`default_root`), generated unless its
     manifest names the same parameters; returns the manifest (``root``, the parameters, ``grain``,
     ``images``, ``mean_kb``, ``min_kb``, ``max_kb``)."""
@@ -143,8 +155,12 @@ def ensure_jpegs(spec: JpegSpec, root: str | Path | None = None, fashion_mnist_r
     tiles = _tiles(fashion_mnist_root)
     grain = calibrate_grain(spec, tiles)
     sizes = []
-    jobs = [(split, c, i) for split, per in (("train", spec.train_per_class), ("val", spec.val_per_class))
-            for c in range(spec.classes) for i in range(per)]
+    jobs = [
+        (split, c, i)
+        for split, per in (("train", spec.train_per_class), ("val", spec.val_per_class))
+        for c in range(spec.classes)
+        for i in range(per)
+    ]
     for n, (split, c, i) in enumerate(tqdm(jobs, desc="ImageNet-like JPEGs", disable=not progress or None)):
         rng = np.random.default_rng([spec.seed, n])
         data = _jpeg(_picture(rng, tiles, spec, grain), spec.quality)
@@ -154,8 +170,14 @@ def ensure_jpegs(spec: JpegSpec, root: str | Path | None = None, fashion_mnist_r
         sizes.append(len(data) / 1e3)
     if not spec.val_per_class and not (root / "val").exists():
         (root / "val").symlink_to("train", target_is_directory=True)
-    manifest = {"spec": asdict(spec), "grain": grain, "images": len(sizes), "mean_kb": float(np.mean(sizes)),
-                "min_kb": float(np.min(sizes)), "max_kb": float(np.max(sizes)),
-                "content": "Fashion-MNIST mosaic + 1/f octave texture + grain (vitexp.data.imagenet_like)"}
+    manifest = {
+        "spec": asdict(spec),
+        "grain": grain,
+        "images": len(sizes),
+        "mean_kb": float(np.mean(sizes)),
+        "min_kb": float(np.min(sizes)),
+        "max_kb": float(np.max(sizes)),
+        "content": "Fashion-MNIST mosaic + 1/f octave texture + grain (vitexp.data.imagenet_like)",
+    }
     atomic_write(manifest_path, json.dumps(manifest, indent=1))
     return {**manifest, "root": str(root)}

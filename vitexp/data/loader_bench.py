@@ -17,6 +17,7 @@
 - Reported per decoder: the median over rounds and the spread (min, max); the faster decoder wins
   only when its slowest round beats the other's fastest (:func:`winner`).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -26,8 +27,10 @@ from typing import Any, Callable, Mapping
 import torch
 
 #: What each decoder's rate is, in words (the ledger's protocol).
-STATISTIC = ("images per CPU-second of the loader's workers (worker CPU clock stamped on each batch, "
-             "the first batch of each worker excluded), median over interleaved rounds")
+STATISTIC = (
+    "images per CPU-second of the loader's workers (worker CPU clock stamped on each batch, "
+    "the first batch of each worker excluded), median over interleaved rounds"
+)
 
 
 class _Stamped:
@@ -63,8 +66,13 @@ def cpu_rate(stamps: list[tuple[int, float, int]]) -> tuple[float, float, int]:
     return images, seconds, len(by_worker)
 
 
-def time_round(loader, batches: int, workers: int, on_batch: Callable[[torch.Tensor], Any] | None = None,
-               device: torch.device | None = None) -> dict[str, float]:
+def time_round(
+    loader,
+    batches: int,
+    workers: int,
+    on_batch: Callable[[torch.Tensor], Any] | None = None,
+    device: torch.device | None = None,
+) -> dict[str, float]:
     """One round: ``batches`` batches after each worker's first (``loader`` stamped); the images per
     worker-CPU-second, per wall-second per worker, and the main process's CPU ms per image in
     ``on_batch`` (the device-side step), which receives each batch's images on ``device``."""
@@ -88,15 +96,24 @@ def time_round(loader, batches: int, workers: int, on_batch: Callable[[torch.Ten
     wall = time.perf_counter() - wall_start if wall_start is not None else 0.0
     images, seconds, seen = cpu_rate(stamps)
     del it
-    return {"per_worker_cpu": images / seconds if seconds > 0 else 0.0,
-            "per_worker_wall": wall_images / wall / max(1, workers) if wall > 0 else 0.0,
-            "images": images, "worker_cpu_s": seconds, "workers_seen": seen,
-            "main_ms_per_image": 1e3 * main_cpu / max(1, sum(m[2] for m in stamps))}
+    return {
+        "per_worker_cpu": images / seconds if seconds > 0 else 0.0,
+        "per_worker_wall": wall_images / wall / max(1, workers) if wall > 0 else 0.0,
+        "images": images,
+        "worker_cpu_s": seconds,
+        "workers_seen": seen,
+        "main_ms_per_image": 1e3 * main_cpu / max(1, sum(m[2] for m in stamps)),
+    }
 
 
-def compare_loaders(loaders: Mapping[str, Any], batches: int, rounds: int, workers: int,
-                    on_batch: Mapping[str, Callable | None] | None = None,
-                    device: torch.device | None = None) -> dict[str, dict[str, Any]]:
+def compare_loaders(
+    loaders: Mapping[str, Any],
+    batches: int,
+    rounds: int,
+    workers: int,
+    on_batch: Mapping[str, Callable | None] | None = None,
+    device: torch.device | None = None,
+) -> dict[str, dict[str, Any]]:
     """Each decoder's loader timed in interleaved rounds (module docstring):
     {decoder: {images_per_s_per_worker (median), min, max, rounds: [...], wall_..., main_ms_per_image}}."""
     from vitexp.ledger import machine_load
@@ -112,11 +129,18 @@ def compare_loaders(loaders: Mapping[str, Any], batches: int, rounds: int, worke
     for name, s in samples.items():
         cpu = [r["per_worker_cpu"] for r in s]
         wall = [r["per_worker_wall"] for r in s]
-        out[name] = {"images_per_s_per_worker": statistics.median(cpu), "min": min(cpu), "max": max(cpu),
-                     "rounds": cpu, "wall_images_per_s_per_worker": statistics.median(wall),
-                     "wall_min": min(wall), "wall_max": max(wall),
-                     "main_ms_per_image": statistics.median(r["main_ms_per_image"] for r in s),
-                     "images_per_round": statistics.median(r["images"] for r in s), "load": load}
+        out[name] = {
+            "images_per_s_per_worker": statistics.median(cpu),
+            "min": min(cpu),
+            "max": max(cpu),
+            "rounds": cpu,
+            "wall_images_per_s_per_worker": statistics.median(wall),
+            "wall_min": min(wall),
+            "wall_max": max(wall),
+            "main_ms_per_image": statistics.median(r["main_ms_per_image"] for r in s),
+            "images_per_round": statistics.median(r["images"] for r in s),
+            "load": load,
+        }
     return out
 
 

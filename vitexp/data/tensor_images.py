@@ -21,6 +21,7 @@ its rotations, shears and translations (torchvision's tensor kernels have no bic
 augmentation: a run with ``data.decoder=tensor`` is a different configuration from one with ``pil``
 (the decoder is part of the run's fingerprint), which is why the decoder is a data option.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -46,8 +47,10 @@ def randaugment_options(auto_augment: str) -> dict[str, int]:
     magnitude 9); another policy is a :class:`~vitexp.errors.ConfigError`."""
     parts = str(auto_augment).split("-")
     if parts[0] != "rand":
-        raise ConfigError(f"data.decoder=tensor: recipe.auto_augment={auto_augment!r} is not a RandAugment policy "
-                          "('rand-m<M>[-n<N>]...'); the tensor path has no AutoAugment or AugMix: use data.decoder=pil")
+        raise ConfigError(
+            f"data.decoder=tensor: recipe.auto_augment={auto_augment!r} is not a RandAugment policy "
+            "('rand-m<M>[-n<N>]...'); the tensor path has no AutoAugment or AugMix: use data.decoder=pil"
+        )
     out = {"num_ops": 2, "magnitude": 10}
     for part in parts[1:]:
         if part.startswith("mstd") or part.startswith("inc") or part.startswith("mmax"):
@@ -60,8 +63,11 @@ def randaugment_options(auto_augment: str) -> dict[str, int]:
 def _interpolation(name: str):
     from torchvision.transforms import v2
 
-    modes = {"bicubic": v2.InterpolationMode.BICUBIC, "bilinear": v2.InterpolationMode.BILINEAR,
-             "nearest": v2.InterpolationMode.NEAREST}
+    modes = {
+        "bicubic": v2.InterpolationMode.BICUBIC,
+        "bilinear": v2.InterpolationMode.BILINEAR,
+        "nearest": v2.InterpolationMode.NEAREST,
+    }
     if name not in modes:
         raise ConfigError(f"data.decoder=tensor: interpolation {name!r} is not one of {sorted(modes)}")
     return modes[name]
@@ -74,14 +80,29 @@ def tensor_transform(data_config: Mapping[str, Any], train: bool, auto_augment: 
     size = int(data_config["input_size"][-1])
     mode = _interpolation(str(data_config.get("interpolation", "bicubic")))
     if not train:
-        return v2.Compose([v2.Resize(int(size / float(data_config.get("crop_pct", 0.875))), interpolation=mode,
-                                     antialias=True), v2.CenterCrop(size)])
-    steps = [v2.RandomResizedCrop(size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), interpolation=mode, antialias=True),
-             v2.RandomHorizontalFlip(0.5)]
+        return v2.Compose(
+            [
+                v2.Resize(
+                    int(size / float(data_config.get("crop_pct", 0.875))), interpolation=mode, antialias=True
+                ),
+                v2.CenterCrop(size),
+            ]
+        )
+    steps = [
+        v2.RandomResizedCrop(
+            size, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), interpolation=mode, antialias=True
+        ),
+        v2.RandomHorizontalFlip(0.5),
+    ]
     if auto_augment:
         # the geometric operations on tensors interpolate nearest or bilinear only (timm's: the data config's)
-        steps.append(v2.RandAugment(**randaugment_options(auto_augment), num_magnitude_bins=11,
-                                    interpolation=v2.InterpolationMode.BILINEAR))
+        steps.append(
+            v2.RandAugment(
+                **randaugment_options(auto_augment),
+                num_magnitude_bins=11,
+                interpolation=v2.InterpolationMode.BILINEAR,
+            )
+        )
     else:
         steps.append(v2.ColorJitter(0.4, 0.4, 0.4))
     return v2.Compose(steps)
@@ -113,5 +134,10 @@ def normalised_eval_transform(data_config: Mapping[str, Any]):
     code reads outside Lightning's batch hooks (the k-NN memory bank, analyses indexing a dataset)."""
     from torchvision.transforms import v2
 
-    return v2.Compose([tensor_transform(data_config, False), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(mean=list(data_config["mean"]), std=list(data_config["std"]))])
+    return v2.Compose(
+        [
+            tensor_transform(data_config, False),
+            v2.ToDtype(torch.float32, scale=True),
+            v2.Normalize(mean=list(data_config["mean"]), std=list(data_config["std"])),
+        ]
+    )

@@ -2,6 +2,7 @@
 around a vitexp backbone (:mod:`.model`), COCO data (:mod:`.coco_data`), the micro COCO
 (:mod:`.micro_coco`) and the LightningModule (:mod:`.module`). Runs reach them through the
 objective's plug-in, :mod:`vitexp.training.objectives.detection`."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,7 +31,16 @@ def detection_flops(cfg, detector: nn.Module) -> tuple[dict[str, Any], dict[str,
     height, width = (int(v) for v in cfg.detector.flops_size)
     report = detector_macs(detector, height, width)
     method_protocol, method_metrics = model_records(detector.backbone.body.model)
-    metrics = {"gmacs": report["gmacs"], "gflops": report["gflops"], "params_m": count_params(detector) / 1e6,
-               **{f"gmacs_{k}": v for k, v in report["by_part_gmacs"].items()}, **method_metrics}
-    return metrics, {**report["protocol"], **method_protocol, "objective": "detect",
-                     "throughput": "not measured for detectors"}
+    metrics = {
+        "gmacs": report["gmacs"],
+        "gflops": report["gflops"],
+        "params_m": count_params(detector) / 1e6,
+        **{f"gmacs_{k}": v for k, v in report["by_part_gmacs"].items()},
+        **method_metrics,
+    }
+    return metrics, {
+        **report["protocol"],
+        **method_protocol,
+        "objective": "detect",
+        "throughput": "not measured for detectors",
+    }

@@ -25,6 +25,7 @@ Decisions:
   dataset (persistent workers would otherwise flip every epoch as in the first). val2017 is both
   the validation and the test split (COCO's practice: results are reported on val2017).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -40,7 +41,9 @@ from vitexp.data.datamodules import SEED_STRIDE, EpochSeededSampler, train_sampl
 class CocoInstances(Dataset):
     """torchvision's ``CocoDetection`` turned into Mask R-CNN targets."""
 
-    def __init__(self, images: Path, annotations: Path, hflip: float = 0.0, seed: int = 0, evaluation: bool = False):
+    def __init__(
+        self, images: Path, annotations: Path, hflip: float = 0.0, seed: int = 0, evaluation: bool = False
+    ):
         from torchvision.datasets import CocoDetection
 
         self.coco_ds = CocoDetection(str(images), str(annotations))
@@ -59,13 +62,17 @@ class CocoInstances(Dataset):
         anns = self.coco.loadAnns(self.coco.getAnnIds(imgIds=image_id))
         if not self.evaluation:
             anns = [a for a in anns if not a.get("iscrowd", 0) and a["bbox"][2] >= 1 and a["bbox"][3] >= 1]
-        boxes = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in anns)],
-                             dtype=torch.float32).reshape(-1, 4)
+        boxes = torch.tensor(
+            [[x, y, x + w, y + h] for x, y, w, h in (a["bbox"] for a in anns)], dtype=torch.float32
+        ).reshape(-1, 4)
         if not self.evaluation:
             boxes[:, 0::2].clamp_(0, width)
             boxes[:, 1::2].clamp_(0, height)
-        masks = torch.stack([torch.from_numpy(self.coco.annToMask(a)) for a in anns]) if anns else \
-            torch.zeros((0, height, width), dtype=torch.uint8)
+        masks = (
+            torch.stack([torch.from_numpy(self.coco.annToMask(a)) for a in anns])
+            if anns
+            else torch.zeros((0, height, width), dtype=torch.uint8)
+        )
         labels = torch.tensor([self.label_of[a["category_id"]] for a in anns], dtype=torch.int64)
         target = {"boxes": boxes, "labels": labels, "masks": masks, "image_id": torch.tensor(image_id)}
         if self.evaluation:
@@ -117,10 +124,20 @@ class _FlipDistributedSampler(_EpochKeys, DistributedSampler):
 class CocoDataModule(L.LightningDataModule):
     """COCO 2017 train / val (val is also the test split)."""
 
-    def __init__(self, root: str, name: str = "coco", num_classes: int = 80, batch_size: int = 2,
-                 num_workers: int = 4, train_dir: str = "train2017", val_dir: str = "val2017",
-                 hflip: float = 0.5, generate: Mapping[str, Any] | None = None,
-                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
+    def __init__(
+        self,
+        root: str,
+        name: str = "coco",
+        num_classes: int = 80,
+        batch_size: int = 2,
+        num_workers: int = 4,
+        train_dir: str = "train2017",
+        val_dir: str = "val2017",
+        hflip: float = 0.5,
+        generate: Mapping[str, Any] | None = None,
+        data_config: dict[str, Any] | None = None,
+        loader_seed: int = 0,
+    ):
         super().__init__()
         self.generate = dict(generate) if generate else None
         self.root = Path(str(root)).expanduser()
@@ -139,11 +156,17 @@ class CocoDataModule(L.LightningDataModule):
         annotations = self.root / "annotations" / f"instances_{sub}.json"
         for path in (images, annotations):
             if not path.exists():
-                raise FileNotFoundError(f"{self.name} {split} split: {path} not found (COCO 2017 layout: "
-                                        f"<root>/{sub}/ and <root>/annotations/instances_{sub}.json)")
-        ds = CocoInstances(images, annotations, hflip=hflip, seed=self.loader_seed, evaluation=split != "train")
+                raise FileNotFoundError(
+                    f"{self.name} {split} split: {path} not found (COCO 2017 layout: "
+                    f"<root>/{sub}/ and <root>/annotations/instances_{sub}.json)"
+                )
+        ds = CocoInstances(
+            images, annotations, hflip=hflip, seed=self.loader_seed, evaluation=split != "train"
+        )
         if len(ds.cat_ids) != self.num_classes:
-            raise ValueError(f"{annotations} has {len(ds.cat_ids)} categories but data.num_classes={self.num_classes}")
+            raise ValueError(
+                f"{annotations} has {len(ds.cat_ids)} categories but data.num_classes={self.num_classes}"
+            )
         return ds
 
     def prepare_data(self) -> None:
@@ -169,10 +192,18 @@ class CocoDataModule(L.LightningDataModule):
         emptied before the metric sees them (``DetectModule._padding``), so every image counts
         once; :func:`vitexp.data.datamodules.eval_sampler` is the classification modules' unpadded sampler."""
         return DataLoader(
-            dataset, batch_size=self.batch_size, collate_fn=collate_detection,
-            sampler=train_sampler(dataset, self.loader_seed, single=_FlipEpochSampler,
-                                  distributed=_FlipDistributedSampler) if train else None,
-            drop_last=train and len(dataset) > self.batch_size, num_workers=self.num_workers,
+            dataset,
+            batch_size=self.batch_size,
+            collate_fn=collate_detection,
+            sampler=(
+                train_sampler(
+                    dataset, self.loader_seed, single=_FlipEpochSampler, distributed=_FlipDistributedSampler
+                )
+                if train
+                else None
+            ),
+            drop_last=train and len(dataset) > self.batch_size,
+            num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
             generator=torch.Generator().manual_seed(self.loader_seed + (0 if train else 1)),
         )

@@ -21,6 +21,7 @@ Decisions:
   written as PNG without timestamps. The folder is written under a temporary name and renamed,
   so an interrupted run leaves no half-written dataset.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,12 +33,24 @@ from typing import Any, Sequence
 
 import numpy as np
 
-FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
-                         "Bag", "Ankle boot")
+FASHION_MNIST_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 SOURCES = ("auto", "fashion_mnist", "digits")
 
 
-def load_items(source: str = "auto", split: str = "train") -> tuple[np.ndarray, np.ndarray, tuple[str, ...], str]:
+def load_items(
+    source: str = "auto", split: str = "train"
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], str]:
     """(uint8 images (N, h, w), labels (N,), class names, source used) for ``split`` train | test."""
     if source not in SOURCES:
         raise ValueError(f"source={source!r}: valid sources are {SOURCES}")
@@ -46,7 +59,9 @@ def load_items(source: str = "auto", split: str = "train") -> tuple[np.ndarray, 
     root = Path(FASHION_MNIST_ROOT)
     present = all((root / f).is_file() for pair in FASHION_MNIST_FILES.values() for f in pair)
     if source == "fashion_mnist" or (source == "auto" and present):
-        images, labels = load_fashion_mnist(root)["train" if split == "train" else "test"]  # names the package when missing
+        images, labels = load_fashion_mnist(root)[
+            "train" if split == "train" else "test"
+        ]  # names the package when missing
         return images.numpy(), labels.numpy(), FASHION_MNIST_CLASSES, "fashion_mnist"
     from sklearn.datasets import load_digits
 
@@ -55,7 +70,9 @@ def load_items(source: str = "auto", split: str = "train") -> tuple[np.ndarray, 
     order = np.random.default_rng(0).permutation(len(images))  # a fixed train/test split of the 1,797 digits
     cut = int(0.8 * len(images))
     idx = order[:cut] if split == "train" else order[cut:]
-    images = np.kron(images[idx], np.ones((1, 3, 3), dtype=np.uint8))  # 8x8 -> 24x24, as items of similar size
+    images = np.kron(
+        images[idx], np.ones((1, 3, 3), dtype=np.uint8)
+    )  # 8x8 -> 24x24, as items of similar size
     return images, digits.target[idx].astype(np.int64), tuple(str(i) for i in range(10)), "digits"
 
 
@@ -66,7 +83,13 @@ def _resize(item: np.ndarray, scale: float) -> np.ndarray:
     h, w = item.shape
     size = (max(4, round(h * scale)), max(4, round(w * scale)))
     t = torch.from_numpy(item.astype(np.float32))[None, None]
-    return F.interpolate(t, size=size, mode="bilinear", align_corners=False)[0, 0].round().clamp(0, 255).numpy().astype(np.uint8)
+    return (
+        F.interpolate(t, size=size, mode="bilinear", align_corners=False)[0, 0]
+        .round()
+        .clamp(0, 255)
+        .numpy()
+        .astype(np.uint8)
+    )
 
 
 def _place(rng: np.random.Generator, size: int, h: int, w: int, boxes: list[tuple[int, int, int, int]]):
@@ -84,26 +107,38 @@ def _instance(label: int, mask: np.ndarray, crowd: bool = False) -> dict[str, An
     return {"label": label, "mask": mask, "bbox": bbox, "iscrowd": crowd}
 
 
-def _crowd_group(items: np.ndarray, labels: np.ndarray, rng: np.random.Generator, size: int,
-                 scale: tuple[float, float]) -> tuple[np.ndarray, int]:
+def _crowd_group(
+    items: np.ndarray, labels: np.ndarray, rng: np.random.Generator, size: int, scale: tuple[float, float]
+) -> tuple[np.ndarray, int]:
     """A strip of 3 to 5 touching items of one class (module docstring) and that class."""
     label = int(labels[int(rng.integers(len(items)))])
     members = np.flatnonzero(labels == label)
     factor = float(rng.uniform(0.6, 0.8)) * scale[0]
-    parts = [_resize(items[int(members[rng.integers(len(members))])], factor)
-             for _ in range(int(rng.integers(3, 6)))]
+    parts = [
+        _resize(items[int(members[rng.integers(len(members))])], factor)
+        for _ in range(int(rng.integers(3, 6)))
+    ]
     h = max(p.shape[0] for p in parts)
-    steps = [0] + [p.shape[1] - p.shape[1] // 3 for p in parts[:-1]]  # each overlaps the one before by a third
+    steps = [0] + [
+        p.shape[1] - p.shape[1] // 3 for p in parts[:-1]
+    ]  # each overlaps the one before by a third
     starts = np.cumsum(steps)
     strip = np.zeros((h, int(starts[-1]) + parts[-1].shape[1]), dtype=np.uint8)
     for x, p in zip(starts, parts):
-        strip[:p.shape[0], x:x + p.shape[1]] = np.maximum(strip[:p.shape[0], x:x + p.shape[1]], p)
+        strip[: p.shape[0], x : x + p.shape[1]] = np.maximum(strip[: p.shape[0], x : x + p.shape[1]], p)
     return strip, label
 
 
-def compose_canvas(items: np.ndarray, labels: np.ndarray, rng: np.random.Generator, size: int, max_items: int,
-                   scale: tuple[float, float], threshold: int,
-                   crowd: float = 0.0) -> tuple[np.ndarray, list[dict[str, Any]]]:
+def compose_canvas(
+    items: np.ndarray,
+    labels: np.ndarray,
+    rng: np.random.Generator,
+    size: int,
+    max_items: int,
+    scale: tuple[float, float],
+    threshold: int,
+    crowd: float = 0.0,
+) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """One canvas (uint8 size×size) and its instances: ``label``, ``mask`` (bool size×size), ``bbox``
     (x, y, w, h), ``iscrowd``; with probability ``crowd``, a crowd region besides (module docstring)."""
     canvas = np.zeros((size, size), dtype=np.uint8)
@@ -119,17 +154,19 @@ def compose_canvas(items: np.ndarray, labels: np.ndarray, rng: np.random.Generat
             return
         x0, y0 = at
         mask = np.zeros((size, size), dtype=bool)
-        mask[y0:y0 + h, x0:x0 + w] = patch > threshold
+        mask[y0 : y0 + h, x0 : x0 + w] = patch > threshold
         if not mask.any():
             return
-        canvas[y0:y0 + h, x0:x0 + w] = np.maximum(canvas[y0:y0 + h, x0:x0 + w], patch)
+        canvas[y0 : y0 + h, x0 : x0 + w] = np.maximum(canvas[y0 : y0 + h, x0 : x0 + w], patch)
         boxes.append((x0, y0, x0 + w, y0 + h))
         instances.append(_instance(label, mask, is_crowd))
 
     for _ in range(int(rng.integers(1, max_items + 1))):
         i = int(rng.integers(len(items)))
         paste(_resize(items[i], float(rng.uniform(*scale))), int(labels[i]), False)
-    if crowd > 0 and rng.random() < crowd:  # no draw at all without crowds: the crowd-free dataset is unchanged
+    if (
+        crowd > 0 and rng.random() < crowd
+    ):  # no draw at all without crowds: the crowd-free dataset is unchanged
         paste(*_crowd_group(items, labels, rng, size, scale), True)
     return canvas, instances
 
@@ -146,8 +183,20 @@ def uncompressed_rle(mask: np.ndarray) -> dict[str, Any]:
     return {"counts": [int(c) for c in counts], "size": [int(mask.shape[0]), int(mask.shape[1])]}
 
 
-def _write_split(out: Path, split: str, n_images: int, items, labels, classes, rng, size: int, max_items: int,
-                 scale, threshold: int, crowd: float = 0.0) -> dict[str, int]:
+def _write_split(
+    out: Path,
+    split: str,
+    n_images: int,
+    items,
+    labels,
+    classes,
+    rng,
+    size: int,
+    max_items: int,
+    scale,
+    threshold: int,
+    crowd: float = 0.0,
+) -> dict[str, int]:
     from PIL import Image
     from pycocotools import mask as mask_utils
 
@@ -165,20 +214,47 @@ def _write_split(out: Path, split: str, n_images: int, items, labels, classes, r
             else:
                 rle = mask_utils.encode(np.asfortranarray(inst["mask"].astype(np.uint8)))
                 rle["counts"] = rle["counts"].decode("ascii")
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": inst["label"] + 1,
-                                "bbox": list(inst["bbox"]), "area": int(inst["mask"].sum()),
-                                "iscrowd": int(inst["iscrowd"]), "segmentation": rle})
-    coco = {"info": {"description": f"vitexp micro COCO ({split})"}, "images": images, "annotations": annotations,
-            "categories": [{"id": i + 1, "name": name, "supercategory": "item"} for i, name in enumerate(classes)]}
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": inst["label"] + 1,
+                    "bbox": list(inst["bbox"]),
+                    "area": int(inst["mask"].sum()),
+                    "iscrowd": int(inst["iscrowd"]),
+                    "segmentation": rle,
+                }
+            )
+    coco = {
+        "info": {"description": f"vitexp micro COCO ({split})"},
+        "images": images,
+        "annotations": annotations,
+        "categories": [
+            {"id": i + 1, "name": name, "supercategory": "item"} for i, name in enumerate(classes)
+        ],
+    }
     (out / "annotations").mkdir(exist_ok=True)
     (out / "annotations" / f"instances_{split}2017.json").write_text(json.dumps(coco))
-    return {"images": len(images), "instances": len(annotations),
-            "crowd_regions": sum(a["iscrowd"] for a in annotations)}
+    return {
+        "images": len(images),
+        "instances": len(annotations),
+        "crowd_regions": sum(a["iscrowd"] for a in annotations),
+    }
 
 
-def make_micro_coco(out: str | Path, n_train: int = 512, n_val: int = 128, size: int = 128, max_items: int = 4,
-                    scale: Sequence[float] = (1.0, 2.0), threshold: int = 40, seed: int = 0,
-                    source: str = "auto", overwrite: bool = False, crowd: float = 0.0) -> dict[str, Any]:
+def make_micro_coco(
+    out: str | Path,
+    n_train: int = 512,
+    n_val: int = 128,
+    size: int = 128,
+    max_items: int = 4,
+    scale: Sequence[float] = (1.0, 2.0),
+    threshold: int = 40,
+    seed: int = 0,
+    source: str = "auto",
+    overwrite: bool = False,
+    crowd: float = 0.0,
+) -> dict[str, Any]:
     """Write ``out/{train2017,val2017}/*.png`` and ``out/annotations/instances_{train,val}2017.json``;
     returns a summary (counts, source, parameters). ``crowd``: the probability that a canvas also
     holds a crowd region (module docstring)."""
@@ -193,12 +269,30 @@ def make_micro_coco(out: str | Path, n_train: int = 512, n_val: int = 128, size:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        summary: dict[str, Any] = {"size": size, "max_items": max_items, "scale": list(scale),
-                                   "threshold": threshold, "seed": seed, "crowd": float(crowd)}
+        summary: dict[str, Any] = {
+            "size": size,
+            "max_items": max_items,
+            "scale": list(scale),
+            "threshold": threshold,
+            "seed": seed,
+            "crowd": float(crowd),
+        }
         for split, n in (("train", n_train), ("val", n_val)):
             items, labels, classes, used = load_items(source, "train" if split == "train" else "test")
-            summary[split] = _write_split(tmp, split, n, items, labels, classes, rng, size, max_items,
-                                          tuple(scale), threshold, float(crowd))
+            summary[split] = _write_split(
+                tmp,
+                split,
+                n,
+                items,
+                labels,
+                classes,
+                rng,
+                size,
+                max_items,
+                tuple(scale),
+                threshold,
+                float(crowd),
+            )
             summary["source"] = used
         (tmp / "micro_coco.json").write_text(json.dumps(summary, indent=2))
         if out.exists():
@@ -224,13 +318,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-items", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--source", choices=SOURCES, default="auto")
-    p.add_argument("--crowd", type=float, default=0.0,
-                   help="probability that a canvas also holds a crowd region (iscrowd=1, uncompressed RLE)")
+    p.add_argument(
+        "--crowd",
+        type=float,
+        default=0.0,
+        help="probability that a canvas also holds a crowd region (iscrowd=1, uncompressed RLE)",
+    )
     p.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
     try:
-        summary = make_micro_coco(args.out, args.train, args.val, args.size, args.max_items, seed=args.seed,
-                                  source=args.source, overwrite=args.overwrite, crowd=args.crowd)
+        summary = make_micro_coco(
+            args.out,
+            args.train,
+            args.val,
+            args.size,
+            args.max_items,
+            seed=args.seed,
+            source=args.source,
+            overwrite=args.overwrite,
+            crowd=args.crowd,
+        )
     except (ValueError, FileExistsError, FileNotFoundError) as err:
         print(json.dumps({"status": "failed", "error": str(err)}))
         return 2

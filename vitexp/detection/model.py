@@ -19,6 +19,7 @@ Decisions (``conf/detector/maskrcnn.yaml``):
   longer side at most ``max_size`` (the 1× schedule: 800 / 1333, one fixed scale), normalised with
   the backbone's mean and std.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -35,8 +36,10 @@ class StageFeatures(nn.Module):
         super().__init__()
         info = getattr(model, "feature_info", None)
         if not hasattr(model, "forward_intermediates") or not info or len(info) < 2:
-            raise TypeError(f"objective=detect needs a backbone with stages (timm feature_info and "
-                            f"forward_intermediates); {type(model).__name__} has none")
+            raise TypeError(
+                "objective=detect needs a backbone with stages (timm feature_info and "
+                f"forward_intermediates); {type(model).__name__} has none"
+            )
         stages = list(range(len(info)))
         self.indices = [stages[i] for i in (indices if indices is not None else stages)]
         if hasattr(model, "prune_intermediate_layers"):  # the classifier (and stages past the last used) go
@@ -66,8 +69,12 @@ class BackboneFPN(nn.Module):
         return self.fpn(self.body(x))
 
 
-def build_detector(backbone: nn.Module, num_classes: int, cfg: Mapping[str, Any],
-                   data_config: Mapping[str, Any] | None = None) -> nn.Module:
+def build_detector(
+    backbone: nn.Module,
+    num_classes: int,
+    cfg: Mapping[str, Any],
+    data_config: Mapping[str, Any] | None = None,
+) -> nn.Module:
     """torchvision ``MaskRCNN`` on ``backbone``'s stages; ``num_classes`` excludes the background."""
     from torchvision.models.detection import MaskRCNN
     from torchvision.models.detection.anchor_utils import AnchorGenerator
@@ -82,20 +89,24 @@ def build_detector(backbone: nn.Module, num_classes: int, cfg: Mapping[str, Any]
     features = BackboneFPN(StageFeatures(backbone, cfg.get("stages")), int(cfg.get("fpn_channels", 256)))
     levels = [str(i) for i in range(len(features.body.channels))]
     scale = float(cfg.get("anchor_scale", 8))
-    anchors = AnchorGenerator(sizes=tuple((int(scale * s),) for s in features.strides),
-                              aspect_ratios=((0.5, 1.0, 2.0),) * len(features.strides))
+    anchors = AnchorGenerator(
+        sizes=tuple((int(scale * s),) for s in features.strides),
+        aspect_ratios=((0.5, 1.0, 2.0),) * len(features.strides),
+    )
     data_config = dict(data_config or {})
     c = features.out_channels
     representation = int(cfg.get("box_representation", 1024))
     mask_layers = [int(w) for w in cfg.get("mask_layers", (256, 256, 256, 256))]
     return MaskRCNN(  # num_classes is given to the predictors (torchvision wants it there or in the model, not both)
-        features, num_classes=None,
+        features,
+        num_classes=None,
         box_head=TwoMLPHead(c * 7 * 7, representation),
         box_predictor=FastRCNNPredictor(representation, int(num_classes) + 1),
         mask_head=MaskRCNNHeads(c, mask_layers, 1),
         mask_predictor=MaskRCNNPredictor(mask_layers[-1], mask_layers[-1], int(num_classes) + 1),
         box_batch_size_per_image=int(cfg.get("box_batch_size_per_image", 512)),
-        min_size=int(cfg.get("min_size", 800)), max_size=int(cfg.get("max_size", 1333)),
+        min_size=int(cfg.get("min_size", 800)),
+        max_size=int(cfg.get("max_size", 1333)),
         image_mean=list(data_config.get("mean", (0.485, 0.456, 0.406))),
         image_std=list(data_config.get("std", (0.229, 0.224, 0.225))),
         rpn_anchor_generator=anchors,
@@ -138,12 +149,23 @@ def detector_macs(detector: nn.Module, height: int = 800, width: int = 1280) -> 
     }
     detector.train(was_training)
     total = sum(parts.values())
-    return {"gmacs": total / 1e9, "gflops": 2 * total / 1e9, "by_part_gmacs": {k: v / 1e9 for k, v in parts.items()},
-            "protocol": {"resolution": f"{width}x{height}", "padded": f"{w}x{h}", "rpn_rois": rois,
-                         "mask_detections": dets, "unit": "GMACs (gflops = 2 x MACs)",
-                         "counted": "backbone, FPN, RPN head, box head on the RPN's test-time RoIs, mask head on "
-                                    "the detections: matmuls and convolutions",
-                         "not_counted": "RoIAlign, anchor decoding, NMS, resizing, mask pasting"}}
+    return {
+        "gmacs": total / 1e9,
+        "gflops": 2 * total / 1e9,
+        "by_part_gmacs": {k: v / 1e9 for k, v in parts.items()},
+        "protocol": {
+            "resolution": f"{width}x{height}",
+            "padded": f"{w}x{h}",
+            "rpn_rois": rois,
+            "mask_detections": dets,
+            "unit": "GMACs (gflops = 2 x MACs)",
+            "counted": (
+                "backbone, FPN, RPN head, box head on the RPN's test-time RoIs, mask head on "
+                "the detections: matmuls and convolutions"
+            ),
+            "not_counted": "RoIAlign, anchor decoding, NMS, resizing, mask pasting",
+        },
+    }
 
 
 class _Tupled(nn.Module):

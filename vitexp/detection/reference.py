@@ -10,6 +10,7 @@ training step on a synthetic image of the rehearsal's size (1280 × 800) with 4 
 (:class:`~vitexp.detection.synthetic.SyntheticInstances`, ``max_items`` 4 as a rehearsal draws up
 to), forward (the losses) and backward under torch's FLOP counter.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -19,7 +20,9 @@ def reference_model():
     """torchvision's Mask R-CNN R50-FPN, random weights, as its reference training builds it."""
     from torchvision.models.detection import maskrcnn_resnet50_fpn
 
-    return maskrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=91, trainable_backbone_layers=3)
+    return maskrcnn_resnet50_fpn(
+        weights=None, weights_backbone=None, num_classes=91, trainable_backbone_layers=3
+    )
 
 
 def count_reference(size: Sequence[int] = (1280, 800), items: int = 4) -> dict[str, float]:
@@ -38,4 +41,7 @@ def count_reference(size: Sequence[int] = (1280, 800), items: int = 4) -> dict[s
         sum(losses.values()).backward()
     from vitexp.detection.model import detector_macs
 
-    return {"train_gflops": counter.get_total_flops() / 1e9, "forward_gflops": detector_macs(model, height, width)["gflops"]}
+    return {
+        "train_gflops": counter.get_total_flops() / 1e9,
+        "forward_gflops": detector_macs(model, height, width)["gflops"],
+    }

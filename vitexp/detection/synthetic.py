@@ -13,6 +13,7 @@ Decisions:
 - The loaders, samplers and DDP behaviour are :class:`~vitexp.detection.coco_data.CocoDataModule`'s:
   this module replaces only where the samples come from.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -31,8 +32,10 @@ class SyntheticInstances(Dataset):
 
     def __init__(self, n: int, height: int, width: int, num_classes: int, max_items: int, seed: int):
         if min(n, height, width, num_classes, max_items) < 1:
-            raise ValueError(f"synthetic_coco: n={n}, height={height}, width={width}, num_classes={num_classes} and "
-                             f"max_items={max_items} must all be at least 1")
+            raise ValueError(
+                f"synthetic_coco: n={n}, height={height}, width={width}, num_classes={num_classes} and "
+                f"max_items={max_items} must all be at least 1"
+            )
         self.n, self.height, self.width = int(n), int(height), int(width)
         self.num_classes, self.max_items, self.seed = int(num_classes), int(max_items), int(seed)
 
@@ -52,25 +55,47 @@ class SyntheticInstances(Dataset):
             bh = int(torch.randint(max(2, h // 16), max(3, h // 3), (), generator=g))
             x0 = int(torch.randint(0, w - bw + 1, (), generator=g))
             y0 = int(torch.randint(0, h - bh + 1, (), generator=g))
-            image[:, y0:y0 + bh, x0:x0 + bw] = torch.rand(3, 1, 1, generator=g)
-            masks[i, y0:y0 + bh, x0:x0 + bw] = 1
+            image[:, y0 : y0 + bh, x0 : x0 + bw] = torch.rand(3, 1, 1, generator=g)
+            masks[i, y0 : y0 + bh, x0 : x0 + bw] = 1
             boxes.append([x0, y0, x0 + bw, y0 + bh])
         labels = torch.randint(1, self.num_classes + 1, (items,), generator=g)
-        target = {"boxes": torch.tensor(boxes, dtype=torch.float32), "labels": labels, "masks": masks,
-                  "image_id": torch.tensor(index)}
+        target = {
+            "boxes": torch.tensor(boxes, dtype=torch.float32),
+            "labels": labels,
+            "masks": masks,
+            "image_id": torch.tensor(index),
+        }
         return image.clamp_(0, 1), target
 
 
 class SyntheticCocoDataModule(CocoDataModule):
     """COCO's loaders over :class:`SyntheticInstances` (val is also the test split, as COCO's)."""
 
-    def __init__(self, name: str = "synthetic_coco", num_classes: int = 80, batch_size: int = 2,
-                 num_workers: int = 0, num_train: int = 8, num_val: int = 4, seed: int = 0,
-                 generate: Mapping[str, Any] | None = None, root: str | None = None,
-                 data_config: dict[str, Any] | None = None, loader_seed: int = 0):
-        super().__init__(root=str(root or "<synthetic>"), name=name, num_classes=num_classes, batch_size=batch_size,
-                         num_workers=num_workers, hflip=0.0, generate=None, data_config=data_config,
-                         loader_seed=loader_seed)
+    def __init__(
+        self,
+        name: str = "synthetic_coco",
+        num_classes: int = 80,
+        batch_size: int = 2,
+        num_workers: int = 0,
+        num_train: int = 8,
+        num_val: int = 4,
+        seed: int = 0,
+        generate: Mapping[str, Any] | None = None,
+        root: str | None = None,
+        data_config: dict[str, Any] | None = None,
+        loader_seed: int = 0,
+    ):
+        super().__init__(
+            root=str(root or "<synthetic>"),
+            name=name,
+            num_classes=num_classes,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            hflip=0.0,
+            generate=None,
+            data_config=data_config,
+            loader_seed=loader_seed,
+        )
         self.sizes = {"train": int(num_train), "val": int(num_val)}
         self.shape = {**DEFAULT_GENERATE, **dict(generate or {})}
         self.sample_seed = int(seed)
@@ -82,6 +107,9 @@ class SyntheticCocoDataModule(CocoDataModule):
         if self.train_set is not None:
             return
         h, w, items = (int(self.shape[k]) for k in ("height", "width", "max_items"))
-        self.train_set = SyntheticInstances(self.sizes["train"], h, w, self.num_classes, items, self.sample_seed)
-        self.val_set = self.test_set = SyntheticInstances(self.sizes["val"], h, w, self.num_classes, items,
-                                                          self.sample_seed + 1)
+        self.train_set = SyntheticInstances(
+            self.sizes["train"], h, w, self.num_classes, items, self.sample_seed
+        )
+        self.val_set = self.test_set = SyntheticInstances(
+            self.sizes["val"], h, w, self.num_classes, items, self.sample_seed + 1
+        )

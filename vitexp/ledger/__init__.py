@@ -16,6 +16,7 @@ could depend on is broken, naming the file and what is wrong (``--skip-broken`` 
 skipped files); a command that needs one run (``vitexp-eval``, ``run:<experiment>``) reads the
 entries it names.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,18 +25,54 @@ from typing import Any
 from vitexp.ledger.entry import LedgerEntry, environment, machine_load, new_run_id
 from vitexp.ledger.kept import KeptWeightsError, keep, kept_path, sha256, weights_file
 from vitexp.ledger.index import Ledger, RowQuery, run_seed, seeded_name
-from vitexp.ledger.paths import (atomic_write, atomic_write_json, default_results_dir, local_path, portable_path,
-                                 portable_paths, portable_text)
+from vitexp.ledger.paths import (
+    atomic_write,
+    atomic_write_json,
+    default_results_dir,
+    local_path,
+    portable_path,
+    portable_paths,
+    portable_text,
+)
 from vitexp.ledger.schema import FINAL_STATUSES, KINDS, STATUSES, BrokenEntry, LedgerError
 from vitexp.ledger.status import INTERRUPTED, STALE_HOURS, effective_status
 
 RUN_WEIGHTS_PREFIX = "run:"
 
-__all__ = ["Ledger", "LedgerEntry", "LedgerError", "BrokenEntry", "RowQuery", "INTERRUPTED", "STALE_HOURS",
-           "FINAL_STATUSES", "KINDS", "STATUSES", "RUN_WEIGHTS_PREFIX", "atomic_write", "atomic_write_json",
-           "default_results_dir", "effective_status", "environment", "local_path", "machine_load", "new_run_id",
-           "portable_path", "portable_paths", "portable_text", "run_seed", "seeded_name",
-           "weights_run", "load_entry", "copy_entry", "KeptWeightsError", "keep", "kept_path", "sha256", "weights_file"]
+__all__ = [
+    "Ledger",
+    "LedgerEntry",
+    "LedgerError",
+    "BrokenEntry",
+    "RowQuery",
+    "INTERRUPTED",
+    "STALE_HOURS",
+    "FINAL_STATUSES",
+    "KINDS",
+    "STATUSES",
+    "RUN_WEIGHTS_PREFIX",
+    "atomic_write",
+    "atomic_write_json",
+    "default_results_dir",
+    "effective_status",
+    "environment",
+    "local_path",
+    "machine_load",
+    "new_run_id",
+    "portable_path",
+    "portable_paths",
+    "portable_text",
+    "run_seed",
+    "seeded_name",
+    "weights_run",
+    "load_entry",
+    "copy_entry",
+    "KeptWeightsError",
+    "keep",
+    "kept_path",
+    "sha256",
+    "weights_file",
+]
 
 
 def load_entry(run_id: str, results_dir: Path | str | None = None) -> dict[str, Any] | None:
@@ -59,14 +96,16 @@ def copy_entry(record: dict[str, Any], results_dir: Path | str) -> Path:
     return path
 
 
-def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger | None = None) -> dict[str, Any]:
+def weights_run(
+    spec: str, results_dir: Path | str | None = None, ledger: Ledger | None = None
+) -> dict[str, Any]:
     """The ledger record behind ``run:<experiment>`` (its newest completed train run) or
     ``run:<run_id>`` (that entry alone, read without loading the ledger), checked to have its
     recorded ``weights`` file, or its kept copy (:mod:`vitexp.ledger.kept`), on this machine.
     ``FileNotFoundError`` says what to run;
     :class:`LedgerError`, which broken entry of that experiment stops it."""
     target = str(spec).removeprefix(RUN_WEIGHTS_PREFIX)
-    where = (Path(results_dir) if results_dir else default_results_dir())
+    where = Path(results_dir) if results_dir else default_results_dir()
     pinned = load_entry(target, where) if ledger is None else ledger.get(target)
     if pinned is not None:
         run = pinned if pinned.get("status") == "completed" and pinned.get("kind") == "train" else None
@@ -75,17 +114,19 @@ def weights_run(spec: str, results_dir: Path | str | None = None, ledger: Ledger
         ledger.check([target], f"{where / 'runs'} (backbone.pretrained={spec})")
         run = ledger.newest(target, "train")
     if run is None:
-        raise FileNotFoundError(f"backbone.pretrained={spec}: no completed train run of {target!r} in {where / 'runs'}; "
-                                f"run `vitexp-train experiment={target}` first")
+        raise FileNotFoundError(
+            f"backbone.pretrained={spec}: no completed train run of {target!r} in {where / 'runs'}; "
+            f"run `vitexp-train experiment={target}` first"
+        )
     try:
         here = weights_file(run, where)
     except KeptWeightsError as err:
         raise KeptWeightsError(f"backbone.pretrained={spec}: {err}") from None
     if here is None:
         recorded = local_path((run.get("artifacts") or {}).get("weights"), where)
-        raise FileNotFoundError(f"backbone.pretrained={spec}: run {run['run_id']} recorded weights at {recorded}, "
-                                f"which is not on this machine, and none are kept at {kept_path(run['run_id'], where)}; "
-                                f"rerun `vitexp-train experiment={target}`")
+        raise FileNotFoundError(
+            f"backbone.pretrained={spec}: run {run['run_id']} recorded weights at {recorded}, "
+            f"which is not on this machine, and none are kept at {kept_path(run['run_id'], where)}; "
+            f"rerun `vitexp-train experiment={target}`"
+        )
     return run
-
-

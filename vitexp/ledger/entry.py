@@ -34,6 +34,7 @@ Decisions:
 - Every entry records its ``fingerprint`` (:mod:`vitexp.ledger.fingerprint`) and the machine's load
   when it started (``env.load``); a timing records the load it ran under in its protocol.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -49,7 +50,14 @@ from pathlib import Path
 from typing import Any
 
 from vitexp.ledger import fingerprint as fp
-from vitexp.ledger.paths import PROJECT_ROOT, atomic_write, atomic_write_json, default_results_dir, portable_path, portable_paths
+from vitexp.ledger.paths import (
+    PROJECT_ROOT,
+    atomic_write,
+    atomic_write_json,
+    default_results_dir,
+    portable_path,
+    portable_paths,
+)
 from vitexp.ledger.schema import FINAL_STATUSES, BrokenEntry, LedgerError
 from vitexp.ledger.status import INTERRUPTED, now
 
@@ -64,7 +72,7 @@ def short_name(name: str, limit: int = 80, keep: str = "-_") -> str:
     safe = "".join(c if c.isalnum() or c in keep else "-" for c in name)
     if len(safe) <= limit:
         return safe
-    return f"{safe[:limit - 9]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+    return f"{safe[: limit - 9]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
 
 
 def new_run_id(experiment: str, kind: str) -> str:
@@ -90,7 +98,9 @@ def code_state(root: Path = PROJECT_ROOT) -> tuple[str | None, bool | None, str]
     diff = _git("diff", "HEAD", "--binary", "--", *CODE_PATHS, root=root) or ""
     listed = _git("ls-files", "--others", "--exclude-standard", "-z", "--", *CODE_PATHS, root=root) or ""
     for path in sorted(p for p in listed.split("\0") if p):
-        diff += _git("diff", "--no-index", "--binary", "--", "/dev/null", path, ok=(0, 1), root=root) or ""  # 1: differ
+        diff += (
+            _git("diff", "--no-index", "--binary", "--", "/dev/null", path, ok=(0, 1), root=root) or ""
+        )  # 1: differ
     return commit, bool(diff.strip()), diff
 
 
@@ -100,7 +110,9 @@ def keep_patch(diff: str, run_dir: Path | None, results_dir: Path) -> dict[str, 
     digest = hashlib.sha256(diff.encode()).hexdigest()
     kept = results_dir / "patches" / f"{digest[:16]}.patch"
     for path in (kept, Path(run_dir) / PATCH_NAME if run_dir else None):
-        if path is not None and not (path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest):
+        if path is not None and not (
+            path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest
+        ):
             atomic_write(path, diff)
     return {"path": portable_path(kept.resolve(), results_dir), "sha256": digest}
 
@@ -129,13 +141,27 @@ def environment(run_dir: Path | None = None, results_dir: Path | None = None) ->
         except md.PackageNotFoundError:
             versions[pkg] = None
     commit, dirty, diff = code_state()
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
-    env = {"packages": versions, "python": platform.python_version(), "device": device,
-           "cpu_threads": torch.get_num_threads(), "hostname": platform.node(), "pid": os.getpid(),
-           "git_commit": commit, "git_dirty": dirty, "load": machine_load(),
-           "cpu": {"model": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability()}}
+    device = (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})"
+    )
+    env = {
+        "packages": versions,
+        "python": platform.python_version(),
+        "device": device,
+        "cpu_threads": torch.get_num_threads(),
+        "hostname": platform.node(),
+        "pid": os.getpid(),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "load": machine_load(),
+        "cpu": {"model": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability()},
+    }
     if dirty:
-        env["code_patch"] = keep_patch(diff, run_dir, Path(results_dir) if results_dir else default_results_dir())
+        env["code_patch"] = keep_patch(
+            diff, run_dir, Path(results_dir) if results_dir else default_results_dir()
+        )
     return env
 
 
@@ -144,14 +170,26 @@ def _seconds(started: Any, finished: Any) -> float:
     them); 0 when either is missing."""
     if not started or not finished:
         return 0.0
-    return max(0.0, (_dt.datetime.fromisoformat(str(finished)) - _dt.datetime.fromisoformat(str(started))).total_seconds())
+    return max(
+        0.0,
+        (
+            _dt.datetime.fromisoformat(str(finished)) - _dt.datetime.fromisoformat(str(started))
+        ).total_seconds(),
+    )
 
 
 class LedgerEntry:
     """One run's ledger file. ``start`` writes it as running; ``finish`` / ``fail`` / ``interrupt`` close it."""
 
-    def __init__(self, experiment: str, kind: str, config: dict[str, Any] | None = None,
-                 results_dir: Path | str | None = None, run_id: str | None = None, run_dir: Path | str | None = None):
+    def __init__(
+        self,
+        experiment: str,
+        kind: str,
+        config: dict[str, Any] | None = None,
+        results_dir: Path | str | None = None,
+        run_id: str | None = None,
+        run_dir: Path | str | None = None,
+    ):
         self.dir = Path(results_dir) if results_dir else default_results_dir()
         self.run_id = run_id or new_run_id(experiment, kind)
         self.path = self.dir / "runs" / f"{self.run_id}.json"
@@ -159,14 +197,25 @@ class LedgerEntry:
         self.fit_times: dict[str, float] = {}
         self.clock = time.perf_counter()  # this attempt's start (attempt_wall_time_s)
         self.record: dict[str, Any] = {
-            "run_id": self.run_id, "experiment": experiment, "status": "running", "kind": kind,
-            "config": config or {}, "metrics": {}, "protocol": {}, "env": environment(self.run_dir, self.dir),
-            "wandb_url": None, "started": now(), "finished": None, "error": None,
+            "run_id": self.run_id,
+            "experiment": experiment,
+            "status": "running",
+            "kind": kind,
+            "config": config or {},
+            "metrics": {},
+            "protocol": {},
+            "env": environment(self.run_dir, self.dir),
+            "wandb_url": None,
+            "started": now(),
+            "finished": None,
+            "error": None,
         }
         self._fingerprint(config)
 
     @classmethod
-    def load(cls, run_id: str, results_dir: Path | str | None = None, strict: bool = False) -> "LedgerEntry | None":
+    def load(
+        cls, run_id: str, results_dir: Path | str | None = None, strict: bool = False
+    ) -> "LedgerEntry | None":
         """The existing entry ``run_id`` (to reopen it), or None when there is no readable file;
         ``strict``: a file that is there but unreadable raises :class:`LedgerError` naming it."""
         entry = cls.__new__(cls)
@@ -179,8 +228,10 @@ class LedgerEntry:
             return None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             if strict:
-                raise LedgerError([BrokenEntry(f"runs/{entry.path.name}", f"unreadable ({type(err).__name__}: {err})")],
-                                  str(entry.dir / "runs")) from None
+                raise LedgerError(
+                    [BrokenEntry(f"runs/{entry.path.name}", f"unreadable ({type(err).__name__}: {err})")],
+                    str(entry.dir / "runs"),
+                ) from None
             return None
         return entry if isinstance(entry.record, dict) else None
 
@@ -198,24 +249,42 @@ class LedgerEntry:
     def reopen(self, config: dict[str, Any], run_dir: Path | str | None = None) -> "LedgerEntry":
         """Continue this unfinished entry in a new attempt (module docstring)."""
         if self.record["status"] == "completed":
-            raise RuntimeError(f"ledger entry {self.path} is completed; finished results are never overwritten")
+            raise RuntimeError(
+                f"ledger entry {self.path} is completed; finished results are never overwritten"
+            )
         self.run_dir = Path(run_dir) if run_dir else self.run_dir
         previous = {k: self.record.get(k) for k in ("started", "finished", "status", "error", "signal")}
-        if self.record.get("requeued"):  # how the attempt was requeued (vitexp.runs.slurm): the attempt's, not the run's
+        if self.record.get(
+            "requeued"
+        ):  # how the attempt was requeued (vitexp.runs.slurm): the attempt's, not the run's
             previous["requeued"] = self.record.pop("requeued")
         previous["resumed_from"] = self.record.pop("resumed_from", None)
         previous["env"] = {k: (self.record.get("env") or {}).get(k) for k in ("hostname", "pid")}
         previous["fit_time_s"] = dict(self.record.get("attempt_fit_time_s") or {})
         if previous["status"] == "running":  # its process died without closing it
-            previous.update(status=INTERRUPTED, finished=self.record.get("heartbeat") or self.record.get("started"),
-                            error="the process ended without closing its entry (killed)")
+            previous.update(
+                status=INTERRUPTED,
+                finished=self.record.get("heartbeat") or self.record.get("started"),
+                error="the process ended without closing its entry (killed)",
+            )
         wall = self.record.get("attempt_wall_time_s")
-        previous["wall_time_s"] = float(wall) if wall is not None else _seconds(previous["started"], previous["finished"])
+        previous["wall_time_s"] = (
+            float(wall) if wall is not None else _seconds(previous["started"], previous["finished"])
+        )
         self.record["attempts"] = [*self.record.get("attempts", []), previous]
         self._fingerprint(config)
         self.clock = time.perf_counter()
-        self.record.update(status="running", config=config, env=environment(self.run_dir, self.dir), finished=None, error=None, signal=None,
-                           attempt_fit_time_s={}, attempt_wall_time_s=0.0, resumed_from=None)
+        self.record.update(
+            status="running",
+            config=config,
+            env=environment(self.run_dir, self.dir),
+            finished=None,
+            error=None,
+            signal=None,
+            attempt_fit_time_s={},
+            attempt_wall_time_s=0.0,
+            resumed_from=None,
+        )
         self._write()
         return self
 
@@ -255,13 +324,20 @@ class LedgerEntry:
     def resumed(self, stage: str, checkpoint: Path | str, epoch: int, global_step: int) -> None:
         """This attempt's fit of ``stage`` restored ``checkpoint`` with ``epoch`` epochs done, at
         ``global_step`` (module docstring); written at once, so an attempt stopped again keeps it."""
-        self.record["resumed_from"] = {**(self.record.get("resumed_from") or {}), stage: {
-            "checkpoint": portable_path(checkpoint, self.dir), "epoch": int(epoch), "global_step": int(global_step)}}
+        self.record["resumed_from"] = {
+            **(self.record.get("resumed_from") or {}),
+            stage: {
+                "checkpoint": portable_path(checkpoint, self.dir),
+                "epoch": int(epoch),
+                "global_step": int(global_step),
+            },
+        }
         self._write()
 
     def beat(self) -> None:
         """Record that the run is alive (``heartbeat``, UTC): how a running entry written on another
-        host (a cluster node) is told apart from one whose job died (:func:`vitexp.ledger.status.effective_status`)."""
+        host (a cluster node) is told apart from one whose job died (:func:`vitexp.ledger.status.effective_status`).
+        """
         if self.record.get("status") == "running":
             self.record["heartbeat"] = now()
             self._clock()
@@ -271,7 +347,9 @@ class LedgerEntry:
 
     def start(self) -> "LedgerEntry":
         if self.path.exists():
-            raise FileExistsError(f"ledger entry {self.path} already exists; finished results are never overwritten")
+            raise FileExistsError(
+                f"ledger entry {self.path} already exists; finished results are never overwritten"
+            )
         self._write()
         return self
 

@@ -41,6 +41,7 @@ Decisions:
   :data:`CHANGED_DEFAULTS`. A key the run has and today's config lacks, or another value, separates
   it too.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,11 +54,27 @@ VERSION = "v3"  # v3: bspf_spec and the groups of another objective left out, mo
 RUN_PREFIX = "run:"
 #: Config keys (dotted; ``*.key`` at any depth) that do not change what a run measures.
 EXCLUDED = (
-    "name", "resume", "output_dir", "results_dir", "evaluates", "hydra", "logger",
-    "data.root", "data.num_workers", "data.package",
-    "trainer.accelerator", "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.log_every_n_steps",
-    "eval.flops", "eval.throughput", "eval.throughput_batch", "eval.throughput_iters", "trainer.num_sanity_val_steps",
-    "bench", "*._target_",
+    "name",
+    "resume",
+    "output_dir",
+    "results_dir",
+    "evaluates",
+    "hydra",
+    "logger",
+    "data.root",
+    "data.num_workers",
+    "data.package",
+    "trainer.accelerator",
+    "trainer.enable_progress_bar",
+    "trainer.enable_model_summary",
+    "trainer.log_every_n_steps",
+    "eval.flops",
+    "eval.throughput",
+    "eval.throughput_batch",
+    "eval.throughput_iters",
+    "trainer.num_sanity_val_steps",
+    "bench",
+    "*._target_",
 )
 #: Keys read only through interpolations in other keys, which the config records resolved.
 INTERPOLATED = ("bspf_spec", "backbone.bspf")
@@ -73,8 +90,10 @@ NO_DEFAULT = object()
 @lru_cache(maxsize=None)
 def _compiled(exclusions: tuple[str, ...]) -> tuple[frozenset[str], frozenset[str]]:
     """(dotted keys, ``*.`` leaf names) of ``exclusions``."""
-    return (frozenset(e for e in exclusions if not e.startswith("*.")),
-            frozenset(e[2:] for e in exclusions if e.startswith("*.")))
+    return (
+        frozenset(e for e in exclusions if not e.startswith("*.")),
+        frozenset(e[2:] for e in exclusions if e.startswith("*.")),
+    )
 
 
 def excluded(key: str, exclusions: Iterable[str] = EXCLUDED) -> bool:
@@ -86,7 +105,9 @@ def excluded(key: str, exclusions: Iterable[str] = EXCLUDED) -> bool:
     return any(".".join(parts[:i]) in keys for i in range(1, len(parts) + 1))
 
 
-def strip(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED, prefix: str = "") -> dict[str, Any]:
+def strip(
+    config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED, prefix: str = ""
+) -> dict[str, Any]:
     """``config`` without the keys in ``exclusions`` (at any depth)."""
     keys, leaves_ = _compiled(tuple(exclusions))
 
@@ -135,7 +156,9 @@ def moved(config: Mapping[str, Any]) -> dict[str, Any]:
         if value is NO_DEFAULT:
             continue
         if values is not None:
-            value = values.get(value, value) if isinstance(value, (str, int, float, bool, type(None))) else value
+            value = (
+                values.get(value, value) if isinstance(value, (str, int, float, bool, type(None))) else value
+            )
         _put(out, new, value)
     return out
 
@@ -154,8 +177,11 @@ def _has(config: Mapping[str, Any], key: str) -> bool:
 GROUP_OWNERS: dict[str, str] = {"detector": "detect"}
 
 
-def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
-               experiment_of: Callable[[str], str] | None = None) -> dict[str, Any]:
+def normalised(
+    config: Mapping[str, Any],
+    exclusions: Iterable[str] = EXCLUDED,
+    experiment_of: Callable[[str], str] | None = None,
+) -> dict[str, Any]:
     """``config`` with moved keys where they lie today (:data:`MOVED`), without ``exclusions``, the
     keys of :data:`INTERPOLATED` and the groups of another objective (:data:`GROUP_OWNERS`), a
     pinned ``backbone.pretrained: run:<run_id>`` read as ``run:<experiment>`` (what :func:`digest` hashes)."""
@@ -165,7 +191,7 @@ def normalised(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
     backbone = kept.get("backbone")
     ref = str((backbone or {}).get("pretrained") or "") if isinstance(backbone, Mapping) else ""
     if ref.startswith(RUN_PREFIX) and experiment_of is not None:
-        kept["backbone"] = {**backbone, "pretrained": RUN_PREFIX + experiment_of(ref[len(RUN_PREFIX):])}
+        kept["backbone"] = {**backbone, "pretrained": RUN_PREFIX + experiment_of(ref[len(RUN_PREFIX) :])}
     return kept
 
 
@@ -210,16 +236,22 @@ def _text(value: Any) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def flattened(config: Mapping[str, Any], weightless: bool = False,
-              experiment_of: Callable[[str], str] | None = None) -> dict[str, str]:
+def flattened(
+    config: Mapping[str, Any], weightless: bool = False, experiment_of: Callable[[str], str] | None = None
+) -> dict[str, str]:
     """{dotted key: its value as JSON} of :func:`normalised` ``config`` (what :func:`differences` compares)."""
     exclusions = WEIGHTLESS_EXCLUDED if weightless else EXCLUDED
     return {k: _text(v) for k, v in leaves(normalised(config, exclusions, experiment_of)).items()}
 
 
-def differences(recorded: Mapping[str, Any], today: Mapping[str, Any],
-                experiment_of: Callable[[str], str] | None = None, weightless: bool = False,
-                default_of: Callable[[str], Any] | None = None, today_flat: dict[str, str] | None = None) -> list[str]:
+def differences(
+    recorded: Mapping[str, Any],
+    today: Mapping[str, Any],
+    experiment_of: Callable[[str], str] | None = None,
+    weightless: bool = False,
+    default_of: Callable[[str], Any] | None = None,
+    today_flat: dict[str, str] | None = None,
+) -> list[str]:
     """The dotted keys that separate a run's ``recorded`` config from ``today``'s composition of its
     row: a leaf the run has with another value, or one that today's config lacks; and a leaf only
     today's config has (an option added since the run) whose value is not the one such a run had:
@@ -243,8 +275,11 @@ def differences(recorded: Mapping[str, Any], today: Mapping[str, Any],
     return sorted(out)
 
 
-def digest(config: Mapping[str, Any], exclusions: Iterable[str] = EXCLUDED,
-           experiment_of: Callable[[str], str] | None = None) -> str:
+def digest(
+    config: Mapping[str, Any],
+    exclusions: Iterable[str] = EXCLUDED,
+    experiment_of: Callable[[str], str] | None = None,
+) -> str:
     """A 16-hex-digit hash of ``config`` without ``exclusions``, a pinned ``backbone.pretrained:
     run:<run_id>`` read as the experiment ``experiment_of`` names for that id."""
     kept = normalised(config, exclusions, experiment_of)
@@ -271,7 +306,9 @@ def is_run_config(config: Any) -> bool:
     return isinstance(config, Mapping) and all(isinstance(config.get(g), Mapping) for g in RUN_GROUPS)
 
 
-def of_config(config: Mapping[str, Any] | None, experiment_of: Callable[[str], str] | None = None) -> str | None:
+def of_config(
+    config: Mapping[str, Any] | None, experiment_of: Callable[[str], str] | None = None
+) -> str | None:
     """:func:`fingerprint` of a composed run config; ``None`` for anything else (:data:`RUN_GROUPS`)."""
     if not is_run_config(config):
         return None

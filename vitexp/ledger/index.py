@@ -23,6 +23,7 @@ Decisions:
 - The index is linear in entries: keyed by run id, by name and by fingerprint, each entry's
   fingerprint computed once; a row's config is composed once per seed (Hydra, a fraction of a second).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -90,6 +91,7 @@ class RowQuery:
             if key not in known:
                 known[key] = self.default_of(key, config)
             return known[key]
+
         return default
 
     def all_seeds(self) -> list[int | None]:
@@ -99,8 +101,12 @@ class RowQuery:
 class Ledger:
     """Every entry of one ledger, checked and indexed (module docstring)."""
 
-    def __init__(self, records: Iterable[dict[str, Any]], broken: Iterable[BrokenEntry] = (), source: str = ""):
-        self.records = sorted(records, key=lambda r: r.get("started") or "")  # stable: ties keep the given order
+    def __init__(
+        self, records: Iterable[dict[str, Any]], broken: Iterable[BrokenEntry] = (), source: str = ""
+    ):
+        self.records = sorted(
+            records, key=lambda r: r.get("started") or ""
+        )  # stable: ties keep the given order
         self._rank = {id(r): i for i, r in enumerate(self.records)}
         self.broken = list(broken)
         self.source = source
@@ -132,8 +138,11 @@ class Ledger:
         if is_snapshot(path):
             records, broken = read_snapshot(path)
         else:
-            runs = path if path.name == "runs" or (not (path / "runs").is_dir() and any(path.glob("*.json"))) \
+            runs = (
+                path
+                if path.name == "runs" or (not (path / "runs").is_dir() and any(path.glob("*.json")))
                 else path / "runs"
+            )
             records, broken = read_root(runs.parent, runs)  # the packs beside runs/ too (vitexp.ledger.packs)
         return cls(records, broken, str(path))
 
@@ -159,7 +168,9 @@ class Ledger:
         return len(self.records)
 
     # -- broken entries ----------------------------------------------------------------------------
-    def broken_for(self, names: Iterable[str] | None = None, rows: Iterable[RowQuery] = ()) -> list[BrokenEntry]:
+    def broken_for(
+        self, names: Iterable[str] | None = None, rows: Iterable[RowQuery] = ()
+    ) -> list[BrokenEntry]:
         """The broken entries a result about ``names`` (ledger names; ``None``: anything) and ``rows``
         could depend on (module docstring): those recorded under one of the names' experiments (by
         the entry, else by its file's name), or that do not say; and those whose config could be one
@@ -231,24 +242,32 @@ class Ledger:
         runs = self.records if name is None else self.named(name)
         return [r for r in runs if r["status"] == "completed" and (kind is None or r["kind"] == kind)]
 
-    def newest(self, ref: str, kind: str | None = "train",
-               where: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any] | None:
+    def newest(
+        self, ref: str, kind: str | None = "train", where: Callable[[dict[str, Any]], bool] | None = None
+    ) -> dict[str, Any] | None:
         """The completed run ``ref`` (a run id), else the newest completed run recorded under the
         name ``ref``, of ``kind`` and passing ``where``; ``None`` when there is none."""
         pinned = self._by_id.get(ref)
         runs = [pinned] if pinned is not None else self.named(ref)
         for r in reversed(runs):
-            if r["status"] == "completed" and (kind is None or r["kind"] == kind) and (where is None or where(r)):
+            if (
+                r["status"] == "completed"
+                and (kind is None or r["kind"] == kind)
+                and (where is None or where(r))
+            ):
                 return r
         return None
 
-    def find(self, ref: str, key: str, kind: str = "train",
-             where: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+    def find(
+        self, ref: str, key: str, kind: str = "train", where: Callable[[dict[str, Any]], bool] | None = None
+    ) -> dict[str, Any]:
         """:meth:`newest`, or ``FileNotFoundError`` naming the config ``key`` that asked and what to run."""
         run = self.newest(ref, kind, where)
         if run is None:
-            raise FileNotFoundError(f"{key}={ref}: no completed {kind} run with that id or experiment in "
-                                    f"{self.source}; run `vitexp-train experiment={base_of(ref)}` first")
+            raise FileNotFoundError(
+                f"{key}={ref}: no completed {kind} run with that id or experiment in "
+                f"{self.source}; run `vitexp-train experiment={base_of(ref)}` first"
+            )
         return run
 
     def start_of(self, run: Mapping[str, Any]) -> str | None:
@@ -258,11 +277,13 @@ class Ledger:
         ref = str(((run.get("config") or {}).get("backbone") or {}).get("pretrained") or "")
         if not ref.startswith(RUN_PREFIX):
             return None
-        target = ref[len(RUN_PREFIX):]
+        target = ref[len(RUN_PREFIX) :]
         if target in self._by_id:
             return target
         if target not in self._finished:
-            done = sorted(((r.get("finished") or "", r) for r in self.completed(target, "train")), key=lambda p: p[0])
+            done = sorted(
+                ((r.get("finished") or "", r) for r in self.completed(target, "train")), key=lambda p: p[0]
+            )
             best: list[tuple[str, str]] = []
             for _, r in done:  # the newest start among the runs finished so far
                 best.append(max(best[-1], _order(r)) if best else _order(r))
@@ -275,7 +296,11 @@ class Ledger:
         """{train run id: its newest completed eval entry}; an entry whose id is not in ``before``
         counts as newer than every entry that is (start times have a resolution of one second)."""
         before = set(before)
-        entries = [r for r in self.records if r["kind"] == "eval" and r["status"] == "completed" and r.get("evaluates")]
+        entries = [
+            r
+            for r in self.records
+            if r["kind"] == "eval" and r["status"] == "completed" and r.get("evaluates")
+        ]
         return {r["evaluates"]: r for r in sorted(entries, key=lambda r: r["run_id"] not in before)}  # stable
 
     # -- rows --------------------------------------------------------------------------------------
@@ -285,9 +310,13 @@ class Ledger:
         out = {}
         for seed in row.all_seeds():
             names = [row.name] if seed is None else [seeded_name(row.name, seed), row.name]
-            by_name = [r for n in dict.fromkeys(names) for r in self.named(n) if seed is None or run_seed(r) == seed]
+            by_name = [
+                r for n in dict.fromkeys(names) for r in self.named(n) if seed is None or run_seed(r) == seed
+            ]
             config = row.composed(seed) if row.config else None
-            found = by_name if config is None else self._matching(row.name, by_name, config, row.defaults(seed))
+            found = (
+                by_name if config is None else self._matching(row.name, by_name, config, row.defaults(seed))
+            )
             if seed is not None:
                 found = [r for r in found if run_seed(r) == seed]
             if row.own_name:
@@ -295,8 +324,13 @@ class Ledger:
             out[seed] = sorted(found, key=lambda r: self._rank[id(r)])
         return out
 
-    def _matching(self, name: str, named: list[dict[str, Any]], config: Mapping[str, Any],
-                  default_of: Callable[[str], Any] | None) -> list[dict[str, Any]]:
+    def _matching(
+        self,
+        name: str,
+        named: list[dict[str, Any]],
+        config: Mapping[str, Any],
+        default_of: Callable[[str], Any] | None,
+    ) -> list[dict[str, Any]]:
         """The runs of ``config``: every run with its fingerprint (a FLOPs count or a timing: whatever its
         ``backbone.pretrained``, :data:`vitexp.ledger.fingerprint.WEIGHTLESS_KINDS`), and those of ``named`` (the row's
         runs under its names) whose recorded config differs from today's by no key
@@ -312,8 +346,9 @@ class Ledger:
             weightless = r["kind"] in fp.WEIGHTLESS_KINDS
             if weightless not in flat:
                 flat[weightless] = fp.flattened(config, weightless, self.experiment_of)
-            keys = fp.differences(r.get("config") or {}, config, self.experiment_of, weightless, default_of,
-                                  flat[weightless])
+            keys = fp.differences(
+                r.get("config") or {}, config, self.experiment_of, weightless, default_of, flat[weightless]
+            )
             if keys:
                 self.unmatched.setdefault(name, {})[r["run_id"]] = keys
             else:

@@ -18,6 +18,7 @@ Decisions:
   the kept copy (:func:`weights_file`); nothing is fetched. Hashing is read-bound (about 1 s per
   GB); a start is read a few times per run.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from vitexp.ledger.paths import atomic_write, atomic_write_json, local_path, portable_path
+
 KEPT_SUBDIR = "weights"
 
 
@@ -76,13 +78,17 @@ def kept_copy(run: dict[str, Any], results_dir: Path | str) -> Path | None:
         raise KeptWeightsError(f"{record_path}: not a kept-weights record ({err})") from None
     own = (run.get("artifacts") or {}).get("weights_sha256")
     if owner != run["run_id"] or (own and own != expected):
-        raise KeptWeightsError(f"{record_path}: records run {owner} with sha256 {str(expected)[:12]}, not run "
-                               f"{run['run_id']}'s weights{f' ({own[:12]})' if own else ''}: keep them again")
+        raise KeptWeightsError(
+            f"{record_path}: records run {owner} with sha256 {str(expected)[:12]}, not run "
+            f"{run['run_id']}'s weights{f' ({own[:12]})' if own else ''}: keep them again"
+        )
     found = sha256(path)
     if found != expected:
-        raise KeptWeightsError(f"{path}: the kept weights of run {run['run_id']} have sha256 {found[:12]}, not the "
-                               f"{expected[:12]} recorded when they were kept ({record.get('bytes')} bytes; this file "
-                               f"has {path.stat().st_size}): copy them again from the machine that trained the run")
+        raise KeptWeightsError(
+            f"{path}: the kept weights of run {run['run_id']} have sha256 {found[:12]}, not the "
+            f"{expected[:12]} recorded when they were kept ({record.get('bytes')} bytes; this file "
+            f"has {path.stat().st_size}): copy them again from the machine that trained the run"
+        )
     return path
 
 
@@ -109,8 +115,10 @@ def weights_file(run: dict[str, Any], results_dir: Path | str) -> Path | None:
     artifacts = run.get("artifacts") or {}
     path = local_path(artifacts.get("weights"), results_dir)
     if kept is None and path is not None and path.is_file():
-        raise KeptWeightsError(f"{path}: sha256 {sha256(path)[:12]}, not the {artifacts['weights_sha256'][:12]} run "
-                               f"{run['run_id']} recorded when it saved them; they were changed after the run")
+        raise KeptWeightsError(
+            f"{path}: sha256 {sha256(path)[:12]}, not the {artifacts['weights_sha256'][:12]} run "
+            f"{run['run_id']} recorded when it saved them; they were changed after the run"
+        )
     return kept
 
 
@@ -125,16 +133,25 @@ def keep(run: dict[str, Any], results_dir: Path | str) -> dict[str, Any]:
     source = local_path(artifacts.get("weights"), results_dir)
     if source is None or not source.is_file():
         if kept_copy(run, results_dir) is None:
-            raise FileNotFoundError(f"run {run['run_id']} ({run.get('experiment')}): its weights {source} are not on "
-                                    f"this machine and none are kept, so they cannot be kept")
+            raise FileNotFoundError(
+                f"run {run['run_id']} ({run.get('experiment')}): its weights {source} are not on "
+                "this machine and none are kept, so they cannot be kept"
+            )
         record = json.loads(record_path.read_text())
         return {**record, "kept": portable_path(target, results_dir), "copied": False}
     digest = sha256(source)
     if artifacts.get("weights_sha256") and artifacts["weights_sha256"] != digest:
-        raise KeptWeightsError(f"{source}: sha256 {digest[:12]}, not the {artifacts['weights_sha256'][:12]} run "
-                               f"{run['run_id']} recorded when it saved them; they were changed after the run")
-    record = {"run_id": run["run_id"], "experiment": run.get("experiment"), "bytes": source.stat().st_size,
-              "sha256": digest, "source": portable_path(source, results_dir)}
+        raise KeptWeightsError(
+            f"{source}: sha256 {digest[:12]}, not the {artifacts['weights_sha256'][:12]} run "
+            f"{run['run_id']} recorded when it saved them; they were changed after the run"
+        )
+    record = {
+        "run_id": run["run_id"],
+        "experiment": run.get("experiment"),
+        "bytes": source.stat().st_size,
+        "sha256": digest,
+        "source": portable_path(source, results_dir),
+    }
     try:
         unchanged = json.loads(record_path.read_text()) == record and sha256(target) == digest
     except (OSError, ValueError):

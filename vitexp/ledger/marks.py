@@ -16,6 +16,7 @@
   its notes. Before commit 6014b6c the dirty flag covered every tracked file (a table or spec
   rewritten by ``vitexp-tables`` set it), so the flag alone says nothing about the code.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -28,6 +29,8 @@ COST_PREFIXES = ("gmacs", "gflops", "macs", "flops", "params", "throughput", "he
 
 def cost_metric(key: str) -> bool:
     return key.startswith(COST_PREFIXES) or "throughput" in key
+
+
 #: The protocol key a training run records for the order its sampler drew (:data:`vitexp.data.datamodules.DATA_ORDER`).
 ORDER_KEY = "data_order"
 
@@ -40,8 +43,13 @@ def run_seed(run: Mapping[str, Any]) -> int | None:
 def old_order(run: Mapping[str, Any]) -> bool:
     """A completed training run that took steps and whose protocol names no ``data_order``. Not
     judged: a running run (no protocol yet), a record without a protocol (a W&B run)."""
-    return (run.get("kind") == "train" and run.get("status") == "completed" and isinstance(run.get("protocol"), dict)
-            and ORDER_KEY not in run["protocol"] and (run.get("metrics") or {}).get("steps", 1) != 0)
+    return (
+        run.get("kind") == "train"
+        and run.get("status") == "completed"
+        and isinstance(run.get("protocol"), dict)
+        and ORDER_KEY not in run["protocol"]
+        and (run.get("metrics") or {}).get("steps", 1) != 0
+    )
 
 
 def stale(run: Mapping[str, Any]) -> bool:
@@ -58,7 +66,11 @@ def load_of(run: Mapping[str, Any]) -> Mapping[str, Any] | None:
             return where["load"]
     before_after = protocol.get("load_average_1m_before_after")  # bench.compare before loads were recorded
     if isinstance(before_after, list) and before_after and protocol.get("cpu_count"):
-        return {"loadavg": [max(before_after)], "cpus": protocol["cpu_count"], "threads": protocol.get("threads")}
+        return {
+            "loadavg": [max(before_after)],
+            "cpus": protocol["cpu_count"],
+            "threads": protocol.get("threads"),
+        }
     return None
 
 

@@ -26,6 +26,7 @@ Decisions:
   entry naming it; a lookup that does not find its run in the readable packs then raises
   :class:`~vitexp.ledger.schema.LedgerError` naming it, since the run could be in it.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -151,7 +152,9 @@ def pack(root: Path) -> dict[str, Any]:
     with ledger_lock(root):
         records, broken = read_folder(runs)
         if broken:
-            raise ValueError(f"{len(broken)} broken entries in {runs} (first: {broken[0]}): fix them before packing")
+            raise ValueError(
+                f"{len(broken)} broken entries in {runs} (first: {broken[0]}): fix them before packing"
+            )
         index = pack_index(root)
         if index.broken:
             raise LedgerError(index.broken, f"{root / PACKS} (nothing packed)")

@@ -15,6 +15,7 @@ Decisions:
   the results root or the run's folder (:func:`portable_text`); a system path or a placeholder
   stays as written.
 """
+
 from __future__ import annotations
 
 import json
@@ -88,7 +89,7 @@ def portable_path(path: Path | str | None, results_dir: Path | str | None = None
     text = str(path)
     prefix = ""
     if text.startswith("offline:"):
-        prefix, text = "offline:", text[len("offline:"):]
+        prefix, text = "offline:", text[len("offline:") :]
     p = Path(text)
     if not p.is_absolute():
         return prefix + text
@@ -107,9 +108,17 @@ def portable_paths(value: Any, results_dir: Path | str | None = None) -> Any:
     made :func:`portable_path`, at any depth, and every error text made :func:`portable_text`."""
     if isinstance(value, dict):
         run_dir = value.get("output_dir") if isinstance(value.get("output_dir"), (str, Path)) else None
-        run_dirs = (local_path(str(run_dir), results_dir),) if run_dir else ()  # an error may quote the run's folder
-        return {k: (portable_text(v, results_dir, run_dirs) if k == "error" and isinstance(v, str)
-                    else portable_paths(v, results_dir)) for k, v in value.items()}
+        run_dirs = (
+            (local_path(str(run_dir), results_dir),) if run_dir else ()
+        )  # an error may quote the run's folder
+        return {
+            k: (
+                portable_text(v, results_dir, run_dirs)
+                if k == "error" and isinstance(v, str)
+                else portable_paths(v, results_dir)
+            )
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return [portable_paths(v, results_dir) for v in value]
     if isinstance(value, Path):
@@ -124,8 +133,9 @@ def portable_paths(value: Any, results_dir: Path | str | None = None) -> Any:
 _QUOTED_PATH = re.compile(r"(?<![\w.~:/>])/[^\s'\"`,;:()\[\]{}<>]+")
 
 
-def portable_text(text: str | None, results_dir: Path | str | None = None,
-                  run_dirs: Iterable[Path | str | None] = ()) -> str | None:
+def portable_text(
+    text: str | None, results_dir: Path | str | None = None, run_dirs: Iterable[Path | str | None] = ()
+) -> str | None:
     """``text`` (an error message) with every absolute path it quotes that lies in the checkout, the
     results root or one of ``run_dirs`` (the run's own folder, wherever it is) made
     :func:`portable_path`; any other (a system file, a placeholder such as ``/path/to/dataset``) is
@@ -139,6 +149,7 @@ def portable_text(text: str | None, results_dir: Path | str | None = None,
         where = os.path.realpath(match.group(0))
         inside = any(where == r or where.startswith(r.rstrip("/") + "/") for r in roots)
         return (portable_path(match.group(0), results) or match.group(0)) if inside else match.group(0)
+
     return _QUOTED_PATH.sub(rewrite, text)
 
 

@@ -19,6 +19,7 @@ Decisions:
 - Unknown top-level keys are allowed: a method's record (``kept_heads``, ``phases``, ...) lives
   beside the fixed fields.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -33,10 +34,23 @@ KINDS = ("train", "flops", "bench", "eval", "audit", "analyze", "rehearsal", "re
 _STR, _OPT_STR, _DICT, _LIST = (str,), (str, type(None)), (dict,), (list,)
 #: Optional fields and their types.
 FIELDS: dict[str, tuple[type, ...]] = {
-    "config": _DICT, "metrics": _DICT, "protocol": _DICT, "env": _DICT, "artifacts": _DICT,
-    "attempts": _LIST, "started": _STR, "finished": _OPT_STR, "heartbeat": _STR, "error": _OPT_STR,
-    "wandb_url": _OPT_STR, "wandb_id": _OPT_STR, "output_dir": _OPT_STR, "evaluates": _STR,
-    "fingerprint": _STR, "signal": _OPT_STR, "resumed_from": (dict, type(None)),
+    "config": _DICT,
+    "metrics": _DICT,
+    "protocol": _DICT,
+    "env": _DICT,
+    "artifacts": _DICT,
+    "attempts": _LIST,
+    "started": _STR,
+    "finished": _OPT_STR,
+    "heartbeat": _STR,
+    "error": _OPT_STR,
+    "wandb_url": _OPT_STR,
+    "wandb_id": _OPT_STR,
+    "output_dir": _OPT_STR,
+    "evaluates": _STR,
+    "fingerprint": _STR,
+    "signal": _OPT_STR,
+    "resumed_from": (dict, type(None)),
 }
 REQUIRED = ("run_id", "experiment", "status", "kind", "started")
 #: Seconds a ``started`` may lie ahead of this machine's clock (another node's clock) before the entry is broken.
@@ -65,8 +79,10 @@ class LedgerError(ValueError):
         self.broken = list(broken)
         names = "; ".join(str(b) for b in self.broken[:10])
         more = f" (and {len(self.broken) - 10} more)" if len(self.broken) > 10 else ""
-        super().__init__(f"{len(self.broken)} broken ledger entr{'y' if len(self.broken) == 1 else 'ies'} in "
-                         f"{what}: {names}{more}")
+        super().__init__(
+            f"{len(self.broken)} broken ledger entr{'y' if len(self.broken) == 1 else 'ies'} in "
+            f"{what}: {names}{more}"
+        )
 
 
 def problems(record: Any, stem: str | None = None) -> list[str]:
@@ -86,10 +102,14 @@ def problems(record: Any, stem: str | None = None) -> list[str]:
         out.append(f"run_id {record['run_id']!r} is not the file's name {stem!r}")
     for key, types in FIELDS.items():
         if key in record and not isinstance(record[key], types):
-            out.append(f"{key!r} is {type(record[key]).__name__}, not {' or '.join(t.__name__ for t in types)}")
+            out.append(
+                f"{key!r} is {type(record[key]).__name__}, not {' or '.join(t.__name__ for t in types)}"
+            )
     if isinstance(record.get("started"), str):
         out += _start_problems(record["started"])
-    for key, value in (record.get("metrics") or {}).items() if isinstance(record.get("metrics"), dict) else ():
+    for key, value in (
+        (record.get("metrics") or {}).items() if isinstance(record.get("metrics"), dict) else ()
+    ):
         if not isinstance(value, _METRIC):
             out.append(f"metric {key!r} is {type(value).__name__}")
     if isinstance(record.get("attempts"), list) and not all(isinstance(a, dict) for a in record["attempts"]):
@@ -110,5 +130,8 @@ def _start_problems(stamp: str, when: _dt.datetime | None = None) -> list[str]:
         return [f"started {stamp!r} is not an ISO 8601 time"]
     now = when or _dt.datetime.now(_dt.timezone.utc)
     if (then - now).total_seconds() > CLOCK_SKEW_S:
-        return [f"started {stamp} is in the future (this machine's clock says {now.isoformat(timespec='seconds')})"]
+        return [
+            f"started {stamp} is in the future (this machine's clock says"
+            f" {now.isoformat(timespec='seconds')})"
+        ]
     return []

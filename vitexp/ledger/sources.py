@@ -18,6 +18,7 @@ Decisions:
 - What a broken file still says is kept with it (:func:`salvage`: its ``experiment``, ``kind`` and a
   ``config`` that parses whole), so a table can tell whether it could be one of its rows' runs.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -36,7 +37,9 @@ def is_snapshot(path: Path | str) -> bool:
     return str(path).endswith(SNAPSHOT_SUFFIXES)
 
 
-def check(record: Any, where: str, stem: str | None = None) -> tuple[dict[str, Any] | None, BrokenEntry | None]:
+def check(
+    record: Any, where: str, stem: str | None = None
+) -> tuple[dict[str, Any] | None, BrokenEntry | None]:
     """(record, None) when ``record`` keeps the schema, else (None, the broken entry)."""
     wrong = problems(record, stem)
     if wrong:
@@ -67,7 +70,9 @@ def salvage(text: str) -> dict[str, Any] | None:
 
 
 def _not_json(where: str, text: str, err: json.JSONDecodeError, hint: str = "") -> BrokenEntry:
-    return BrokenEntry(where, f"not JSON ({err.msg} at line {err.lineno}, column {err.colno}{hint})", salvage(text))
+    return BrokenEntry(
+        where, f"not JSON ({err.msg} at line {err.lineno}, column {err.colno}{hint})", salvage(text)
+    )
 
 
 def read_folder(runs_dir: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
@@ -83,7 +88,11 @@ def read_folder(runs_dir: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]
         except FileNotFoundError:  # removed since the listing (a pack folded it)
             continue
         except (OSError, UnicodeDecodeError) as err:
-            broken.append(BrokenEntry(where, f"unreadable ({type(err).__name__}: {getattr(err, 'strerror', None) or err})"))
+            broken.append(
+                BrokenEntry(
+                    where, f"unreadable ({type(err).__name__}: {getattr(err, 'strerror', None) or err})"
+                )
+            )
             continue
         try:
             record = json.loads(text)
@@ -133,14 +142,22 @@ def write_snapshot(records: Iterable[dict[str, Any]], path: Path) -> Path:
     """Write ``records`` as a snapshot (module docstring) through an atomic write."""
     from vitexp.ledger.paths import atomic_write, json_default
 
-    lines = "".join(json.dumps(r, separators=(",", ":"), default=json_default) + "\n"
-                    for r in sorted(records, key=lambda r: r["run_id"]))
+    lines = "".join(
+        json.dumps(r, separators=(",", ":"), default=json_default) + "\n"
+        for r in sorted(records, key=lambda r: r["run_id"])
+    )
     data = gzip.compress(lines.encode(), mtime=0) if str(path).endswith(".gz") else lines.encode()
     return atomic_write(path, data)
 
 
-WANDB_STATES = {"finished": "completed", "crashed": "failed", "failed": "failed", "killed": "interrupted",
-                "preempted": "interrupted", "preempting": "running"}
+WANDB_STATES = {
+    "finished": "completed",
+    "crashed": "failed",
+    "failed": "failed",
+    "killed": "interrupted",
+    "preempted": "interrupted",
+    "preempting": "running",
+}
 
 
 class WandbError(RuntimeError):
@@ -163,10 +180,15 @@ def read_wandb(path: str) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
             config = dict(run.config)
             summary = {k: v for k, v in dict(run.summary).items() if not k.startswith("_")}
             record = {
-                "run_id": run.id, "experiment": config.get("name", run.name),
-                "status": WANDB_STATES.get(run.state, run.state), "kind": getattr(run, "job_type", None) or "train",
-                "config": config,  # its seed places the run in a seeded row; its fingerprint is computed from it
-                "metrics": summary, "started": str(getattr(run, "created_at", None) or ""),
+                "run_id": run.id,
+                "experiment": config.get("name", run.name),
+                "status": WANDB_STATES.get(run.state, run.state),
+                "kind": getattr(run, "job_type", None) or "train",
+                "config": (
+                    config
+                ),  # its seed places the run in a seeded row; its fingerprint is computed from it
+                "metrics": summary,
+                "started": str(getattr(run, "created_at", None) or ""),
                 "wandb_url": getattr(run, "url", None),
             }
         except Exception as err:  # noqa: BLE001 - one run W&B cannot give back: named, never skipped

@@ -10,6 +10,7 @@ Decisions:
 - An entry closed by a signal is stored ``interrupted`` (:meth:`vitexp.ledger.LedgerEntry.interrupt`);
   it reads as it is stored.
 """
+
 from __future__ import annotations
 
 import datetime as _dt

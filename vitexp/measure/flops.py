@@ -13,6 +13,7 @@ register their handles with :func:`register_op_handle`; methods whose counted fo
 something the figure depends on (BSPF's chunk layout, its realised keep fractions) register a
 :func:`register_model_record`, read after the counted forward into the protocol and the metrics.
 """
+
 from __future__ import annotations
 
 import math
@@ -103,15 +104,20 @@ class FlopsReport:
 def count_heads(model: nn.Module) -> int:
     """Attention heads present in a model (modules with a ``num_heads`` and a ``qkv`` or ``qk``
     projection: timm's ViT and MetaFormer attentions and their patched forms)."""
-    return sum(int(m.num_heads) for m in model.modules()
-               if hasattr(m, "num_heads") and (hasattr(m, "qkv") or getattr(m, "qk", None) is not None))
+    return sum(
+        int(m.num_heads)
+        for m in model.modules()
+        if hasattr(m, "num_heads") and (hasattr(m, "qkv") or getattr(m, "qk", None) is not None)
+    )
 
 
 def count_params(model: nn.Module) -> int:
     """Parameters, plus the buffers a module lists in ``frozen_weights``: the fixed tables a
     published model counts as parameters (T2T-ViT's position table and Performer matrices,
     ``nn.Parameter(requires_grad=False)`` in the official code, buffers in vitexp)."""
-    frozen = sum(getattr(m, name).numel() for m in model.modules() for name in getattr(m, "frozen_weights", ()))
+    frozen = sum(
+        getattr(m, name).numel() for m in model.modules() for name in getattr(m, "frozen_weights", ())
+    )
     return sum(p.numel() for p in model.parameters()) + frozen
 
 
@@ -162,9 +168,7 @@ def count_macs(
         analysis = _analysis(model, (x,))
         total = analysis.total()
         by_module = {
-            name: macs / 1e9
-            for name, macs in analysis.by_module().items()
-            if name and "." not in name
+            name: macs / 1e9 for name, macs in analysis.by_module().items() if name and "." not in name
         }
     method_protocol, recorded = model_records(model)
     model.train(was_training)

@@ -16,6 +16,7 @@
   backward, AdamW step on one synthetic batch; bf16 autocast where the protocol says), the
   measurement timm's training benchmark makes, which :mod:`vitexp.cost` anchors GPU-hours on.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,7 +44,9 @@ def bench_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def throughput_protocol(device: torch.device, batch_size: int | None = None, amp: bool | None = None) -> tuple[int, bool]:
+def throughput_protocol(
+    device: torch.device, batch_size: int | None = None, amp: bool | None = None
+) -> tuple[int, bool]:
     """(batch size, bf16 autocast) on ``device``: the given values, else :data:`PROTOCOL`'s."""
     default_batch, default_amp = PROTOCOL["cuda" if device.type == "cuda" else "cpu"]
     return int(batch_size or default_batch), default_amp if amp is None else bool(amp)
@@ -56,20 +59,45 @@ def _timer(model: nn.Module, x: torch.Tensor, amp: bool):
         with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
             model(x)
 
-    return benchmark.Timer(stmt="forward()", globals={"forward": forward}, num_threads=torch.get_num_threads())
+    return benchmark.Timer(
+        stmt="forward()", globals={"forward": forward}, num_threads=torch.get_num_threads()
+    )
 
 
-def measure_throughput(model: nn.Module, batch_size: int | None = None, img_size: int = 224, warmup: int = 2,
-                       iters: int = 10, in_chans: int = 3, amp: bool | None = None) -> dict[str, Any]:
+def measure_throughput(
+    model: nn.Module,
+    batch_size: int | None = None,
+    img_size: int = 224,
+    warmup: int = 2,
+    iters: int = 10,
+    in_chans: int = 3,
+    amp: bool | None = None,
+) -> dict[str, Any]:
     """Images per second of ``model`` (eval mode, no grad, random input, on the model's device)
     after ``warmup`` discarded passes."""
-    return compare_throughput({"model": model}, batch_size, img_size, warmup=warmup, rounds=1,
-                              iters=iters, in_chans=in_chans, amp=amp)["model"]
+    return compare_throughput(
+        {"model": model},
+        batch_size,
+        img_size,
+        warmup=warmup,
+        rounds=1,
+        iters=iters,
+        in_chans=in_chans,
+        amp=amp,
+    )["model"]
 
 
-def compare_throughput(models: Mapping[str, nn.Module], batch_size: int | None, img_size: int, warmup: int = 2,
-                       rounds: int = 5, iters: int = 5, in_chans: int = 3, amp: bool | None = None,
-                       progress: bool = False) -> dict[str, dict[str, Any]]:
+def compare_throughput(
+    models: Mapping[str, nn.Module],
+    batch_size: int | None,
+    img_size: int,
+    warmup: int = 2,
+    rounds: int = 5,
+    iters: int = 5,
+    in_chans: int = 3,
+    amp: bool | None = None,
+    progress: bool = False,
+) -> dict[str, dict[str, Any]]:
     """Time each model on the same input in interleaved rounds; report the median images/s.
     ``batch_size`` / ``amp`` None: the device's protocol (:func:`throughput_protocol`)."""
     from tqdm.auto import tqdm
@@ -87,7 +115,9 @@ def compare_throughput(models: Mapping[str, nn.Module], batch_size: int | None, 
     for t in timers.values():
         t.timeit(max(1, warmup))
     samples: dict[str, list[float]] = {k: [] for k in models}
-    bar = tqdm(total=rounds * len(models), desc="throughput", unit="model", disable=not progress or None, leave=False)
+    bar = tqdm(
+        total=rounds * len(models), desc="throughput", unit="model", disable=not progress or None, leave=False
+    )
     for _ in range(rounds):
         for name, t in timers.items():
             samples[name].append(batch_size / t.timeit(iters).mean)
@@ -116,8 +146,16 @@ def compare_throughput(models: Mapping[str, nn.Module], batch_size: int | None, 
     }
 
 
-def measure_train_step(model: nn.Module, num_classes: int, batch_size: int, img_size: int, amp: bool = False,
-                       warmup: int = 2, iters: int = 5, rounds: int = 3) -> dict[str, Any]:
+def measure_train_step(
+    model: nn.Module,
+    num_classes: int,
+    batch_size: int,
+    img_size: int,
+    amp: bool = False,
+    warmup: int = 2,
+    iters: int = 5,
+    rounds: int = 3,
+) -> dict[str, Any]:
     """Training images per second of ``model`` on its device: ``rounds`` timings of ``iters`` steps
     (forward under bf16 autocast when ``amp``, cross-entropy on random labels, backward, AdamW step)
     on one random batch after ``warmup`` steps; the median round (CUDA synchronised at both ends)."""
@@ -151,9 +189,19 @@ def measure_train_step(model: nn.Module, num_classes: int, batch_size: int, img_
             step()
         sync()
         rates.append(batch_size * iters / (time.perf_counter() - start))
-    return {"train_images_per_s": statistics.median(rates), "train_images_per_s_min": min(rates),
-            "train_images_per_s_max": max(rates), "batch_size": batch_size, "img_size": img_size,
-            "rounds": rounds, "iters": iters, "warmup": warmup, "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "precision": "bf16 autocast" if amp else "fp32", "optimizer": "AdamW",
-            "timer": "time.perf_counter over iters steps, median over rounds", "load": load}
+    return {
+        "train_images_per_s": statistics.median(rates),
+        "train_images_per_s_min": min(rates),
+        "train_images_per_s_max": max(rates),
+        "batch_size": batch_size,
+        "img_size": img_size,
+        "rounds": rounds,
+        "iters": iters,
+        "warmup": warmup,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "precision": "bf16 autocast" if amp else "fp32",
+        "optimizer": "AdamW",
+        "timer": "time.perf_counter over iters steps, median over rounds",
+        "load": load,
+    }

@@ -5,6 +5,7 @@ A method is built from its config group with ``hydra.utils.instantiate`` and imp
 ``apply`` (graph surgery on a live timm model) and ``deploy`` (the model as it runs after
 training, e.g. with pruned heads physically removed), which FLOPs and throughput measure.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping

@@ -1,4 +1,5 @@
 """The method interface every method (baseline, BSPF, SAPER, RAPTOR) implements."""
+
 from __future__ import annotations
 
 import abc
@@ -147,5 +148,7 @@ def require_vit(method: str, arch: Mapping[str, Any]) -> None:
 
     family = {"metaformer": "MetaFormer", "shvit": "SHViT"}.get(arch.get("family", "vit"))
     if family:
-        raise ConfigError(f"method {method} does not apply to a {family} backbone: it needs a ViT's blocks and "
-                          "CLS token (use a DINOv2, DeiT, T2T-ViT or LV-ViT backbone)")
+        raise ConfigError(
+            f"method {method} does not apply to a {family} backbone: it needs a ViT's blocks and "
+            "CLS token (use a DINOv2, DeiT, T2T-ViT or LV-ViT backbone)"
+        )

@@ -1,4 +1,5 @@
 """The unmodified backbone: the reference row of every table."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping

@@ -28,6 +28,7 @@ formed. q is a softmax of −|x|, and S is computed in the log domain.
 
 Limits: as α → 0 the output tends to the hard top-k indicator; as α → ∞ it tends to k/n everywhere.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,9 @@ import torch
 
 def laplace_cdf(x: torch.Tensor) -> torch.Tensor:
     """F(x) = ½eˣ (x ≤ 0), 1 − ½e⁻ˣ (x > 0), without overflow."""
-    return torch.where(x <= 0, 0.5 * torch.exp(torch.clamp(x, max=0)), 1 - 0.5 * torch.exp(-torch.clamp(x, min=0)))
+    return torch.where(
+        x <= 0, 0.5 * torch.exp(torch.clamp(x, max=0)), 1 - 0.5 * torch.exp(-torch.clamp(x, min=0))
+    )
 
 
 def _solve_threshold(s: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -53,19 +56,22 @@ def _solve_threshold(s: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     # g at each knot s_m (m = 0..n-1): ½ Σ_{i<=m} e^{s_i - s_m} + (n - m - 1) + ½ - ... written with L, R:
     # g(s_m) = ½ e^{L_{m+1} - s_m} + (n - m - 1) - ½ e^{R_{m+1} + s_m}
     m_idx = torch.arange(n, device=s.device, dtype=s.dtype)
-    g_knots = 0.5 * torch.exp(L[..., 1:] - s_sorted) + (n - m_idx - 1) - 0.5 * torch.exp(R[..., 1:] + s_sorted)
+    g_knots = (
+        0.5 * torch.exp(L[..., 1:] - s_sorted) + (n - m_idx - 1) - 0.5 * torch.exp(R[..., 1:] + s_sorted)
+    )
     # g is decreasing in c: j = number of knots with g >= k (binary search on -g, increasing)
     j = torch.searchsorted((-g_knots).contiguous(), (-k).contiguous(), right=True)  # (..., 1) in 0..n
     Lj, Rj = L.gather(-1, j), R.gather(-1, j)
     m = (n - j).to(s.dtype) - k
-    log_e = Lj + Rj                      # <= log(j (n - j)): never overflows, may underflow
+    log_e = Lj + Rj  # <= log(j (n - j)): never overflows, may underflow
     root = torch.sqrt(m * m + torch.exp(log_e))
     # y = -m + sqrt(m² + e), in logs: e / (m + root) for m > 0, ½ log e at m = 0, |m| + root for m < 0
-    log_y = torch.where(m > 0, log_e - torch.log(m + root),
-                        torch.where(m == 0, 0.5 * log_e, torch.log(root - m)))
+    log_y = torch.where(
+        m > 0, log_e - torch.log(m + root), torch.where(m == 0, 0.5 * log_e, torch.log(root - m))
+    )
     c_mid = Lj - log_y
-    c_left = torch.log(2 * (n - k)) - Rj          # j = 0: every score right of c
-    c_right = Lj - torch.log(2 * k)               # j = n: every score left of c
+    c_left = torch.log(2 * (n - k)) - Rj  # j = 0: every score right of c
+    c_right = Lj - torch.log(2 * k)  # j = n: every score left of c
     return torch.where(j == 0, c_left, torch.where(j == n, c_right, c_mid))
 
 
@@ -82,7 +88,7 @@ class _LapSumTopK(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         scores, x, alpha, k = ctx.saved_tensors
         neg_abs = -x.abs()
-        q = torch.softmax(neg_abs, dim=-1)                                    # f / S
+        q = torch.softmax(neg_abs, dim=-1)  # f / S
         S = 0.5 * torch.exp(torch.logsumexp(neg_abs, dim=-1, keepdim=True))  # Σ ½ e^{-|x|}
         q_grad = (q * grad).sum(-1, keepdim=True)
         grad_scores = (S / alpha) * q * (grad - q_grad)

@@ -6,6 +6,7 @@
 - **k-NN features** (``pool="cls"``: DINO's k-NN evaluation uses the CLS token only;
   ``"cls_mean"``: [CLS ‖ mean patch]): the same model with no linear head (:func:`feature_model`).
 """
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping
@@ -32,7 +33,9 @@ class ProbeModel(nn.Module):
     linear head, Linear(2d -> classes)); ``pool="cls"``: the CLS token. With ``head=nn.Identity()``
     the output is the feature vector itself (a k-NN classifier's input)."""
 
-    def __init__(self, backbone: nn.Module, num_classes: int, head: nn.Module | None = None, pool: str = "cls_mean"):
+    def __init__(
+        self, backbone: nn.Module, num_classes: int, head: nn.Module | None = None, pool: str = "cls_mean"
+    ):
         super().__init__()
         if pool not in POOLS:
             raise ValueError(f"pool={pool!r}: valid choices are {POOLS}")

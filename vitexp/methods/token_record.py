@@ -6,6 +6,7 @@ attribute ``record_decisions = False``. Set on an instance, each forward that re
 stores ``decision``: a :class:`TokenDecision` about the M non-prefix tokens entering it. Off, the
 forward reads one attribute and computes nothing more.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple

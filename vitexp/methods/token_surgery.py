@@ -12,6 +12,7 @@ modules. These helpers hold the pieces of that forward the two methods write ali
 - :func:`keep_residual_scale`: LV-ViT divides both residual branches by ``skip_lam``; the value
   is copied onto the instance before the class swap so the patched block keeps dividing.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,11 +25,19 @@ def vit_blocks(model: nn.Module, method: str) -> tuple[nn.ModuleList, int]:
     """(blocks, number of prefix tokens) of a ViT whose blocks are timm ``Block``s with timm
     ``Attention``; a ``TypeError`` naming what is supported otherwise."""
     blocks = getattr(model, "blocks", None)
-    ok = blocks is not None and len(blocks) and all(
-        isinstance(b, Block) and isinstance(b.attn, Attention) and getattr(b.attn, "gate", None) is None for b in blocks)
+    ok = (
+        blocks is not None
+        and len(blocks)
+        and all(
+            isinstance(b, Block) and isinstance(b.attn, Attention) and getattr(b.attn, "gate", None) is None
+            for b in blocks
+        )
+    )
     if not ok:
-        raise TypeError(f"{method} patches ViTs built from timm Blocks and Attention (DeiT, DINOv2, T2T-ViT, "
-                        f"LV-ViT); {type(model).__name__} is not one")
+        raise TypeError(
+            f"{method} patches ViTs built from timm Blocks and Attention (DeiT, DINOv2, T2T-ViT, "
+            f"LV-ViT); {type(model).__name__} is not one"
+        )
     return blocks, int(getattr(model, "num_prefix_tokens", 1))
 
 
@@ -43,8 +52,9 @@ def heads(attn: Attention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return attn.q_norm(q), attn.k_norm(k), v
 
 
-def attend(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def attend(
+    attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """softmax(q kᵀ · scale + bias) v with SDPA (the fused kernel; a float ``bias`` keeps the
     memory-efficient kernels on a GPU)."""
     drop = attn.attn_drop.p if attn.training else 0.0

@@ -4,6 +4,7 @@ Pretrained weights load only from a local file (``backbone.pretrained=/path/to/f
 through :func:`vitexp.models.factory.load_checkpoint` (timm's key filter for the model, every key
 checked): nothing is ever downloaded.
 """
+
 from vitexp.models import caformer as _caformer  # noqa: F401  (registers caformer_micro)
 from vitexp.models import lvvit as _lvvit  # noqa: F401  (registers lvvit_s, lvvit_micro)
 from vitexp.models import micro as _micro  # noqa: F401  (registers vit_micro_patch4_32)

@@ -9,6 +9,7 @@ timm's ``FeatureGetterNet``), FX tracing and TorchScript.
 This module does not use postponed annotations: TorchScript reads the annotations of the modules
 it compiles and needs them as types, not strings.
 """
+
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -25,9 +26,20 @@ def official_cfg(first_conv: str, **kwargs) -> Dict[str, Any]:
     mean/std. ``fixed_input_size``: the position embedding is built for ``img_size`` (as timm's
     ViT and DeiT cfgs declare); another resolution is a creation argument (``img_size=...``), and a
     checkpoint's position embedding is resized to it when it loads."""
-    return {"url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.9,
-            "interpolation": "bicubic", "fixed_input_size": True, "mean": IMAGENET_DEFAULT_MEAN,
-            "std": IMAGENET_DEFAULT_STD, "first_conv": first_conv, "classifier": "head", **kwargs}
+    return {
+        "url": "",
+        "num_classes": 1000,
+        "input_size": (3, 224, 224),
+        "pool_size": None,
+        "crop_pct": 0.9,
+        "interpolation": "bicubic",
+        "fixed_input_size": True,
+        "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD,
+        "first_conv": first_conv,
+        "classifier": "head",
+        **kwargs,
+    }
 
 
 def vit_feature_cfg(kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -58,8 +70,11 @@ def init_weights(m: nn.Module) -> None:
         nn.init.zeros_(m.bias)
 
 
-def official_checkpoint_filter(state_dict: Dict[str, Any], pos_embed_like: torch.Tensor,
-                               resize_pos_embed: Callable[[torch.Tensor], torch.Tensor]) -> Dict[str, torch.Tensor]:
+def official_checkpoint_filter(
+    state_dict: Dict[str, Any],
+    pos_embed_like: torch.Tensor,
+    resize_pos_embed: Callable[[torch.Tensor], torch.Tensor],
+) -> Dict[str, torch.Tensor]:
     """Unwrap ``state_dict_ema`` / ``state_dict`` / ``model`` (the first present), strip a
     ``module.`` prefix, and pass a ``pos_embed`` of another shape through ``resize_pos_embed``."""
     for key in ("state_dict_ema", "state_dict", "model"):
@@ -68,7 +83,7 @@ def official_checkpoint_filter(state_dict: Dict[str, Any], pos_embed_like: torch
             break
     out = {}
     for k, v in state_dict.items():
-        k = k[len("module."):] if k.startswith("module.") else k
+        k = k[len("module.") :] if k.startswith("module.") else k
         if k == "pos_embed" and v.shape != pos_embed_like.shape:
             v = resize_pos_embed(v)
         out[k] = v
@@ -87,7 +102,9 @@ class ClsTokenViT(nn.Module):
         """timm's attributes: widths, class count, and one ``feature_info`` entry per block."""
         self.num_classes = num_classes
         self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
-        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)]
+        self.feature_info = [
+            dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=reduction) for i in range(depth)
+        ]
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
@@ -118,14 +135,14 @@ class ClsTokenViT(nn.Module):
 
     @torch.jit.ignore
     def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            return_prefix_tokens: bool = False,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = "NCHW",
-            intermediates_only: bool = False,
+        self,
+        x: torch.Tensor,
+        indices: Optional[Union[int, List[int]]] = None,
+        return_prefix_tokens: bool = False,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
     ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
         """Block outputs at ``indices`` (timm's convention: None = all, an int n = the last n, a
         list = those blocks, negative from the end), optionally through the final norm, as NCHW
@@ -136,21 +153,23 @@ class ClsTokenViT(nn.Module):
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
         B, _, height, width = x.shape
         x = self._pos_embed(self.embed_patches(x))
-        blocks = self.blocks[:max_index + 1] if stop_early else self.blocks
+        blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
         intermediates = []
         for i, block in enumerate(blocks):
             x = block(x)
             if i in take_indices:
                 intermediates.append(self.norm(x) if norm else x)
-        prefix = [y[:, :self.num_prefix_tokens] for y in intermediates]
-        intermediates = [y[:, self.num_prefix_tokens:] for y in intermediates]
+        prefix = [y[:, : self.num_prefix_tokens] for y in intermediates]
+        intermediates = [y[:, self.num_prefix_tokens :] for y in intermediates]
         if output_fmt == "NCHW":
             ph, pw = self.patch_embed.patch_size
             H, W = height // ph, width // pw
             if any(y.shape[1] != H * W for y in intermediates):
-                raise ValueError(f"output_fmt='NCHW' needs the full {H}x{W} token grid, but a block returned "
-                                 f"{[y.shape[1] for y in intermediates]} patch tokens (a token-pruned model): "
-                                 "use output_fmt='NLC'")
+                raise ValueError(
+                    f"output_fmt='NCHW' needs the full {H}x{W} token grid, but a block returned "
+                    f"{[y.shape[1] for y in intermediates]} patch tokens (a token-pruned model): "
+                    "use output_fmt='NLC'"
+                )
             intermediates = [y.reshape(B, H, W, -1).permute(0, 3, 1, 2).contiguous() for y in intermediates]
         if return_prefix_tokens:
             intermediates = list(zip(intermediates, prefix))
@@ -159,11 +178,12 @@ class ClsTokenViT(nn.Module):
         return self.norm(x), intermediates
 
     @torch.jit.ignore
-    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
-                                  prune_head: bool = True) -> List[int]:
+    def prune_intermediate_layers(
+        self, indices: Union[int, List[int]] = 1, prune_norm: bool = False, prune_head: bool = True
+    ) -> List[int]:
         """Drop the blocks after the last of ``indices`` (and the final norm / the classifier)."""
         take_indices, max_index = feature_take_indices(len(self.blocks), indices)
-        self.blocks = self.blocks[:max_index + 1]
+        self.blocks = self.blocks[: max_index + 1]
         if prune_norm:
             self.norm = nn.Identity()
         if prune_head:
@@ -179,13 +199,15 @@ class ScaledAttention(Attention):
 
     gate_values: Optional[torch.Tensor] = None
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
+    ) -> torch.Tensor:
         B, N, _ = x.shape
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0,
-                                             scale=self.scale)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0, scale=self.scale
+        )
         gates = self.gate_values
         if gates is not None:
             out = out * gates.view(1, -1, 1, 1).to(out.dtype)

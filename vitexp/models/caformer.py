@@ -8,6 +8,7 @@ eps 1e-5; timm's port builds it with eps 1e-6, which moved a CaFormer's logits b
 to the official model's on seeded weights. :func:`official_head_eps` restores 1e-5, and
 ``build_backbone`` applies it to every MetaFormer it builds (``tests/test_reference_equivalence.py``).
 """
+
 from __future__ import annotations
 
 import torch.nn as nn
@@ -24,9 +25,13 @@ from timm.models.metaformer import (
 )
 from timm.models._registry import generate_default_cfgs
 
-default_cfgs = generate_default_cfgs({
-    "caformer_micro": _cfg(num_classes=10, input_size=(3, 64, 64), pool_size=(2, 2), classifier="head.fc.fc2"),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "caformer_micro": _cfg(
+            num_classes=10, input_size=(3, 64, 64), pool_size=(2, 2), classifier="head.fc.fc2"
+        ),
+    }
+)
 
 
 @register_model

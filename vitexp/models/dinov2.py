@@ -18,6 +18,7 @@ its result in the model after timm has loaded the rest, so ``backbone.pretrained
 224 px gives the hub model's 224 px outputs (``tests/test_reference_equivalence.py``). Without
 it, DINOv2 ViT-S/14 at 224 px would start from a differently smoothed position table.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,10 +51,13 @@ def hub_pos_embed(pos_embed: torch.Tensor, grid: tuple[int, int], registers: boo
     if registers:
         patches = F.interpolate(patches, size=(gh, gw), mode="bicubic", antialias=True)
     else:
-        patches = F.interpolate(patches, scale_factor=((gh + 0.1) / m, (gw + 0.1) / m), mode="bicubic",
-                                antialias=False)
+        patches = F.interpolate(
+            patches, scale_factor=((gh + 0.1) / m, (gw + 0.1) / m), mode="bicubic", antialias=False
+        )
     if patches.shape[-2:] != (gh, gw):
-        raise ValueError(f"DINOv2's interpolation of the {m}x{m} table gave {tuple(patches.shape[-2:])}, not {grid}")
+        raise ValueError(
+            f"DINOv2's interpolation of the {m}x{m} table gave {tuple(patches.shape[-2:])}, not {grid}"
+        )
     patches = patches.permute(0, 2, 3, 1).reshape(1, gh * gw, dim)
     return torch.cat([table[:, :1], patches], dim=1).to(pos_embed.dtype)
 
@@ -69,6 +73,8 @@ def load_hub_pos_embed(model: nn.Module, state: Mapping[str, torch.Tensor]) -> N
     if getattr(model, "no_embed_class", False):
         table = table[:, 1:]
     if table.shape != model.pos_embed.shape:
-        raise ValueError(f"the DINOv2 hub position table {tuple(table.shape)} does not fit the model's "
-                         f"{tuple(model.pos_embed.shape)}")
+        raise ValueError(
+            f"the DINOv2 hub position table {tuple(table.shape)} does not fit the model's "
+            f"{tuple(model.pos_embed.shape)}"
+        )
     model.pos_embed.copy_(table.to(model.pos_embed.dtype))

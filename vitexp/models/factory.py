@@ -37,6 +37,7 @@ Decisions:
 - timm's adaptation of the first convolution to another ``in_chans`` is not applied (vitexp's
   data always have 3 channels): such a checkpoint is refused with the size mismatch named.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,13 +84,14 @@ class CheckpointMismatchError(RuntimeError):
         super().__init__(msg)
 
 
-
 #: The Python objects a weights file may hold beside its tensors: the training script's ``args``
 #: (timm's CheckpointSaver, SHViT's main.py). Nothing else is unpickled.
 SAFE_GLOBALS = [argparse.Namespace]
 
-def read_checkpoint(path: str, use_ema: bool | None = None,
-                    evaluation: Evaluation = ONE_SET) -> tuple[str, dict[str, Any]]:
+
+def read_checkpoint(
+    path: str, use_ema: bool | None = None, evaluation: Evaluation = ONE_SET
+) -> tuple[str, dict[str, Any]]:
     """The set of ``path`` that ``use_ema`` (absent: ``evaluation``'s choice) selects
     (:func:`.weight_sets.choose_set`) and its state dict, ``module.`` stripped."""
     import torch
@@ -103,7 +105,9 @@ def read_checkpoint(path: str, use_ema: bool | None = None,
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(checkpoint, Mapping):
-        raise CheckpointError(f"backbone.pretrained: {path} holds a {type(checkpoint).__name__}, not a state dict")
+        raise CheckpointError(
+            f"backbone.pretrained: {path} holds a {type(checkpoint).__name__}, not a state dict"
+        )
     key = choose_set(checkpoint, evaluation, use_ema, str(path))
     return key, clean_state_dict(dict(checkpoint) if key == PLAIN else checkpoint[key])
 
@@ -127,19 +131,25 @@ def _capture_filter() -> Iterator[list]:
         _builder.load_pretrained = original
 
 
-def _create(name: str, num_classes: int, overlay: dict[str, Any] | None, kwargs: dict[str, Any],
-            weights: bool) -> tuple[nn.Module, Callable | None]:
+def _create(
+    name: str, num_classes: int, overlay: dict[str, Any] | None, kwargs: dict[str, Any], weights: bool
+) -> tuple[nn.Module, Callable | None]:
     """``timm.create_model(name)`` and, when ``weights`` are to be loaded, the checkpoint filter
     timm's loading would apply to them (module docstring). The model is then created with
     ``pretrained=True``, so that its create function hands its filter to ``load_pretrained``, which
     :func:`_capture_filter` replaces for the call: nothing is downloaded or read, and the model and
     its random initialisation are those of ``pretrained=False``."""
     if not weights:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, pretrained_cfg_overlay=overlay,
-                                 **kwargs), None
+        return (
+            timm.create_model(
+                name, pretrained=False, num_classes=num_classes, pretrained_cfg_overlay=overlay, **kwargs
+            ),
+            None,
+        )
     with _capture_filter() as seen:
-        model = timm.create_model(name, pretrained=True, num_classes=num_classes, pretrained_cfg_overlay=overlay,
-                                  **kwargs)
+        model = timm.create_model(
+            name, pretrained=True, num_classes=num_classes, pretrained_cfg_overlay=overlay, **kwargs
+        )
     if seen:
         return model, seen[-1]
     return model, getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
@@ -155,8 +165,12 @@ def _filtered(model: nn.Module, state: Mapping[str, Any], path: str, fn: Callabl
         return fn(dict(state), model)
     except Exception as err:  # noqa: BLE001 - whatever the filter meets in another model's file
         own = set(model.state_dict())
-        raise CheckpointMismatchError(path, sorted(own - set(state)), sorted(set(state) - own),
-                                      f"the model's checkpoint filter failed: {err!r}") from err
+        raise CheckpointMismatchError(
+            path,
+            sorted(own - set(state)),
+            sorted(set(state) - own),
+            f"the model's checkpoint filter failed: {err!r}",
+        ) from err
 
 
 def _classifier_keys(model: nn.Module) -> frozenset[str]:
@@ -165,8 +179,13 @@ def _classifier_keys(model: nn.Module) -> frozenset[str]:
     return frozenset(f"{n}.{p}" for n in names for p in ("weight", "bias"))
 
 
-def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool | None = None,
-                    filter_fn: Callable | None = None) -> LoadedWeights:
+def load_checkpoint(
+    model: nn.Module,
+    path: str,
+    num_classes: int,
+    use_ema: bool | None = None,
+    filter_fn: Callable | None = None,
+) -> LoadedWeights:
     """Load ``path`` into ``model`` by the rules of the module docstring; ``filter_fn`` is the
     model's checkpoint filter (:func:`_create`). Returns what was loaded."""
     evaluation = evaluation_of(model)
@@ -174,27 +193,40 @@ def load_checkpoint(model: nn.Module, path: str, num_classes: int, use_ema: bool
     state = shvit.original_to_timm(raw, model) if shvit.is_original_checkpoint(raw, model) else raw
     state = _filtered(model, state, path, filter_fn)
     own = model.state_dict()
-    exempt = _classifier_keys(model) if num_classes != model.pretrained_cfg.get("num_classes") else frozenset()
-    state = {k: v for k, v in state.items() if not (k in exempt and (k not in own or v.shape != own[k].shape))}
+    exempt = (
+        _classifier_keys(model) if num_classes != model.pretrained_cfg.get("num_classes") else frozenset()
+    )
+    state = {
+        k: v for k, v in state.items() if not (k in exempt and (k not in own or v.shape != own[k].shape))
+    }
     missing = sorted(set(own) - set(state) - exempt)
     unexpected = sorted(set(state) - set(own))
     if missing or unexpected:
         raise CheckpointMismatchError(path, missing, unexpected)
-    sizes = [f"{k}: file {tuple(v.shape)}, model {tuple(own[k].shape)}" for k, v in state.items()
-             if hasattr(v, "shape") and v.shape != own[k].shape]
+    sizes = [
+        f"{k}: file {tuple(v.shape)}, model {tuple(own[k].shape)}"
+        for k, v in state.items()
+        if hasattr(v, "shape") and v.shape != own[k].shape
+    ]
     if sizes:
         raise CheckpointMismatchError(path, [], [], f"size mismatch for {'; '.join(sizes[:5])}")
     model.load_state_dict(state, strict=False)
     if dinov2.is_hub_checkpoint(raw) and getattr(model, "pos_embed", None) is not None:
         dinov2.load_hub_pos_embed(model, raw)
-    chosen_by = ("a plain state dict: one set" if key == PLAIN else evaluation.source if use_ema is None
-                 else f"backbone.use_ema={str(use_ema).lower()}")
+    chosen_by = (
+        "a plain state dict: one set"
+        if key == PLAIN
+        else evaluation.source
+        if use_ema is None
+        else f"backbone.use_ema={str(use_ema).lower()}"
+    )
     return LoadedWeights(path, key, chosen_by)
 
 
 def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     """``timm.create_model`` from a backbone config: ``timm_name``, ``img_size``, ``pretrained``,
-    ``use_ema`` (absent: the reference evaluation's set), ``drop_path_rate`` and free ``kwargs`` passed to the model constructor."""
+    ``use_ema`` (absent: the reference evaluation's set), ``drop_path_rate`` and free ``kwargs`` passed to the model constructor.
+    """
     kwargs = dict(cfg.get("kwargs") or {})
     img = int(cfg["img_size"])
     overlay: dict[str, Any] = {}
@@ -209,11 +241,14 @@ def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     file = Path(str(path)).expanduser() if path else None
     if file is not None and not file.is_file():
         raise FileNotFoundError(f"backbone.pretrained: checkpoint file not found: {file}")
-    model, filter_fn = _create(cfg["timm_name"], num_classes, overlay or None, kwargs, weights=file is not None)
+    model, filter_fn = _create(
+        cfg["timm_name"], num_classes, overlay or None, kwargs, weights=file is not None
+    )
     if file is not None:
         use_ema = cfg.get("use_ema")
-        model.pretrained_weights = load_checkpoint(model, str(file), num_classes,
-                                                   None if use_ema is None else bool(use_ema), filter_fn)
+        model.pretrained_weights = load_checkpoint(
+            model, str(file), num_classes, None if use_ema is None else bool(use_ema), filter_fn
+        )
     official_head_eps(model)
     return model
 
@@ -233,17 +268,22 @@ def check_file(path: str | Path, key: str) -> Any:
         raise CheckpointError(f"{key}: {file} is a folder, not a checkpoint file")
     if file.stat().st_size == 0:
         raise CheckpointError(f"{key}: {file} is empty (0 bytes)")
-    if file.suffix == ".safetensors":  # timm's hub files (vitexp.config.weights): tensors only by construction
+    if (
+        file.suffix == ".safetensors"
+    ):  # timm's hub files (vitexp.config.weights): tensors only by construction
         from safetensors.torch import load_file
 
         try:
             return load_file(str(file), device="cpu")
         except Exception as err:  # noqa: BLE001 - truncated or not a safetensors file
-            raise CheckpointError(f"{key}: {file} is not a safetensors file ({type(err).__name__}: "
-                                  f"{one_line(err)[:200]})") from None
+            raise CheckpointError(
+                f"{key}: {file} is not a safetensors file ({type(err).__name__}: {one_line(err)[:200]})"
+            ) from None
     try:
         with warnings.catch_warnings(), torch.serialization.safe_globals(SAFE_GLOBALS):
-            warnings.simplefilter("ignore")  # the unpickler's protocol warning on a file that is no checkpoint
+            warnings.simplefilter(
+                "ignore"
+            )  # the unpickler's protocol warning on a file that is no checkpoint
             state = torch.load(str(file), map_location="cpu", weights_only=True, mmap=False)
     except EOFError:
         raise CheckpointError(f"{key}: {file} is truncated (it ends before the checkpoint does)") from None
@@ -252,13 +292,15 @@ def check_file(path: str | Path, key: str) -> Any:
         if found:
             raise CheckpointError(
                 f"{key}: {file} holds a pickled Python object ({found.group(1)}) that vitexp does not load; "
-                "save the weights alone: torch.save(model.state_dict(), path)") from None
+                "save the weights alone: torch.save(model.state_dict(), path)"
+            ) from None
         reason = re.search(r"WeightsUnpickler error:\s*(.+)", str(err))
         why = reason.group(1).strip().splitlines()[0] if reason else type(err).__name__
         raise CheckpointError(f"{key}: {file} is not a PyTorch checkpoint ({why})") from None
     except Exception as err:  # noqa: BLE001 - a zip or pickle that is no checkpoint
-        raise CheckpointError(f"{key}: {file} is not a PyTorch checkpoint ({type(err).__name__}: "
-                              f"{one_line(err)[:200]})") from None
+        raise CheckpointError(
+            f"{key}: {file} is not a PyTorch checkpoint ({type(err).__name__}: {one_line(err)[:200]})"
+        ) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{key}: {file} holds a {type(state).__name__}, not a state dict")
     return state

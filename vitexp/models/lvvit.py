@@ -16,6 +16,7 @@ Checkpoints: the official ``.pth.tar`` files hold ``state_dict`` or ``state_dict
 with a ``module.`` prefix. :func:`checkpoint_filter_fn` unwraps them and resizes the position
 embedding when the resolution differs.
 """
+
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
@@ -24,7 +25,13 @@ from timm.layers import resample_abs_pos_embed, to_2tuple, trunc_normal_
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import Block
 
-from vitexp.models._common import ClsTokenViT, init_weights, official_cfg, official_checkpoint_filter, vit_feature_cfg
+from vitexp.models._common import (
+    ClsTokenViT,
+    init_weights,
+    official_cfg,
+    official_checkpoint_filter,
+    vit_feature_cfg,
+)
 
 
 class LVBlock(Block):
@@ -32,8 +39,9 @@ class LVBlock(Block):
 
     skip_lam: float = 2.0
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-                is_causal: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False
+    ) -> torch.Tensor:
         x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x)))) / self.skip_lam
         x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))) / self.skip_lam
         return x
@@ -42,8 +50,13 @@ class LVBlock(Block):
 class Stem42(nn.Module):
     """LV-ViT's "4_2" patch embedding: a 4-layer convolutional stem, 16-pixel patches."""
 
-    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, in_chans: int = 3, hidden: int = 64,
-                 embed_dim: int = 384):
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        in_chans: int = 3,
+        hidden: int = 64,
+        embed_dim: int = 384,
+    ):
         super().__init__()
         self.img_size = to_2tuple(img_size)
         self.patch_size = (16, 16)
@@ -66,10 +79,22 @@ class Stem42(nn.Module):
 
 
 class LVViT(ClsTokenViT):
-    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, in_chans: int = 3, num_classes: int = 1000,
-                 embed_dim: int = 384, depth: int = 16, num_heads: int = 6, mlp_ratio: float = 3.0,
-                 qkv_bias: bool = False, skip_lam: float = 2.0, stem_dim: int = 64, drop_rate: float = 0.0,
-                 drop_path_rate: float = 0.0, aux_weight: float = 0.5):
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 384,
+        depth: int = 16,
+        num_heads: int = 6,
+        mlp_ratio: float = 3.0,
+        qkv_bias: bool = False,
+        skip_lam: float = 2.0,
+        stem_dim: int = 64,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        aux_weight: float = 0.5,
+    ):
         super().__init__()
         self.init_vit_attributes(embed_dim, depth, num_classes)
         self.aux_weight = aux_weight
@@ -81,8 +106,15 @@ class LVViT(ClsTokenViT):
         norm = nn.LayerNorm  # eps 1e-5, as the official model
         self.blocks = nn.ModuleList()
         for i in range(depth):
-            block = LVBlock(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, drop_path=dpr[i],
-                            proj_drop=drop_rate, norm_layer=norm)
+            block = LVBlock(
+                embed_dim,
+                num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                drop_path=dpr[i],
+                proj_drop=drop_rate,
+                norm_layer=norm,
+            )
             block.skip_lam = skip_lam
             self.blocks.append(block)
         self.norm = norm(embed_dim)
@@ -106,10 +138,14 @@ class LVViT(ClsTokenViT):
             return x[:, 0]
         return self.head(x[:, 0]) + self.aux_weight * self.aux_head(x[:, 1:]).max(dim=1).values
 
+
 def checkpoint_filter_fn(state_dict: Dict[str, Any], model: LVViT) -> Dict[str, torch.Tensor]:
     """Official checkpoint layouts; the position embedding is resampled to the model's grid."""
-    return official_checkpoint_filter(state_dict, model.pos_embed, lambda v: resample_abs_pos_embed(
-        v, new_size=model.patch_embed.grid_size, num_prefix_tokens=1))
+    return official_checkpoint_filter(
+        state_dict,
+        model.pos_embed,
+        lambda v: resample_abs_pos_embed(v, new_size=model.patch_embed.grid_size, num_prefix_tokens=1),
+    )
 
 
 def _cfg(**kwargs):
@@ -117,15 +153,23 @@ def _cfg(**kwargs):
     return official_cfg("patch_embed.conv1", classifier=("head", "aux_head"), **kwargs)
 
 
-default_cfgs = generate_default_cfgs({
-    "lvvit_s": _cfg(),
-    "lvvit_micro": _cfg(num_classes=10, input_size=(3, 64, 64), crop_pct=1.0),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "lvvit_s": _cfg(),
+        "lvvit_micro": _cfg(num_classes=10, input_size=(3, 64, 64), crop_pct=1.0),
+    }
+)
 
 
 def _create(variant: str, pretrained: bool, **kwargs) -> LVViT:
-    return build_model_with_cfg(LVViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=vit_feature_cfg(kwargs), **kwargs)
+    return build_model_with_cfg(
+        LVViT,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=vit_feature_cfg(kwargs),
+        **kwargs,
+    )
 
 
 @register_model

@@ -5,6 +5,7 @@ pre-norm blocks, linear head on CLS) at 32 px with 4 px patches.
 64 patch tokens + CLS. It is timm's own ``VisionTransformer``, so every method that patches
 timm ViTs (attention, blocks, LayerScale) applies to it unchanged.
 """
+
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
@@ -29,10 +30,12 @@ def _cfg(**kwargs):
     }
 
 
-default_cfgs = generate_default_cfgs({
-    "vit_micro_patch4_32": _cfg(),
-    "vit_micro_patch14_dinov2": _cfg(input_size=(3, 56, 56), interpolation="bicubic"),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "vit_micro_patch4_32": _cfg(),
+        "vit_micro_patch14_dinov2": _cfg(input_size=(3, 56, 56), interpolation="bicubic"),
+    }
+)
 
 
 @register_model
@@ -54,7 +57,9 @@ def vit_micro_patch4_32(pretrained: bool = False, **kwargs) -> VisionTransformer
 def vit_micro_patch14_dinov2(pretrained: bool = False, **kwargs) -> VisionTransformer:
     """DINOv2 layout at micro size (CPU tests): 56 px, patch 14 (16 patches), LayerScale 1e-5,
     dim 64, depth 4, 4 heads (16 heads in all)."""
-    model_args = dict(img_size=56, patch_size=14, embed_dim=64, depth=4, num_heads=4, mlp_ratio=4.0, init_values=1e-5)
+    model_args = dict(
+        img_size=56, patch_size=14, embed_dim=64, depth=4, num_heads=4, mlp_ratio=4.0, init_values=1e-5
+    )
     model_args.update(kwargs)
     return build_model_with_cfg(
         VisionTransformer,

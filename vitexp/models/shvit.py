@@ -12,6 +12,7 @@ timm loads its own converted weights), so :func:`original_to_timm` renames them 
 ``build_backbone``; 1×1 convolutions stored as matrices are reshaped, as the original ``build.py``
 does.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,17 +24,24 @@ from timm.models import register_model
 from timm.models._registry import generate_default_cfgs
 from timm.models.shvit import SHViT, _cfg, _create_shvit
 
-default_cfgs = generate_default_cfgs({
-    "shvit_micro": _cfg(num_classes=10, input_size=(3, 128, 128), pool_size=(2, 2)),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "shvit_micro": _cfg(num_classes=10, input_size=(3, 128, 128), pool_size=(2, 2)),
+    }
+)
 
 
 @register_model
 def shvit_micro(pretrained: bool = False, **kwargs) -> SHViT:
     """SHViT layout at micro size: widths (32, 48, 64), attention on (8, 12, 16) channels,
     depths (1, 2, 1); stage 1 without attention, as in every SHViT."""
-    model_args = dict(embed_dim=(32, 48, 64), depth=(1, 2, 1), partial_dim=(8, 12, 16), qk_dim=(8, 8, 8),
-                      types=("i", "s", "s"))
+    model_args = dict(
+        embed_dim=(32, 48, 64),
+        depth=(1, 2, 1),
+        partial_dim=(8, 12, 16),
+        qk_dim=(8, 8, 8),
+        types=("i", "s", "s"),
+    )
     return _create_shvit("shvit_micro", pretrained=pretrained, **dict(model_args, **kwargs))
 
 
@@ -67,8 +75,12 @@ def original_to_timm(state: Mapping[str, Any], model: nn.Module) -> dict[str, An
     out = {}
     for key, value in state.items():
         key = _timm_key(key)
-        if key in own and isinstance(value, torch.Tensor) and value.shape != own[key].shape \
-                and value.numel() == own[key].numel():
+        if (
+            key in own
+            and isinstance(value, torch.Tensor)
+            and value.shape != own[key].shape
+            and value.numel() == own[key].numel()
+        ):
             value = value.reshape(own[key].shape)
         out[key] = value
     return out

@@ -24,6 +24,7 @@
   (``backbone.kwargs.qk_scale=0.05103``). Which of the two reproduces 81.5 % can only be checked
   with the released weights on ImageNet.
 """
+
 import math
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -64,7 +65,9 @@ class TokenPerformer(nn.Module):
         self.norm1 = nn.LayerNorm(dim)
         self.norm2 = nn.LayerNorm(self.emb)
         self.epsilon = 1e-8
-        self.mlp = nn.Sequential(nn.Linear(self.emb, self.emb), nn.GELU(), nn.Linear(self.emb, self.emb), nn.Dropout(drop))
+        self.mlp = nn.Sequential(
+            nn.Linear(self.emb, self.emb), nn.GELU(), nn.Linear(self.emb, self.emb), nn.Dropout(drop)
+        )
         self.m = int(self.emb * kernel_ratio)
         w = nn.init.orthogonal_(torch.randn(self.m, self.emb)) * math.sqrt(self.m)
         register_frozen_weight(self, "w", w)
@@ -94,7 +97,7 @@ class _TokenAttention(nn.Module):
     def __init__(self, dim: int, in_dim: int):
         super().__init__()
         self.in_dim = in_dim
-        self.scale = dim ** -0.5
+        self.scale = dim**-0.5
         self.qkv = nn.Linear(dim, in_dim * 3, bias=False)
         self.proj = nn.Linear(in_dim, in_dim)
 
@@ -124,8 +127,14 @@ class TokenTransformer(nn.Module):
 class T2TModule(nn.Module):
     """Tokens-to-token: three soft splits (Unfold) with two token blocks between them."""
 
-    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, tokens_type: str = "performer",
-                 in_chans: int = 3, embed_dim: int = 384, token_dim: int = 64):
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        tokens_type: str = "performer",
+        in_chans: int = 3,
+        embed_dim: int = 384,
+        token_dim: int = 64,
+    ):
         super().__init__()
         if tokens_type not in ("performer", "transformer"):
             raise ValueError(f"tokens_type={tokens_type!r}: valid types are ('performer', 'transformer')")
@@ -165,11 +174,22 @@ class T2TViT(ClsTokenViT):
 
     __jit_unused_properties__ = ["patch_embed"]
 
-    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, tokens_type: str = "performer",
-                 in_chans: int = 3, num_classes: int = 1000,
-                 embed_dim: int = 384, depth: int = 14, num_heads: int = 6, mlp_ratio: float = 3.0,
-                 qkv_bias: bool = False, qk_scale: Optional[float] = None, drop_rate: float = 0.0,
-                 drop_path_rate: float = 0.0, token_dim: int = 64):
+    def __init__(
+        self,
+        img_size: Union[int, Tuple[int, int]] = 224,
+        tokens_type: str = "performer",
+        in_chans: int = 3,
+        num_classes: int = 1000,
+        embed_dim: int = 384,
+        depth: int = 14,
+        num_heads: int = 6,
+        mlp_ratio: float = 3.0,
+        qkv_bias: bool = False,
+        qk_scale: Optional[float] = None,
+        drop_rate: float = 0.0,
+        drop_path_rate: float = 0.0,
+        token_dim: int = 64,
+    ):
         super().__init__()
         self.init_vit_attributes(embed_dim, depth, num_classes)
         self.tokens_to_token = T2TModule(img_size, tokens_type, in_chans, embed_dim, token_dim)
@@ -180,8 +200,15 @@ class T2TViT(ClsTokenViT):
         dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depth)]
         self.blocks = nn.ModuleList()
         for i in range(depth):
-            block = Block(embed_dim, num_heads, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias, proj_drop=drop_rate,
-                          drop_path=dpr[i], norm_layer=nn.LayerNorm)  # eps 1e-5, the official nn.LayerNorm
+            block = Block(
+                embed_dim,
+                num_heads,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                proj_drop=drop_rate,
+                drop_path=dpr[i],
+                norm_layer=nn.LayerNorm,
+            )  # eps 1e-5, the official nn.LayerNorm
             block.attn.__class__ = ScaledAttention
             block.attn.gate_values = None
             if qk_scale is not None:
@@ -210,29 +237,46 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: T2TViT) -> Dict[str,
     A checkpoint for another number of input channels is refused: the first token block normalises
     and projects the whole C×7×7 unfolded patch, which has no per-channel adaptation."""
     shape = model.pos_embed.shape
-    out = official_checkpoint_filter(state_dict, model.pos_embed, lambda v: sinusoid_encoding(shape[1], shape[2]))
+    out = official_checkpoint_filter(
+        state_dict, model.pos_embed, lambda v: sinusoid_encoding(shape[1], shape[2])
+    )
     key = "tokens_to_token.attention1.norm1.weight"
     theirs, ours = out.get(key), model.tokens_to_token.attention1.norm1.weight
     if theirs is not None and theirs.shape != ours.shape:
-        raise ValueError(f"a T2T-ViT checkpoint for {theirs.shape[0] // 49} input channels cannot load into a model "
-                         f"with in_chans={ours.shape[0] // 49}: its first token block acts on the whole C×7×7 patch")
+        raise ValueError(
+            f"a T2T-ViT checkpoint for {theirs.shape[0] // 49} input channels cannot load into a model "
+            f"with in_chans={ours.shape[0] // 49}: its first token block acts on the whole C×7×7 patch"
+        )
     return out
 
 
 #: ``first_conv`` of each tokens-to-token type: Unfold(7, s4) followed by this linear layer is a
 #: 7×7/4 convolution over the pixels, so it is the layer that plays the first conv's role.
-_FIRST_CONV = {"performer": "tokens_to_token.attention1.kqv", "transformer": "tokens_to_token.attention1.attn.qkv"}
+_FIRST_CONV = {
+    "performer": "tokens_to_token.attention1.kqv",
+    "transformer": "tokens_to_token.attention1.attn.qkv",
+}
 
-default_cfgs = generate_default_cfgs({
-    "t2t_vit_14": official_cfg(_FIRST_CONV["performer"]),
-    "t2t_vit_t_14": official_cfg(_FIRST_CONV["transformer"]),
-    "t2t_vit_micro": official_cfg(_FIRST_CONV["performer"], num_classes=10, input_size=(3, 64, 64), crop_pct=1.0),
-})
+default_cfgs = generate_default_cfgs(
+    {
+        "t2t_vit_14": official_cfg(_FIRST_CONV["performer"]),
+        "t2t_vit_t_14": official_cfg(_FIRST_CONV["transformer"]),
+        "t2t_vit_micro": official_cfg(
+            _FIRST_CONV["performer"], num_classes=10, input_size=(3, 64, 64), crop_pct=1.0
+        ),
+    }
+)
 
 
 def _create(variant: str, pretrained: bool, **kwargs) -> T2TViT:
-    return build_model_with_cfg(T2TViT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=vit_feature_cfg(kwargs), **kwargs)
+    return build_model_with_cfg(
+        T2TViT,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=vit_feature_cfg(kwargs),
+        **kwargs,
+    )
 
 
 @register_model
@@ -252,5 +296,7 @@ def t2t_vit_t_14(pretrained: bool = False, **kwargs) -> T2TViT:
 @register_model
 def t2t_vit_micro(pretrained: bool = False, **kwargs) -> T2TViT:
     """The T2T-ViT layout at micro size for CPU tests: 64 px (16 tokens), dim 64, depth 4."""
-    args = dict(img_size=64, tokens_type="performer", embed_dim=64, depth=4, num_heads=4, mlp_ratio=3.0, token_dim=16)
+    args = dict(
+        img_size=64, tokens_type="performer", embed_dim=64, depth=4, num_heads=4, mlp_ratio=3.0, token_dim=16
+    )
     return _create("t2t_vit_micro", pretrained, **{**args, **kwargs})

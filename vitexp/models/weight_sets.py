@@ -29,6 +29,7 @@ A file that is a plain state dict (none of the four keys) is the weights, whatev
 ``backbone.use_ema=true`` (``false``) overrides the rule in either direction and loads the EMA
 (non-EMA) set only: it never falls back to the other set.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,21 +56,33 @@ class Evaluation:
     source: str
 
 
-ONE_SET = Evaluation("every other architecture's evaluation", WEIGHTS_KEYS[False],
-                     "facebookresearch/deit@7e160fe main.py:402 (--eval --resume: load_state_dict(checkpoint['model'])); "
-                     "CaFormer and DINOv2 releases and timm hub files hold one set")
+ONE_SET = Evaluation(
+    "every other architecture's evaluation",
+    WEIGHTS_KEYS[False],
+    "facebookresearch/deit@7e160fe main.py:402 (--eval --resume: load_state_dict(checkpoint['model'])); "
+    "CaFormer and DINOv2 releases and timm hub files hold one set",
+)
 
 #: Each architecture's reference evaluation (module docstring), by model class.
 REFERENCE_EVALUATIONS: dict[type, Evaluation] = {
-    T2TViT: Evaluation("T2T-ViT's main.py --eval_checkpoint", ("state_dict_ema", "state_dict"),
-                       "yitu-opensource/T2T-ViT@0f63dc9 main.py:197 (--model-ema default=True), "
-                       "main.py:531 (load_checkpoint(model, args.eval_checkpoint, args.model_ema))"),
-    LVViT: Evaluation("TokenLabeling's validate.py", ("state_dict", "model"),
-                      "zihangJiang/TokenLabeling@9dbfd59 validate.py:98 (--use-ema store_true, default False), "
-                      "validate.py:150 (load_checkpoint(model, args.checkpoint, args.use_ema))"),
-    SHViT: Evaluation("SHViT's main.py --eval", ("model", "state_dict"),
-                      "ysj9909/SHViT@6a729cc README.md:100 (main.py --eval --resume), main.py:369 "
-                      "(load_state_dict(checkpoint['model']))"),
+    T2TViT: Evaluation(
+        "T2T-ViT's main.py --eval_checkpoint",
+        ("state_dict_ema", "state_dict"),
+        "yitu-opensource/T2T-ViT@0f63dc9 main.py:197 (--model-ema default=True), "
+        "main.py:531 (load_checkpoint(model, args.eval_checkpoint, args.model_ema))",
+    ),
+    LVViT: Evaluation(
+        "TokenLabeling's validate.py",
+        ("state_dict", "model"),
+        "zihangJiang/TokenLabeling@9dbfd59 validate.py:98 (--use-ema store_true, default False), "
+        "validate.py:150 (load_checkpoint(model, args.checkpoint, args.use_ema))",
+    ),
+    SHViT: Evaluation(
+        "SHViT's main.py --eval",
+        ("model", "state_dict"),
+        "ysj9909/SHViT@6a729cc README.md:100 (main.py --eval --resume), main.py:369 "
+        "(load_state_dict(checkpoint['model']))",
+    ),
 }
 
 
@@ -94,19 +107,28 @@ def choose_set(checkpoint: Mapping[str, Any], evaluation: Evaluation, use_ema: b
 
     held = held_sets(checkpoint)
     if use_ema is None:
-        wanted, asked = evaluation.keys, f"{evaluation.name} loads {' or '.join(evaluation.keys)} ({evaluation.source})"
+        wanted, asked = (
+            evaluation.keys,
+            f"{evaluation.name} loads {' or '.join(evaluation.keys)} ({evaluation.source})",
+        )
     else:
-        wanted, asked = WEIGHTS_KEYS[use_ema], f"backbone.use_ema={str(use_ema).lower()} loads " \
-                                               f"{' or '.join(WEIGHTS_KEYS[use_ema])}"
+        wanted, asked = (
+            WEIGHTS_KEYS[use_ema],
+            f"backbone.use_ema={str(use_ema).lower()} loads {' or '.join(WEIGHTS_KEYS[use_ema])}",
+        )
     for key in wanted:
         if key in held:
             return key
     if not held and not use_ema:
         return PLAIN
     if use_ema:
-        raise CheckpointError(f"backbone.use_ema=true: {path} holds no EMA weights (no {' or '.join(WEIGHTS_KEYS[True])}"
-                              + (f"; it holds {held}" if held else ": it is a plain state dict") + ")")
+        raise CheckpointError(
+            f"backbone.use_ema=true: {path} holds no EMA weights (no {' or '.join(WEIGHTS_KEYS[True])}"
+            + (f"; it holds {held}" if held else ": it is a plain state dict")
+            + ")"
+        )
     other = "true" if all(k in WEIGHTS_KEYS[True] for k in held) else "false"
     what = "only EMA weights" if other == "true" else "other weights"
-    raise CheckpointError(f"backbone.pretrained: {path} holds {what} ({held}); {asked}; "
-                          f"++backbone.use_ema={other} loads these")
+    raise CheckpointError(
+        f"backbone.pretrained: {path} holds {what} ({held}); {asked}; ++backbone.use_ema={other} loads these"
+    )

@@ -17,6 +17,7 @@ Decisions:
   weights, data order and initialisation of the head, so pairing removes that shared noise.
 - A row with fewer completed seeds than it asks for says so in its cell ("2 of 3 seeds").
 """
+
 from __future__ import annotations
 
 import math
@@ -83,21 +84,35 @@ def seeded_cell(runs_by_seed: dict[int, list[dict[str, Any]]], key: str) -> dict
     ``seeds`` ({seed: value}) and ``run_ids``."""
     vals = per_seed_values(runs_by_seed, key)
     stats = summarize([v for v, _ in vals.values()])
-    return {"value": stats["mean"], "std": stats["std"], "n": stats["n"], "expected": len(runs_by_seed),
-            "seeds": {s: v for s, (v, _) in sorted(vals.items())},
-            "run_ids": [rid for _, (_, rid) in sorted(vals.items())],
-            "run_id": ", ".join(rid for _, (_, rid) in sorted(vals.items())) or None}
+    return {
+        "value": stats["mean"],
+        "std": stats["std"],
+        "n": stats["n"],
+        "expected": len(runs_by_seed),
+        "seeds": {s: v for s, (v, _) in sorted(vals.items())},
+        "run_ids": [rid for _, (_, rid) in sorted(vals.items())],
+        "run_id": ", ".join(rid for _, (_, rid) in sorted(vals.items())) or None,
+    }
 
 
 def paired_difference(method: dict[int, float], baseline: dict[int, float]) -> dict[str, Any]:
     """mean ± sample std of ``method_s - baseline_s`` over the seeds both have; n = pairs."""
     common = sorted(set(method) & set(baseline))
-    return {**summarize([method[s] - baseline[s] for s in common]), "seeds": common,
-            "both_run": bool(method) and bool(baseline)}
+    return {
+        **summarize([method[s] - baseline[s] for s in common]),
+        "seeds": common,
+        "both_run": bool(method) and bool(baseline),
+    }
 
 
-def format_stat(mean: float | None, std: float | None, n: int, digits: int, expected: int | None = None,
-                signed: bool = False) -> str | None:
+def format_stat(
+    mean: float | None,
+    std: float | None,
+    n: int,
+    digits: int,
+    expected: int | None = None,
+    signed: bool = False,
+) -> str | None:
     """``"90.12 ± 0.31 (3)"``; ``"(2 of 3 seeds)"`` when fewer than asked; ``None`` when n = 0."""
     if not n or mean is None:
         return None
@@ -123,9 +138,11 @@ def paired_cells(spec: dict[str, Any], filled: list[dict[str, Any]]) -> None:
         if not base:
             continue
         if base not in by_experiment or by_experiment[base].get("seeds") is None:
-            raise ValueError(f"{spec.get('name', 'table')}: row {row['label']!r} has baseline {base!r}, "
-                             f"which is not the name of a seeded row; seeded rows: "
-                             f"{sorted(e for e, r in by_experiment.items() if r.get('seeds') is not None)}")
+            raise ValueError(
+                f"{spec.get('name', 'table')}: row {row['label']!r} has baseline {base!r}, "
+                "which is not the name of a seeded row; seeded rows: "
+                f"{sorted(e for e, r in by_experiment.items() if r.get('seeds') is not None)}"
+            )
         for col in paired_columns(spec):
             mine, theirs = row["cells"][col["key"]], by_experiment[base]["cells"][col["key"]]
             row["paired"][col["key"]] = paired_difference(mine.get("seeds") or {}, theirs.get("seeds") or {})

@@ -30,6 +30,7 @@ Decisions:
 - **A row's own markers may coincide**: its hollow paper marker round its filled measured one reads
   as agreement, so they are not set apart from each other.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,8 +38,10 @@ from itertools import count
 from typing import Any, Iterator
 
 #: The note under a plot whose axis has a marker set apart from its values.
-MOVED_NOTE = ("Markers that would hide one another are set apart sideways on the page (by multiples of a "
-              "marker's width); their values are the table's.")
+MOVED_NOTE = (
+    "Markers that would hide one another are set apart sideways on the page (by multiples of a "
+    "marker's width); their values are the table's."
+)
 #: Centres closer than this (points) are set apart, by multiples of it.
 GAP = 10.0
 #: The direction each kind of marker moves in: a point of the plane, a cost-only marker (cost on
@@ -59,6 +62,7 @@ LABELS = {"bottom": "cost only", "left": "no cost\ngiven"}
 class Mark:
     """One row's marker on an axis: its line first, then what moves with it (error bars), and the
     annotations placed at an offset in points from it."""
+
     row: str
     kind: str
     artists: list[Any]
@@ -72,8 +76,11 @@ class Mark:
         """Back to the place it was drawn at (before :func:`separate` moved it), remembering it."""
         self.moved = False
         if self.drawn is None:
-            self.drawn = ([a.get_transform() for a in self.artists], [a.get_clip_on() for a in self.artists],
-                          [n.xyann for n in self.notes])
+            self.drawn = (
+                [a.get_transform() for a in self.artists],
+                [a.get_clip_on() for a in self.artists],
+                [n.xyann for n in self.notes],
+            )
             return
         for artist, transform, clip in zip(self.artists, self.drawn[0], self.drawn[1]):
             artist.set_transform(transform)
@@ -99,7 +106,7 @@ def offsets(marks: list[tuple[str, str, tuple[float, float]]]) -> list[tuple[flo
         dx, dy = DIRECTIONS[kind]
         for n in _steps(kind):
             px, py = x + n * GAP * dx, y + n * GAP * dy
-            if all(other == row or (px - ox) ** 2 + (py - oy) ** 2 >= GAP ** 2 for other, ox, oy in placed):
+            if all(other == row or (px - ox) ** 2 + (py - oy) ** 2 >= GAP**2 for other, ox, oy in placed):
                 break
         placed.append((row, px, py))
         out.append((px - x, py - y))
@@ -158,8 +165,13 @@ class Strips:
         self.divider = self.divider or make_axes_locatable(self.ax)
         self.sizes[side] = Fixed((2 * BASE) / 72.0)
         bottom = side == "bottom"
-        strip = self.axes[side] = self.divider.append_axes(side, size=self.sizes[side], pad=PAD / 72.0,
-                                                           facecolor="0.96", **{"sharex" if bottom else "sharey": self.ax})
+        strip = self.axes[side] = self.divider.append_axes(
+            side,
+            size=self.sizes[side],
+            pad=PAD / 72.0,
+            facecolor="0.96",
+            **{"sharex" if bottom else "sharey": self.ax},
+        )
         strip.tick_params(labelsize=7)
         self._limit(side)
         if bottom:
@@ -201,7 +213,9 @@ class Strips:
         return grew
 
 
-def fit(fig, strips: list[Strips], marks: list[Mark], rounds: int = 3, size: tuple[float, float] | None = None) -> None:
+def fit(
+    fig, strips: list[Strips], marks: list[Mark], rounds: int = 3, size: tuple[float, float] | None = None
+) -> None:
     """Lay the figure out with its strips deep enough for their stacks, growing it (``size``, else
     its size now) by the strips (up to ``rounds`` times: a strip's depth moves the markers of the
     strips across it). Marks are read where they were drawn."""
@@ -209,8 +223,10 @@ def fit(fig, strips: list[Strips], marks: list[Mark], rounds: int = 3, size: tup
         mark.restore()
     width, height = size or fig.get_size_inches()
     for n in range(rounds + 1):
-        fig.set_size_inches(width + sum(s.inches("left") for s in strips),
-                            height + max((s.inches("bottom") for s in strips), default=0.0))
+        fig.set_size_inches(
+            width + sum(s.inches("left") for s in strips),
+            height + max((s.inches("bottom") for s in strips), default=0.0),
+        )
         fig.tight_layout()
         renderer = fig.canvas.get_renderer()
         for ax in fig.axes:  # the strips' and their axes' places (otherwise applied at the next draw)
@@ -228,7 +244,11 @@ def extent(line):
 
     style = MarkerStyle(line.get_marker())
     px = line.figure.dpi / 72.0
-    box = style.get_path().transformed(style.get_transform() + Affine2D().scale(line.get_markersize() * px)).get_extents()
+    box = (
+        style.get_path()
+        .transformed(style.get_transform() + Affine2D().scale(line.get_markersize() * px))
+        .get_extents()
+    )
     edge = line.get_markeredgewidth() * px / 2
     x, y = line.get_transform().transform(line.get_xydata()[0])
     return Bbox([[x + box.x0 - edge, y + box.y0 - edge], [x + box.x1 + edge, y + box.y1 + edge]])
@@ -252,7 +272,9 @@ def pad(marks: list[Mark], rounds: int = 20) -> bool:
         at = ax.transData.transform(value)  # the value's own place: the offset is part of the reach
         for dim in DATA_DIMS[mark.kind]:
             low, high = (box.x0, box.x1) if dim == 0 else (box.y0, box.y1)
-            need.setdefault((ax, dim), []).append((float(value[dim]), at[dim] - low + edge, high - at[dim] + edge))
+            need.setdefault((ax, dim), []).append(
+                (float(value[dim]), at[dim] - low + edge, high - at[dim] + edge)
+            )
     changed = False
     for (ax, dim), reaches in need.items():
         get, put = (ax.get_xlim, ax.set_xlim) if dim == 0 else (ax.get_ylim, ax.set_ylim)
@@ -261,8 +283,10 @@ def pad(marks: list[Mark], rounds: int = 20) -> bool:
         new_lo, new_hi = lo, hi
         for _ in range(rounds):  # each widening shrinks the scale, so the reach in data units grows
             scale = (new_hi - new_lo) / size
-            wider = (min(new_lo, *(v - below * scale for v, below, _ in reaches)),
-                     max(new_hi, *(v + above * scale for v, _, above in reaches)))
+            wider = (
+                min(new_lo, *(v - below * scale for v, below, _ in reaches)),
+                max(new_hi, *(v + above * scale for v, _, above in reaches)),
+            )
             if wider == (new_lo, new_hi):
                 break
             new_lo, new_hi = wider

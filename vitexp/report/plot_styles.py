@@ -28,6 +28,7 @@ Decisions:
   octagon beside the circle; the two hexagons, ``h`` and ``H``, count as one outline on an axis:
   :data:`OUTLINES`); controls are grey and hollow with :data:`CONTROL_MARKERS`.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,11 +44,28 @@ MIN_DELTA_E = 20.0
 MIN_FROM_WHITE = MIN_FROM_BLACK = 22.0
 
 #: Family -> hue (families a table names often; the others take :data:`SPARE_COLOURS`).
-FAMILY_COLOURS = {"baseline": "0.15", "BSPF-ViT": "tab:blue", "chunk attention": "tab:cyan", "EViT": "tab:orange",
-                  "ToMe": "tab:green", "SAPER": "tab:red", "RAPTOR": "tab:purple"}
+FAMILY_COLOURS = {
+    "baseline": "0.15",
+    "BSPF-ViT": "tab:blue",
+    "chunk attention": "tab:cyan",
+    "EViT": "tab:orange",
+    "ToMe": "tab:green",
+    "SAPER": "tab:red",
+    "RAPTOR": "tab:purple",
+}
 #: Hues of the other families (cited methods, head-selection rules), tried in this order; no grey:
 #: grey is the controls'.
-SPARE_COLOURS = ("tab:brown", "tab:pink", "tab:olive", "gold", "teal", "maroon", "lime", "darkkhaki", "magenta")
+SPARE_COLOURS = (
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "gold",
+    "teal",
+    "maroon",
+    "lime",
+    "darkkhaki",
+    "magenta",
+)
 #: Markers of a family's rows, in order.
 MARKERS = ("o", "s", "D", "P", "X", "*", "^", "v", "h", "p", "<", ">", "d", "H")
 #: Markers that differ too little at 6 points to tell rows apart on one axis (a hexagon turned by
@@ -72,8 +90,11 @@ def lab(colour: Any) -> tuple[float, float, float]:
         return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
 
     r, g, b = (linear(c) for c in to_rgb(colour))
-    xyz = (0.4124564 * r + 0.3575761 * g + 0.1804375 * b, 0.2126729 * r + 0.7151522 * g + 0.0721750 * b,
-           0.0193339 * r + 0.1191920 * g + 0.9503041 * b)
+    xyz = (
+        0.4124564 * r + 0.3575761 * g + 0.1804375 * b,
+        0.2126729 * r + 0.7151522 * g + 0.0721750 * b,
+        0.0193339 * r + 0.1191920 * g + 0.9503041 * b,
+    )
 
     def f(t: float) -> float:
         return t ** (1 / 3) if t > (6 / 29) ** 3 else t / (3 * (6 / 29) ** 2) + 4 / 29
@@ -86,7 +107,7 @@ def ciede2000(lab1: tuple[float, float, float], lab2: tuple[float, float, float]
     """ΔE00 between two L*a*b* colours (kL = kC = kH = 1)."""
     (l1, a1, b1), (l2, a2, b2) = lab1, lab2
     c_bar = (math.hypot(a1, b1) + math.hypot(a2, b2)) / 2
-    g = 0.5 * (1 - math.sqrt(c_bar ** 7 / (c_bar ** 7 + 25 ** 7)))
+    g = 0.5 * (1 - math.sqrt(c_bar**7 / (c_bar**7 + 25**7)))
     a1p, a2p = (1 + g) * a1, (1 + g) * a2
     c1p, c2p = math.hypot(a1p, b1), math.hypot(a2p, b2)
     h1p = math.degrees(math.atan2(b1, a1p)) % 360 if c1p else 0.0
@@ -100,13 +121,21 @@ def ciede2000(lab1: tuple[float, float, float], lab2: tuple[float, float, float]
     lp, cp = (l1 + l2) / 2, (c1p + c2p) / 2
     hp = h1p + h2p
     if c1p * c2p:
-        hp = (hp / 2 if abs(h1p - h2p) <= 180 else (hp + 360) / 2 if hp < 360 else (hp - 360) / 2)
-    t = (1 - 0.17 * math.cos(math.radians(hp - 30)) + 0.24 * math.cos(math.radians(2 * hp))
-         + 0.32 * math.cos(math.radians(3 * hp + 6)) - 0.20 * math.cos(math.radians(4 * hp - 63)))
+        hp = hp / 2 if abs(h1p - h2p) <= 180 else (hp + 360) / 2 if hp < 360 else (hp - 360) / 2
+    t = (
+        1
+        - 0.17 * math.cos(math.radians(hp - 30))
+        + 0.24 * math.cos(math.radians(2 * hp))
+        + 0.32 * math.cos(math.radians(3 * hp + 6))
+        - 0.20 * math.cos(math.radians(4 * hp - 63))
+    )
     sl = 1 + 0.015 * (lp - 50) ** 2 / math.sqrt(20 + (lp - 50) ** 2)
     sc, sh = 1 + 0.045 * cp, 1 + 0.015 * cp * t
-    rt = (-2 * math.sqrt(cp ** 7 / (cp ** 7 + 25 ** 7))
-          * math.sin(math.radians(60 * math.exp(-(((hp - 275) / 25) ** 2)))))
+    rt = (
+        -2
+        * math.sqrt(cp**7 / (cp**7 + 25**7))
+        * math.sin(math.radians(60 * math.exp(-(((hp - 275) / 25) ** 2))))
+    )
     return math.sqrt((dlp / sl) ** 2 + (dcp / sc) ** 2 + (dH / sh) ** 2 + rt * (dcp / sc) * (dH / sh))
 
 
@@ -135,8 +164,11 @@ def palette(hue: Any) -> list[tuple[float, float, float, float]]:
         side = sides.pop(0)
         for f in FRACTIONS:
             candidate = shade(hue, side * f)
-            if (delta_e(candidate, "white") >= MIN_FROM_WHITE and delta_e(candidate, "black") >= MIN_FROM_BLACK
-                    and all(delta_e(candidate, s) >= MIN_DELTA_E for s in shades)):
+            if (
+                delta_e(candidate, "white") >= MIN_FROM_WHITE
+                and delta_e(candidate, "black") >= MIN_FROM_BLACK
+                and all(delta_e(candidate, s) >= MIN_DELTA_E for s in shades)
+            ):
                 shades.append(candidate)
                 sides.append(side)
                 break
@@ -162,11 +194,15 @@ def family_hues(families: list[str]) -> dict[str, Any]:
 
 def _apart(style: tuple[Any, str], other: tuple[Any, str]) -> bool:
     """Told apart: other outlines (:data:`OUTLINES`), or colours :data:`MIN_DELTA_E` apart."""
-    return (OUTLINES.get(style[1], style[1]) != OUTLINES.get(other[1], other[1])
-            or delta_e(style[0], other[0]) >= MIN_DELTA_E)
+    return (
+        OUTLINES.get(style[1], style[1]) != OUTLINES.get(other[1], other[1])
+        or delta_e(style[0], other[0]) >= MIN_DELTA_E
+    )
 
 
-def row_styles(rows: list[dict[str, Any]], axes: list[list[str]] | None = None) -> dict[str, tuple[tuple[float, ...], str]]:
+def row_styles(
+    rows: list[dict[str, Any]], axes: list[list[str]] | None = None
+) -> dict[str, tuple[tuple[float, ...], str]]:
     """{row label: (colour, marker)}: the family's next distinguishable pair (the module's rules);
     ``axes``: the labels on each axis of the plot (one axis of every row when not given)."""
     labels = list(dict.fromkeys(r["label"] for r in rows))
@@ -179,10 +215,14 @@ def row_styles(rows: list[dict[str, Any]], axes: list[list[str]] | None = None) 
     hues = family_hues(families)
     pairs: dict[str, list[tuple[Any, str]]] = {}  # family -> its (colour, marker) pairs, in order
     for family in ["control", *families]:
-        shades, markers = palette(CONTROL_COLOUR if family == "control" else hues[family]), \
-            CONTROL_MARKERS if family == "control" else MARKERS
-        pairs[family] = [(shades[(t % len(markers) + t // len(markers)) % len(shades)], markers[t % len(markers)])
-                         for t in range(len(markers) * len(shades))]
+        shades, markers = (
+            palette(CONTROL_COLOUR if family == "control" else hues[family]),
+            (CONTROL_MARKERS if family == "control" else MARKERS),
+        )
+        pairs[family] = [
+            (shades[(t % len(markers) + t // len(markers)) % len(shades)], markers[t % len(markers)])
+            for t in range(len(markers) * len(shades))
+        ]
     start: dict[str, int] = {}
     styles: dict[str, tuple[tuple[float, ...], str]] = {}
     for row in rows:
@@ -193,9 +233,11 @@ def row_styles(rows: list[dict[str, Any]], axes: list[list[str]] | None = None) 
         own, first = pairs[family], start.get(family, 0)
         order = [(first + k) % len(own) for k in range(len(own))]
         near = [styles[n] for n in neighbours.get(label, ()) if n in styles]
-        tiers = (lambda s: all(_apart(s, o) for o in styles.values()),
-                 lambda s: all(_apart(s, o) for o in near) and s not in styles.values(),
-                 lambda s: all(_apart(s, o) for o in near))
+        tiers = (
+            lambda s: all(_apart(s, o) for o in styles.values()),
+            lambda s: all(_apart(s, o) for o in near) and s not in styles.values(),
+            lambda s: all(_apart(s, o) for o in near),
+        )
         t = next((t for ok in tiers for t in order if ok(own[t])), first % len(own))
         styles[label], start[family] = own[t], t + 1
     return styles

@@ -6,6 +6,7 @@ Zoo, ...; checked against the README (...)"), and says "unchecked" where the val
 with that publication; a value the paper gives only through arithmetic (a gain added to a baseline:
 72.2 + 1.3 = 73.5) is ``derived: true`` with its ``formula``, which must evaluate to the value.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,6 +26,7 @@ _GAIN = re.compile(r"(?<![\w.])[+−]\s*\d")
 
 def evaluate_formula(formula: str) -> float:
     """The value of an arithmetic formula of numbers, + − × / and parentheses ("72.2 + 1.3")."""
+
     def ev(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
@@ -54,8 +56,16 @@ def provenance_errors(spec: dict[str, Any]) -> list[str]:
                 formula = str(cell.get("formula") or "").strip()
                 if not formula:
                     problems.append(f"{where}: derived without a formula")
-                elif abs(evaluate_formula(formula) - float(cell["value"])) > 1e-9 * max(1.0, abs(cell["value"])):
-                    problems.append(f"{where}: formula {formula} = {evaluate_formula(formula):g}, not {cell['value']}")
-            elif _ARITHMETIC.search(str(cell.get("source") or "")) or _GAIN.search(str(cell.get("source") or "")):
-                problems.append(f"{where}: the source shows arithmetic or a gain; mark it derived: true with its formula")
+                elif abs(evaluate_formula(formula) - float(cell["value"])) > 1e-9 * max(
+                    1.0, abs(cell["value"])
+                ):
+                    problems.append(
+                        f"{where}: formula {formula} = {evaluate_formula(formula):g}, not {cell['value']}"
+                    )
+            elif _ARITHMETIC.search(str(cell.get("source") or "")) or _GAIN.search(
+                str(cell.get("source") or "")
+            ):
+                problems.append(
+                    f"{where}: the source shows arithmetic or a gain; mark it derived: true with its formula"
+                )
     return problems

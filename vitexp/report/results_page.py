@@ -32,6 +32,7 @@ shown whole: it is the verdict), in the order of :data:`ORDER` then by name; it 
 ``.md`` and shows its ``.png`` relative to ``docs/`` (``../results/tables/...``), which a GitHub
 view of the file resolves and the MkDocs build maps (``scripts/mkdocs_hooks.py``).
 """
+
 from __future__ import annotations
 
 import re
@@ -46,10 +47,23 @@ DEFAULT_PAGE = Path(__file__).resolve().parents[2] / "docs" / "results.md"
 #: The generated tables the page links (``../results/tables/`` from ``docs/``).
 TABLES_DIR = DEFAULT_PAGE.parent.parent / "results" / "tables"
 #: The order of the page's sections: the seeded Fashion-MNIST tier first, then the rest by name.
-ORDER = ("fmnist_bspf_table1", "fmnist_bspf_table2", "fmnist_bspf_table6", "fmnist_bspf_table7",
-         "fmnist_bspf_table8", "fmnist_bspf_protocols", "fmnist_bspf_ft2", "fmnist_bspf_scratch", "fmnist_bspf_long",
-         "fmnist_bspf_grid14", "fmnist_bspf_grid14_split1",
-         "fmnist_saper_table1", "fmnist_saper_rules", "fmnist_saper_rules_selected", "fmnist_raptor")
+ORDER = (
+    "fmnist_bspf_table1",
+    "fmnist_bspf_table2",
+    "fmnist_bspf_table6",
+    "fmnist_bspf_table7",
+    "fmnist_bspf_table8",
+    "fmnist_bspf_protocols",
+    "fmnist_bspf_ft2",
+    "fmnist_bspf_scratch",
+    "fmnist_bspf_long",
+    "fmnist_bspf_grid14",
+    "fmnist_bspf_grid14_split1",
+    "fmnist_saper_table1",
+    "fmnist_saper_rules",
+    "fmnist_saper_rules_selected",
+    "fmnist_raptor",
+)
 #: How a verdict marks a number that no table cell holds.
 HAND_MARKS = ("(paper: ",)
 PLACEHOLDER = re.compile(r"\{(cell|delta|diff|saved|ratio|paper):([^{}]+)\}")
@@ -76,7 +90,9 @@ def _partial(n: int | None, expected: int | None, value: float | None) -> str:
     return f" ({n} of {expected} seeds)" if value is not None and n and expected and n < expected else ""
 
 
-def _lookup(spec: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+def _lookup(
+    spec: dict[str, Any], rows: list[dict[str, Any]]
+) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
     by_name = {r["experiment"]: r for r in rows if r.get("experiment")}
     by_name.update({r["label"]: r for r in rows if not r.get("experiment")})  # cited rows: by label
     digits = {c["key"]: int(c.get("digits", 2)) for c in spec["columns"]}
@@ -102,9 +118,13 @@ def _render(kind: str, args: list[str], by_name: dict[str, dict[str, Any]], digi
     if kind == "delta":
         diff = (by_name[names[0]].get("paired") or {}).get(key)
         if diff is None:
-            raise KeyError(f"paired column {key!r} of row {names[0]!r} (no baseline, or the column is not paired)")
+            raise KeyError(
+                f"paired column {key!r} of row {names[0]!r} (no baseline, or the column is not paired)"
+            )
         expected = by_name[names[0]]["cells"][key].get("expected")
-        return _stat(diff["mean"], diff["std"], d, signed=True) + _partial(diff.get("n"), expected, diff["mean"])
+        return _stat(diff["mean"], diff["std"], d, signed=True) + _partial(
+            diff.get("n"), expected, diff["mean"]
+        )
     a, b = (by_name[n]["cells"][key] for n in names)
     if kind in ("saved", "ratio"):
         if a["value"] is None or b["value"] is None:
@@ -135,13 +155,17 @@ def fill_text(spec: dict[str, Any], rows: list[dict[str, Any]], text: str) -> st
     def one(match: re.Match) -> str:
         kind, args = match.group(1), match.group(2).split(":")
         if len(args) != (3 if kind in TWO_ROWS else 2):
-            raise ValueError(f"{spec['name']}: verdict placeholder {match.group(0)} takes "
-                             f"{'ROW_A:ROW_B:COL' if kind in TWO_ROWS else 'ROW:COL'}")
+            raise ValueError(
+                f"{spec['name']}: verdict placeholder {match.group(0)} takes "
+                f"{'ROW_A:ROW_B:COL' if kind in TWO_ROWS else 'ROW:COL'}"
+            )
         try:
             return _render(kind, args, by_name, digits)
         except KeyError as err:
-            raise ValueError(f"{spec['name']}: verdict placeholder {match.group(0)}: the table has no {err.args[0]}; "
-                             f"rows: {sorted(by_name)}") from None
+            raise ValueError(
+                f"{spec['name']}: verdict placeholder {match.group(0)}: the table has no {err.args[0]}; "
+                f"rows: {sorted(by_name)}"
+            ) from None
 
     return PLACEHOLDER.sub(one, text)
 
@@ -160,7 +184,11 @@ def section(spec: dict[str, Any], rows: list[dict[str, Any]], tables_dir: Path =
     ``tables_dir`` holds them: a table no one has written yet says so)."""
     name = spec["name"]
     written = (Path(tables_dir) / f"{name}.md").is_file()
-    link = f"[table](../results/tables/{name}.md)" if written else "no table written yet (`vitexp-tables " + name + "`)"
+    link = (
+        f"[table](../results/tables/{name}.md)"
+        if written
+        else "no table written yet (`vitexp-tables " + name + "`)"
+    )
     lines = [f"## {spec['title']}", "", f"`sweeps/{name}.yaml` → {link}", ""]
     verdict = fill_verdict(spec, rows)
     lines += [verdict if verdict else "No verdict written in the spec yet (`verdict:`).", ""]
@@ -173,24 +201,45 @@ def claims_section(name: str, markdown: str) -> str:
     """A claim-by-claim table (:func:`vitexp.report.protocols.text`) as a section: its title one level down,
     the file it is written to, then the table and its notes."""
     title, _, body = markdown.partition("\n")
-    return "\n".join([f"#{title}", "", f"`sweeps/verdicts/{name}.yaml` → [table](../results/tables/{name}.md)",
-                      body.rstrip(), ""])
+    return "\n".join(
+        [
+            f"#{title}",
+            "",
+            f"`sweeps/verdicts/{name}.yaml` → [table](../results/tables/{name}.md)",
+            body.rstrip(),
+            "",
+        ]
+    )
 
 
 def page(sections: list[tuple[str, str]]) -> str:
     """The whole page from (spec name, section) pairs."""
     rank = {n: i for i, n in enumerate(ORDER)}
     body = [s for _, s in sorted(sections, key=lambda p: (rank.get(p[0], len(rank)), p[0]))]
-    head = ["<!-- Generated by vitexp-tables from results/tables and each spec's "
-            "`verdict:`; do not edit: edit the spec and run vitexp-tables. -->", "", "# Results", "",
-            "*This page is generated by `vitexp-tables` from the ledger and the specs in `sweeps/`: every number "
-            "in a verdict is a table cell, filled in when the page is written; the tables themselves are in "
-            "`results/tables/`. Numbers that no cell holds say where they come from.*", "",
-            "A seeded cell is the mean ± sample std over its seeds (the Fashion-MNIST tier: fine-tuning seeds 0, 1, 2 "
-            "from the shared pretrained baseline); Δ is the paired difference to the table's baseline row over the same "
-            "seeds, and a difference between two method rows is paired over the seeds both have. Every cited seed run "
-            "that trained drew independent epoch orders ([the tier](fashion-mnist.md), \"Independent seeds\"); the "
-            "earlier, overlapping runs stay in the ledger and are listed under their table.", ""]
+    head = [
+        (
+            "<!-- Generated by vitexp-tables from results/tables and each spec's "
+            "`verdict:`; do not edit: edit the spec and run vitexp-tables. -->"
+        ),
+        "",
+        "# Results",
+        "",
+        (
+            "*This page is generated by `vitexp-tables` from the ledger and the specs in `sweeps/`: every"
+            " number in a verdict is a table cell, filled in when the page is written; the tables themselves"
+            " are in `results/tables/`. Numbers that no cell holds say where they come from.*"
+        ),
+        "",
+        (
+            "A seeded cell is the mean ± sample std over its seeds (the Fashion-MNIST tier: fine-tuning seeds"
+            " 0, 1, 2 from the shared pretrained baseline); Δ is the paired difference to the table's"
+            " baseline row over the same seeds, and a difference between two method rows is paired over the"
+            " seeds both have. Every cited seed run that trained drew independent epoch orders ([the"
+            ' tier](fashion-mnist.md), "Independent seeds"); the earlier, overlapping runs stay in the ledger'
+            " and are listed under their table."
+        ),
+        "",
+    ]
     return "\n".join(head + body).rstrip() + "\n"
 
 
@@ -199,13 +248,21 @@ def default_page(results_dir: Path, out_dir: Path, other_source: bool) -> Path |
     ledger (``results/`` into ``results/tables/``, nothing read from elsewhere); else None: a page
     of another ledger is written only where ``--results-page`` says."""
     root = DEFAULT_PAGE.parent.parent / "results"
-    own = Path(results_dir).resolve() == root.resolve() and Path(out_dir).resolve() == (root / "tables").resolve()
+    own = (
+        Path(results_dir).resolve() == root.resolve()
+        and Path(out_dir).resolve() == (root / "tables").resolve()
+    )
     return DEFAULT_PAGE if own and not other_source else None
 
 
-def write(specs: list[dict[str, Any]], fill: Callable[[dict[str, Any]], list[dict[str, Any]]], path: Path,
-          write_text: Callable[[Path, str], Any], tables_dir: Path = TABLES_DIR,
-          claims: list[tuple[str, str]] = ()) -> Path:
+def write(
+    specs: list[dict[str, Any]],
+    fill: Callable[[dict[str, Any]], list[dict[str, Any]]],
+    path: Path,
+    write_text: Callable[[Path, str], Any],
+    tables_dir: Path = TABLES_DIR,
+    claims: list[tuple[str, str]] = (),
+) -> Path:
     """Write the page for ``specs`` (every spec in sweeps/), each filled by ``fill``, and the
     claim-by-claim tables ``claims`` ((name, markdown): :func:`claims_section`)."""
     sections = [(spec["name"], section(spec, fill(spec), tables_dir)) for spec in specs]

@@ -37,6 +37,7 @@ runs, says when fewer seeds completed than it asks for, and, with a ``baseline``
 difference to it (a "Δ ... vs baseline" column for each ``paired: true`` column); plots draw the std
 as error bars.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,15 +55,37 @@ from vitexp.errors import one_line
 from vitexp.runs.loggers import log_tables
 from vitexp.report.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
 from vitexp.report.provenance import provenance_errors
-from vitexp.ledger import (BrokenEntry, Ledger, LedgerError, atomic_write, default_results_dir, effective_status, marks,
-                           portable_path)
+from vitexp.ledger import (
+    BrokenEntry,
+    Ledger,
+    LedgerError,
+    atomic_write,
+    default_results_dir,
+    effective_status,
+    marks,
+    portable_path,
+)
 from vitexp.ledger.sources import WandbError, write_snapshot
 from vitexp.cost import CostContext, table_cost, write_cost, write_summary
 from vitexp.report import results_page
 from vitexp.config.rows import check_rows, composing, expand_rows, row_name, row_query
 from vitexp.runs.owner import ArgumentParser
-from vitexp.report.render import (CITED, NO_PAPER, NOT_RECORDED, NOT_RUN, UNICODE_TEX, _body, _cell_texts,  # noqa: F401
-                           _header, _missing, footnotes, mark_notes, render_csv, render_latex, render_markdown)
+from vitexp.report.render import (
+    CITED,
+    NO_PAPER,
+    NOT_RECORDED,
+    NOT_RUN,
+    UNICODE_TEX,
+    _body,
+    _cell_texts,  # noqa: F401
+    _header,
+    _missing,
+    footnotes,
+    mark_notes,
+    render_csv,
+    render_latex,
+    render_markdown,
+)
 
 
 def load_spec(table: str | Path) -> dict[str, Any]:
@@ -72,8 +95,10 @@ def load_spec(table: str | Path) -> dict[str, Any]:
         path = SWEEPS_DIR / f"{table}.yaml"
     if not path.is_file():
         valid = sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml"))
-        raise FileNotFoundError(f"table spec {portable_path(path)} not found; valid tables: {valid}; "
-                                f"verdict tables (sweeps/verdicts/): {protocols.verdict_files()}")
+        raise FileNotFoundError(
+            f"table spec {portable_path(path)} not found; valid tables: {valid}; "
+            f"verdict tables (sweeps/verdicts/): {protocols.verdict_files()}"
+        )
     spec = yaml.safe_load(path.read_text())
     spec["name"] = path.stem
     for key in ("title", "columns", "rows"):
@@ -110,15 +135,19 @@ def wandb_runs(path: str) -> list[dict[str, Any]]:
     return Ledger.wandb(path).records
 
 
-def _cells(spec: dict[str, Any], row: dict[str, Any], by_seed: dict[int | None, list[dict[str, Any]]],
-           seeded: bool) -> dict[str, dict[str, Any]]:
+def _cells(
+    spec: dict[str, Any], row: dict[str, Any], by_seed: dict[int | None, list[dict[str, Any]]], seeded: bool
+) -> dict[str, dict[str, Any]]:
     """Each column's cell: vitexp's value (per seed, for a seeded row) and the paper's."""
     cells = {}
     for col in spec["columns"]:
         key = col["key"]
         paper = (row.get("paper") or {}).get(key) or {}
-        cell = {"paper": paper.get("value"), "source": paper.get("source"),
-                "formula": paper.get("formula") if paper.get("derived") else None}
+        cell = {
+            "paper": paper.get("value"),
+            "source": paper.get("source"),
+            "formula": paper.get("formula") if paper.get("derived") else None,
+        }
         if seeded:
             cells[key] = {**aggregate.seeded_cell(by_seed, key), **cell}
             continue
@@ -131,24 +160,35 @@ def _cells(spec: dict[str, Any], row: dict[str, Any], by_seed: dict[int | None, 
     return cells
 
 
-def _mark(cells: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]], rebuilt: set[str] = frozenset()) -> None:
+def _mark(
+    cells: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]], rebuilt: set[str] = frozenset()
+) -> None:
     """Each cell's ``marks`` (:mod:`vitexp.ledger.marks`) from the runs behind it: a stale protocol
     (not on a cost metric, which the data order does not change), a dirty tree without its diff that
     no rerun at its commit rebuilt (``rebuilt``: such a cell is flagged ``rebuilt`` for the notes),
     and, in a throughput column, a busy machine."""
+
     def no_diff(r):
         return marks.diff_missing(r) and r["run_id"] not in rebuilt
 
     for key, cell in cells.items():
-        behind = [runs[i] for i in (cell.get("run_ids") or [cell.get("run_id")]) if i in runs]
+        behind = [runs[i] for i in cell.get("run_ids") or [cell.get("run_id")] if i in runs]
         stale = None if marks.cost_metric(key) else marks.stale
-        cell["marks"] = "".join(mark for mark, hit in ((marks.STALE, stale), (marks.NO_DIFF, no_diff),
-                                                        (marks.BUSY, marks.busy if "throughput" in key else None))
-                                if hit and any(hit(r) for r in behind))
+        cell["marks"] = "".join(
+            mark
+            for mark, hit in (
+                (marks.STALE, stale),
+                (marks.NO_DIFF, no_diff),
+                (marks.BUSY, marks.busy if "throughput" in key else None),
+            )
+            if hit and any(hit(r) for r in behind)
+        )
         cell["rebuilt"] = marks.NO_DIFF not in cell["marks"] and any(marks.diff_missing(r) for r in behind)
 
 
-def fill(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
+def fill(
+    spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overrides: Sequence[str] = ()
+) -> list[dict[str, Any]]:
     """For every row and column: vitexp's value (the newest completed run of the row's configuration
     with that metric, :meth:`vitexp.ledger.Ledger.row_runs`; of each kind one run, :func:`vitexp.report.aggregate.chosen`),
     its run id, the paper's value and source. ``overrides``: those the rows were swept with. A broken
@@ -162,8 +202,11 @@ def fill(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overri
     keys = [c["key"] for c in spec["columns"]]
     rows = expand_rows(spec["rows"])
     # an eval entry re-tests a training run's weights under its name (vitexp-eval): it checks a cell, never fills one
-    starts = {row_name(r): (ledger.newest(row_name(r), "train") or {}).get("run_id")
-              for r in rows if r.get("experiment") and vrows.shared_start(spec, r)}
+    starts = {
+        row_name(r): (ledger.newest(row_name(r), "train") or {}).get("run_id")
+        for r in rows
+        if r.get("experiment") and vrows.shared_start(spec, r)
+    }
     with composing():
         filled = [_fill_row(spec, row, ledger, keys, starts, overrides) for row in rows]
     aggregate.paired_cells(spec, filled)
@@ -172,45 +215,80 @@ def fill(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overri
     return filled
 
 
-def _fill_row(spec: dict[str, Any], row: dict[str, Any], ledger: Ledger, keys: list[str],
-              starts: dict[str, str | None], overrides: Sequence[str]) -> dict[str, Any]:
+def _fill_row(
+    spec: dict[str, Any],
+    row: dict[str, Any],
+    ledger: Ledger,
+    keys: list[str],
+    starts: dict[str, str | None],
+    overrides: Sequence[str],
+) -> dict[str, Any]:
     """One row of :func:`fill`."""
     name, query = row_name(row), row_query(spec, row, overrides)
     wanted = row.get("protocol") or spec.get("protocol") or {}  # e.g. {mode: compare}: only such runs
     found = ledger.row_runs(query) if query else {None: []}
-    done = {seed: [r for r in rs if r["status"] == "completed" and r["kind"] not in ("eval", "rehearsal")
-                   and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())]
-            for seed, rs in found.items()}
+    done = {
+        seed: [
+            r
+            for r in rs
+            if r["status"] == "completed"
+            and r["kind"] not in ("eval", "rehearsal")
+            and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())
+        ]
+        for seed, rs in found.items()
+    }
     by_seed = {seed: aggregate.chosen(rs, keys) for seed, rs in done.items()}
     seeds = query.seeds if query else None
     cells = _cells(spec, row, by_seed, seeds is not None)
     _mark(cells, {r["run_id"]: r for rs in by_seed.values() for r in rs}, ledger.rebuilt)
-    cited_ids = {i for c in cells.values() for i in (c.get("run_ids") or [c.get("run_id")]) if i}
+    cited_ids = {i for c in cells.values() for i in c.get("run_ids") or [c.get("run_id")] if i}
     cited = [r for rs in by_seed.values() for r in rs if r["run_id"] in cited_ids]
     pending = [effective_status(r) for r in ledger.named(name) if r["status"] == "running"] if name else []
-    return {"label": row["label"], "experiment": name, "cited": bool(row.get("cited")), "series": row.get("series"),
-            "cells": cells, "seeds": seeds, "baseline": row.get("baseline"), "runs": cited,
-            "overlapping": sorted({r["run_id"] for r in cited if seeds is not None and aggregate.overlapping_order(r)}),
-            "other_start": sorted({r["run_id"] for r in cited if seeds is not None
-                                   and aggregate.other_start(r, starts, ledger)}),
-            "pending": pending[-1] if pending else None,
-            "trained": any(r.get("kind") == "train" for rs in done.values() for r in rs)}
+    return {
+        "label": row["label"],
+        "experiment": name,
+        "cited": bool(row.get("cited")),
+        "series": row.get("series"),
+        "cells": cells,
+        "seeds": seeds,
+        "baseline": row.get("baseline"),
+        "runs": cited,
+        "overlapping": sorted(
+            {r["run_id"] for r in cited if seeds is not None and aggregate.overlapping_order(r)}
+        ),
+        "other_start": sorted(
+            {r["run_id"] for r in cited if seeds is not None and aggregate.other_start(r, starts, ledger)}
+        ),
+        "pending": pending[-1] if pending else None,
+        "trained": any(r.get("kind") == "train" for rs in done.values() for r in rs),
+    }
 
 
-def write_table(spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", out_dir: Path,
-                overrides: Sequence[str] = ()) -> dict[str, str]:
+def write_table(
+    spec: dict[str, Any],
+    runs: "Ledger | Iterable[dict[str, Any]]",
+    out_dir: Path,
+    overrides: Sequence[str] = (),
+) -> dict[str, str]:
     """Write <name>.md/.tex/.csv/.png (each through :func:`vitexp.ledger.atomic_write`)."""
     return _write(spec, fill(spec, runs, overrides), out_dir)
 
 
 def _write(spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> dict[str, str]:
     written = {}
-    for ext, text in (("md", render_markdown(spec, rows)), ("tex", render_latex(spec, rows)),
-                      ("csv", render_csv(spec, rows))):
+    for ext, text in (
+        ("md", render_markdown(spec, rows)),
+        ("tex", render_latex(spec, rows)),
+        ("csv", render_csv(spec, rows)),
+    ):
         written[ext] = str(atomic_write(out_dir / f"{spec['name']}.{ext}", text))
     if spec.get("plot"):
-        written["png"] = str(atomic_write(out_dir / f"{spec['name']}.png",
-                                          lambda tmp: render_plot(spec, rows, Path(tmp), footnotes(spec, rows))))
+        written["png"] = str(
+            atomic_write(
+                out_dir / f"{spec['name']}.png",
+                lambda tmp: render_plot(spec, rows, Path(tmp), footnotes(spec, rows)),
+            )
+        )
     return written
 
 
@@ -220,8 +298,11 @@ def broken_for(spec: dict[str, Any], ledger: Ledger, overrides: Sequence[str] = 
     if not ledger.broken:
         return []
     with composing():
-        queries = [row_query(spec, row, overrides) for row in expand_rows(spec["rows"])
-                   if row.get("experiment") and not row.get("cited")]
+        queries = [
+            row_query(spec, row, overrides)
+            for row in expand_rows(spec["rows"])
+            if row.get("experiment") and not row.get("cited")
+        ]
         return ledger.broken_for(table_names(spec), [q for q in queries if q is not None])
 
 
@@ -244,30 +325,79 @@ def _closing(status: str, error: str, code: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(
         prog="vitexp-tables",
-        description="Join the ledger with the table specs in sweeps/ and write results/tables/<table>.{md,tex,csv,png}.",
+        description=(
+            "Join the ledger with the table specs in sweeps/ and write"
+            " results/tables/<table>.{md,tex,csv,png}."
+        ),
     )
-    parser.add_argument("tables", nargs="*", help=f"table names (default: all of {all_specs()}), then any Hydra "
-                        "overrides the rows were swept with (trainer=ddp): a row's runs are those of its composed config")
-    parser.add_argument("--wandb", metavar="ENTITY/PROJECT",
-                        help="read runs through wandb.Api() instead of the ledger (and log the tables there)")
-    parser.add_argument("--log-wandb", metavar="[ENTITY/]PROJECT", nargs="?", const="",
-                        help="log each table (wandb.Table) and its plot to W&B: to PROJECT, else --wandb's, else the "
-                             "project runs log to (conf/logger/wandb.yaml); offline unless logged in (wandb sync uploads it)")
-    parser.add_argument("--results-dir", type=Path, default=None, help="results root (default: $VITEXP_RESULTS or results/)")
-    parser.add_argument("--ledger", type=Path, default=None,
-                        help="read the runs from this results root, runs folder or snapshot (.jsonl[.gz]) instead")
-    parser.add_argument("--snapshot", type=Path, default=None, metavar="FILE.jsonl.gz",
-                        help="also write the ledger read as one compact snapshot file (a release's results)")
-    parser.add_argument("--pack", action="store_true",
-                        help="first fold the completed entries of <results-dir>/runs/ into one compressed file "
-                             "<results-dir>/ledger/<time>.jsonl.gz and remove their files (vitexp.ledger.packs)")
-    parser.add_argument("--skip-broken", action="store_true",
-                        help="write tables even where a broken ledger entry could change a cell (each skipped file is "
-                             "listed in the table's notes and the closing line)")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: <results-dir>/tables)")
-    parser.add_argument("--results-page", type=Path, default=None, metavar="PATH",
-                        help="also write the results page there (vitexp.report.results_page; default: docs/results.md when "
-                             "the project's own ledger is written into results/tables)")
+    parser.add_argument(
+        "tables",
+        nargs="*",
+        help=(
+            f"table names (default: all of {all_specs()}), then any Hydra "
+            "overrides the rows were swept with (trainer=ddp): a row's runs are those of its composed config"
+        ),
+    )
+    parser.add_argument(
+        "--wandb",
+        metavar="ENTITY/PROJECT",
+        help="read runs through wandb.Api() instead of the ledger (and log the tables there)",
+    )
+    parser.add_argument(
+        "--log-wandb",
+        metavar="[ENTITY/]PROJECT",
+        nargs="?",
+        const="",
+        help=(
+            "log each table (wandb.Table) and its plot to W&B: to PROJECT, else --wandb's, else the "
+            "project runs log to (conf/logger/wandb.yaml); offline unless logged in (wandb sync uploads it)"
+        ),
+    )
+    parser.add_argument(
+        "--results-dir", type=Path, default=None, help="results root (default: $VITEXP_RESULTS or results/)"
+    )
+    parser.add_argument(
+        "--ledger",
+        type=Path,
+        default=None,
+        help="read the runs from this results root, runs folder or snapshot (.jsonl[.gz]) instead",
+    )
+    parser.add_argument(
+        "--snapshot",
+        type=Path,
+        default=None,
+        metavar="FILE.jsonl.gz",
+        help="also write the ledger read as one compact snapshot file (a release's results)",
+    )
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help=(
+            "first fold the completed entries of <results-dir>/runs/ into one compressed file "
+            "<results-dir>/ledger/<time>.jsonl.gz and remove their files (vitexp.ledger.packs)"
+        ),
+    )
+    parser.add_argument(
+        "--skip-broken",
+        action="store_true",
+        help=(
+            "write tables even where a broken ledger entry could change a cell (each skipped file is "
+            "listed in the table's notes and the closing line)"
+        ),
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output folder (default: <results-dir>/tables)"
+    )
+    parser.add_argument(
+        "--results-page",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=(
+            "also write the results page there (vitexp.report.results_page; default: docs/results.md when "
+            "the project's own ledger is written into results/tables)"
+        ),
+    )
     args = parser.parse_intermixed_args(argv)
     results_dir = args.results_dir or default_results_dir()
     out_dir = args.out or results_dir / "tables"
@@ -287,9 +417,12 @@ def main(argv: list[str] | None = None) -> int:
             packed = pack(results_dir)
         except (ValueError, FileExistsError, RuntimeError) as err:
             return _closing("failed", f"--pack: {one_line(err)}", 1)
-        print(f"vitexp-tables: packed {packed['packed']} completed entries into "
-              f"{portable_path(Path(packed['pack']).resolve(), results_dir) if packed['pack'] else 'nothing'}; "
-              f"{packed['left']} left in runs/", file=sys.stderr)
+        print(
+            f"vitexp-tables: packed {packed['packed']} completed entries into "
+            f"{portable_path(Path(packed['pack']).resolve(), results_dir) if packed['pack'] else 'nothing'}; "
+            f"{packed['left']} left in runs/",
+            file=sys.stderr,
+        )
     try:
         ledger = Ledger.wandb(args.wandb) if args.wandb else Ledger.load(args.ledger or results_dir)
     except WandbError as err:  # no W&B login, no network, no such project
@@ -299,12 +432,18 @@ def main(argv: list[str] | None = None) -> int:
     skipped = {spec["name"]: broken_for(spec, ledger, overrides) for spec in specs}
     if not args.skip_broken and any(skipped.values()):
         refused = sorted({str(b) for bs in skipped.values() for b in bs})
-        return _closing("failed", f"{LedgerError([b for bs in skipped.values() for b in bs], ledger.source)}; "
-                        f"tables not written: {sorted(n for n, bs in skipped.items() if bs)} (fix or remove the "
-                        f"file{'s' if len(refused) > 1 else ''}, or pass --skip-broken to leave them out)", 1)
+        return _closing(
+            "failed",
+            f"{LedgerError([b for bs in skipped.values() for b in bs], ledger.source)}; "
+            f"tables not written: {sorted(n for n, bs in skipped.items() if bs)} (fix or remove the "
+            f"file{'s' if len(refused) > 1 else ''}, or pass --skip-broken to leave them out)",
+            1,
+        )
     cache: dict[str, list[dict]] = {}
 
-    def filled_spec(spec: dict[str, Any]) -> list[dict]:  # each table filled once: its files, verdicts, the page
+    def filled_spec(
+        spec: dict[str, Any],
+    ) -> list[dict]:  # each table filled once: its files, verdicts, the page
         if spec["name"] not in cache:
             skip = [str(b) for b in broken_for(spec, ledger, overrides)] if args.skip_broken else []
             cache[spec["name"]] = fill({**spec, "skipped_broken": skip}, ledger, overrides)
@@ -331,28 +470,51 @@ def main(argv: list[str] | None = None) -> int:
 
     written.update(protocols.write(verdicts, claim_text, out_dir, atomic_write))
     for name, runs in sorted(ledger.unmatched.items()):  # named like a row, of another configuration
-        shown_runs = "; ".join(f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
-                               for run_id, keys in sorted(runs.items()))
-        print(f"vitexp-tables: {len(runs)} run(s) named {name} left out, their config differs from the row's in: "
-              f"{shown_runs}", file=sys.stderr)
-    page = args.results_page or results_page.default_page(results_dir, out_dir, bool(args.ledger or args.wandb or overrides))
+        shown_runs = "; ".join(
+            f"{run_id} ({', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''})"
+            for run_id, keys in sorted(runs.items())
+        )
+        print(
+            f"vitexp-tables: {len(runs)} run(s) named {name} left out, their config differs from the row's"
+            f" in: {shown_runs}",
+            file=sys.stderr,
+        )
+    page = args.results_page or results_page.default_page(
+        results_dir, out_dir, bool(args.ledger or args.wandb or overrides)
+    )
     if page:  # every spec's verdict, filled from the same ledger (vitexp.report.results_page)
         claims = [(name, claim_text(name)) for name in protocols.verdict_files()]
-        results_page.write([load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir, claims)
-        if Path(page).resolve() == results_page.DEFAULT_PAGE.resolve():  # the project's own: its README and docs too
+        results_page.write(
+            [load_spec(n) for n in all_specs()], filled_spec, page, atomic_write, out_dir, claims
+        )
+        if (
+            Path(page).resolve() == results_page.DEFAULT_PAGE.resolve()
+        ):  # the project's own: its README and docs too
             for name, text in claims:  # their generated verdicts (vitexp.report.protocol_prose)
                 protocol_prose.write_pages(protocols.load(name), protocols.prose(text), atomic_write)
         every_cost = [costs.get(n) or table_cost(load_spec(n), ledger, cost_context) for n in all_specs()]
         if page == results_page.DEFAULT_PAGE:  # the project's own ledger: docs/cluster.md's generated section
-            write_summary(every_cost, ledger=ledger)  # "What each table costs" (another ledger's page has none)
+            write_summary(
+                every_cost, ledger=ledger
+            )  # "What each table costs" (another ledger's page has none)
     if args.snapshot:
         write_snapshot(ledger.records, args.snapshot)
     logs = args.log_wandb is not None or bool(args.wandb)
     url = log_tables(written, args.log_wandb or args.wandb, results_dir) if logs else None
-    shown = {name: {k: portable_path(Path(v).resolve(), results_dir) for k, v in files.items()}
-             for name, files in written.items()}
-    print(json.dumps({"status": "completed", "tables": shown, "runs_read": len(ledger),
-                      "skipped_broken": sorted({str(b) for bs in skipped.values() for b in bs}),
-                      "source": args.wandb or portable_path(Path(ledger.source).resolve(), results_dir),
-                      "wandb": portable_path(url, results_dir)}))  # an offline run's folder, relative
+    shown = {
+        name: {k: portable_path(Path(v).resolve(), results_dir) for k, v in files.items()}
+        for name, files in written.items()
+    }
+    print(
+        json.dumps(
+            {
+                "status": "completed",
+                "tables": shown,
+                "runs_read": len(ledger),
+                "skipped_broken": sorted({str(b) for bs in skipped.values() for b in bs}),
+                "source": args.wandb or portable_path(Path(ledger.source).resolve(), results_dir),
+                "wandb": portable_path(url, results_dir),
+            }
+        )
+    )  # an offline run's folder, relative
     return 0

@@ -1,4 +1,5 @@
 """Lightning callbacks of vitexp's training loop."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -132,14 +133,24 @@ class DataOrderMark(Callback):
         self.order = order
         self.resumed_from: str | None = None
 
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[self.KEY] = self.resumed_from or self.order  # a run once resumed from another order keeps saying so
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        checkpoint[self.KEY] = (
+            self.resumed_from or self.order
+        )  # a run once resumed from another order keeps saying so
 
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         drawn = checkpoint.get(self.KEY, self.PRE_MARK_ORDER)
         if drawn != self.order and checkpoint.get("global_step", 0) > 0:
             self.resumed_from = drawn
 
     def protocol(self) -> dict[str, str]:
         """The run's ledger protocol entry: ``data_order``, or ``data_order_resumed_from``."""
-        return {"data_order": self.order} if self.resumed_from is None else {"data_order_resumed_from": self.resumed_from}
+        return (
+            {"data_order": self.order}
+            if self.resumed_from is None
+            else {"data_order_resumed_from": self.resumed_from}
+        )

@@ -11,6 +11,7 @@ Decisions:
   demo (2 cores): 2 threads fit in 51 s, 1 thread in 81 s (docs/measurements.md), so the count is
   every CPU the process may use, not fewer.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,5 +61,3 @@ def fit_threads(v2: Path = CGROUP_V2, v1: tuple[Path, Path] = CGROUP_V1) -> int:
         if torch.get_num_threads() > cpus:
             torch.set_num_threads(cpus)
     return torch.get_num_threads()
-
-

@@ -19,6 +19,7 @@ Decisions:
   never opens the file a second time (its own lock is recognised by :data:`_HELD`, not by reading it).
 - Only rank zero of a distributed run locks (the other ranks share its folder by design).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -61,9 +62,10 @@ class RunFolderLock:
             os.close(fd)
             holder = self._holder()
             raise ConfigError(
-                f"run folder {self.folder} is in use by process {holder.get('pid', '?')} on {holder.get('host', '?')} "
-                f"(since {holder.get('since', '?')}); two runs never share a folder: give this one another "
-                "hydra.run.dir, or wait for that run to end") from None
+                f"run folder {self.folder} is in use by process {holder.get('pid', '?')} on"
+                f" {holder.get('host', '?')} (since {holder.get('since', '?')}); two runs never share a"
+                " folder: give this one another hydra.run.dir, or wait for that run to end"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": platform.node(), "pid": os.getpid(), "since": now()}).encode(), 0)
         _HELD[key] = fd

@@ -11,6 +11,7 @@ W&B as users read it:
   together); tagged ``backbone=<name>``, ``method=<name>`` and ``budget=<kind>[:<value>]`` besides
   ``logger.tags``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,13 +35,21 @@ def logged_fraction(key: str) -> bool:
     """A LightningModule's accuracy key (``val/top1``, ``test/top5``, ``val/ap_box``): a fraction
     that loggers, like the ledger, show in %."""
     name = key.rpartition("/")[2]
-    return key.startswith(LOGGED_SPLITS) and (re.fullmatch(r"top\d+", name) is not None or name.startswith("ap"))
+    return key.startswith(LOGGED_SPLITS) and (
+        re.fullmatch(r"top\d+", name) is not None or name.startswith("ap")
+    )
 
 
 def in_percent(metrics: Mapping[str, Any]) -> dict[str, Any]:
     """``metrics`` with every :func:`logged_fraction` in %."""
-    return {k: 100.0 * float(v) if logged_fraction(k) and isinstance(v, (int, float)) and not isinstance(v, bool)
-            else v for k, v in metrics.items()}
+    return {
+        k: (
+            100.0 * float(v)
+            if logged_fraction(k) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            else v
+        )
+        for k, v in metrics.items()
+    }
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,7 +64,10 @@ def percent_logger(base: type) -> type:
         def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
             metrics = in_percent(metrics)
             if self.key_prefix:
-                metrics = {f"{self.key_prefix}{k}" if k.startswith(LOGGED_SPLITS) else k: v for k, v in metrics.items()}
+                metrics = {
+                    f"{self.key_prefix}{k}" if k.startswith(LOGGED_SPLITS) else k: v
+                    for k, v in metrics.items()
+                }
             super().log_metrics(metrics, step)
 
     PercentLogger.__name__ = PercentLogger.__qualname__ = f"Percent{base.__name__}"
@@ -75,7 +87,7 @@ def __getattr__(name: str) -> type:
     if name.startswith("Percent") and name.endswith("Logger"):
         from lightning.pytorch import loggers
 
-        return percent_logger(getattr(loggers, name[len("Percent"):]))
+        return percent_logger(getattr(loggers, name[len("Percent") :]))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -88,8 +100,11 @@ def run_tags(config: Mapping[str, Any] | None) -> list[str]:
     """``backbone=<name>``, ``method=<name>``, ``budget=<kind>[:<value>]`` of a run's config (W&B
     allows 64 characters a tag)."""
     config = config or {}
-    tags = [f"{group}={(config.get(group) or {}).get('name')}" for group in ("backbone", "method")
-            if (config.get(group) or {}).get("name")]
+    tags = [
+        f"{group}={(config.get(group) or {}).get('name')}"
+        for group in ("backbone", "method")
+        if (config.get(group) or {}).get("name")
+    ]
     budget = dict(config.get("budget") or {})
     if budget.get("kind"):
         values = [str(v) for k, v in budget.items() if k != "kind"]
@@ -135,8 +150,14 @@ def drop_empty_wandb_mode() -> None:
         del os.environ["WANDB_MODE"]
 
 
-def build_logger(cfg: Mapping[str, Any], name: str, save_dir: Path, config: dict[str, Any] | None = None,
-                 job_type: str = "train", run_id: str | None = None):
+def build_logger(
+    cfg: Mapping[str, Any],
+    name: str,
+    save_dir: Path,
+    config: dict[str, Any] | None = None,
+    job_type: str = "train",
+    run_id: str | None = None,
+):
     """A Lightning logger for ``cfg`` (the ``logger`` group), or ``False`` for none. ``run_id``:
     the W&B run id, resumed with ``resume="allow"`` (a requeued job continues its own W&B run);
     grouped and tagged as the module docstring says."""
@@ -156,9 +177,16 @@ def build_logger(cfg: Mapping[str, Any], name: str, save_dir: Path, config: dict
     mode = wandb_mode(cfg.get("mode"))
     drop_empty_wandb_mode()
     tags = list(dict.fromkeys([*(cfg.get("tags") or []), *run_tags(config)]))
-    kwargs = dict(project=cfg.get("project", "vitexp"), entity=cfg.get("entity"), name=name,
-                  save_dir=str(save_dir), tags=tags, job_type=job_type,
-                  group=cfg.get("group") or run_group(name), config=config)
+    kwargs = dict(
+        project=cfg.get("project", "vitexp"),
+        entity=cfg.get("entity"),
+        name=name,
+        save_dir=str(save_dir),
+        tags=tags,
+        job_type=job_type,
+        group=cfg.get("group") or run_group(name),
+        config=config,
+    )
     if run_id:
         kwargs.update(id=run_id, resume="allow")
     settings = wandb.Settings(init_timeout=float(cfg.get("init_timeout", 30)), silent=True)
@@ -197,7 +225,7 @@ ARTIFACT_NAME_MAX = 128
 def model_artifact_name(run_id: str) -> str:
     """``weights-<run_id>``, shortened to W&B's limit keeping the run id's random suffix."""
     name = f"weights-{run_id}"
-    return name if len(name) <= ARTIFACT_NAME_MAX else name[:ARTIFACT_NAME_MAX - 7] + "-" + run_id[-6:]
+    return name if len(name) <= ARTIFACT_NAME_MAX else name[: ARTIFACT_NAME_MAX - 7] + "-" + run_id[-6:]
 
 
 def log_model(logger, weights: Path, run_id: str, metadata: Mapping[str, Any]) -> str | None:
@@ -235,8 +263,10 @@ def fetch_model(reference: str, root: Path) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - W&B's own errors, many lines
         from vitexp.errors import one_line
 
-        raise FileNotFoundError(f"W&B artifact {reference}: {type(err).__name__}: {one_line(err)[:300]} (wandb login; "
-                                "an offline run's artifacts reach W&B with `wandb sync <run dir>/wandb/offline-run-*`)") from None
+        raise FileNotFoundError(
+            f"W&B artifact {reference}: {type(err).__name__}: {one_line(err)[:300]} (wandb login; "
+            "an offline run's artifacts reach W&B with `wandb sync <run dir>/wandb/offline-run-*`)"
+        ) from None
     record = dict(artifact.metadata)
     record["artifacts"] = {**(record.get("artifacts") or {}), "weights": str(folder / "weights.pth")}
     return record
@@ -248,7 +278,10 @@ def default_project() -> str:
 
     from vitexp import CONF_DIR
 
-    return os.environ.get("WANDB_PROJECT") or yaml.safe_load((CONF_DIR / "logger" / "wandb.yaml").read_text())["project"]
+    return (
+        os.environ.get("WANDB_PROJECT")
+        or yaml.safe_load((CONF_DIR / "logger" / "wandb.yaml").read_text())["project"]
+    )
 
 
 def log_tables(written: Mapping[str, Mapping[str, str]], path: str | None, save_dir: Path) -> str | None:
@@ -263,8 +296,14 @@ def log_tables(written: Mapping[str, Mapping[str, str]], path: str | None, save_
     entity, _, project = (path or "").rpartition("/")
     mode = wandb_mode(None)
     drop_empty_wandb_mode()
-    run = wandb.init(entity=entity or None, project=project or default_project(), job_type="tables", name="tables",
-                     mode=mode, dir=os.environ.get("WANDB_DIR") or str(save_dir))
+    run = wandb.init(
+        entity=entity or None,
+        project=project or default_project(),
+        job_type="tables",
+        name="tables",
+        mode=mode,
+        dir=os.environ.get("WANDB_DIR") or str(save_dir),
+    )
     try:
         for name, files in written.items():
             with open(files["csv"], newline="") as fh:
@@ -285,7 +324,9 @@ def log_code_patch(logger, patch: Path | None) -> None:
         from lightning.pytorch.loggers import WandbLogger
 
         if isinstance(logger, WandbLogger) and patch is not None and patch.is_file():
-            logger.experiment.log_code(root=str(patch.parent), include_fn=lambda path, *_: Path(path).name == patch.name)
+            logger.experiment.log_code(
+                root=str(patch.parent), include_fn=lambda path, *_: Path(path).name == patch.name
+            )
     except Exception as err:  # pragma: no cover - W&B's own trouble
         log.warning("W&B: the code patch was not logged (%s)", err)
 

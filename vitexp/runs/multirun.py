@@ -15,6 +15,7 @@ Decisions:
   multirun exits 1 when any failed or was interrupted. A job whose config is invalid stops the
   multirun as before (exit 2: the other jobs are most likely invalid too).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -33,14 +34,21 @@ class MultirunRecorder(Callback):
     """Notes where and when a multirun started (module docstring)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        STARTED.update(sweep_dir=Path(str(config.hydra.sweep.dir)).resolve(), results_dir=str(config.results_dir),
-                       since=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0) - _dt.timedelta(seconds=1))
+        STARTED.update(
+            sweep_dir=Path(str(config.hydra.sweep.dir)).resolve(),
+            results_dir=str(config.results_dir),
+            since=_dt.datetime.now(_dt.timezone.utc).replace(microsecond=0) - _dt.timedelta(seconds=1),
+        )
 
 
 def _touched(record: dict[str, Any]) -> _dt.datetime | None:
     stamps = [record.get(k) for k in ("started", "heartbeat", "finished") if record.get(k)]
     try:
-        return max(_dt.datetime.fromisoformat(s).astimezone(_dt.timezone.utc) for s in stamps) if stamps else None
+        return (
+            max(_dt.datetime.fromisoformat(s).astimezone(_dt.timezone.utc) for s in stamps)
+            if stamps
+            else None
+        )
     except ValueError:
         return None
 
@@ -61,6 +69,11 @@ def summary(stopped_invalid: bool = False) -> dict[str, Any] | None:
             run_ids.setdefault(effective_status(record), []).append(record["run_id"])
     bad = any(run_ids[s] for s in run_ids if s != "completed")
     status = "invalid" if stopped_invalid else "failed" if bad else "completed"
-    return {"status": status, "multirun": portable_path(STARTED["sweep_dir"], results_dir),
-            "runs": sum(map(len, run_ids.values())), **{s: len(ids) for s, ids in run_ids.items()},
-            "run_ids": run_ids, "ledger": None}
+    return {
+        "status": status,
+        "multirun": portable_path(STARTED["sweep_dir"], results_dir),
+        "runs": sum(map(len, run_ids.values())),
+        **{s: len(ids) for s, ids in run_ids.items()},
+        "run_ids": run_ids,
+        "ledger": None,
+    }

@@ -24,6 +24,7 @@ JSON line from start to last line, for every command (train, eval, flops, bench,
 when there is none; ``auto`` continues when there is one and starts fresh otherwise (what a
 requeued SLURM job needs: the same command, the same run folder).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,9 @@ def resume_checkpoint(resume: Any, checkpoint: Path, first: bool = True) -> str 
         return str(checkpoint)
     if mode == "true" and first:
         raise FileNotFoundError(
-            f"resume=true but no checkpoint at {checkpoint}: pass the interrupted run's folder as hydra.run.dir "
-            "(resume=auto starts fresh instead)")
+            f"resume=true but no checkpoint at {checkpoint}: pass the interrupted run's folder as"
+            " hydra.run.dir (resume=auto starts fresh instead)"
+        )
     return None
 
 
@@ -114,7 +116,8 @@ def emit(payload: Mapping[str, Any]) -> None:
 
 def remove_if_empty(output_dir: Path | None) -> None:
     """Remove a run folder holding nothing but Hydra's own files (``.hydra/``, the job log), and
-    the two folders above it if they are left empty (``outputs/<name>/``, ``outputs/``): what a run that failed validation leaves behind."""
+    the two folders above it if they are left empty (``outputs/<name>/``, ``outputs/``): what a run that failed validation leaves behind.
+    """
     if output_dir is None or not (output_dir / ".hydra").is_dir():
         return
     if all(p.name == ".hydra" or p.suffix == ".log" for p in output_dir.iterdir()):
@@ -132,8 +135,17 @@ def remove_if_empty(output_dir: Path | None) -> None:
 class Run:
     """The state :func:`owned_run` hands to a command's body."""
 
-    def __init__(self, name: str, kind: str, results_dir: Path | str, output_dir: Path | str | None,
-                 logger_cfg: Mapping[str, Any] | None, resume: Any, job_type: str | None, resumable: bool):
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        results_dir: Path | str,
+        output_dir: Path | str | None,
+        logger_cfg: Mapping[str, Any] | None,
+        resume: Any,
+        job_type: str | None,
+        resumable: bool,
+    ):
         self.name, self.kind = name, kind
         self.results_dir = Path(results_dir)
         self.output_dir = Path(output_dir) if output_dir else None
@@ -147,7 +159,9 @@ class Run:
         self.lock = None
         self.signal: str | None = None
         self.requeued: str | None = None  # the requeue SIGUSR1 asks SLURM for (vitexp.runs.slurm)
-        self.entry_closing = False  # from the first line of _close or _fail: signals noted in deferred (vitexp.runs.signals)
+        self.entry_closing = (
+            False  # from the first line of _close or _fail: signals noted in deferred (vitexp.runs.signals)
+        )
         self.deferred: list[str] = []
 
     # -- opening ----------------------------------------------------------------------------------
@@ -159,34 +173,55 @@ class Run:
         if self.output_dir is not None:
             from vitexp.runs.lock import RunFolderLock
 
-            self.lock = RunFolderLock(self.output_dir).acquire()  # before run.json: never another process's run
+            self.lock = RunFolderLock(
+                self.output_dir
+            ).acquire()  # before run.json: never another process's run
         marker = self.output_dir / RUN_MARKER if self.output_dir and self.resumable else None
         previous = json.loads(marker.read_text()) if marker and marker.is_file() else {}
         if self.resume != "false" and previous.get("run_id"):
             self._check_same_run(previous, marker)
-            entry = LedgerEntry.load(previous["run_id"], self.results_dir, strict=True)  # never a new entry in its place
+            entry = LedgerEntry.load(
+                previous["run_id"], self.results_dir, strict=True
+            )  # never a new entry in its place
             if entry is None:
                 from vitexp.ledger.packs import packed
 
-                done = packed(Path(self.results_dir), previous["run_id"])  # completed, its file folded into a pack
+                done = packed(
+                    Path(self.results_dir), previous["run_id"]
+                )  # completed, its file folded into a pack
             else:
                 done = entry.record.get("status") == "completed"
-            if done and self.resume == "auto":  # resume=true asks for exactly that: a new entry from the checkpoints
+            if (
+                done and self.resume == "auto"
+            ):  # resume=true asks for exactly that: a new entry from the checkpoints
                 raise ConfigError(
-                    f"run folder {self.output_dir} holds the completed run {previous['run_id']}: resume=auto would "
-                    "start another entry from its last checkpoint; give this run another hydra.run.dir (its weights "
-                    "and checkpoints stay where its entry points), or resume=true to re-test its checkpoints")
+                    f"run folder {self.output_dir} holds the completed run {previous['run_id']}: resume=auto"
+                    " would start another entry from its last checkpoint; give this run another"
+                    " hydra.run.dir (its weights and checkpoints stay where its entry points), or"
+                    " resume=true to re-test its checkpoints"
+                )
             if entry is not None and not done:
                 self.ledger, self.wandb_id = entry.reopen(config, self.output_dir), previous.get("wandb_id")
         if self.ledger is None:
-            self.ledger = LedgerEntry(self.name, self.kind, config, self.results_dir, run_dir=self.output_dir).start()
+            self.ledger = LedgerEntry(
+                self.name, self.kind, config, self.results_dir, run_dir=self.output_dir
+            ).start()
             self.wandb_id = uuid.uuid4().hex[:8]  # W&B's id format: 8 characters [0-9a-z]
             if marker:
-                atomic_write_json(marker, {"run_id": self.ledger.run_id, "wandb_id": self.wandb_id, "name": self.name,
-                                           "config_sha": config_fingerprint(config)})
+                atomic_write_json(
+                    marker,
+                    {
+                        "run_id": self.ledger.run_id,
+                        "wandb_id": self.wandb_id,
+                        "name": self.name,
+                        "config_sha": config_fingerprint(config),
+                    },
+                )
         self.ledger.record["wandb_id"] = self.wandb_id
         if self.resumable:
-            self.ledger.record.setdefault("resumed_from", None)  # a fresh start (vitexp.runs.callbacks.ResumedFrom)
+            self.ledger.record.setdefault(
+                "resumed_from", None
+            )  # a fresh start (vitexp.runs.callbacks.ResumedFrom)
         self.ledger.on_beat = self.lock.touch if self.lock else None
         return self
 
@@ -199,9 +234,11 @@ class Run:
         changed = [k for k in theirs if theirs[k] != ours[k]]
         if changed:
             raise ConfigError(
-                f"resume={self.resume}: {marker.parent} holds run {previous.get('name', previous['run_id'])!r} "
-                f"({previous['run_id']}), whose {' and '.join(changed)} differ from this command's; resuming would "
-                "continue that run with this config. Use another hydra.run.dir, or resume=false to start fresh there")
+                f"resume={self.resume}: {marker.parent} holds run"
+                f" {previous.get('name', previous['run_id'])!r} ({previous['run_id']}), whose"
+                f" {' and '.join(changed)} differ from this command's; resuming would continue that run with"
+                " this config. Use another hydra.run.dir, or resume=false to start fresh there"
+            )
 
     @property
     def logger(self):
@@ -213,8 +250,14 @@ class Run:
                 self._logger = False
             else:
                 save_dir = self.output_dir or self.results_dir / self.kind
-                self._logger = build_logger(self.logger_cfg, self.name, save_dir, self.config,
-                                            job_type=self.job_type, run_id=self.wandb_id)
+                self._logger = build_logger(
+                    self.logger_cfg,
+                    self.name,
+                    save_dir,
+                    self.config,
+                    job_type=self.job_type,
+                    run_id=self.wandb_id,
+                )
         return self._logger
 
     def _log_code(self) -> None:
@@ -222,17 +265,32 @@ class Run:
         from vitexp.ledger import local_path
         from vitexp.runs.loggers import log_code_patch
 
-        patch = ((self.ledger.record.get("env") or {}).get("code_patch") or {}).get("path") if self.ledger else None
+        patch = (
+            ((self.ledger.record.get("env") or {}).get("code_patch") or {}).get("path")
+            if self.ledger
+            else None
+        )
         if patch:
             log_code_patch(self._logger, local_path(patch, self.results_dir))
 
     # -- closing ----------------------------------------------------------------------------------
-    def complete(self, metrics: Mapping[str, Any], protocol: Mapping[str, Any] | None = None,
-                 out: Mapping[str, Any] | None = None, step: int | None = None, **record: Any) -> None:
+    def complete(
+        self,
+        metrics: Mapping[str, Any],
+        protocol: Mapping[str, Any] | None = None,
+        out: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        **record: Any,
+    ) -> None:
         """What the entry closes with: ``metrics``, ``protocol``, ledger fields ``record`` (the
         ledger stores their paths portable), ``out`` (extra keys of the closing JSON line)."""
-        self._closing = {"metrics": dict(metrics), "protocol": dict(protocol or {}), "out": dict(out or {}),
-                         "step": step, "record": record}
+        self._closing = {
+            "metrics": dict(metrics),
+            "protocol": dict(protocol or {}),
+            "out": dict(out or {}),
+            "step": step,
+            "record": record,
+        }
 
     def _close(self) -> dict[str, Any]:
         from vitexp.runs.loggers import finish, log_final, wandb_url
@@ -250,7 +308,9 @@ class Run:
                 c["record"].setdefault("output_dir", self.output_dir)
             self._log_code()
             self._log_weights(c)
-            path = self.ledger.finish(c["metrics"], c["protocol"], wandb_url=wandb_url(self.logger), **c["record"])
+            path = self.ledger.finish(
+                c["metrics"], c["protocol"], wandb_url=wandb_url(self.logger), **c["record"]
+            )
         except BaseException:
             finish(self._logger, failed=True)
             raise
@@ -267,10 +327,17 @@ class Run:
         artifacts = dict(c["record"].get("artifacts") or {})
         if not artifacts.get("weights") or not self.logger:
             return
-        record = {**self.ledger.record, "status": "completed", "metrics": c["metrics"], "protocol": c["protocol"],
-                  **c["record"]}
+        record = {
+            **self.ledger.record,
+            "status": "completed",
+            "metrics": c["metrics"],
+            "protocol": c["protocol"],
+            **c["record"],
+        }
         metadata = json.loads(json.dumps(portable_paths(record, self.results_dir), default=str))
-        reference = log_model(self.logger, local_path(artifacts["weights"], self.results_dir), self.ledger.run_id, metadata)
+        reference = log_model(
+            self.logger, local_path(artifacts["weights"], self.results_dir), self.ledger.run_id, metadata
+        )
         if reference:
             c["record"]["artifacts"] = {**artifacts, "wandb_model": reference}
 
@@ -293,16 +360,33 @@ class Run:
         finish(self._logger, failed=True)
         ledger = portable_path(self.ledger.path, self.results_dir) if self.ledger else None
         if signame:
-            return {"status": "interrupted", "signal": signame, "error": f"interrupted by {signame}", "ledger": ledger}
-        return {"status": "invalid" if invalid else "failed",
-                "error": portable_text(f"{type(err).__name__}: {one_line(err)}", self.results_dir, [self.output_dir]),
-                "ledger": ledger}
+            return {
+                "status": "interrupted",
+                "signal": signame,
+                "error": f"interrupted by {signame}",
+                "ledger": ledger,
+            }
+        return {
+            "status": "invalid" if invalid else "failed",
+            "error": portable_text(
+                f"{type(err).__name__}: {one_line(err)}", self.results_dir, [self.output_dir]
+            ),
+            "ledger": ledger,
+        }
 
 
 @contextmanager
-def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | str | None = None,
-              logger_cfg: Mapping[str, Any] | None = None, resume: Any = False,
-              job_type: str | None = None, resumable: bool = False, emits: bool = True) -> Iterator[Run]:
+def owned_run(
+    name: str,
+    kind: str,
+    results_dir: Path | str,
+    output_dir: Path | str | None = None,
+    logger_cfg: Mapping[str, Any] | None = None,
+    resume: Any = False,
+    job_type: str | None = None,
+    resumable: bool = False,
+    emits: bool = True,
+) -> Iterator[Run]:
     """Own one run from start to last line (module docstring). The body calls ``run.start`` once
     its config is valid and ``run.complete`` at the end; the result is ``run.result``. Only a
     ``resumable`` run (training) keeps ``run.json`` in its folder and continues its entry.
@@ -329,7 +413,10 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
             emit(payload)
         try:
             err.vitexp_reported = True  # the CLI prints no second closing line
-            err.vitexp_results_dir, err.vitexp_run_dir = run.results_dir, run.output_dir  # stderr names paths alike
+            err.vitexp_results_dir, err.vitexp_run_dir = (
+                run.results_dir,
+                run.output_dir,
+            )  # stderr names paths alike
         except AttributeError:
             pass
         if not (run.signal or isinstance(err, KeyboardInterrupt)):
@@ -340,7 +427,10 @@ def owned_run(name: str, kind: str, results_dir: Path | str, output_dir: Path | 
         if run.lock is not None:
             run.lock.release()
     if run.deferred:
-        print(f"vitexp: {', '.join(run.deferred)} while the run's entry closed: noted, not raised", file=sys.stderr)
+        print(
+            f"vitexp: {', '.join(run.deferred)} while the run's entry closed: noted, not raised",
+            file=sys.stderr,
+        )
     if stopped_by is not None:
         pass_on(stopped_by)
     if run.rank_zero and emits:

@@ -20,6 +20,7 @@
 - :func:`pass_on` hands the stopping signal on once the entry is closed and the handlers from
   before the run are back.
 """
+
 from __future__ import annotations
 
 import signal
@@ -55,7 +56,9 @@ def catch_signals(run: Any) -> Callable[[], None]:
     def handler(signum, frame):
         if deferred(run, signum):
             return
-        run.signal = run.signal or signal.Signals(signum).name  # SLURM's SIGTERM after a requeue keeps the first
+        run.signal = (
+            run.signal or signal.Signals(signum).name
+        )  # SLURM's SIGTERM after a requeue keeps the first
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         if signum == signal.SIGUSR1:

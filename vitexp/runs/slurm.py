@@ -33,6 +33,7 @@ trainer asks one task and 10 CPUs per GPU (``trainer.devices`` GPUs per node, 64
 asks no GPU, one CPU per task and 4 GB, one task per DDP process (``trainer=ddp_cpu``: 2), so the
 CPU demo never holds a GPU node. ``hydra.launcher.<key>=...`` overrides any of them.
 """
+
 from __future__ import annotations
 
 import os
@@ -65,7 +66,10 @@ def requeue() -> str:
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"scontrol requeue {job} failed: {type(err).__name__}"
     if done.returncode != 0:
-        return f"scontrol requeue {job} failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[:200]}"
+        return (
+            f"scontrol requeue {job} failed (exit {done.returncode}):"
+            f" {(done.stderr or done.stdout).strip()[:200]}"
+        )
     return f"scontrol requeue {job}"
 
 
@@ -90,7 +94,9 @@ def note_submitit_requeue(run) -> dict:
         return {}
 
     def handler(signum, frame):
-        if run.entry_closing:  # the entry is closing (completed, or interrupted by a first signal): noted, no requeue
+        if (
+            run.entry_closing
+        ):  # the entry is closing (completed, or interrupted by a first signal): noted, no requeue
             run.deferred.append("SIGUSR2")  # (vitexp.runs.signals)
             return
         run.signal, run.requeued = "SIGUSR2", SUBMITIT_REQUEUE
@@ -111,11 +117,19 @@ def resources(trainer) -> dict:
     from vitexp.errors import ConfigError
 
     accelerator, devices = str(trainer.get("accelerator", "cpu")), trainer.get("devices", 1)
-    count = len(devices) if isinstance(devices, (list, tuple)) else int(devices) if str(devices).isdigit() else None
+    count = (
+        len(devices)
+        if isinstance(devices, (list, tuple))
+        else int(devices)
+        if str(devices).isdigit()
+        else None
+    )
     if accelerator in ("gpu", "cuda"):
         if count is None:
-            raise ConfigError(f"trainer.devices={devices} with hydra/launcher=slurm: give the GPUs per node as a "
-                              "number (trainer.devices=8), as many tasks as GPUs are started on each node")
+            raise ConfigError(
+                f"trainer.devices={devices} with hydra/launcher=slurm: give the GPUs per node as a "
+                "number (trainer.devices=8), as many tasks as GPUs are started on each node"
+            )
         return {"gpus_per_node": count, "tasks_per_node": count, "cpus_per_task": 10, "mem_gb": 64}
     tasks = count if count and str(trainer.get("strategy", "auto")).startswith("ddp") else 1
     return {"gpus_per_node": None, "tasks_per_node": tasks, "cpus_per_task": 1, "mem_gb": 4}

@@ -1,5 +1,7 @@
 """Config -> objects: the backbone, the method, the model, the datamodule, the Trainer. Nothing
-here trains; :mod:`vitexp.training.fit` runs the fits and :mod:`vitexp.runs.owner` owns the run around them."""
+here trains; :mod:`vitexp.training.fit` runs the fits and :mod:`vitexp.runs.owner` owns the run around them.
+"""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,7 +26,7 @@ def load_weights(path: str | Path) -> dict[str, Any]:
 
     state = torch.load(str(path), map_location="cpu", weights_only=True)
     if isinstance(state, dict) and "pytorch-lightning_version" in state:
-        state = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        state = {k[len("model.") :]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
     return state
 
 
@@ -42,9 +44,13 @@ def build_configured_backbone(cfg: DictConfig) -> nn.Module:
     if lightning_ckpt:
         from vitexp.models.factory import LoadedWeights
 
-        missing, unexpected = model.load_state_dict(load_weights(Path(str(weights)).expanduser()), strict=False)
+        missing, unexpected = model.load_state_dict(
+            load_weights(Path(str(weights)).expanduser()), strict=False
+        )
         if missing or unexpected:
-            raise CheckpointMismatchError(str(weights), list(missing), list(unexpected), "the backbone's own keys")
+            raise CheckpointMismatchError(
+                str(weights), list(missing), list(unexpected), "the backbone's own keys"
+            )
         model.pretrained_weights = LoadedWeights(str(weights), "state_dict", "a vitexp Lightning checkpoint")
     return model
 
@@ -60,11 +66,19 @@ def pretrained_artifacts(backbone: nn.Module, results_dir: Path | str) -> dict[s
     loaded = getattr(backbone, "pretrained_weights", None)
     if loaded is None:
         return {}
-    return {"pretrained": {"file": portable_path(loaded.path, results_dir), "sha256": sha256(loaded.path),
-                           "weights": loaded.weights, "chosen_by": loaded.chosen_by}}
+    return {
+        "pretrained": {
+            "file": portable_path(loaded.path, results_dir),
+            "sha256": sha256(loaded.path),
+            "weights": loaded.weights,
+            "chosen_by": loaded.chosen_by,
+        }
+    }
 
 
-def build_backbone_and_method(cfg: DictConfig, method: Method | None = None) -> tuple[nn.Module, Method, dict[str, Any]]:
+def build_backbone_and_method(
+    cfg: DictConfig, method: Method | None = None
+) -> tuple[nn.Module, Method, dict[str, Any]]:
     """The backbone, the method (``method`` when the caller built it already), and the model's data config."""
     method = method or method_from_config(cfg.method)
     backbone = build_configured_backbone(cfg)
@@ -109,7 +123,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
         from vitexp.ledger import atomic_write
 
-        atomic_write(path, lambda tmp: super(AtomicCheckpointIO, self).save_checkpoint(checkpoint, tmp, storage_options))
+        atomic_write(
+            path,
+            lambda tmp: super(AtomicCheckpointIO, self).save_checkpoint(checkpoint, tmp, storage_options),
+        )
 
 
 class PercentProgressBar(TQDMProgressBar):
@@ -120,16 +137,24 @@ class PercentProgressBar(TQDMProgressBar):
         from vitexp.runs.loggers import logged_fraction
 
         items = super().get_metrics(trainer, pl_module)
-        return {k: (f"{100 * float(v):.2f}%" if logged_fraction(k) and isinstance(v, (int, float)) else v)
-                for k, v in items.items()}
+        return {
+            k: f"{100 * float(v):.2f}%" if logged_fraction(k) and isinstance(v, (int, float)) else v
+            for k, v in items.items()
+        }
 
 
 def checkpoint_dir(output_dir: Path, stage: str = "main") -> Path:
     return output_dir / "checkpoints" if stage == "main" else output_dir / "checkpoints" / stage
 
 
-def build_trainer(cfg: DictConfig, logger, output_dir: Path, callbacks: Iterable[Callback] = (),
-                  stage: str = "main", test_only: bool = False) -> L.Trainer:
+def build_trainer(
+    cfg: DictConfig,
+    logger,
+    output_dir: Path,
+    callbacks: Iterable[Callback] = (),
+    stage: str = "main",
+    test_only: bool = False,
+) -> L.Trainer:
     """``lightning.Trainer`` from the ``trainer`` group. One checkpoint file per stage,
     ``<output_dir>/checkpoints[/<stage>]/last.ckpt``, replaced at every epoch's end (the newest
     only: ``save_top_k=1`` without a monitored metric; no second copy). ``test_only`` (``vitexp-eval``):
@@ -138,10 +163,21 @@ def build_trainer(cfg: DictConfig, logger, output_dir: Path, callbacks: Iterable
     cbs: list[Callback] = list(callbacks)
     plugins: list = []
     if test_only:
-        kwargs.update(devices=1, num_nodes=1, strategy="auto", enable_checkpointing=False, enable_model_summary=False)
+        kwargs.update(
+            devices=1, num_nodes=1, strategy="auto", enable_checkpointing=False, enable_model_summary=False
+        )
     else:
-        cbs.insert(0, ModelCheckpoint(dirpath=str(checkpoint_dir(output_dir, stage)), filename="last", save_top_k=1,
-                                      save_last=False, enable_version_counter=False, save_on_train_epoch_end=True))
+        cbs.insert(
+            0,
+            ModelCheckpoint(
+                dirpath=str(checkpoint_dir(output_dir, stage)),
+                filename="last",
+                save_top_k=1,
+                save_last=False,
+                enable_version_counter=False,
+                save_on_train_epoch_end=True,
+            ),
+        )
         plugins = [AtomicCheckpointIO(), *slurm.plugins()]
     if logger:
         cbs.append(LearningRateMonitor(logging_interval="epoch"))

@@ -22,6 +22,7 @@ Decisions:
   with weights): the run builds its own after seeding, so the checked model cannot be reused
   without changing the random initialisation of the layers the checkpoint does not cover.
 """
+
 from __future__ import annotations
 
 import re
@@ -33,7 +34,9 @@ from omegaconf import DictConfig
 
 from vitexp.errors import CheckpointError, ConfigError, join_lines, one_line
 
-from vitexp.models.factory import SAFE_GLOBALS  # the Python objects a weights file may hold beside its tensors
+from vitexp.models.factory import (
+    SAFE_GLOBALS,
+)  # the Python objects a weights file may hold beside its tensors
 
 
 def check_backbone_weights(cfg: DictConfig, weights: str | Path) -> None:
@@ -51,9 +54,13 @@ def check_backbone_weights(cfg: DictConfig, weights: str | Path) -> None:
     except Exception as err:  # noqa: BLE001 - a timm key filter that meets another model's keys
         from vitexp.models import build_backbone
 
-        build_backbone({**cfg.backbone, "pretrained": None}, num_classes=int(cfg.data.num_classes))  # not the weights: raises
-        raise CheckpointError(f"backbone.pretrained: {weights} does not load into {cfg.backbone.timm_name} "
-                              f"({type(err).__name__}: {one_line(err)[:300]})") from None
+        build_backbone(
+            {**cfg.backbone, "pretrained": None}, num_classes=int(cfg.data.num_classes)
+        )  # not the weights: raises
+        raise CheckpointError(
+            f"backbone.pretrained: {weights} does not load into {cfg.backbone.timm_name} "
+            f"({type(err).__name__}: {one_line(err)[:300]})"
+        ) from None
 
 
 #: ``trainer.precision`` values Lightning does not run on the CPU: fp16 AMP, which it replaces by bf16 AMP.
@@ -67,13 +74,18 @@ def _check_cpu_precision(trainer: Any, accelerator: str) -> None:
     import torch
 
     mps = getattr(torch.backends, "mps", None)
-    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available()
-                                      and not (mps is not None and mps.is_available()))
+    on_cpu = accelerator == "cpu" or (
+        accelerator == "auto"
+        and not torch.cuda.is_available()
+        and not (mps is not None and mps.is_available())
+    )
     precision = str(trainer.get("precision", "32-true"))
     if on_cpu and precision in CPU_REPLACED_PRECISIONS:
-        raise ConfigError(f"trainer.precision={precision}: fp16 mixed precision does not run on the CPU (Lightning "
-                          f"would run {CPU_REPLACED_PRECISIONS[precision]} instead); use trainer.precision="
-                          f"{CPU_REPLACED_PRECISIONS[precision]} or 32-true, or a GPU (trainer=gpu)")
+        raise ConfigError(
+            f"trainer.precision={precision}: fp16 mixed precision does not run on the CPU (Lightning "
+            f"would run {CPU_REPLACED_PRECISIONS[precision]} instead); use trainer.precision="
+            f"{CPU_REPLACED_PRECISIONS[precision]} or 32-true, or a GPU (trainer=gpu)"
+        )
 
 
 def check_accelerator(trainer: Any) -> None:
@@ -93,15 +105,21 @@ def check_accelerator(trainer: Any) -> None:
         except Exception:  # noqa: BLE001 - its package missing (torch_xla)
             available = False
         if not available:
-            raise ConfigError(f"trainer.accelerator={accelerator}: not available on this machine; "
-                              "run with trainer=cpu, or trainer=gpu on a GPU machine")
+            raise ConfigError(
+                f"trainer.accelerator={accelerator}: not available on this machine; "
+                "run with trainer=cpu, or trainer=gpu on a GPU machine"
+            )
         return
     if accelerator not in ("gpu", "cuda"):
         _check_cpu_precision(trainer, accelerator)
         return
     if not torch.cuda.is_available():
-        raise ConfigError(f"trainer.accelerator={accelerator}: this machine has no CUDA GPU "
-                          "(torch.cuda.is_available() is false); run with trainer=cpu, or on a GPU machine")
+        raise ConfigError(
+            f"trainer.accelerator={accelerator}: this machine has no CUDA GPU "
+            "(torch.cuda.is_available() is false); run with trainer=cpu, or on a GPU machine"
+        )
     devices = trainer.get("devices", 1)
     if isinstance(devices, int) and devices > torch.cuda.device_count():
-        raise ConfigError(f"trainer.devices={devices}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        raise ConfigError(
+            f"trainer.devices={devices}: this machine has {torch.cuda.device_count()} CUDA GPU(s)"
+        )

@@ -11,6 +11,7 @@ Optimisation (``recipe``): timm's optimizer (``opt``, ``lr``, ``weight_decay``, 
 the schedule is a linear warm-up over ``warmup_steps`` then ``sched: multistep`` (× ``decay_rate``
 at each epoch of ``decay_epochs``: the 1× schedule's 8 and 11 of 12) or ``cosine``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -21,8 +22,14 @@ import torch.nn as nn
 from vitexp.training.modules import ObjectiveModule
 
 #: torchmetrics' result keys -> vitexp's metric names.
-AP_KEYS = {"bbox_map": "ap_box", "bbox_map_50": "ap_box_50", "bbox_map_75": "ap_box_75",
-           "segm_map": "ap_mask", "segm_map_50": "ap_mask_50", "segm_map_75": "ap_mask_75"}
+AP_KEYS = {
+    "bbox_map": "ap_box",
+    "bbox_map_50": "ap_box_50",
+    "bbox_map_75": "ap_box_75",
+    "segm_map": "ap_mask",
+    "segm_map_50": "ap_mask_50",
+    "segm_map_75": "ap_mask_75",
+}
 
 
 def mean_average_precision():
@@ -34,9 +41,13 @@ def mean_average_precision():
     from torchmetrics.detection import MeanAveragePrecision
 
     coco = Params(iouType="bbox")
-    return MeanAveragePrecision(iou_type=("bbox", "segm"), backend="pycocotools",
-                                iou_thresholds=coco.iouThrs.tolist(), rec_thresholds=coco.recThrs.tolist(),
-                                max_detection_thresholds=list(coco.maxDets))
+    return MeanAveragePrecision(
+        iou_type=("bbox", "segm"),
+        backend="pycocotools",
+        iou_thresholds=coco.iouThrs.tolist(),
+        rec_thresholds=coco.recThrs.tolist(),
+        max_detection_thresholds=list(coco.maxDets),
+    )
 
 
 #: Target keys the metric reads besides boxes, labels and masks: crowd flags (COCOeval ignores the
@@ -44,15 +55,30 @@ def mean_average_precision():
 EVALUATION_KEYS = ("iscrowd", "area")
 
 
-def to_metric_inputs(preds: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]],
-                     mask_threshold: float = 0.5):
+def to_metric_inputs(
+    preds: list[dict[str, torch.Tensor]], targets: list[dict[str, torch.Tensor]], mask_threshold: float = 0.5
+):
     """Mask R-CNN outputs and dataset targets as MeanAveragePrecision wants them (boolean N×H×W masks;
     a target's ``iscrowd`` and ``area`` passed on where the dataset gives them: evaluation targets,
     :mod:`vitexp.detection.coco_data`)."""
-    p = [{"boxes": o["boxes"], "scores": o["scores"], "labels": o["labels"],
-          "masks": (o["masks"][:, 0] > mask_threshold) if o["masks"].dim() == 4 else o["masks"].bool()} for o in preds]
-    t = [{"boxes": g["boxes"], "labels": g["labels"], "masks": g["masks"].bool(),
-          **{k: g[k] for k in EVALUATION_KEYS if k in g}} for g in targets]
+    p = [
+        {
+            "boxes": o["boxes"],
+            "scores": o["scores"],
+            "labels": o["labels"],
+            "masks": (o["masks"][:, 0] > mask_threshold) if o["masks"].dim() == 4 else o["masks"].bool(),
+        }
+        for o in preds
+    ]
+    t = [
+        {
+            "boxes": g["boxes"],
+            "labels": g["labels"],
+            "masks": g["masks"].bool(),
+            **{k: g[k] for k in EVALUATION_KEYS if k in g},
+        }
+        for g in targets
+    ]
     return p, t
 
 
@@ -78,7 +104,9 @@ class DetectModule(ObjectiveModule):
         if not torch.isfinite(loss):  # the guard's error, with the loss terms
             self.check_finite(loss, f"detection loss ({ {k: float(v) for k, v in losses.items()} })")
         bs = len(images)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True, batch_size=bs)
+        self.log(
+            "train/loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True, batch_size=bs
+        )
         for k, v in losses.items():
             self.log(f"train/{k}", v, on_step=False, on_epoch=True, sync_dist=True, batch_size=bs)
         return loss
@@ -129,18 +157,27 @@ class DetectModule(ObjectiveModule):
 
         r = self.recipe
         kwargs = {"momentum": float(r["momentum"])} if r.get("momentum") is not None else {}
-        optimizer = create_optimizer_v2(self.model, opt=r["opt"], lr=self.effective_lr(),
-                                        weight_decay=float(r["weight_decay"]), **kwargs)
+        optimizer = create_optimizer_v2(
+            self.model, opt=r["opt"], lr=self.effective_lr(), weight_decay=float(r["weight_decay"]), **kwargs
+        )
         epochs = int(r["epochs"])
         steps_per_epoch = max(1, int(self.trainer.estimated_stepping_batches) // epochs)
         sched_kwargs: dict[str, Any] = {}
         if r.get("sched", "multistep") == "multistep":
-            sched_kwargs = {"decay_milestones": [int(e) for e in r.get("decay_epochs", (8, 11))],
-                            "decay_rate": float(r.get("decay_rate", 0.1))}
+            sched_kwargs = {
+                "decay_milestones": [int(e) for e in r.get("decay_epochs", (8, 11))],
+                "decay_rate": float(r.get("decay_rate", 0.1)),
+            }
         total = epochs * steps_per_epoch
         scheduler, _ = create_scheduler_v2(
-            optimizer, sched=r.get("sched", "multistep"), num_epochs=epochs,
+            optimizer,
+            sched=r.get("sched", "multistep"),
+            num_epochs=epochs,
             warmup_epochs=min(int(r.get("warmup_steps", 0)), total - 1) / steps_per_epoch,
-            warmup_lr=float(r.get("warmup_lr", 1e-5)), min_lr=float(r.get("min_lr", 0.0)),
-            step_on_epochs=False, updates_per_epoch=steps_per_epoch, **sched_kwargs)
+            warmup_lr=float(r.get("warmup_lr", 1e-5)),
+            min_lr=float(r.get("min_lr", 0.0)),
+            step_on_epochs=False,
+            updates_per_epoch=steps_per_epoch,
+            **sched_kwargs,
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -17,6 +17,7 @@ DDP every rank trains; torchmetrics syncs the accuracies across ranks (Lightning
 DistributedSampler pads an uneven split by at most world_size - 1 repeated samples); only rank 0
 writes the ledger, logs, counts FLOPs and times throughput.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,13 @@ import torch.nn as nn
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
-from vitexp.training.build import (build_backbone_and_method, build_datamodule, build_trainer, checkpoint_dir,
-                          pretrained_artifacts)
+from vitexp.training.build import (
+    build_backbone_and_method,
+    build_datamodule,
+    build_trainer,
+    checkpoint_dir,
+    pretrained_artifacts,
+)
 from vitexp.runs.callbacks import BestValidation, DataOrderMark, Heartbeat, LastValidation, ResumedFrom
 from vitexp.config.composition import to_container
 from vitexp.training.resolve import validate
@@ -61,8 +67,15 @@ def stage_module(cfg: DictConfig, stage: Stage, model: nn.Module | None = None) 
     return objective_for(cfg).module(stage_config(cfg, stage), stage, model)
 
 
-def evaluate_stage(objective: Objective, trainer: L.Trainer, module: L.LightningModule, method: Method, stage: Stage,
-                   datamodule, prefix: str = "") -> dict[str, Any]:
+def evaluate_stage(
+    objective: Objective,
+    trainer: L.Trainer,
+    module: L.LightningModule,
+    method: Method,
+    stage: Stage,
+    datamodule,
+    prefix: str = "",
+) -> dict[str, Any]:
     """The stage's test metrics (:meth:`~vitexp.training.objectives.Objective.test`), measured on the model
     as deployed (``Method.deploy``: SAPER's physically pruned heads); ``module.model`` becomes the
     deployed model. A stage with a ``soft_prefix`` first tests the model it trained (SAPER's soft
@@ -70,31 +83,54 @@ def evaluate_stage(objective: Objective, trainer: L.Trainer, module: L.Lightning
     metrics: dict[str, Any] = {}
     if stage.soft_prefix is not None:
         soft = objective.test(trainer, module, datamodule, prefix)
-        metrics = {f"{stage.soft_prefix}{k[len(prefix):]}": v for k, v in soft.items()}  # soft_top1, soft_top5, ...
+        metrics = {
+            f"{stage.soft_prefix}{k[len(prefix) :]}": v for k, v in soft.items()
+        }  # soft_top1, soft_top5, ...
     module.model = method.deploy(module.model)
     # a deployed k-NN model has no distillation target: its test_loss is None (the soft model's is soft_test_loss)
     return {**metrics, **objective.test(trainer, module, datamodule, prefix)}
 
 
-def fit_stage(objective: Objective, cfg: DictConfig, stage: Stage, datamodule_for, logger, output_dir: Path,
-              callbacks, first: bool, entry: Any = None
-              ) -> tuple[L.LightningModule, L.Trainer, float, DictConfig, dict[str, float]]:
+def fit_stage(
+    objective: Objective,
+    cfg: DictConfig,
+    stage: Stage,
+    datamodule_for,
+    logger,
+    output_dir: Path,
+    callbacks,
+    first: bool,
+    entry: Any = None,
+) -> tuple[L.LightningModule, L.Trainer, float, DictConfig, dict[str, float]]:
     """Fit ``stage``: its module, its Trainer, the seconds the fit took, the stage's config, and the
     ``val/*`` metrics of its last validation (restored with a stage whose checkpoint is past its last
     epoch, which validates nothing again: :class:`~vitexp.runs.callbacks.LastValidation`). A fit that
-    restores a checkpoint records it in the run's ledger ``entry`` (:class:`~vitexp.runs.callbacks.ResumedFrom`)."""
+    restores a checkpoint records it in the run's ledger ``entry`` (:class:`~vitexp.runs.callbacks.ResumedFrom`).
+    """
     scfg = stage_config(cfg, stage)
     module = objective.module(scfg, stage)
-    fits = int(scfg.recipe.epochs) > 0  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
-    ckpt = resume_checkpoint(cfg.resume, checkpoint_dir(output_dir, stage.name) / "last.ckpt", first) if fits else None
+    fits = (
+        int(scfg.recipe.epochs) > 0
+    )  # a zero-epoch stage (method=knn) is only tested: DDP cannot wrap a frozen model
+    ckpt = (
+        resume_checkpoint(cfg.resume, checkpoint_dir(output_dir, stage.name) / "last.ckpt", first)
+        if fits
+        else None
+    )
     last = LastValidation()
-    best = [BestValidation(f"val/{objective.headline[0]}"), last]  # the objective's headline metric on validation
-    trainer = build_trainer(scfg, logger, output_dir, [*callbacks, *best, ResumedFrom(entry, stage.name, ckpt)],
-                            stage=stage.name)
+    best = [
+        BestValidation(f"val/{objective.headline[0]}"),
+        last,
+    ]  # the objective's headline metric on validation
+    trainer = build_trainer(
+        scfg, logger, output_dir, [*callbacks, *best, ResumedFrom(entry, stage.name, ckpt)], stage=stage.name
+    )
     start = time.perf_counter()
     if fits:
         datamodule = datamodule_for(scfg)
-        if stage.best_val and ckpt is None:  # the evaluation before the first epoch (RAPTOR's probes count it)
+        if (
+            stage.best_val and ckpt is None
+        ):  # the evaluation before the first epoch (RAPTOR's probes count it)
             trainer.validate(module, datamodule=datamodule, verbose=False)
         datamodule.train_augment = stage.augment
         try:
@@ -130,8 +166,12 @@ def resolve_needs(method: Method, results_dir: Any) -> dict[str, dict[str, Any]]
     return {key: ledger.find(ref, key) for key, ref in needs.items()}
 
 
-def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "train",
-          measured: Callable[[], tuple[dict[str, Any], dict[str, Any]]] | None = None) -> dict[str, Any]:
+def train(
+    cfg: DictConfig,
+    callbacks: Iterable[Callback] = (),
+    kind: str = "train",
+    measured: Callable[[], tuple[dict[str, Any], dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
     """Train, test and record one run. Raises on failure after marking the ledger entry failed.
     ``kind``: the ledger kind (``rehearsal``: :mod:`vitexp.rehearse`, whose ``measured`` adds its
     (metrics, protocol) to the entry on rank zero)."""
@@ -139,8 +179,9 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
 
     started = time.perf_counter()
     output_dir = Path(cfg.output_dir)
-    with owned_run(cfg.name, kind, cfg.results_dir, output_dir, cfg.logger, cfg.get("resume", False),
-                   resumable=True) as run:
+    with owned_run(
+        cfg.name, kind, cfg.results_dir, output_dir, cfg.logger, cfg.get("resume", False), resumable=True
+    ) as run:
         method = validate(cfg)
         run.start(to_container(cfg))
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
@@ -153,13 +194,23 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
         stages = objective.stages(cfg, method, model, data_config)
         metrics: dict[str, Any] = {"epochs": 0, "steps": 0}
         deployed_model = model
-        evaluated: dict[str, Any] = {}  # what the stages' tests measured besides metrics (the k-NN bank), for the protocol
+        evaluated: dict[
+            str, Any
+        ] = {}  # what the stages' tests measured besides metrics (the k-NN bank), for the protocol
         order = DataOrderMark(DATA_ORDER)
         for i, stage in enumerate(stages):
             stage_keys(run.logger, stage.metrics_prefix)
-            module, trainer, fit_s, scfg, val = fit_stage(objective, cfg, stage, datamodule_for, run.logger, output_dir,
-                                                          [*callbacks, Heartbeat(run.ledger, stage.name), order], i == 0,
-                                                          run.ledger)
+            module, trainer, fit_s, scfg, val = fit_stage(
+                objective,
+                cfg,
+                stage,
+                datamodule_for,
+                run.logger,
+                output_dir,
+                [*callbacks, Heartbeat(run.ledger, stage.name), order],
+                i == 0,
+                run.ledger,
+            )
             if run.ledger is not None:
                 run.ledger.fitting(stage.name, fit_s)
             metrics["epochs"] += trainer.current_epoch
@@ -167,13 +218,17 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
             metrics[f"{stage.name}_fit_time_s" if stage.name != "main" else "fit_time_s"] = fit_s
             if stage.metrics_prefix is not None:
                 p = stage.metrics_prefix
-                metrics.update(evaluate_stage(objective, trainer, module, method, stage, datamodule_for(scfg), p))
+                metrics.update(
+                    evaluate_stage(objective, trainer, module, method, stage, datamodule_for(scfg), p)
+                )
                 evaluated.update({f"{p}{k}": v for k, v in module.evaluation_protocol().items()})
                 # validation saw the model the stage trained (the soft model when there is one)
                 metrics.update(objective.validation_metrics(val, stage.soft_prefix or p))
                 best = [c for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
                 if best:  # the best validation headline (top-1) of the model the stage trained, and after how many epochs
-                    metrics[f"{stage.soft_prefix or p}best_val_{objective.headline[0]}"] = 100.0 * best[0].best
+                    metrics[f"{stage.soft_prefix or p}best_val_{objective.headline[0]}"] = (
+                        100.0 * best[0].best
+                    )
                     metrics[f"{stage.soft_prefix or p}best_val_epoch"] = best[0].best_epoch
             elif "val/loss" in val:
                 metrics[f"{stage.name}_val_loss"] = val["val/loss"]
@@ -182,14 +237,18 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
             metrics["world_size"] = trainer.world_size
         stage_keys(run.logger, None)
         for stage_name, seconds in (run.ledger.previous_fit_time() if run.ledger is not None else {}).items():
-            key = "fit_time_s" if stage_name == "main" else f"{stage_name}_fit_time_s"  # a resumed run: every attempt's
+            key = (
+                "fit_time_s" if stage_name == "main" else f"{stage_name}_fit_time_s"
+            )  # a resumed run: every attempt's
             metrics[key] = metrics.get(key, 0.0) + seconds
         if "fit_time_s" not in metrics:
             metrics["fit_time_s"] = sum(v for k, v in metrics.items() if k.endswith("_fit_time_s"))
         metrics.update(method.extra_metrics(metrics))
         if run.rank_zero:
             output_dir.mkdir(parents=True, exist_ok=True)  # a run without a fit has written nothing there yet
-            weights = atomic_write(output_dir / "weights.pth", lambda tmp: torch.save(deployed_model.state_dict(), tmp))
+            weights = atomic_write(
+                output_dir / "weights.pth", lambda tmp: torch.save(deployed_model.state_dict(), tmp)
+            )
             deployed_metrics, protocol = objective.deployed_cost(cfg, method.deploy(deployed_model))
             protocol.update({**order.protocol(), **evaluated})
             metrics.update(deployed_metrics)
@@ -199,10 +258,17 @@ def train(cfg: DictConfig, callbacks: Iterable[Callback] = (), kind: str = "trai
                 extra_metrics, extra_protocol = measured()
                 metrics.update(extra_metrics)
                 protocol.update(extra_protocol)
-            run.complete(metrics, protocol, step=metrics["steps"],
-                         artifacts={"weights": portable_path(weights, cfg.results_dir), "weights_sha256": sha256(weights),
-                                    **pretrained_artifacts(backbone, cfg.results_dir)},
-                         **method.record())
+            run.complete(
+                metrics,
+                protocol,
+                step=metrics["steps"],
+                artifacts={
+                    "weights": portable_path(weights, cfg.results_dir),
+                    "weights_sha256": sha256(weights),
+                    **pretrained_artifacts(backbone, cfg.results_dir),
+                },
+                **method.record(),
+            )
         else:
             run.complete(metrics)
     return run.result

@@ -10,6 +10,7 @@ ranks hold unequal shares of a split).
 ``distill``: feature distillation with k-NN evaluation (SAPER). ``raptor``: one stage of
 RAPTOR's surrogate training. All register in :data:`OBJECTIVE_MODULES`.
 """
+
 from __future__ import annotations
 
 import random
@@ -58,7 +59,8 @@ class ObjectiveModule(L.LightningModule):
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"{what} is {loss.item()} at epoch {self.current_epoch}, step {self.global_step}: "
-                "stopping (lower recipe.lr, set recipe.grad_clip, or check the data)")
+                "stopping (lower recipe.lr, set recipe.grad_clip, or check the data)"
+            )
         return loss
 
     # -- optimisation --------------------------------------------------------------------------
@@ -119,8 +121,16 @@ class ClassifyModule(ObjectiveModule):
             )
         top_k = min(5, self.num_classes)
         for split in ("val", "test"):
-            setattr(self, f"{split}_top1", MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro"))
-            setattr(self, f"{split}_top5", MulticlassAccuracy(num_classes=self.num_classes, top_k=top_k, average="micro"))
+            setattr(
+                self,
+                f"{split}_top1",
+                MulticlassAccuracy(num_classes=self.num_classes, top_k=1, average="micro"),
+            )
+            setattr(
+                self,
+                f"{split}_top5",
+                MulticlassAccuracy(num_classes=self.num_classes, top_k=top_k, average="micro"),
+            )
             setattr(self, f"{split}_loss", MeanMetric())
 
     def on_fit_start(self) -> None:
@@ -176,15 +186,21 @@ def build_optimizer(model: nn.Module, recipe: Mapping[str, Any], lr: float, tota
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
 
-    optimizer = create_optimizer_v2(model, opt=recipe["opt"], lr=lr, weight_decay=float(recipe["weight_decay"]))
+    optimizer = create_optimizer_v2(
+        model, opt=recipe["opt"], lr=lr, weight_decay=float(recipe["weight_decay"])
+    )
     if recipe.get("sched", "cosine") == "none":
         return optimizer, None
     if recipe.get("warmup_steps"):  # a warm-up counted in steps (RAPTOR's 10k): the schedule runs in steps
         scheduler, _ = create_scheduler_v2(
-            optimizer, sched=recipe["sched"], num_epochs=total_steps,
+            optimizer,
+            sched=recipe["sched"],
+            num_epochs=total_steps,
             warmup_epochs=min(int(recipe["warmup_steps"]), max(0, total_steps - 1)),
-            warmup_lr=float(recipe["warmup_lr"]), min_lr=float(recipe["min_lr"]),
-            step_on_epochs=False, updates_per_epoch=1,
+            warmup_lr=float(recipe["warmup_lr"]),
+            min_lr=float(recipe["min_lr"]),
+            step_on_epochs=False,
+            updates_per_epoch=1,
         )
         return optimizer, scheduler
     epochs = int(recipe["epochs"])
@@ -201,8 +217,14 @@ def build_optimizer(model: nn.Module, recipe: Mapping[str, Any], lr: float, tota
     return optimizer, scheduler
 
 
-def weighted_knn_votes(features: torch.Tensor, bank: torch.Tensor, bank_labels: torch.Tensor, num_classes: int,
-                       k: int = 20, temperature: float = 0.07) -> torch.Tensor:
+def weighted_knn_votes(
+    features: torch.Tensor,
+    bank: torch.Tensor,
+    bank_labels: torch.Tensor,
+    num_classes: int,
+    k: int = 20,
+    temperature: float = 0.07,
+) -> torch.Tensor:
     """DINO's weighted k-NN classifier: cosine similarities to the k nearest bank features,
     weights exp(sim / T), summed per class. Returns (N, classes) votes (usable as logits)."""
     sims = F.normalize(features, dim=-1) @ F.normalize(bank, dim=-1).T
@@ -218,8 +240,11 @@ def bank_summary(bank: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
     An image counted twice or left out changes the size; one swapped for another image changes the
     sum, and the label counts unless both have one label."""
     counts = torch.bincount(labels.detach().long().flatten().cpu())
-    return {"size": int(bank.shape[0]), "labels": {str(c): int(n) for c, n in enumerate(counts.tolist()) if n},
-            "feature_abs_sum": float(bank.detach().double().abs().sum())}
+    return {
+        "size": int(bank.shape[0]),
+        "labels": {str(c): int(n) for c, n in enumerate(counts.tolist()) if n},
+        "feature_abs_sum": float(bank.detach().double().abs().sum()),
+    }
 
 
 class DistillModule(ClassifyModule):
@@ -240,8 +265,15 @@ class DistillModule(ClassifyModule):
     - A model with nothing to train (``method=knn``) gets no optimizer.
     """
 
-    def __init__(self, model: nn.Module, num_classes: int, recipe: Mapping[str, Any], loss: str = "mse",
-                 knn_k: int = 20, knn_temperature: float = 0.07):
+    def __init__(
+        self,
+        model: nn.Module,
+        num_classes: int,
+        recipe: Mapping[str, Any],
+        loss: str = "mse",
+        knn_k: int = 20,
+        knn_temperature: float = 0.07,
+    ):
         if loss not in ("mse", "cosine"):
             raise ValueError(f"method.loss={loss!r}: valid losses are ('mse', 'cosine')")
         super().__init__(model, num_classes, {**recipe, "mixup": 0.0, "cutmix": 0.0})
@@ -294,7 +326,13 @@ class DistillModule(ClassifyModule):
         feats, labels = [], []
         from tqdm.auto import tqdm
 
-        for xb, yb in tqdm(loader, desc="k-NN bank", unit="batch", leave=False, disable=not self.trainer.is_global_zero or None):
+        for xb, yb in tqdm(
+            loader,
+            desc="k-NN bank",
+            unit="batch",
+            leave=False,
+            disable=not self.trainer.is_global_zero or None,
+        ):
             feats.append(self(xb.to(self.device)))
             labels.append(yb.to(self.device))
         return self.gather_shards(torch.cat(feats)), self.gather_shards(torch.cat(labels))
@@ -309,7 +347,9 @@ class DistillModule(ClassifyModule):
         bank, bank_labels = self.memory_bank()
         if split == "test":
             self.knn_bank = bank_summary(bank, bank_labels)
-        votes = weighted_knn_votes(feats, bank, bank_labels, self.num_classes, self.knn_k, self.knn_temperature)
+        votes = weighted_knn_votes(
+            feats, bank, bank_labels, self.num_classes, self.knn_k, self.knn_temperature
+        )
         top1, top5 = getattr(self, f"{split}_top1"), getattr(self, f"{split}_top5")
         top1.update(votes, labels)
         top5.update(votes, labels)
@@ -339,16 +379,24 @@ class RaptorStageModule(ClassifyModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         progress = self.progress()
-        loss = self.check_finite(self.model.stage_loss(batch[0], self.stage, progress), f"RAPTOR stage {self.stage} loss")
-        self.log(f"train/stage{self.stage}_loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True)
+        loss = self.check_finite(
+            self.model.stage_loss(batch[0], self.stage, progress), f"RAPTOR stage {self.stage} loss"
+        )
+        self.log(
+            f"train/stage{self.stage}_loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True
+        )
         if self.stage == 1 and hasattr(self.model, "tau"):
             self.log("train/tau", self.model.tau(progress), on_step=True, on_epoch=False)
         return loss
 
     def _eval_step(self, batch, split: str) -> None:
-        self.log_eval_loss(split, self.model.stage_loss(batch[0], self.stage, 1.0), len(batch[0]), prog_bar=True)
+        self.log_eval_loss(
+            split, self.model.stage_loss(batch[0], self.stage, 1.0), len(batch[0]), prog_bar=True
+        )
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
         """``recipe.grad_clip`` clips the norm of each of the model's ``clip_groups(stage)`` on
         its own (stage 1: one group per block, as RAPTOR clips each block in its own run) instead
         of Lightning's one norm over all parameters."""
@@ -359,14 +407,19 @@ class RaptorStageModule(ClassifyModule):
 
 
 OBJECTIVE_MODULES: dict[str, type[L.LightningModule]] = {
-    "classify": ClassifyModule, "distill": DistillModule, "raptor": RaptorStageModule,
+    "classify": ClassifyModule,
+    "distill": DistillModule,
+    "raptor": RaptorStageModule,
 }
 
 
 def module_for(objective: str) -> type[L.LightningModule]:
     """The LightningModule of a stage objective of ``objective: auto`` (another objective's module
-    is the one its plug-in in :mod:`vitexp.training.objectives` names; it builds on :class:`ObjectiveModule`)."""
+    is the one its plug-in in :mod:`vitexp.training.objectives` names; it builds on :class:`ObjectiveModule`).
+    """
     try:
         return OBJECTIVE_MODULES[objective]
     except KeyError:
-        raise ValueError(f"no LightningModule for objective {objective!r}; known: {sorted(OBJECTIVE_MODULES)}") from None
+        raise ValueError(
+            f"no LightningModule for objective {objective!r}; known: {sorted(OBJECTIVE_MODULES)}"
+        ) from None

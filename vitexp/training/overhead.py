@@ -1,5 +1,6 @@
 """Lightning's per-step overhead: the same model on the same batches, a plain loop against a Trainer
 (``vitexp-bench bench.mode=overhead``)."""
+
 from __future__ import annotations
 
 import statistics
@@ -15,9 +16,15 @@ def _step_times(stamps: list[float], skip: int) -> float:
     return statistics.median(deltas)
 
 
-def lightning_overhead(make_model: Callable[[], nn.Module], make_loader: Callable[[], Any],
-                       num_classes: int, recipe: Mapping[str, Any], steps: int, warmup: int = 5,
-                       repeats: int = 2) -> dict[str, float]:
+def lightning_overhead(
+    make_model: Callable[[], nn.Module],
+    make_loader: Callable[[], Any],
+    num_classes: int,
+    recipe: Mapping[str, Any],
+    steps: int,
+    warmup: int = 5,
+    repeats: int = 2,
+) -> dict[str, float]:
     """Median seconds per training step (time between consecutive batch starts, data loading
     included) of the same model on the same batches: a plain PyTorch loop (forward,
     cross-entropy, backward, optimizer and scheduler step) against ``lightning.Trainer`` running
@@ -65,9 +72,17 @@ def lightning_overhead(make_model: Callable[[], nn.Module], make_loader: Callabl
         module = ClassifyModule(make_model(), num_classes, {**recipe, "lr_base_batch": None})
         stamp = _Stamp()
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_steps=steps, max_epochs=-1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            callbacks=[stamp], limit_val_batches=0, num_sanity_val_steps=0,
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps,
+            max_epochs=-1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[stamp],
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
         )
         trainer.fit(module, train_dataloaders=make_loader())
         stamp.stamps.append(time.perf_counter())

@@ -1,5 +1,6 @@
 """The checks a config passes before a run starts: values, cross-group constraints, the weights
 and the accelerator on this machine (docs/commands.md, "bad input")."""
+
 from __future__ import annotations
 
 import math
@@ -9,7 +10,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp.errors import ConfigError
 from vitexp.training.objectives import objective_for
-
 
 LOGGER_KINDS = ("wandb", "csv", "none")
 
@@ -38,7 +38,9 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
 
     _check(isinstance(cfg.name, str) and cfg.name != "", "name", "must be a non-empty string")
     resume_mode(cfg.get("resume", False))
-    _check(cfg.logger.kind in LOGGER_KINDS, "logger.kind", f"{cfg.logger.kind!r} is not one of {LOGGER_KINDS}")
+    _check(
+        cfg.logger.kind in LOGGER_KINDS, "logger.kind", f"{cfg.logger.kind!r} is not one of {LOGGER_KINDS}"
+    )
     if cfg.logger.kind == "wandb":
         from vitexp.runs.loggers import wandb_mode
 
@@ -46,8 +48,11 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
 
     bb = cfg.backbone
     arch = bb.arch
-    _check(int(bb.img_size) > 0 and int(bb.img_size) % int(arch.patch_size) == 0, "backbone.img_size",
-           f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}")
+    _check(
+        int(bb.img_size) > 0 and int(bb.img_size) % int(arch.patch_size) == 0,
+        "backbone.img_size",
+        f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}",
+    )
     if bb.pretrained:
         from vitexp.ledger import RUN_WEIGHTS_PREFIX, LedgerError, weights_file, weights_run
         from vitexp.config.weights import is_tag, resolve as resolve_weights
@@ -70,41 +75,67 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
     _check(not OmegaConf.is_missing(data, "num_classes"), "data.num_classes", "required (data.num_classes=N)")
     _check(int(data.num_classes) >= 2, "data.num_classes", f"{data.num_classes} must be >= 2")
     if "root" in data.keys() and need_data and not data.get("generate"):
-        _check(not OmegaConf.is_missing(data, "root"), "data.root", f"required for data={data.name} (data.root=/path/to/dataset)")
+        _check(
+            not OmegaConf.is_missing(data, "root"),
+            "data.root",
+            f"required for data={data.name} (data.root=/path/to/dataset)",
+        )
         root = data.root
-        package = f" (installed by the Debian package {data.package}: apt-get install -y {data.package})" \
-            if data.get("package") else ""
-        _check(root is not None and Path(str(root)).expanduser().is_dir(), "data.root",
-               f"dataset root not found: {root}{package}")
+        package = (
+            f" (installed by the Debian package {data.package}: apt-get install -y {data.package})"
+            if data.get("package")
+            else ""
+        )
+        _check(
+            root is not None and Path(str(root)).expanduser().is_dir(),
+            "data.root",
+            f"dataset root not found: {root}{package}",
+        )
     if "decoder" in data:
         from vitexp.data.tensor_images import DECODERS
 
         _check(data.decoder in DECODERS, "data.decoder", f"{data.decoder!r} is not one of {DECODERS}")
     if "split" in data:
         split = list(data.split)
-        _check(len(split) == 3 and all(0 < s < 1 for s in split) and math.isclose(sum(split), 1.0),
-               "data.split", f"{split} must be three fractions in (0, 1) summing to 1 (train, val, test)")
+        _check(
+            len(split) == 3 and all(0 < s < 1 for s in split) and math.isclose(sum(split), 1.0),
+            "data.split",
+            f"{split} must be three fractions in (0, 1) summing to 1 (train, val, test)",
+        )
 
     r = cfg.recipe
     _check(int(r.epochs) >= 1, "recipe.epochs", f"{r.epochs} must be >= 1")
     _check(int(r.batch_size) >= 1, "recipe.batch_size", f"{r.batch_size} must be >= 1")
-    _check(int(data.get("num_workers", 0)) >= 0, "data.num_workers", f"{data.get('num_workers')} must be >= 0")
+    _check(
+        int(data.get("num_workers", 0)) >= 0, "data.num_workers", f"{data.get('num_workers')} must be >= 0"
+    )
     _check(float(r.lr) > 0, "recipe.lr", f"{r.lr} must be > 0")
-    _check(0 <= float(r.warmup_epochs) < int(r.epochs), "recipe.warmup_epochs",
-           f"{r.warmup_epochs} must be in [0, recipe.epochs={r.epochs})")
-    _check(0 <= float(r.label_smoothing) < 1, "recipe.label_smoothing", f"{r.label_smoothing} must be in [0, 1)")
+    _check(
+        0 <= float(r.warmup_epochs) < int(r.epochs),
+        "recipe.warmup_epochs",
+        f"{r.warmup_epochs} must be in [0, recipe.epochs={r.epochs})",
+    )
+    _check(
+        0 <= float(r.label_smoothing) < 1, "recipe.label_smoothing", f"{r.label_smoothing} must be in [0, 1)"
+    )
     _check(0 <= float(r.mixup) and 0 <= float(r.cutmix), "recipe.mixup/cutmix", "must be >= 0")
     _check(0 <= float(r.drop_path) < 1, "recipe.drop_path", f"{r.drop_path} must be in [0, 1)")
     _check(r.sched in SCHEDULES, "recipe.sched", f"{r.sched!r} is not one of {SCHEDULES}")
     objective_for(cfg).validate(cfg)
 
-    _check(cfg.bench.device in ("auto", "cpu", "cuda"), "bench.device",
-           f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')")
+    _check(
+        cfg.bench.device in ("auto", "cpu", "cuda"),
+        "bench.device",
+        f"{cfg.bench.device!r} is not one of ('auto', 'cpu', 'cuda')",
+    )
     if cfg.bench.device == "cuda" and need_trainer is False:  # vitexp-bench: it runs on bench.device
         import torch
 
-        _check(torch.cuda.is_available(), "bench.device=cuda",
-               "this machine has no CUDA GPU (torch.cuda.is_available() is false); bench.device=cpu or auto")
+        _check(
+            torch.cuda.is_available(),
+            "bench.device=cuda",
+            "this machine has no CUDA GPU (torch.cuda.is_available() is false); bench.device=cpu or auto",
+        )
 
     if method is None:
         _check_bspf_spec(cfg)
@@ -124,5 +155,7 @@ def _check_bspf_spec(cfg: DictConfig) -> None:
         return
     for key, value in OmegaConf.to_container(cfg.method, resolve=False).items():
         if isinstance(value, str) and "${bspf_spec." in value:
-            raise ConfigError(f"method.{key}: backbone={cfg.backbone.name} has no BSPF defaults "
-                              f"(conf/bspf_spec/{cfg.backbone.name}.yaml); add that file or set method.{key}=...")
+            raise ConfigError(
+                f"method.{key}: backbone={cfg.backbone.name} has no BSPF defaults "
+                f"(conf/bspf_spec/{cfg.backbone.name}.yaml); add that file or set method.{key}=..."
+            )

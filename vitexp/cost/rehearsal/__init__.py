@@ -22,6 +22,7 @@ Decisions:
 - A rehearsal's weights are random and its checkpoints are GBs at full size: both are deleted after
   the row (its folder keeps ``rehearsal.log`` and a dirty tree's ``code.patch``).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,27 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from vitexp.cost.rehearsal.plan import DEVICES, KIND, SUFFIX, Job, Settings, rehearsal_jobs, rehearsal_overrides
+from vitexp.cost.rehearsal.plan import (
+    DEVICES,
+    KIND,
+    SUFFIX,
+    Job,
+    Settings,
+    rehearsal_jobs,
+    rehearsal_overrides,
+)
 
-__all__ = ["KIND", "Settings", "Job", "rehearsal_jobs", "rehearsal_overrides", "rehearse_table", "add_arguments",
-           "settings_from", "only_from"]
+__all__ = [
+    "KIND",
+    "Settings",
+    "Job",
+    "rehearsal_jobs",
+    "rehearsal_overrides",
+    "rehearse_table",
+    "add_arguments",
+    "settings_from",
+    "only_from",
+]
 
 #: Seconds a row may run before it is killed and recorded failed.
 DEFAULT_TIMEOUT_S = 3600
@@ -44,21 +62,56 @@ DEFAULT_TIMEOUT_S = 3600
 
 def add_arguments(parser) -> None:
     """``vitexp-sweep``'s rehearsal options."""
-    parser.add_argument("--rehearse", action="store_true",
-                        help="rehearse every row at full size on synthetic data for a few steps (ledger kind rehearsal)")
-    parser.add_argument("--rehearse-batch", type=int, default=None,
-                        help="per-device batch of a rehearsal (0: the recipe's; default 2 on the CPU, the recipe's on a GPU)")
-    parser.add_argument("--rehearse-steps", type=int, default=3, help="optimiser steps per stage (the first is counted, not timed)")
-    parser.add_argument("--rehearse-trainer", choices=sorted(DEVICES), default=None,
-                        help="trainer group of a rehearsal (default: gpu when CUDA is available, else cpu); ddp_cpu: 2 gloo processes")
-    parser.add_argument("--rehearse-dir", type=Path, default=Path("outputs") / "rehearsal",
-                        help="where each row's run folder and log go")
-    parser.add_argument("--rehearse-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a row is killed")
-    parser.add_argument("--rehearse-only", default=None, metavar="NAME,...",
-                        help="rehearse only the rows recorded under these names (default: every row)")
-    parser.add_argument("--rehearse-budget-s", type=float, default=None,
-                        help="start no row that could not end (--rehearse-timeout) inside this many seconds; the rows "
-                             "not reached are listed (status partial)")
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="rehearse every row at full size on synthetic data for a few steps (ledger kind rehearsal)",
+    )
+    parser.add_argument(
+        "--rehearse-batch",
+        type=int,
+        default=None,
+        help="per-device batch of a rehearsal (0: the recipe's; default 2 on the CPU, the recipe's on a GPU)",
+    )
+    parser.add_argument(
+        "--rehearse-steps",
+        type=int,
+        default=3,
+        help="optimiser steps per stage (the first is counted, not timed)",
+    )
+    parser.add_argument(
+        "--rehearse-trainer",
+        choices=sorted(DEVICES),
+        default=None,
+        help=(
+            "trainer group of a rehearsal (default: gpu when CUDA is available, else cpu); ddp_cpu: 2 gloo"
+            " processes"
+        ),
+    )
+    parser.add_argument(
+        "--rehearse-dir",
+        type=Path,
+        default=Path("outputs") / "rehearsal",
+        help="where each row's run folder and log go",
+    )
+    parser.add_argument(
+        "--rehearse-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before a row is killed"
+    )
+    parser.add_argument(
+        "--rehearse-only",
+        default=None,
+        metavar="NAME,...",
+        help="rehearse only the rows recorded under these names (default: every row)",
+    )
+    parser.add_argument(
+        "--rehearse-budget-s",
+        type=float,
+        default=None,
+        help=(
+            "start no row that could not end (--rehearse-timeout) inside this many seconds; the rows "
+            "not reached are listed (status partial)"
+        ),
+    )
 
 
 def settings_from(args) -> Settings:
@@ -92,7 +145,11 @@ def _record_failure(job: Job, error: str, results_dir: Path, run_dir: Path, sinc
 
     error = portable_text(error, results_dir)  # no machine path in the ledger
     for record in reversed(Ledger.load(results_dir).named(job.name)):
-        if record["kind"] == KIND and record["status"] == "running" and (record.get("started") or "") >= since:
+        if (
+            record["kind"] == KIND
+            and record["status"] == "running"
+            and (record.get("started") or "") >= since
+        ):
             entry = LedgerEntry.load(record["run_id"], results_dir)
             entry.fail(RuntimeError(error))
             return record["run_id"]
@@ -114,11 +171,16 @@ def _run_row(job: Job, results_dir: Path, run_dir: Path, timeout: float) -> dict
         log.write(" ".join(cmd) + "\n")
         log.flush()
         try:
-            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, timeout=timeout)
+            done = subprocess.run(
+                cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, timeout=timeout
+            )
             log.write(done.stdout)
             closing = _closing_line(done.stdout)
             if closing is None:
-                error = f"the process ended with code {done.returncode} and no closing line (see {run_dir / 'rehearsal.log'})"
+                error = (
+                    f"the process ended with code {done.returncode} and no closing line (see"
+                    f" {run_dir / 'rehearsal.log'})"
+                )
         except subprocess.TimeoutExpired as err:
             log.write((err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""))
             error = f"timed out after {timeout:.0f} s"
@@ -126,11 +188,19 @@ def _run_row(job: Job, results_dir: Path, run_dir: Path, timeout: float) -> dict
         path = run_dir / leftover
         shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     if closing is not None and closing.get("ledger"):
-        return {"status": closing.get("status"), "run_id": closing.get("run_id") or Path(closing["ledger"]).stem,
-                "metrics": closing.get("metrics") or {}, "error": closing.get("error")}
+        return {
+            "status": closing.get("status"),
+            "run_id": closing.get("run_id") or Path(closing["ledger"]).stem,
+            "metrics": closing.get("metrics") or {},
+            "error": closing.get("error"),
+        }
     error = error or (closing or {}).get("error") or "no ledger entry"
-    return {"status": "failed", "run_id": _record_failure(job, error, results_dir, run_dir, since), "metrics": {},
-            "error": error}
+    return {
+        "status": "failed",
+        "run_id": _record_failure(job, error, results_dir, run_dir, since),
+        "metrics": {},
+        "error": error,
+    }
 
 
 def _already(job: Job, settings: Settings, ledger) -> str | None:
@@ -145,8 +215,12 @@ def _already(job: Job, settings: Settings, ledger) -> str | None:
     cuda = settings.trainer in ("gpu", "ddp")
     for record in reversed(ledger.named(job.name)):
         device = str((record.get("metrics") or {}).get("device") or "")
-        if record["kind"] == KIND and record["status"] == "completed" and fp.of_record(record) == want \
-                and device.startswith("cuda") == cuda:
+        if (
+            record["kind"] == KIND
+            and record["status"] == "completed"
+            and fp.of_record(record) == want
+            and device.startswith("cuda") == cuda
+        ):
             return record["run_id"]
     return None
 
@@ -157,15 +231,25 @@ def _line(name: str, result: dict[str, Any]) -> str:
         return f"rehearsal {name}: {result['status']}: {result.get('error')}"
     step = m.get("step_s")
     ips = m.get("images_per_s")
-    return (f"rehearsal {name}: completed, {step:.3f} s/step, {ips:.2f} images/s" if step and ips else
-            f"rehearsal {name}: completed, no timed step") + \
-        f", peak RSS {m.get('peak_rss_mb', 0):.0f} MiB (batch {m.get('batch_size')}, {m.get('device')})"
+    return (
+        f"rehearsal {name}: completed, {step:.3f} s/step, {ips:.2f} images/s"
+        if step and ips
+        else f"rehearsal {name}: completed, no timed step"
+    ) + f", peak RSS {m.get('peak_rss_mb', 0):.0f} MiB (batch {m.get('batch_size')}, {m.get('device')})"
 
 
-def rehearse_table(spec: dict[str, Any], settings: Settings, results_dir: Path, out_dir: Path,
-                   overrides: Sequence[str] = (), force: bool = False, dry_run: bool = False,
-                   timeout: float = DEFAULT_TIMEOUT_S, only: Sequence[str] | None = None,
-                   budget_s: float | None = None) -> dict[str, Any]:
+def rehearse_table(
+    spec: dict[str, Any],
+    settings: Settings,
+    results_dir: Path,
+    out_dir: Path,
+    overrides: Sequence[str] = (),
+    force: bool = False,
+    dry_run: bool = False,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    only: Sequence[str] | None = None,
+    budget_s: float | None = None,
+) -> dict[str, Any]:
     """Rehearse every runnable row of ``spec`` (module docstring), or those whose ledger names are in
     ``only``; no row starts that could not end inside ``budget_s`` seconds, each row's worst case being
     ``timeout`` (those left are ``not_reached``, status ``partial``). Returns the closing line's object."""
@@ -178,20 +262,36 @@ def rehearse_table(spec: dict[str, Any], settings: Settings, results_dir: Path, 
     if only is not None:
         unknown = sorted(set(only) - {j.name.removesuffix(SUFFIX) for j in jobs})
         if unknown:
-            raise ValueError(f"--rehearse-only: {unknown} are not rows of {spec['name']}: {[j.name.removesuffix(SUFFIX) for j in jobs]}")
+            raise ValueError(
+                f"--rehearse-only: {unknown} are not rows of {spec['name']}:"
+                f" {[j.name.removesuffix(SUFFIX) for j in jobs]}"
+            )
         jobs = [j for j in jobs if j.name.removesuffix(SUFFIX) in only]
     ledger = Ledger.load(results_dir)
-    summary: dict[str, Any] = {"table": spec["name"], "kind": KIND, "trainer": settings.trainer,
-                               "batch": settings.batch or "recipe", "steps": settings.steps,
-                               "rows": {}, "skipped": {}, "failed": [], "not_reached": []}
+    summary: dict[str, Any] = {
+        "table": spec["name"],
+        "kind": KIND,
+        "trainer": settings.trainer,
+        "batch": settings.batch or "recipe",
+        "steps": settings.steps,
+        "rows": {},
+        "skipped": {},
+        "failed": [],
+        "not_reached": [],
+    }
     for job in jobs:
-        if budget_s is not None and budget_s - (time.monotonic() - start) < timeout and not dry_run:  # its worst case
+        if (
+            budget_s is not None and budget_s - (time.monotonic() - start) < timeout and not dry_run
+        ):  # its worst case
             summary["not_reached"].append(job.name)
             continue
         done = None if force or job.config is None else _already(job, settings, ledger)
         if done:
             summary["skipped"][job.name] = done
-            print(f"vitexp-sweep: rehearsal {job.name}: done already ({done}); --force rehearses it again", file=sys.stderr)
+            print(
+                f"vitexp-sweep: rehearsal {job.name}: done already ({done}); --force rehearses it again",
+                file=sys.stderr,
+            )
             continue
         if dry_run:
             summary["rows"][job.name] = "python -m vitexp.commands.rehearse_main " + " ".join(job.arguments)
@@ -209,6 +309,13 @@ def rehearse_table(spec: dict[str, Any], settings: Settings, results_dir: Path, 
         summary["rows"][job.name] = {k: result[k] for k in ("status", "run_id")}
         if result["status"] != "completed":
             summary["failed"].append(job.name)
-    summary["status"] = ("dry_run" if dry_run else "failed" if summary["failed"] else
-                         "partial" if summary["not_reached"] else "completed")
+    summary["status"] = (
+        "dry_run"
+        if dry_run
+        else "failed"
+        if summary["failed"]
+        else "partial"
+        if summary["not_reached"]
+        else "completed"
+    )
     return summary

@@ -19,6 +19,7 @@ Decisions:
   rehearsal runs each row in a process of its own, so the peak is the row's) and, on a GPU,
   ``torch.cuda.max_memory_allocated``. Under DDP they are rank zero's.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -74,11 +75,17 @@ class StepMeter(Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from vitexp.runs.callbacks import Heartbeat
 
-        name = next((cb.stage for cb in trainer.callbacks if isinstance(cb, Heartbeat)), f"stage{len(self.stages)}")
+        name = next(
+            (cb.stage for cb in trainer.callbacks if isinstance(cb, Heartbeat)), f"stage{len(self.stages)}"
+        )
         self._stage = self.stages.setdefault(name, {"steps": [], "batch": None, "train_gflops": None})
-        self._stage.update(epochs=trainer.max_epochs, module=type(pl_module).__name__)  # the stage's recipe epochs
+        self._stage.update(
+            epochs=trainer.max_epochs, module=type(pl_module).__name__
+        )  # the stage's recipe epochs
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         stage = self._stage
         if stage is None:
             return
@@ -88,8 +95,9 @@ class StepMeter(Callback):
         _sync(pl_module)
         self._t0 = time.perf_counter()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         stage = self._stage
         if stage is None:
             return
@@ -104,7 +112,9 @@ class StepMeter(Callback):
         else:
             stage["steps"].append(seconds)
 
-    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
         if self._counting is not None:  # leave no counting mode behind a failed step
             self._counting.close()
             self._counting = self._counter = None
@@ -117,10 +127,17 @@ class StepMeter(Callback):
             step = statistics.median(s["steps"]) if s["steps"] else None
             batch = s["batch"]
             gflops = s["train_gflops"]
-            out[name] = {"epochs": s.get("epochs"), "module": s.get("module"), "batch": batch, "timed_steps": len(s["steps"]), "step_s": step,
-                         "images_per_s": batch / step if step and batch else None,
-                         "first_step_s": s.get("first_step_s"), "train_gflops": gflops,
-                         "train_gflops_per_image": gflops / batch if gflops is not None and batch else None}
+            out[name] = {
+                "epochs": s.get("epochs"),
+                "module": s.get("module"),
+                "batch": batch,
+                "timed_steps": len(s["steps"]),
+                "step_s": step,
+                "images_per_s": batch / step if step and batch else None,
+                "first_step_s": s.get("first_step_s"),
+                "train_gflops": gflops,
+                "train_gflops_per_image": gflops / batch if gflops is not None and batch else None,
+            }
         return out
 
     def measured(self, device: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -131,10 +148,22 @@ class StepMeter(Callback):
         steps = [t for s in self.stages.values() for t in s["steps"]]
         batch = next((s["batch"] for s in stages.values() if s["batch"]), None)
         step = statistics.median(steps) if steps else None
-        metrics = {"stages": stages, "step_s": step, "images_per_s": batch / step if step and batch else None,
-                   "batch_size": batch, "device": device, **peak_memory()}
-        protocol = {"timing": "median seconds per optimiser step after each stage's first (forward, backward, "
-                              "optimiser; no data loading); the first step is counted for FLOPs instead",
-                    "train_flops": "torch.utils.flop_counter on the first step, math SDPA kernel, 2 FLOPs per MAC",
-                    "peak_memory": "resource.getrusage ru_maxrss of rank zero's process; CUDA max_memory_allocated on a GPU"}
+        metrics = {
+            "stages": stages,
+            "step_s": step,
+            "images_per_s": batch / step if step and batch else None,
+            "batch_size": batch,
+            "device": device,
+            **peak_memory(),
+        }
+        protocol = {
+            "timing": (
+                "median seconds per optimiser step after each stage's first (forward, backward, "
+                "optimiser; no data loading); the first step is counted for FLOPs instead"
+            ),
+            "train_flops": "torch.utils.flop_counter on the first step, math SDPA kernel, 2 FLOPs per MAC",
+            "peak_memory": (
+                "resource.getrusage ru_maxrss of rank zero's process; CUDA max_memory_allocated on a GPU"
+            ),
+        }
         return metrics, protocol

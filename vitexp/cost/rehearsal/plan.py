@@ -27,6 +27,7 @@ Decision: the rehearsal of row ``N`` is recorded as ``N+rehearsal`` and its conf
 row's (data, steps, batch), so neither its name nor its fingerprint is the row's: a table never shows
 a rehearsal (:func:`vitexp.report.tables.fill` also leaves out every entry of kind ``rehearsal``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,9 +56,14 @@ class Settings:
         if self.trainer not in DEVICES:
             raise ValueError(f"rehearsal trainer {self.trainer!r} is not one of {sorted(DEVICES)}")
         if self.steps < 2:
-            raise ValueError(f"a rehearsal needs at least 2 steps per stage (the first is counted, not timed); got {self.steps}")
+            raise ValueError(
+                "a rehearsal needs at least 2 steps per stage (the first is counted, not timed); got"
+                f" {self.steps}"
+            )
         if (self.batch is not None and self.batch < 1) or self.eval_batches < 1:
-            raise ValueError(f"batch ({self.batch}) and eval_batches ({self.eval_batches}) must be at least 1")
+            raise ValueError(
+                f"batch ({self.batch}) and eval_batches ({self.eval_batches}) must be at least 1"
+            )
 
 
 @dataclass(frozen=True)
@@ -87,21 +93,36 @@ def rehearsal_overrides(config: Mapping[str, Any], settings: Settings) -> list[s
     batch = settings.batch or int(config["recipe"]["batch_size"])
     n_train, n_eval = batch * settings.steps * devices, batch * settings.eval_batches * devices
     precision = (config.get("trainer") or {}).get("precision") or "32-true"
-    out = [f"trainer={settings.trainer}", f"trainer.devices={devices}", "trainer.num_nodes=1",
-           f"trainer.precision={precision}", f"+trainer.max_steps={settings.steps}",
-           "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1",
-           "logger=none", "eval.throughput=false", "backbone.pretrained=null", f"recipe.batch_size={batch}"]
+    out = [
+        f"trainer={settings.trainer}",
+        f"trainer.devices={devices}",
+        "trainer.num_nodes=1",
+        f"trainer.precision={precision}",
+        f"+trainer.max_steps={settings.steps}",
+        "trainer.num_sanity_val_steps=0",
+        "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1",
+        "logger=none",
+        "eval.throughput=false",
+        "backbone.pretrained=null",
+        f"recipe.batch_size={batch}",
+    ]
     out += objective_for(config).rehearsal_data(config, n_train, n_eval)
     method = config.get("method") or {}
     out += [f"method.{key}={batch}" for key in _batch_keys(method, "")]
     if method.get("phase_images") is not None:
         out.append(f"method.phase_images={min(int(method['phase_images']), n_train)}")
-    out += [f"method.{key}=null" for key in ("teacher_probe_run", "surrogate", "probe_head", "cache_dir")
-            if method.get(key) is not None]
+    out += [
+        f"method.{key}=null"
+        for key in ("teacher_probe_run", "surrogate", "probe_head", "cache_dir")
+        if method.get(key) is not None
+    ]
     return out
 
 
-def rehearsal_jobs(spec: Mapping[str, Any], settings: Settings, overrides: list[str] | tuple[str, ...] = ()) -> list[Job]:
+def rehearsal_jobs(
+    spec: Mapping[str, Any], settings: Settings, overrides: list[str] | tuple[str, ...] = ()
+) -> list[Job]:
     """One :class:`Job` per runnable row of ``spec`` (cited rows and rows without an experiment are
     not runs), in the spec's order; ``overrides`` are appended to every job (``results_dir=...``)."""
     jobs = []
@@ -116,7 +137,10 @@ def rehearsal_jobs(spec: Mapping[str, Any], settings: Settings, overrides: list[
         own = [a for a in base if not a.lstrip("+~").startswith("data.")]
         arguments = [*own, *rehearsal_overrides(config, settings), f"name='{name}{SUFFIX}'", *overrides]
         jobs.append(Job(row["label"], f"{name}{SUFFIX}", arguments, config))
-    return [j if j.config is not None else Job(j.label, j.name, j.arguments, None, _why(j.arguments)) for j in jobs]
+    return [
+        j if j.config is not None else Job(j.label, j.name, j.arguments, None, _why(j.arguments))
+        for j in jobs
+    ]
 
 
 def _why(job: list[str]) -> str:

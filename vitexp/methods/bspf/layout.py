@@ -21,6 +21,7 @@ pruned, kept or fused, and no layer but the attention matmuls of its chunk sees 
 holds at least one real token, since the padding is less than a window. A grid that one window
 covers is one chunk without padding (SHViT's own global attention).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,10 @@ def chunk_count(num_patches: int, chunk_size: int | None) -> int:
         return 1
     if num_patches % chunk_size:
         divisors = [d for d in range(1, num_patches + 1) if num_patches % d == 0]
-        raise ValueError(f"method.chunk_size={chunk_size} does not divide the {num_patches} patch tokens; "
-                         f"valid chunk sizes: {divisors} (or null for one chunk)")
+        raise ValueError(
+            f"method.chunk_size={chunk_size} does not divide the {num_patches} patch tokens; "
+            f"valid chunk sizes: {divisors} (or null for one chunk)"
+        )
     return num_patches // chunk_size
 
 
@@ -47,8 +50,10 @@ def square_side(chunk_size: int) -> int:
     side = math.isqrt(int(chunk_size))
     if side * side != chunk_size:
         squares = [s * s for s in range(1, 9)]
-        raise ValueError(f"method.chunk_size={chunk_size}: chunk_layout=window needs a square Ω = s² "
-                         f"({squares}, ...), or method.chunk_layout=raster")
+        raise ValueError(
+            f"method.chunk_size={chunk_size}: chunk_layout=window needs a square Ω = s² "
+            f"({squares}, ...), or method.chunk_layout=raster"
+        )
     return side
 
 
@@ -61,9 +66,11 @@ def window_side(grid: tuple[int, int], chunk_size: int | None) -> int:
     side = math.isqrt(int(chunk_size))
     if side * side != chunk_size or h % side or w % side:
         valid = [s * s for s in range(1, min(h, w) + 1) if h % s == 0 and w % s == 0]
-        raise ValueError(f"method.chunk_size={chunk_size}: chunk_layout=window needs Ω = s² with s dividing the "
-                         f"{h}x{w} patch grid; valid chunk sizes: {valid} (or null for one chunk, or "
-                         f"method.chunk_layout=raster)")
+        raise ValueError(
+            f"method.chunk_size={chunk_size}: chunk_layout=window needs Ω = s² with s dividing the "
+            f"{h}x{w} patch grid; valid chunk sizes: {valid} (or null for one chunk, or "
+            "method.chunk_layout=raster)"
+        )
     return side
 
 
@@ -128,7 +135,9 @@ def one_chunk(tokens: int) -> Chunks:
     return Chunks((tokens,), tokens)
 
 
-def padded_chunks(grid: tuple[int, int], chunk_size: int | None, layout: str) -> tuple[Chunks, torch.Tensor | None, tuple[int, int]]:
+def padded_chunks(
+    grid: tuple[int, int], chunk_size: int | None, layout: str
+) -> tuple[Chunks, torch.Tensor | None, tuple[int, int]]:
     """(the chunks, the raster index of each real token in chunk order or None for raster order,
     the padded grid) of ``layout`` on ``grid`` (module docstring)."""
     if layout not in CHUNK_LAYOUTS:
@@ -147,6 +156,10 @@ def padded_chunks(grid: tuple[int, int], chunk_size: int | None, layout: str) ->
     if nh * nw == 1:
         return one_chunk(n), None, (h, w)
     raster = torch.arange(n).reshape(h, w)
-    windows = [raster[i * side:(i + 1) * side, j * side:(j + 1) * side].reshape(-1) for i in range(nh) for j in range(nw)]
+    windows = [
+        raster[i * side : (i + 1) * side, j * side : (j + 1) * side].reshape(-1)
+        for i in range(nh)
+        for j in range(nw)
+    ]
     order = torch.cat(windows)
     return Chunks(tuple(len(win) for win in windows), chunk_size), order, (nh * side, nw * side)

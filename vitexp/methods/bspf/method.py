@@ -9,6 +9,7 @@ half-cosine from 1 down to the base keep rate over ``shrink_epochs``; EViT's mai
 Evaluation always uses the target ρ. E = 0 (default) switches it off. BSPF-ViT's own recipe is
 not published: this is an option, not the paper's schedule.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,14 @@ from vitexp.methods.base import Method
 from vitexp.methods.bspf.layout import CHUNK_LAYOUTS, check_layout, square_side, window_order
 from vitexp.methods.bspf.pruning import FUSIONS, MIRRORS, SCORES, TokenPruner
 from vitexp.methods.bspf.shvit import ChunkSHSA, TokenStage, patch_shvit
-from vitexp.methods.bspf.surgery import (ChunkAttention, PruneBlock, PruneMetaBlock, RestoringSequential,
-                                         patch_attention, put_in_window_order)
+from vitexp.methods.bspf.surgery import (
+    ChunkAttention,
+    PruneBlock,
+    PruneMetaBlock,
+    RestoringSequential,
+    patch_attention,
+    put_in_window_order,
+)
 
 
 def warmup_keep_ratio(epoch: float, target: float, warmup_epochs: float, start: float = 0.0) -> float:
@@ -42,12 +49,19 @@ class KeepRateWarmup:
     each pruner's ``train_keep_ratio`` to :func:`warmup_keep_ratio` at epoch fraction × epochs."""
 
     def __init__(self, pruners: Sequence[TokenPruner], epochs: int, warmup_epochs: float, start: float):
-        self.pruners, self.epochs, self.warmup_epochs, self.start = list(pruners), int(epochs), warmup_epochs, start
+        self.pruners, self.epochs, self.warmup_epochs, self.start = (
+            list(pruners),
+            int(epochs),
+            warmup_epochs,
+            start,
+        )
         self(0.0)
 
     def __call__(self, fraction: float) -> None:
         for p in self.pruners:
-            p.train_keep_ratio = warmup_keep_ratio(fraction * self.epochs, p.keep_ratio, self.warmup_epochs, self.start)
+            p.train_keep_ratio = warmup_keep_ratio(
+                fraction * self.epochs, p.keep_ratio, self.warmup_epochs, self.start
+            )
 
 
 class BSPF(Method):
@@ -56,13 +70,27 @@ class BSPF(Method):
     objective = "classify"
     budget_kinds: ClassVar[tuple[str, ...]] = ("keep_ratio",)
 
-    def __init__(self, name: str = "bspf", chunk_size: int | None = 49, prune_layers: Sequence[int] = (4, 6, 9),
-                 score: str = "local3x3", fusion: str = "similarity", symmetric: bool = False, mirror: str = "none",
-                 chunk_layout: str = "window", keep_warmup_epochs: float = 0, keep_warmup_start: float = 0,
-                 train_epochs: int | None = None):
+    def __init__(
+        self,
+        name: str = "bspf",
+        chunk_size: int | None = 49,
+        prune_layers: Sequence[int] = (4, 6, 9),
+        score: str = "local3x3",
+        fusion: str = "similarity",
+        symmetric: bool = False,
+        mirror: str = "none",
+        chunk_layout: str = "window",
+        keep_warmup_epochs: float = 0,
+        keep_warmup_start: float = 0,
+        train_epochs: int | None = None,
+    ):
         super().__init__(name)
-        for key, value, valid in (("score", score, SCORES), ("fusion", fusion, FUSIONS), ("mirror", mirror, MIRRORS),
-                                  ("chunk_layout", chunk_layout, CHUNK_LAYOUTS)):
+        for key, value, valid in (
+            ("score", score, SCORES),
+            ("fusion", fusion, FUSIONS),
+            ("mirror", mirror, MIRRORS),
+            ("chunk_layout", chunk_layout, CHUNK_LAYOUTS),
+        ):
             if value not in valid:
                 raise ValueError(f"method.{key}={value!r}: valid values are {valid}")
         self.chunk_size = None if chunk_size in (None, "null") else int(chunk_size)
@@ -80,9 +108,11 @@ class BSPF(Method):
 
         super().validate_budget(budget, arch)
         if arch.get("family") == "shvit" and self.symmetric:
-            raise ConfigError("method.symmetric=true: shared Q/K is refused on SHViT: its attention computes q and k "
-                              "with one convolution and BatchNorm, and no shared layer keeps their two "
-                              "normalisations (docs/reading-bspf.md, 'Shared Q/K on SHViT'); use method.symmetric=false")
+            raise ConfigError(
+                "method.symmetric=true: shared Q/K is refused on SHViT: its attention computes q and k "
+                "with one convolution and BatchNorm, and no shared layer keeps their two "
+                "normalisations (docs/reading-bspf.md, 'Shared Q/K on SHViT'); use method.symmetric=false"
+            )
         if budget["kind"] == "keep_ratio" and not 0 < float(budget["keep_ratio"]) <= 1:
             raise ConfigError(f"budget.keep_ratio: {budget['keep_ratio']} must be in (0, 1]")
         depth = int(arch["depth"])
@@ -100,27 +130,46 @@ class BSPF(Method):
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         if self.keep_warmup_epochs < 0 or self.keep_warmup_start < 0:
-            raise ConfigError(f"method.keep_warmup_epochs={self.keep_warmup_epochs} and method.keep_warmup_start="
-                              f"{self.keep_warmup_start} must be >= 0")
-        if self.keep_warmup_epochs and self.train_epochs is not None \
-                and self.keep_warmup_start + self.keep_warmup_epochs > self.train_epochs:
-            raise ConfigError(f"method.keep_warmup_start + method.keep_warmup_epochs = "
-                              f"{self.keep_warmup_start + self.keep_warmup_epochs} exceeds the {self.train_epochs} "
-                              "training epochs: the keep ratio would never reach budget.keep_ratio")
+            raise ConfigError(
+                f"method.keep_warmup_epochs={self.keep_warmup_epochs} and method.keep_warmup_start="
+                f"{self.keep_warmup_start} must be >= 0"
+            )
+        if (
+            self.keep_warmup_epochs
+            and self.train_epochs is not None
+            and self.keep_warmup_start + self.keep_warmup_epochs > self.train_epochs
+        ):
+            raise ConfigError(
+                "method.keep_warmup_start + method.keep_warmup_epochs = "
+                f"{self.keep_warmup_start + self.keep_warmup_epochs} exceeds the {self.train_epochs} "
+                "training epochs: the keep ratio would never reach budget.keep_ratio"
+            )
 
     def apply(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
         if isinstance(backbone, SHViT):
-            model = patch_shvit(backbone, self.keep_ratio(budget), self.chunk_size, self.chunk_layout,
-                                self.prune_layers, self.score, self.mirror, self.fusion)
+            model = patch_shvit(
+                backbone,
+                self.keep_ratio(budget),
+                self.chunk_size,
+                self.chunk_layout,
+                self.prune_layers,
+                self.score,
+                self.mirror,
+                self.fusion,
+            )
         elif isinstance(backbone, MetaFormer):
             model = self._apply_metaformer(backbone, budget)
         else:
             model = self._apply_vit(backbone, budget)
         if self.keep_warmup_epochs > 0:
             if self.train_epochs is None:
-                raise ValueError("method.keep_warmup_epochs needs method.train_epochs (conf: ${recipe.epochs})")
+                raise ValueError(
+                    "method.keep_warmup_epochs needs method.train_epochs (conf: ${recipe.epochs})"
+                )
             pruners = [m for m in model.modules() if isinstance(m, TokenPruner)]
-            model.set_progress = KeepRateWarmup(pruners, self.train_epochs, self.keep_warmup_epochs, self.keep_warmup_start)
+            model.set_progress = KeepRateWarmup(
+                pruners, self.train_epochs, self.keep_warmup_epochs, self.keep_warmup_start
+            )
         return model
 
     def _apply_vit(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
@@ -151,12 +200,14 @@ class BSPF(Method):
         downsampling of stage 4, :class:`RestoringSequential` puts the full raster grid back from
         the window-ordered, fused tokens. Stage 4 (7×7) runs unpruned."""
         size = int(model.pretrained_cfg["input_size"][-1])
-        attn_stages = [i for i, st in enumerate(model.stages) if isinstance(st.blocks[0].token_mixer, MetaAttention)]
+        attn_stages = [
+            i for i, st in enumerate(model.stages) if isinstance(st.blocks[0].token_mixer, MetaAttention)
+        ]
         if not attn_stages:
             raise TypeError("BSPF on a MetaFormer needs attention stages (CaFormer)")
         rho = self.keep_ratio(budget)
         for i in attn_stages:
-            side = size // (4 * 2 ** i)
+            side = size // (4 * 2**i)
             first = i == attn_stages[0]
             try:
                 chunks = check_layout((side, side), self.chunk_size, self.chunk_layout)
@@ -171,11 +222,17 @@ class BSPF(Method):
                     block.__class__ = PruneMetaBlock
                     block.pruner = TokenPruner(rho, 0, chunks, self.score, self.mirror, self.fusion)
                     block.pruner.track = True
-            order = window_order((side, side), self.chunk_size) if self.chunk_layout == "window" and chunks > 1 else None
+            order = (
+                window_order((side, side), self.chunk_size)
+                if self.chunk_layout == "window" and chunks > 1
+                else None
+            )
             if first or order is not None:
                 stage.blocks.__class__ = RestoringSequential
                 device = next(model.parameters()).device
-                stage.blocks.register_buffer("window_order", None if order is None else order.to(device), persistent=False)
+                stage.blocks.register_buffer(
+                    "window_order", None if order is None else order.to(device), persistent=False
+                )
         return model
 
 
@@ -186,8 +243,10 @@ def _tokens_only(forward_intermediates):
 
     def refusing(*args, output_fmt: str = "NCHW", **kwargs):
         if output_fmt == "NCHW":
-            raise ValueError("output_fmt='NCHW': BSPF with method.chunk_layout=window runs the tokens in window order, "
-                             "so a raster grid would be scrambled; use output_fmt='NLC' (or chunk_layout=raster)")
+            raise ValueError(
+                "output_fmt='NCHW': BSPF with method.chunk_layout=window runs the tokens in window order, "
+                "so a raster grid would be scrambled; use output_fmt='NLC' (or chunk_layout=raster)"
+            )
         return forward_intermediates(*args, output_fmt=output_fmt, **kwargs)
 
     return refusing
@@ -198,9 +257,16 @@ class ChunkOnly(BSPF):
 
     budget_kinds: ClassVar[tuple[str, ...]] = ("none",)
 
-    def __init__(self, name: str = "chunk", chunk_size: int | None = 49, symmetric: bool = False,
-                 chunk_layout: str = "window"):
-        super().__init__(name=name, chunk_size=chunk_size, prune_layers=(), symmetric=symmetric, chunk_layout=chunk_layout)
+    def __init__(
+        self,
+        name: str = "chunk",
+        chunk_size: int | None = 49,
+        symmetric: bool = False,
+        chunk_layout: str = "window",
+    ):
+        super().__init__(
+            name=name, chunk_size=chunk_size, prune_layers=(), symmetric=symmetric, chunk_layout=chunk_layout
+        )
 
 
 def bspf_record(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -214,16 +280,22 @@ def bspf_record(model: nn.Module) -> dict[str, dict[str, Any]]:
     if not attns:
         return {}
     record: dict[str, dict[str, Any]] = {
-        "protocol": {"chunk_layout": attns[0].chunk_layout, "chunks": attns[0].num_chunks or 1}}
-    stages = {name.removesuffix(".blocks"): m.last_chunks for name, m in model.named_modules()
-              if isinstance(m, TokenStage) and getattr(m, "last_chunks", None)}
+        "protocol": {"chunk_layout": attns[0].chunk_layout, "chunks": attns[0].num_chunks or 1}
+    }
+    stages = {
+        name.removesuffix(".blocks"): m.last_chunks
+        for name, m in model.named_modules()
+        if isinstance(m, TokenStage) and getattr(m, "last_chunks", None)
+    }
     if stages:
         record["protocol"]["chunks_by_stage"] = stages
     realised = [m.realised for m in model.modules() if isinstance(m, TokenPruner) and m.realised]
     if realised:
         layers = [kept / total for kept, total in realised]
-        record["metrics"] = {"keep_fraction_layers": [round(k, 4) for k in layers],
-                             "keep_fraction": math.prod(layers) ** (1.0 / len(layers))}
+        record["metrics"] = {
+            "keep_fraction_layers": [round(k, 4) for k in layers],
+            "keep_fraction": math.prod(layers) ** (1.0 / len(layers)),
+        }
     return record
 
 

@@ -38,6 +38,7 @@
 Selection and matching run in float32 even under autocast (they are O(C·Ω²) and a bf16 ranking of
 attention probabilities would be mostly ties); the tokens keep the dtype they arrive in.
 """
+
 from __future__ import annotations
 
 import math
@@ -67,7 +68,11 @@ class BlockScorer(nn.Module):
         if score == "local3x3":
             self.logits = nn.Parameter(torch.zeros(9))  # softmax(0) = the uniform 3x3 average
         else:
-            fixed = torch.full((1, 1, 3, 3), 1.0 / 9.0) if score == "avg3x3" else F.pad(torch.ones(1, 1, 1, 1), (1, 1, 1, 1))
+            fixed = (
+                torch.full((1, 1, 3, 3), 1.0 / 9.0)
+                if score == "avg3x3"
+                else F.pad(torch.ones(1, 1, 1, 1), (1, 1, 1, 1))
+            )
             self.register_buffer("fixed", fixed, persistent=False)
 
     def kernel(self) -> torch.Tensor:
@@ -80,7 +85,9 @@ class BlockScorer(nn.Module):
     def forward(self, blocks: torch.Tensor) -> torch.Tensor:
         """blocks: (..., Ω, Ω) -> scores of the same shape."""
         lead, (n, m) = blocks.shape[:-2], blocks.shape[-2:]
-        s = F.conv2d(blocks.reshape(-1, 1, n, m), self.kernel().to(blocks.dtype), padding=1).reshape(*lead, n, m)
+        s = F.conv2d(blocks.reshape(-1, 1, n, m), self.kernel().to(blocks.dtype), padding=1).reshape(
+            *lead, n, m
+        )
         if self.mirror == "upper":
             s = torch.triu(s) + torch.triu(s, 1).transpose(-1, -2)
         return s
@@ -96,11 +103,18 @@ class TokenPruner(nn.Module):
 
     record_decisions = False
 
-    def __init__(self, keep_ratio: float, num_prefix: int, num_chunks: int, score: str, mirror: str, fusion: str):
+    def __init__(
+        self, keep_ratio: float, num_prefix: int, num_chunks: int, score: str, mirror: str, fusion: str
+    ):
         super().__init__()
         if fusion not in FUSIONS:
             raise ValueError(f"method.fusion={fusion!r}: valid fusions are {FUSIONS}")
-        self.keep_ratio, self.num_prefix, self.num_chunks, self.fusion = keep_ratio, num_prefix, num_chunks, fusion
+        self.keep_ratio, self.num_prefix, self.num_chunks, self.fusion = (
+            keep_ratio,
+            num_prefix,
+            num_chunks,
+            fusion,
+        )
         self.train_keep_ratio: float | None = None
         self.scorer = BlockScorer(score, mirror)
         self.track = False  # record where every token went (for restoring a full grid)
@@ -109,7 +123,9 @@ class TokenPruner(nn.Module):
 
     def ratio(self) -> float:
         """ρ of this call: the warm-up's value while training, else ``keep_ratio``."""
-        return self.train_keep_ratio if self.training and self.train_keep_ratio is not None else self.keep_ratio
+        return (
+            self.train_keep_ratio if self.training and self.train_keep_ratio is not None else self.keep_ratio
+        )
 
     def select(self, blocks: torch.Tensor):
         """blocks (B, C, Ω, Ω) -> (kept token indices per chunk (B, C, Ω'), entry mask M, scores S, soft importance)."""
@@ -137,12 +153,18 @@ class TokenPruner(nn.Module):
         dev = blocks.device
         r = torch.tensor(counts, device=dev)
         valid = torch.arange(L, device=dev) < r[:, None]  # C, L
-        blocks = blocks * (valid[:, :, None] & valid[:, None, :])  # an empty slot's row (its column is 0 already)
+        blocks = blocks * (
+            valid[:, :, None] & valid[:, None, :]
+        )  # an empty slot's row (its column is 0 already)
         scores = self.scorer(blocks)
         n_entries = torch.tensor([max(1, math.ceil(rho * c * c)) for c in counts], device=dev)
-        flat = scores.masked_fill(~(valid[:, :, None] & valid[:, None, :]), float("-inf")).reshape(B, C, L * L)
+        flat = scores.masked_fill(~(valid[:, :, None] & valid[:, None, :]), float("-inf")).reshape(
+            B, C, L * L
+        )
         top = flat.topk(int(n_entries.max()), dim=-1).indices
-        take = (torch.arange(top.shape[-1], device=dev) < n_entries[:, None]).to(scores.dtype).expand(B, C, -1)
+        take = (
+            (torch.arange(top.shape[-1], device=dev) < n_entries[:, None]).to(scores.dtype).expand(B, C, -1)
+        )
         mask = torch.zeros_like(flat).scatter_(-1, top, take).reshape(B, C, L, L)
         count = mask.sum(-1) + mask.sum(-2)
         kept_scores = mask * scores
@@ -151,12 +173,18 @@ class TokenPruner(nn.Module):
         n_keep = tuple(max(1, math.ceil(rho * c)) for c in counts)
         K = max(1, math.ceil(rho * L))
         key = (count + 0.25 * tie).masked_fill(~valid, float("-inf"))
-        ranked = key.sort(dim=-1, descending=True, stable=True).indices[..., :K]  # an exact tie: the earlier token
+        ranked = key.sort(dim=-1, descending=True, stable=True).indices[
+            ..., :K
+        ]  # an exact tie: the earlier token
         chosen = torch.arange(K, device=dev) < torch.tensor(n_keep, device=dev)[:, None]  # C, K
-        keep = torch.where(chosen, ranked, L - 1).sort(dim=-1).values  # filler: the last slot, empty wherever used
+        keep = (
+            torch.where(chosen, ranked, L - 1).sort(dim=-1).values
+        )  # filler: the last slot, empty wherever used
         return keep, n_keep, mask, scores, soft
 
-    def forward(self, x: torch.Tensor, blocks: torch.Tensor, counts: tuple[int, ...] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, blocks: torch.Tensor, counts: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """x (B, P + C·L, D), blocks (B, C, L, L) -> (B, P + C·K, D). ``counts``: the real tokens of each
         chunk when chunks have empty slots (module docstring); ``last["counts"]`` then holds the kept ones."""
         if counts is not None:
@@ -188,14 +216,18 @@ class TokenPruner(nn.Module):
             self.decision = self._decision(keep, match, L)
         return torch.cat([x[:, :P], kept.reshape(B, C * n_keep, D)], dim=1)
 
-    def _forward_partial(self, x: torch.Tensor, blocks: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+    def _forward_partial(
+        self, x: torch.Tensor, blocks: torch.Tensor, counts: tuple[int, ...]
+    ) -> torch.Tensor:
         """:meth:`forward` over chunks with empty slots (module docstring); no prefix tokens."""
         B, N, D = x.shape
         C = len(counts)
         L = N // C
         if self.num_prefix or C * L != N or self.record_decisions or self.fusion == "paper_literal":
-            raise ValueError("partial chunks are pruned without prefix tokens, decision records or the "
-                             "paper_literal fusion (SHViT's token stages)")
+            raise ValueError(
+                "partial chunks are pruned without prefix tokens, decision records or the "
+                "paper_literal fusion (SHViT's token stages)"
+            )
         with torch.autocast(x.device.type, enabled=False):
             keep, n_keep, mask, scores, soft = self.select_partial(blocks.float(), counts)
         K = keep.shape[-1]
@@ -207,8 +239,9 @@ class TokenPruner(nn.Module):
         merging = self.fusion in MERGING_FUSIONS
         if K < L and (merging or self.track):
             with torch.autocast(x.device.type, enabled=False):
-                match = self._match_partial(patches, kept, keep, mask, counts, n_keep,
-                                            self.fusion if merging else "similarity")
+                match = self._match_partial(
+                    patches, kept, keep, mask, counts, n_keep, self.fusion if merging else "similarity"
+                )
         if merging and match is not None:
             kept = self._merge(kept, *match)
         self.last = {"keep": keep.detach(), "mask": mask.detach(), "counts": n_keep}
@@ -229,7 +262,9 @@ class TokenPruner(nn.Module):
         kept_real = (torch.arange(K, device=dev) < torch.tensor(n_keep, device=dev)[:, None]).expand(B, C, K)
         is_kept = torch.zeros(B, C, L, device=dev).scatter_(2, keep, kept_real.float())
         status = 2 * is_kept + (~valid).float()  # 0: real and pruned, 1: empty, 2: kept
-        pruned_idx = status.argsort(dim=-1, stable=True)[..., : L - K]  # every real pruned token, then empty slots
+        pruned_idx = status.argsort(dim=-1, stable=True)[
+            ..., : L - K
+        ]  # every real pruned token, then empty slots
         real = status.gather(2, pruned_idx) == 0
         pruned = patches.gather(2, pruned_idx.unsqueeze(-1).expand(B, C, L - K, D))
         cos = F.normalize(pruned.float(), dim=-1) @ F.normalize(kept.float(), dim=-1).transpose(-1, -2)
@@ -249,7 +284,11 @@ class TokenPruner(nn.Module):
     def _fuse_paper_literal(patches: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """x⊙k + (x⊙(1−k))⊙k over a chunk's tokens (k: kept-token mask): the second term is 0."""
         B, C, L, _ = patches.shape
-        k = torch.zeros(B, C, L, device=patches.device, dtype=patches.dtype).scatter_(2, keep, 1.0).unsqueeze(-1)
+        k = (
+            torch.zeros(B, C, L, device=patches.device, dtype=patches.dtype)
+            .scatter_(2, keep, 1.0)
+            .unsqueeze(-1)
+        )
         return patches * k + (patches * (1 - k)) * k
 
     @staticmethod
@@ -260,9 +299,13 @@ class TokenPruner(nn.Module):
         B, C, L, D = patches.shape
         n_keep = keep.shape[-1]
         is_kept = torch.zeros(B, C, L, device=patches.device).scatter_(2, keep, 1.0)
-        pruned_idx = is_kept.argsort(dim=-1, stable=True)[..., : L - n_keep]  # ascending: pruned first, in order
+        pruned_idx = is_kept.argsort(dim=-1, stable=True)[
+            ..., : L - n_keep
+        ]  # ascending: pruned first, in order
         pruned = patches.gather(2, pruned_idx.unsqueeze(-1).expand(B, C, L - n_keep, D))
-        cos = F.normalize(pruned.float(), dim=-1) @ F.normalize(kept.float(), dim=-1).transpose(-1, -2)  # B,C,R,K
+        cos = F.normalize(pruned.float(), dim=-1) @ F.normalize(kept.float(), dim=-1).transpose(
+            -1, -2
+        )  # B,C,R,K
         mask = mask.float()
         m_pruned = mask.gather(2, pruned_idx.unsqueeze(-1).expand(B, C, L - n_keep, L))
         m_kept = mask.gather(2, keep.unsqueeze(-1).expand(B, C, n_keep, L))
@@ -280,7 +323,9 @@ class TokenPruner(nn.Module):
         B, C, n_keep, _ = kept.shape
         w = best.clamp(min=0).unsqueeze(-1).to(kept.dtype)
         num = kept.scatter_add(2, target.unsqueeze(-1).expand_as(pruned), (w * pruned).to(kept.dtype))
-        den = torch.ones(B, C, n_keep, 1, dtype=kept.dtype, device=kept.device).scatter_add(2, target.unsqueeze(-1), w)
+        den = torch.ones(B, C, n_keep, 1, dtype=kept.dtype, device=kept.device).scatter_add(
+            2, target.unsqueeze(-1), w
+        )
         return num / den
 
     @staticmethod
@@ -289,7 +334,9 @@ class TokenPruner(nn.Module):
         B, C, n_keep = keep.shape
         base = (torch.arange(C, device=keep.device) * n_keep).view(1, C, 1)
         assign = torch.zeros(B, C, L, dtype=torch.long, device=keep.device)
-        assign.scatter_(2, keep, (base + torch.arange(n_keep, device=keep.device).view(1, 1, n_keep)).expand(B, C, n_keep))
+        assign.scatter_(
+            2, keep, (base + torch.arange(n_keep, device=keep.device).view(1, 1, n_keep)).expand(B, C, n_keep)
+        )
         if match is not None:
             pruned_idx, _, target, _ = match
             assign.scatter_(2, pruned_idx, base.expand_as(target) + target)

@@ -32,6 +32,7 @@ Decisions (docs/reading-backbones.md, SHViT):
 - Shared Q/K (``symmetric``) is not implemented for SHSA; the method refuses it on SHViT
   (docs/reading-bspf.md, "Shared Q/K on SHViT").
 """
+
 from __future__ import annotations
 
 import torch
@@ -52,8 +53,10 @@ class ChunkSHSA(SHSA):
     chunk_layout: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("BSPF's SHSA runs through its TokenStage (timm's block-by-block path, e.g. gradient "
-                           "checkpointing, would skip the pruning)")
+        raise RuntimeError(
+            "BSPF's SHSA runs through its TokenStage (timm's block-by-block path, e.g. gradient "
+            "checkpointing, would skip the pruning)"
+        )
 
     def attend(self, x: torch.Tensor, chunks: Chunks, need_blocks: bool = False):
         """(SHSA's output before its residual, the chunks' attention blocks B×C×Ω×Ω or None).
@@ -72,10 +75,16 @@ class ChunkSHSA(SHSA):
             x1 = (attn @ v).reshape(B, N, self.pdim).transpose(1, 2).unsqueeze(-1)
         else:
             spread = chunks.token_of_slot(x.device)  # an empty slot reads the zero row appended below
-            q, k, v = (torch.cat([t.flatten(2), t.new_zeros(B, t.shape[1], 1)], dim=2)[:, :, spread]
-                       .transpose(1, 2).reshape(B, C, L, -1) for t in (q, k, v))
+            q, k, v = (
+                torch.cat([t.flatten(2), t.new_zeros(B, t.shape[1], 1)], dim=2)[:, :, spread]
+                .transpose(1, 2)
+                .reshape(B, C, L, -1)
+                for t in (q, k, v)
+            )
             empty = ~chunks.valid(x.device)
-            logits = ((q @ k.transpose(-2, -1)) * self.scale).masked_fill(empty[None, :, None, :], float("-inf"))
+            logits = ((q @ k.transpose(-2, -1)) * self.scale).masked_fill(
+                empty[None, :, None, :], float("-inf")
+            )
             attn = logits.softmax(dim=-1)  # every chunk holds a real key: no row is all -inf
             out = (attn @ v).reshape(B, C * L, self.pdim)[:, chunks.slot_of_token(x.device)]
             x1 = out.transpose(1, 2).unsqueeze(-1)
@@ -114,8 +123,14 @@ class TokenStage(nn.Sequential):
         return grid
 
 
-def _prune(pruner: TokenPruner, t: torch.Tensor, blocks: torch.Tensor, pos: torch.Tensor, where: torch.Tensor,
-           chunks: Chunks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Chunks]:
+def _prune(
+    pruner: TokenPruner,
+    t: torch.Tensor,
+    blocks: torch.Tensor,
+    pos: torch.Tensor,
+    where: torch.Tensor,
+    chunks: Chunks,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Chunks]:
     """Prune and fuse the tokens ``t`` (B, D, N, 1) of ``chunks``: (the kept tokens, their raster
     positions, the kept token standing for each raster position, the kept tokens' chunks)."""
     B, D = t.shape[:2]
@@ -146,11 +161,21 @@ def _prune(pruner: TokenPruner, t: torch.Tensor, blocks: torch.Tensor, pos: torc
 
 def shsa_stages(model: SHViT) -> list[int]:
     """Indices of the stages whose blocks have SHSA mixers."""
-    return [i for i, st in enumerate(model.stages) if isinstance(getattr(st.blocks[0].mixer, "m", None), SHSA)]
+    return [
+        i for i, st in enumerate(model.stages) if isinstance(getattr(st.blocks[0].mixer, "m", None), SHSA)
+    ]
 
 
-def patch_shvit(model: SHViT, keep_ratio: float, chunk_size: int | None, chunk_layout: str,
-                prune_layers, score: str, mirror: str, fusion: str) -> SHViT:
+def patch_shvit(
+    model: SHViT,
+    keep_ratio: float,
+    chunk_size: int | None,
+    chunk_layout: str,
+    prune_layers,
+    score: str,
+    mirror: str,
+    fusion: str,
+) -> SHViT:
     """Make every SHSA stage a :class:`TokenStage` with :class:`ChunkSHSA` attention; a
     :class:`TokenPruner` after the attention of ``prune_layers`` (counted in the first SHSA stage)."""
     stages = shsa_stages(model)

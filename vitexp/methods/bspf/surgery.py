@@ -17,6 +17,7 @@ block's class is swapped for a subclass, so LayerScale, drop path and the norms 
 Audit state (``last_blocks``, a pruner's ``last``) is detached: it never holds the autograd graph,
 so a model can be deep-copied (EMA, SWA) after a forward with gradients.
 """
+
 from __future__ import annotations
 
 import torch
@@ -170,9 +171,11 @@ class RestoringSequential(nn.Sequential):
         B, N, D = x.shape
         order = getattr(self, "window_order", None)
         if order is not None and order.numel() != N:
-            raise RuntimeError(f"BSPF on a MetaFormer fixes its windows for the grid of backbone.img_size "
-                               f"({order.numel()} tokens); this input gives {N}: run it at backbone.img_size "
-                               "(SHViT's token stages take any grid)")
+            raise RuntimeError(
+                "BSPF on a MetaFormer fixes its windows for the grid of backbone.img_size "
+                f"({order.numel()} tokens); this input gives {N}: run it at backbone.img_size "
+                "(SHViT's token stages take any grid)"
+            )
         if order is not None:
             x = x.index_select(1, order)
             where = torch.argsort(order).expand(B, N)  # raster position -> its window-order slot
@@ -188,8 +191,9 @@ class RestoringSequential(nn.Sequential):
         return x.gather(1, where.unsqueeze(-1).expand(B, N, D))
 
 
-def patch_attention(attn: nn.Module, num_prefix: int, num_chunks: int, symmetric: bool,
-                    chunk_layout: str = "window") -> ChunkAttention:
+def patch_attention(
+    attn: nn.Module, num_prefix: int, num_chunks: int, symmetric: bool, chunk_layout: str = "window"
+) -> ChunkAttention:
     """Swap a timm ``Attention``'s class to :class:`ChunkAttention`; with ``symmetric``, replace
     its qkv projection by a shared q/k projection initialised from (W_q + W_k)/2 and a v projection.
     timm's MetaFormer attention (CaFormer) is given the ViT attention's identity norms first."""
@@ -197,7 +201,9 @@ def patch_attention(attn: nn.Module, num_prefix: int, num_chunks: int, symmetric
         attn.q_norm, attn.k_norm, attn.norm = nn.Identity(), nn.Identity(), nn.Identity()
         attn.attn_dim, attn.gate = attn.num_heads * attn.head_dim, None
     elif not isinstance(attn, Attention) or getattr(attn, "gate", None) is not None:
-        raise TypeError(f"BSPF patches timm's vision_transformer or metaformer Attention, got {type(attn).__name__}")
+        raise TypeError(
+            f"BSPF patches timm's vision_transformer or metaformer Attention, got {type(attn).__name__}"
+        )
     attn.__class__ = ChunkAttention
     attn.num_prefix, attn.num_chunks, attn.keep_probs = num_prefix, num_chunks, False
     attn.chunk_layout = chunk_layout
@@ -207,11 +213,11 @@ def patch_attention(attn: nn.Module, num_prefix: int, num_chunks: int, symmetric
         w, b = attn.qkv.weight.data, attn.qkv.bias
         qk = nn.Linear(dim_in, a, bias=b is not None).to(w)
         v = nn.Linear(dim_in, a, bias=b is not None).to(w)
-        qk.weight.data.copy_(0.5 * (w[:a] + w[a:2 * a]))
-        v.weight.data.copy_(w[2 * a:])
+        qk.weight.data.copy_(0.5 * (w[:a] + w[a : 2 * a]))
+        v.weight.data.copy_(w[2 * a :])
         if b is not None:
-            qk.bias.data.copy_(0.5 * (b.data[:a] + b.data[a:2 * a]))
-            v.bias.data.copy_(b.data[2 * a:])
+            qk.bias.data.copy_(0.5 * (b.data[:a] + b.data[a : 2 * a]))
+            v.bias.data.copy_(b.data[2 * a :])
         del attn.qkv
         attn.qk, attn.v = qk, v
     return attn

@@ -19,6 +19,7 @@ between the attention and the MLP of the pruning blocks.
 ρ_t = ρ + (1 − ρ)·(1 + cos(π·(e − start)/ramp))/2; ρ after. EViT evaluates iterations, so e is
 fractional (e = training progress × epochs). Evaluation always uses the target ρ.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,7 +60,9 @@ def fuse_decision(cls_attn: torch.Tensor, keep: int, fuse: bool = True) -> Token
     return TokenDecision(kept, target, keep + int(rest >= 0))
 
 
-def prune_and_fuse(x: torch.Tensor, cls_attn: torch.Tensor, keep: int, num_prefix: int, fuse: bool = True) -> torch.Tensor:
+def prune_and_fuse(
+    x: torch.Tensor, cls_attn: torch.Tensor, keep: int, num_prefix: int, fuse: bool = True
+) -> torch.Tensor:
     """x: B×N×C, cls_attn: B×(N−P) (head-averaged CLS attention to the candidates) ->
     B×(P + keep + fuse)×C: prefix, kept candidates (most attended first), fused token."""
     B, _, C = x.shape
@@ -71,5 +74,7 @@ def prune_and_fuse(x: torch.Tensor, cls_attn: torch.Tensor, keep: int, num_prefi
     if fuse and keep < candidates.shape[1]:
         rest = order[:, keep:]
         weights = cls_attn.gather(1, rest).unsqueeze(1)  # B×1×(M−k)
-        parts.append(weights.to(x.dtype) @ candidates.gather(1, rest.unsqueeze(-1).expand(B, rest.shape[1], C)))
+        parts.append(
+            weights.to(x.dtype) @ candidates.gather(1, rest.unsqueeze(-1).expand(B, rest.shape[1], C))
+        )
     return torch.cat(parts, dim=1)

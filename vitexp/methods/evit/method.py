@@ -1,4 +1,5 @@
 """``method=evit``: the Method glue (budget validation, apply) around :mod:`.patch`."""
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping, Sequence
@@ -20,16 +21,25 @@ class EViT(Method):
     objective = "classify"
     budget_kinds: ClassVar[tuple[str, ...]] = ("keep_ratio",)
 
-    def __init__(self, name: str = "evit", prune_layers: Sequence[int] | None = None, fuse_token: bool = True,
-                 keep_warmup_start_epochs: float = 0, keep_warmup_epochs: float = 0, epochs: int = 1):
+    def __init__(
+        self,
+        name: str = "evit",
+        prune_layers: Sequence[int] | None = None,
+        fuse_token: bool = True,
+        keep_warmup_start_epochs: float = 0,
+        keep_warmup_epochs: float = 0,
+        epochs: int = 1,
+    ):
         super().__init__(name)
         self.prune_layers = None if prune_layers is None else sorted(int(i) for i in prune_layers)
         self.fuse_token = bool(fuse_token)
         self.warmup_start, self.warmup = float(keep_warmup_start_epochs), float(keep_warmup_epochs)
         self.epochs = int(epochs)
         if self.warmup_start < 0 or self.warmup < 0:
-            raise ValueError(f"method.keep_warmup_start_epochs={keep_warmup_start_epochs}, "
-                             f"method.keep_warmup_epochs={keep_warmup_epochs}: must be >= 0")
+            raise ValueError(
+                f"method.keep_warmup_start_epochs={keep_warmup_start_epochs}, "
+                f"method.keep_warmup_epochs={keep_warmup_epochs}: must be >= 0"
+            )
 
     def validate_budget(self, budget: Mapping[str, Any], arch: Mapping[str, Any]) -> None:
         from vitexp.errors import ConfigError

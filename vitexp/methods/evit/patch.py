@@ -11,6 +11,7 @@ attention's class swapped (ToMe-style), so LayerScale, drop path, the norms and 
   the target in evaluation); the patched model's ``set_progress`` (called by the classify
   objective every step) moves it.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -27,7 +28,12 @@ class KeepRateSchedule:
     """ρ_t = :func:`.fuse.keep_rate_at` (progress × epochs) while training; ρ in evaluation."""
 
     def __init__(self, target: float, start_epochs: float = 0.0, ramp_epochs: float = 0.0, epochs: int = 1):
-        self.target, self.start, self.ramp, self.epochs = float(target), float(start_epochs), float(ramp_epochs), int(epochs)
+        self.target, self.start, self.ramp, self.epochs = (
+            float(target),
+            float(start_epochs),
+            float(ramp_epochs),
+            int(epochs),
+        )
         self.progress = 0.0
 
     def set_progress(self, fraction: float) -> None:
@@ -73,7 +79,9 @@ class EViTBlock(Block):
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x)))) / self.skip_lam
 
 
-def patch_evit(model: nn.Module, prune_layers: Sequence[int], schedule: KeepRateSchedule, fuse: bool = True) -> nn.Module:
+def patch_evit(
+    model: nn.Module, prune_layers: Sequence[int], schedule: KeepRateSchedule, fuse: bool = True
+) -> nn.Module:
     """Patch ``model`` in place: blocks ``prune_layers`` (0-based) prune and fuse after their
     attention; ``model.set_progress`` drives the keep-rate schedule."""
     blocks, num_prefix = vit_blocks(model, "EViT")

@@ -67,6 +67,7 @@
   (``best_val_top1``, what the reference reports; on ImageNet the validation split is the test
   split, so that number selects an epoch on the test set).
 """
+
 from vitexp.methods.raptor.distill import (
     STAGE1_FINAL_TOKEN_WEIGHTS,
     TOKEN_WEIGHTS,
@@ -94,7 +95,25 @@ from vitexp.methods.raptor.surrogate import (
 )
 
 __all__ = [
-    "MLP_KINDS", "PROBE_RECIPE_KEYS", "STAGE1_FINAL_TOKEN_WEIGHTS", "TOKEN_WEIGHTS", "Raptor", "RaptorBlock", "RaptorDistill", "RaptorSurrogate",
-    "TeacherCache", "anneal_tau", "distance_matrix_from_data", "embed_tokens", "even_phases", "layer_distance_matrix",
-    "layer_features", "load_linear_head", "max_cut_phases", "phases_for_blocks", "swiglu", "teacher_states", "weighted_token_mse",
+    "MLP_KINDS",
+    "PROBE_RECIPE_KEYS",
+    "STAGE1_FINAL_TOKEN_WEIGHTS",
+    "TOKEN_WEIGHTS",
+    "Raptor",
+    "RaptorBlock",
+    "RaptorDistill",
+    "RaptorSurrogate",
+    "TeacherCache",
+    "anneal_tau",
+    "distance_matrix_from_data",
+    "embed_tokens",
+    "even_phases",
+    "layer_distance_matrix",
+    "layer_features",
+    "load_linear_head",
+    "max_cut_phases",
+    "phases_for_blocks",
+    "swiglu",
+    "teacher_states",
+    "weighted_token_mse",
 ]

@@ -1,5 +1,6 @@
 """RAPTOR's two training stages: the losses, the teacher-state cache and :class:`RaptorDistill`
 (package docstring, "Training")."""
+
 from __future__ import annotations
 
 import hashlib
@@ -27,11 +28,19 @@ def anneal_tau(progress: float, fraction: float = 0.25) -> float:
     return max(0.0, 1.0 - progress / fraction) if fraction > 0 else 0.0
 
 
-def weighted_token_mse(pred: torch.Tensor, target: torch.Tensor, num_prefix_tokens: int,
-                       weights: Mapping[str, float] = TOKEN_WEIGHTS) -> torch.Tensor:
+def weighted_token_mse(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    num_prefix_tokens: int,
+    weights: Mapping[str, float] = TOKEN_WEIGHTS,
+) -> torch.Tensor:
     """Σ_kind w_kind · MSE over that kind's tokens (CLS = token 0, registers = 1..p−1, patches);
     the weights of the kinds present are renormalised to sum to 1."""
-    parts = {"cls": slice(0, 1), "registers": slice(1, num_prefix_tokens), "patches": slice(num_prefix_tokens, None)}
+    parts = {
+        "cls": slice(0, 1),
+        "registers": slice(1, num_prefix_tokens),
+        "patches": slice(num_prefix_tokens, None),
+    }
     terms, total = [], 0.0
     for kind, sl in parts.items():
         if pred[:, sl].shape[1] == 0 or weights[kind] == 0:
@@ -60,12 +69,16 @@ class TeacherCache:
 
     @staticmethod
     def key(image: torch.Tensor) -> str:
-        return hashlib.blake2b(image.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest()
+        return hashlib.blake2b(
+            image.detach().cpu().contiguous().numpy().tobytes(), digest_size=16
+        ).hexdigest()
 
     def states(self, teacher: nn.Module, x: torch.Tensor) -> torch.Tensor:
         keys = [self.key(img) for img in x]
         files = [self.dir / f"{k}.pt" for k in keys]
-        found = [torch.load(f, map_location=x.device, weights_only=True) if f.is_file() else None for f in files]
+        found = [
+            torch.load(f, map_location=x.device, weights_only=True) if f.is_file() else None for f in files
+        ]
         missing = [i for i, t in enumerate(found) if t is None]
         self.hits += len(x) - len(missing)
         self.misses += len(missing)
@@ -83,11 +96,19 @@ class RaptorDistill(nn.Module):
     stage 1's or stage 2's loss (module docstring); there is no ``forward``: what runs after
     training is the surrogate under a probe (``Raptor.deploy``)."""
 
-    def __init__(self, teacher: nn.Module, surrogate: RaptorSurrogate, cache_dir: str | None = None,
-                 tau_fraction: float = 0.25, stage2_targets: str = "all_layers"):
+    def __init__(
+        self,
+        teacher: nn.Module,
+        surrogate: RaptorSurrogate,
+        cache_dir: str | None = None,
+        tau_fraction: float = 0.25,
+        stage2_targets: str = "all_layers",
+    ):
         super().__init__()
         if stage2_targets not in ("all_layers", "final"):
-            raise ValueError(f"method.stage2_targets={stage2_targets!r}: valid values are ('all_layers', 'final')")
+            raise ValueError(
+                f"method.stage2_targets={stage2_targets!r}: valid values are ('all_layers', 'final')"
+            )
         self.teacher = teacher.eval()
         for p in self.teacher.parameters():
             p.requires_grad_(False)
@@ -106,14 +127,19 @@ class RaptorDistill(nn.Module):
         return self
 
     def teacher_states(self, x: torch.Tensor) -> torch.Tensor:
-        return self.cache.states(self.teacher, x) if self.cache is not None else teacher_states(self.teacher, x)
+        return (
+            self.cache.states(self.teacher, x) if self.cache is not None else teacher_states(self.teacher, x)
+        )
 
     def stage1_criterion(self, phase: Sequence[int]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Plain MSE, or the weighted token MSE (:data:`STAGE1_FINAL_TOKEN_WEIGHTS`) for the block
         whose phase ends at the teacher's last layer."""
         if phase[-1] == len(self.teacher.blocks) - 1:
-            return partial(weighted_token_mse, num_prefix_tokens=self.num_prefix_tokens,
-                           weights=STAGE1_FINAL_TOKEN_WEIGHTS)
+            return partial(
+                weighted_token_mse,
+                num_prefix_tokens=self.num_prefix_tokens,
+                weights=STAGE1_FINAL_TOKEN_WEIGHTS,
+            )
         return F.mse_loss
 
     def stage1_block_losses(self, x: torch.Tensor, tau: float) -> torch.Tensor:

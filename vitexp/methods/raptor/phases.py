@@ -1,5 +1,6 @@
 """RAPTOR's phases: the teacher's layer distance matrix and its contiguous max-cut partitions
 (package docstring, "Phases")."""
+
 from __future__ import annotations
 
 import torch
@@ -33,15 +34,21 @@ def max_cut_phases(w: torch.Tensor, f: float = 0.7, min_size: int = 2) -> list[l
     return split(0, w.shape[0])
 
 
-def _best_cut(w: torch.Tensor, a: int, b: int, min_size: int, spare: int | None = None) -> tuple[int, float] | None:
+def _best_cut(
+    w: torch.Tensor, a: int, b: int, min_size: int, spare: int | None = None
+) -> tuple[int, float] | None:
     """The best contiguous cut of segment [a, b) and its share of the segment's edge weight.
     ``spare``: how many phases of ``min_size`` the split may lose against the segment's capacity
     (cuts that would leave too few phases for the budget are not offered)."""
+
     def capacity(n: int) -> int:
         return n // min_size
 
-    cuts = [(s, _cut_weight(w, a, s, b)) for s in range(a + min_size, b - min_size + 1)
-            if spare is None or capacity(b - a) - capacity(s - a) - capacity(b - s) <= spare]
+    cuts = [
+        (s, _cut_weight(w, a, s, b))
+        for s in range(a + min_size, b - min_size + 1)
+        if spare is None or capacity(b - a) - capacity(s - a) - capacity(b - s) <= spare
+    ]
     if not cuts:
         return None
     s, best = max(cuts, key=lambda c: c[1])
@@ -73,7 +80,6 @@ def layer_features(states: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor
     """(L, B, 2, d): CLS and mean patch token of each layer's output (``states[1:]``)."""
     out = states[1:]
     return torch.stack([out[:, :, 0], out[:, :, num_prefix_tokens:].mean(dim=2)], dim=2)
-
 
 
 def even_phases(depth: int, blocks: int) -> list[list[int]]:

@@ -26,6 +26,7 @@ each block was trained for are not in the file, so the method requires ``method.
 (:meth:`vitexp.methods.raptor.Raptor.validate_budget`) rather than choosing phases the blocks were
 not trained on.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -39,12 +40,18 @@ import torch.nn as nn
 
 #: reference key -> RaptorBlock key (the names that differ)
 KEY_MAP = {
-    "attn.in_proj_weight": "attn.qkv.weight", "attn.in_proj_bias": "attn.qkv.bias",
-    "attn.out_proj.weight": "attn.proj.weight", "attn.out_proj.bias": "attn.proj.bias",
-    "mlp.0.weight": "mlp.fc1.weight", "mlp.0.bias": "mlp.fc1.bias",
-    "mlp.2.weight": "mlp.fc2.weight", "mlp.2.bias": "mlp.fc2.bias",
-    "t_proj.0.weight": "gate.0.weight", "t_proj.0.bias": "gate.0.bias",
-    "t_proj.2.weight": "gate.2.weight", "t_proj.2.bias": "gate.2.bias",
+    "attn.in_proj_weight": "attn.qkv.weight",
+    "attn.in_proj_bias": "attn.qkv.bias",
+    "attn.out_proj.weight": "attn.proj.weight",
+    "attn.out_proj.bias": "attn.proj.bias",
+    "mlp.0.weight": "mlp.fc1.weight",
+    "mlp.0.bias": "mlp.fc1.bias",
+    "mlp.2.weight": "mlp.fc2.weight",
+    "mlp.2.bias": "mlp.fc2.bias",
+    "t_proj.0.weight": "gate.0.weight",
+    "t_proj.0.bias": "gate.0.bias",
+    "t_proj.2.weight": "gate.2.weight",
+    "t_proj.2.bias": "gate.2.bias",
 }
 #: reference keys loaded under their own name
 SAME_KEYS = ("norm1.weight", "norm1.bias", "ls1.gamma", "norm2.weight", "norm2.bias", "ls2.gamma")
@@ -58,10 +65,22 @@ class _Pickled(nn.Module):
 
 #: The reference's classes as ``trainer.py`` pickles them (its modules are ``block`` and ``raptor``
 #: when run from ``raptor/``; ``raptor.block`` / ``raptor.raptor`` when imported as a package).
-_REFERENCE_CLASSES = [f"{m}.{c}" for m in ("block", "raptor.block") for c in ("Block", "LayerScale", "SwiGLU")] + [
-    "raptor.Raptor", "raptor.raptor.Raptor"]
-_TORCH_CLASSES = [nn.LayerNorm, nn.MultiheadAttention, nn.modules.linear.NonDynamicallyQuantizableLinear, nn.Linear,
-                  nn.Sequential, nn.ModuleList, nn.SiLU, nn.GELU, nn.Identity, nn.Dropout, set]
+_REFERENCE_CLASSES = [
+    f"{m}.{c}" for m in ("block", "raptor.block") for c in ("Block", "LayerScale", "SwiGLU")
+] + ["raptor.Raptor", "raptor.raptor.Raptor"]
+_TORCH_CLASSES = [
+    nn.LayerNorm,
+    nn.MultiheadAttention,
+    nn.modules.linear.NonDynamicallyQuantizableLinear,
+    nn.Linear,
+    nn.Sequential,
+    nn.ModuleList,
+    nn.SiLU,
+    nn.GELU,
+    nn.Identity,
+    nn.Dropout,
+    set,
+]
 
 
 @dataclass
@@ -90,8 +109,10 @@ def _torch_load(path: Path) -> Any:
 
 
 #: What a reference file must hold, in the words of the errors.
-EXPECTED = ("a stage-2 raptor.Raptor or a stage-1 block.Block saved by KempnerInstitute/raptor's trainer.py "
-            "(torch.save of the module), or the state dict of one")
+EXPECTED = (
+    "a stage-2 raptor.Raptor or a stage-1 block.Block saved by KempnerInstitute/raptor's trainer.py "
+    "(torch.save of the module), or the state dict of one"
+)
 
 
 def _unreadable(path: Path, err: BaseException) -> ValueError:
@@ -100,8 +121,10 @@ def _unreadable(path: Path, err: BaseException) -> ValueError:
     text = str(err)
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
     if found:
-        return ValueError(f"method.surrogate={path}: holds a pickled {found.group(1)}, not a RAPTOR reference "
-                          f"file; expected {EXPECTED}")
+        return ValueError(
+            f"method.surrogate={path}: holds a pickled {found.group(1)}, not a RAPTOR reference "
+            f"file; expected {EXPECTED}"
+        )
     if isinstance(err, EOFError):
         why = "it ends before the checkpoint does"
     elif isinstance(err, pickle.UnpicklingError):
@@ -111,14 +134,17 @@ def _unreadable(path: Path, err: BaseException) -> ValueError:
         why = f"{type(err).__name__}: {text.strip().splitlines()[0][:200] if text.strip() else ''}"
     if "weights_only" in why:
         why = type(err).__name__
-    return ValueError(f"method.surrogate={path}: not a PyTorch file vitexp can read ({why}); expected {EXPECTED}")
+    return ValueError(
+        f"method.surrogate={path}: not a PyTorch file vitexp can read ({why}); expected {EXPECTED}"
+    )
 
 
 def _expected(path: Path, found: Sequence[str]) -> ValueError:
     return ValueError(
         f"method.surrogate={path}: not a RAPTOR reference file. Expected a torch.save'd block.Block or "
-        f"raptor.Raptor (KempnerInstitute/raptor trainer.py), or the state dict of one: a block's keys are "
-        f"{list(BLOCK_KEYS)} (a Raptor's the same under 'blocks.<i>.'); found {list(found)[:12]}")
+        "raptor.Raptor (KempnerInstitute/raptor trainer.py), or the state dict of one: a block's keys are "
+        f"{list(BLOCK_KEYS)} (a Raptor's the same under 'blocks.<i>.'); found {list(found)[:12]}"
+    )
 
 
 def block_state(reference: Mapping[str, torch.Tensor], path: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -126,10 +152,15 @@ def block_state(reference: Mapping[str, torch.Tensor], path: Path) -> tuple[dict
     missing = [k for k in BLOCK_KEYS if k not in reference]
     extra = [k for k in reference if k not in BLOCK_KEYS]
     if missing or extra:
-        raise ValueError(f"method.surrogate={path}: a reference block needs the keys {list(BLOCK_KEYS)}; "
-                         f"missing {missing}, unexpected {extra}"
-                         + (" (a block trained without --t_scale has no gates; vitexp's block needs them)"
-                            if any(k.startswith("t_proj") for k in missing) else ""))
+        raise ValueError(
+            f"method.surrogate={path}: a reference block needs the keys {list(BLOCK_KEYS)}; "
+            f"missing {missing}, unexpected {extra}"
+            + (
+                " (a block trained without --t_scale has no gates; vitexp's block needs them)"
+                if any(k.startswith("t_proj") for k in missing)
+                else ""
+            )
+        )
     state = {KEY_MAP.get(k, k): v for k, v in reference.items()}
     hidden = state["mlp.fc2.weight"].shape[1]
     mlp = "swiglu" if state["mlp.fc1.weight"].shape[0] == 2 * hidden else "gelu"
@@ -154,20 +185,32 @@ def read_reference(path: str | Path) -> ReferenceSurrogate:
         raise _expected(path, [type(obj).__name__])
     if any(k.startswith("blocks.") for k in obj):
         count = 1 + max(int(k.split(".")[1]) for k in obj if k.startswith("blocks."))
-        parts = [{k[len(f"blocks.{i}."):]: v for k, v in obj.items() if k.startswith(f"blocks.{i}.")}
-                 for i in range(count)]
+        parts = [
+            {k[len(f"blocks.{i}.") :]: v for k, v in obj.items() if k.startswith(f"blocks.{i}.")}
+            for i in range(count)
+        ]
     else:
         parts = [dict(obj)]
     if not parts or not any(parts[0]):
         raise _expected(path, list(obj))
     blocks, kinds = zip(*(block_state(p, path) for p in parts))
     if len(set(kinds)) > 1 or len(heads) > 1:
-        raise ValueError(f"method.surrogate={path}: blocks with different MLPs {kinds} or heads {sorted(heads)}")
+        raise ValueError(
+            f"method.surrogate={path}: blocks with different MLPs {kinds} or heads {sorted(heads)}"
+        )
     if thresholds is not None and len(thresholds) != len(blocks) - 1:
-        raise ValueError(f"method.surrogate={path}: {len(blocks)} blocks need {len(blocks) - 1} thresholds, "
-                         f"the file has {thresholds}")
-    return ReferenceSurrogate(list(blocks), kinds[0], heads.pop() if heads else None, thresholds, [str(path)],
-                              [str(path)] * len(blocks))
+        raise ValueError(
+            f"method.surrogate={path}: {len(blocks)} blocks need {len(blocks) - 1} thresholds, "
+            f"the file has {thresholds}"
+        )
+    return ReferenceSurrogate(
+        list(blocks),
+        kinds[0],
+        heads.pop() if heads else None,
+        thresholds,
+        [str(path)],
+        [str(path)] * len(blocks),
+    )
 
 
 def read_surrogate(paths: str | Path | Sequence[str | Path]) -> ReferenceSurrogate:
@@ -179,20 +222,32 @@ def read_surrogate(paths: str | Path | Sequence[str | Path]) -> ReferenceSurroga
         return files[0]
     whole = [f.paths[0] for f in files if f.thresholds is not None]
     if whole:
-        raise ValueError(f"method.surrogate: {whole} hold whole RAPTOR surrogates; give one alone, "
-                         "or one block file per phase")
+        raise ValueError(
+            f"method.surrogate: {whole} hold whole RAPTOR surrogates; give one alone, "
+            "or one block file per phase"
+        )
     kinds, heads = {f.mlp for f in files}, {f.heads for f in files} - {None}
     if len(kinds) > 1 or len(heads) > 1:
-        raise ValueError(f"method.surrogate: the files {paths} hold blocks with different MLPs {sorted(kinds)} "
-                         f"or heads {sorted(heads)}")
-    return ReferenceSurrogate([b for f in files for b in f.blocks], kinds.pop(), heads.pop() if heads else None,
-                              None, [str(p) for p in paths], [s for f in files for s in f.sources])
+        raise ValueError(
+            f"method.surrogate: the files {paths} hold blocks with different MLPs {sorted(kinds)} "
+            f"or heads {sorted(heads)}"
+        )
+    return ReferenceSurrogate(
+        [b for f in files for b in f.blocks],
+        kinds.pop(),
+        heads.pop() if heads else None,
+        None,
+        [str(p) for p in paths],
+        [s for f in files for s in f.sources],
+    )
 
 
 def phases_from_thresholds(thresholds: Sequence[int], depth: int) -> list[list[int]]:
     """The reference's thresholds (1-based, block i runs t ≤ thresholds[i]) -> 0-based phases."""
     bounds = [0, *(int(t) for t in thresholds), depth]
     if any(a >= b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"RAPTOR thresholds {list(thresholds)} do not split a teacher of depth {depth} "
-                         "into non-empty phases")
+        raise ValueError(
+            f"RAPTOR thresholds {list(thresholds)} do not split a teacher of depth {depth} "
+            "into non-empty phases"
+        )
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]

@@ -1,5 +1,6 @@
 """RAPTOR's recurrent block and the k-block surrogate around the teacher's embedding and final
 norm (package docstring, "Block" and "Surrogate"), and the teacher's states h_0..h_L."""
+
 from __future__ import annotations
 
 import copy
@@ -57,7 +58,9 @@ class RaptorSurrogate(nn.Module):
         super().__init__()
         layers = [l for p in phases for l in p]
         if sorted(layers) != list(range(len(teacher.blocks))):
-            raise ValueError(f"phases {phases} must cover the teacher's layers 0..{len(teacher.blocks) - 1} once")
+            raise ValueError(
+                f"phases {phases} must cover the teacher's layers 0..{len(teacher.blocks) - 1} once"
+            )
         self.phases = [list(p) for p in phases]
         self.embed_dim = teacher.embed_dim
         self.num_prefix_tokens = teacher.num_prefix_tokens

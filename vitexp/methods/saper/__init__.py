@@ -19,15 +19,43 @@ The probe model (SAPER's linear head on [CLS ‖ mean patch], or the k-NN featur
 :mod:`vitexp.methods.probe`, shared with RAPTOR. ``LinearProbe`` and the other Method classes are
 importable from here too: the ledger's configs name ``vitexp.methods.saper.<class>`` as ``_target_``.
 """
+
 from vitexp.methods.probe import POOLS, LinearProbe, ProbeModel, feature_model
 from vitexp.methods.saper.knn import KnnEval
 from vitexp.methods.saper.method import TRAINABLE, DistillPair, SaperDistill, SaperHeads, set_trainable
-from vitexp.methods.saper.selection import (SELECTIONS, head_gates, head_importance, importance_scores,
-                                            magnitude_scores, random_scores, top_k_heads)
+from vitexp.methods.saper.selection import (
+    SELECTIONS,
+    head_gates,
+    head_importance,
+    importance_scores,
+    magnitude_scores,
+    random_scores,
+    top_k_heads,
+)
 from vitexp.methods.saper.selector import HeadPrunedModel, HeadSelector
 from vitexp.methods.saper.surgery import ConstantBranch, prune_attention_heads, prune_probe_model
 
-__all__ = ["POOLS", "SELECTIONS", "TRAINABLE", "ConstantBranch", "DistillPair", "HeadPrunedModel", "HeadSelector",
-           "KnnEval", "LinearProbe", "ProbeModel", "SaperDistill", "SaperHeads", "feature_model", "head_gates",
-           "head_importance", "importance_scores", "magnitude_scores", "prune_attention_heads", "prune_probe_model",
-           "random_scores", "set_trainable", "top_k_heads"]
+__all__ = [
+    "POOLS",
+    "SELECTIONS",
+    "TRAINABLE",
+    "ConstantBranch",
+    "DistillPair",
+    "HeadPrunedModel",
+    "HeadSelector",
+    "KnnEval",
+    "LinearProbe",
+    "ProbeModel",
+    "SaperDistill",
+    "SaperHeads",
+    "feature_model",
+    "head_gates",
+    "head_importance",
+    "importance_scores",
+    "magnitude_scores",
+    "prune_attention_heads",
+    "prune_probe_model",
+    "random_scores",
+    "set_trainable",
+    "top_k_heads",
+]

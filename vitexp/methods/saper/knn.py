@@ -1,4 +1,5 @@
 """``method=knn``: the unpruned k-NN rows of SAPER's tables, measured by ``saper_kd``'s code."""
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping
@@ -18,7 +19,9 @@ class KnnEval(Method):
     objective: ClassVar[str] = "distill"
     budget_kinds: ClassVar[tuple[str, ...]] = ("none",)
 
-    def __init__(self, name: str = "knn", knn_k: int = 20, knn_temperature: float = 0.07, knn_features: str = "cls"):
+    def __init__(
+        self, name: str = "knn", knn_k: int = 20, knn_temperature: float = 0.07, knn_features: str = "cls"
+    ):
         super().__init__(name)
         self.knn_k, self.knn_temperature = int(knn_k), float(knn_temperature)
         self.knn_features = check_choice("method.knn_features", knn_features, POOLS)

@@ -36,6 +36,7 @@ The ledger keeps the kept heads per layer (``kept_heads``), from which
 :meth:`SaperHeads.rebuild_deployed` rebuilds the deployed architecture for the saved weights, and
 for LapSum how far its final gates were from 0/1 (``gate_summary``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,8 +47,13 @@ import torch.nn as nn
 
 from vitexp.methods.base import Method, Stage, check_choice, require_vit
 from vitexp.methods.probe import POOLS, ProbeModel
-from vitexp.methods.saper.selection import (SELECTIONS, importance_scores, magnitude_scores, random_scores,
-                                            top_k_heads)
+from vitexp.methods.saper.selection import (
+    SELECTIONS,
+    importance_scores,
+    magnitude_scores,
+    random_scores,
+    top_k_heads,
+)
 from vitexp.methods.saper.selector import HeadPrunedModel, HeadSelector
 from vitexp.methods.saper.surgery import ConstantBranch, prune_probe_model
 
@@ -83,11 +89,22 @@ class SaperHeads(Method):
     objective: ClassVar[str] = "classify"
     budget_kinds: ClassVar[tuple[str, ...]] = ("heads",)
 
-    def __init__(self, name: str = "saper_ft", alpha_start: float = 1.0, alpha_end: float = 0.01,
-                 anneal_fraction: float = 0.7, trainable: str = "scores", selection: str = "lapsum",
-                 selection_seed: int = 0, importance_batches: int = 8, recover_epochs: int = 0,
-                 recover_lr: float | None = None, recover_trainable: str = "non_attention",
-                 straight_through: bool = False, fold_gates: bool = False):
+    def __init__(
+        self,
+        name: str = "saper_ft",
+        alpha_start: float = 1.0,
+        alpha_end: float = 0.01,
+        anneal_fraction: float = 0.7,
+        trainable: str = "scores",
+        selection: str = "lapsum",
+        selection_seed: int = 0,
+        importance_batches: int = 8,
+        recover_epochs: int = 0,
+        recover_lr: float | None = None,
+        recover_trainable: str = "non_attention",
+        straight_through: bool = False,
+        fold_gates: bool = False,
+    ):
         from vitexp.errors import ConfigError
 
         super().__init__(name)
@@ -104,11 +121,15 @@ class SaperHeads(Method):
         self.recover_lr = None if recover_lr is None else float(recover_lr)
         if self.recover_lr is not None and not self.recover_lr > 0:
             raise ConfigError(f"method.recover_lr: {recover_lr} must be > 0 (null: the recipe's lr)")
-        self.recover_trainable = check_choice("method.recover_trainable", recover_trainable, RECOVER_TRAINABLE)
+        self.recover_trainable = check_choice(
+            "method.recover_trainable", recover_trainable, RECOVER_TRAINABLE
+        )
         self.straight_through, self.fold_gates = bool(straight_through), bool(fold_gates)
         if self.fold_gates and self.selection != "lapsum":
-            raise ConfigError(f"method.fold_gates: true folds LapSum's gates; selection={selection} has none "
-                              "(fold_gates applies to selection=lapsum only)")
+            raise ConfigError(
+                f"method.fold_gates: true folds LapSum's gates; selection={selection} has none "
+                "(fold_gates applies to selection=lapsum only)"
+            )
         self.kept_heads: list[list[int]] | None = None
         self.importance: torch.Tensor | None = None
         self.selection_source: str | None = None
@@ -121,14 +142,16 @@ class SaperHeads(Method):
         require_vit(self.name, arch)
         total = int(arch["depth"]) * int(arch["num_heads"])
         if not 1 <= int(budget["k"]) < total:
-            raise ConfigError(f"budget.k: {budget['k']} heads must be in [1, {total - 1}] "
-                              f"(the backbone has {total} heads)")
+            raise ConfigError(
+                f"budget.k: {budget['k']} heads must be in [1, {total - 1}] (the backbone has {total} heads)"
+            )
 
     def prepare(self, backbone: nn.Module, datamodule: Any) -> None:
         """``selection=importance``: the heads' importance over the calibration batches."""
         if self.selection == "importance" and datamodule is not None:
-            self.importance = importance_scores(backbone, datamodule, self.importance_batches, self.selection_seed,
-                                                self.feature_pool)
+            self.importance = importance_scores(
+                backbone, datamodule, self.importance_batches, self.selection_seed, self.feature_pool
+            )
 
     def fixed_head_scores(self, backbone: nn.Module) -> torch.Tensor:
         """(L, H) scores of a rule fixed before training; its top k are kept. Without data
@@ -139,11 +162,13 @@ class SaperHeads(Method):
             self.selection_source = "output-projection column norms"
             return magnitude_scores(backbone)
         if self.selection == "importance" and self.importance is not None:
-            self.selection_source = (f"importance over {self.importance_batches} calibration batches "
-                                     f"(seed {self.selection_seed})")
+            self.selection_source = (
+                f"importance over {self.importance_batches} calibration batches (seed {self.selection_seed})"
+            )
             return self.importance
         self.selection_source = f"random (seed {self.selection_seed})" + (
-            "" if self.selection == "random" else "; importance without data: FLOPs and throughput only")
+            "" if self.selection == "random" else "; importance without data: FLOPs and throughput only"
+        )
         return random_scores(depth, heads, self.selection_seed)
 
     def student(self, backbone: nn.Module, budget: Mapping[str, Any]) -> nn.Module:
@@ -152,8 +177,16 @@ class SaperHeads(Method):
         if self.selection == "lapsum":
             set_trainable(backbone, self.trainable)
             depth, heads = len(backbone.blocks), backbone.blocks[0].attn.num_heads
-            selector = HeadSelector(depth, heads, int(budget["k"]), self.alpha_start, self.alpha_end,
-                                    self.anneal_fraction, self.straight_through, self.fold_gates)
+            selector = HeadSelector(
+                depth,
+                heads,
+                int(budget["k"]),
+                self.alpha_start,
+                self.alpha_end,
+                self.anneal_fraction,
+                self.straight_through,
+                self.fold_gates,
+            )
             head, pool = self.deployed_head(backbone)
             return HeadPrunedModel(backbone, 0, selector, head=head, pool=pool)
         self.kept_heads = top_k_heads(self.fixed_head_scores(backbone), int(budget["k"]))
@@ -168,15 +201,31 @@ class SaperHeads(Method):
         """``select`` (zero epochs when nothing trains: fixed heads, ``trainable=scores``, no
         probe), then ``recover`` unless ``recover_epochs`` is 0 (module docstring)."""
         recover = self.recover_epochs > 0
-        select = Stage("select", self.objective, lambda: model,
-                       {} if any(p.requires_grad for p in model.parameters()) else {"epochs": 0},
-                       self.module_kwargs(), metrics_prefix="selected_" if recover else "",
-                       deployed=not recover, soft_prefix="soft_" if self.selection == "lapsum" else None)
+        select = Stage(
+            "select",
+            self.objective,
+            lambda: model,
+            {} if any(p.requires_grad for p in model.parameters()) else {"epochs": 0},
+            self.module_kwargs(),
+            metrics_prefix="selected_" if recover else "",
+            deployed=not recover,
+            soft_prefix="soft_" if self.selection == "lapsum" else None,
+        )
         if not recover:
             return [select]
         recipe = {"epochs": self.recover_epochs, **({"lr": self.recover_lr} if self.recover_lr else {})}
-        return [select, Stage("recover", self.objective, lambda: self.recovery_model(model), recipe,
-                              self.module_kwargs(), metrics_prefix="", deployed=True)]
+        return [
+            select,
+            Stage(
+                "recover",
+                self.objective,
+                lambda: self.recovery_model(model),
+                recipe,
+                self.module_kwargs(),
+                metrics_prefix="",
+                deployed=True,
+            ),
+        ]
 
     def recovery_model(self, selected: nn.Module) -> nn.Module:
         """The model ``recover`` trains: the deployed model of ``selected`` (what ``select``
@@ -225,8 +274,10 @@ class SaperHeads(Method):
         from the run's config, any weights) pruned to the ledger's ``kept_heads``. Load the run's
         ``artifacts.weights`` into the result with ``load_state_dict`` (strict)."""
         if not record.get("kept_heads"):
-            raise KeyError(f"run {record.get('run_id')} has no kept_heads in its ledger entry: it was not a "
-                           "completed SAPER train run")
+            raise KeyError(
+                f"run {record.get('run_id')} has no kept_heads in its ledger entry: it was not a "
+                "completed SAPER train run"
+            )
         head, pool = self.deployed_head(backbone)
         return prune_probe_model(backbone, record["kept_heads"], head, pool)
 
@@ -270,15 +321,41 @@ class SaperDistill(SaperHeads):
 
     objective: ClassVar[str] = "distill"
 
-    def __init__(self, name: str = "saper_kd", alpha_start: float = 1.0, alpha_end: float = 0.01,
-                 anneal_fraction: float = 0.7, trainable: str = "scores", selection: str = "lapsum",
-                 selection_seed: int = 0, importance_batches: int = 8, recover_epochs: int = 0,
-                 recover_lr: float | None = None, recover_trainable: str = "non_attention",
-                 straight_through: bool = False, loss: str = "mse", knn_k: int = 20, knn_temperature: float = 0.07,
-                 knn_features: str = "cls", fold_gates: bool = False):
-        super().__init__(name, alpha_start, alpha_end, anneal_fraction, trainable, selection, selection_seed,
-                         importance_batches, recover_epochs, recover_lr, recover_trainable, straight_through,
-                         fold_gates)
+    def __init__(
+        self,
+        name: str = "saper_kd",
+        alpha_start: float = 1.0,
+        alpha_end: float = 0.01,
+        anneal_fraction: float = 0.7,
+        trainable: str = "scores",
+        selection: str = "lapsum",
+        selection_seed: int = 0,
+        importance_batches: int = 8,
+        recover_epochs: int = 0,
+        recover_lr: float | None = None,
+        recover_trainable: str = "non_attention",
+        straight_through: bool = False,
+        loss: str = "mse",
+        knn_k: int = 20,
+        knn_temperature: float = 0.07,
+        knn_features: str = "cls",
+        fold_gates: bool = False,
+    ):
+        super().__init__(
+            name,
+            alpha_start,
+            alpha_end,
+            anneal_fraction,
+            trainable,
+            selection,
+            selection_seed,
+            importance_batches,
+            recover_epochs,
+            recover_lr,
+            recover_trainable,
+            straight_through,
+            fold_gates,
+        )
         self.loss, self.knn_k, self.knn_temperature = loss, int(knn_k), float(knn_temperature)
         self.knn_features = self.feature_pool = check_choice("method.knn_features", knn_features, POOLS)
 

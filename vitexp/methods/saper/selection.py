@@ -28,6 +28,7 @@ model (:func:`top_k_heads`, as LapSum's deployment does with its learned scores)
     cannot serve: with every gate at 1 the student is its teacher, the loss is at its minimum
     (0), and every ∂L/∂ξ_h is 0.
 """
+
 from __future__ import annotations
 
 import os
@@ -80,7 +81,9 @@ def head_gates(backbone: nn.Module, batch: int) -> Iterator[list[torch.Tensor]]:
     for block in backbone.blocks:
         attn = block.attn
         if not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity):
-            raise TypeError("head importance needs the heads' outputs unmixed before the projection (attn.norm)")
+            raise TypeError(
+                "head importance needs the heads' outputs unmixed before the projection (attn.norm)"
+            )
         gate = torch.ones(batch, attn.num_heads, device=param.device, dtype=param.dtype, requires_grad=True)
 
         def scale(module: nn.Module, args: tuple, gate: torch.Tensor = gate, d: int = attn.head_dim) -> tuple:
@@ -97,8 +100,11 @@ def head_gates(backbone: nn.Module, batch: int) -> Iterator[list[torch.Tensor]]:
             handle.remove()
 
 
-def head_importance(backbone: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def head_importance(
+    backbone: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """(L, H): the mean over the examples of ``batches`` of |∂L(x)/∂ξ_h|, every gate at 1.
     ``loss(tokens, labels)`` maps the backbone's final tokens to per-example losses (B,)."""
     param = next(backbone.parameters())
@@ -120,7 +126,9 @@ def normalise_per_layer(scores: torch.Tensor) -> torch.Tensor:
     return scores / scores.norm(dim=1, keepdim=True).clamp_min(torch.finfo(scores.dtype).tiny)
 
 
-def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_linear_probe(
+    features: torch.Tensor, labels: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Multinomial logistic regression on fixed features, (weight, bias) for ``F.linear``: zero
     initial weights, full-batch L-BFGS (strong Wolfe line search) on the mean cross-entropy plus
     :data:`PROBE_WEIGHT_DECAY`/2 · ‖W‖², :data:`PROBE_ITERATIONS` iterations. Deterministic, and
@@ -131,7 +139,10 @@ def fit_linear_probe(features: torch.Tensor, labels: torch.Tensor, num_classes: 
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = F.cross_entropy(F.linear(features, weight, bias), labels) + 0.5 * PROBE_WEIGHT_DECAY * weight.square().sum()
+        loss = (
+            F.cross_entropy(F.linear(features, weight, bias), labels)
+            + 0.5 * PROBE_WEIGHT_DECAY * weight.square().sum()
+        )
         loss.backward()
         return loss
 
@@ -150,11 +161,18 @@ def calibration_loader(datamodule: Any, batches: int, seed: int) -> torch.utils.
     dataset = datamodule.train_eval_dataloader().dataset
     images = min(len(dataset), int(batches) * int(datamodule.batch_size))
     chosen = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(int(seed)))[:images]
-    return DataLoader(Subset(dataset, chosen.tolist()), batch_size=int(datamodule.batch_size), shuffle=False,
-                      num_workers=int(getattr(datamodule, "num_workers", 0)), generator=torch.Generator().manual_seed(0))
+    return DataLoader(
+        Subset(dataset, chosen.tolist()),
+        batch_size=int(datamodule.batch_size),
+        shuffle=False,
+        num_workers=int(getattr(datamodule, "num_workers", 0)),
+        generator=torch.Generator().manual_seed(0),
+    )
 
 
-def importance_scores(backbone: nn.Module, datamodule: Any, batches: int, seed: int, pool: str) -> torch.Tensor:
+def importance_scores(
+    backbone: nn.Module, datamodule: Any, batches: int, seed: int, pool: str
+) -> torch.Tensor:
     """Michel et al.'s importance of every head of the unpruned ``backbone`` (module docstring),
     normalised per layer; computed on this process's GPU when there is one (``LOCAL_RANK``: each DDP
     rank its own device, as Lightning will assign it), the backbone left on the CPU. The probe is fitted
@@ -162,19 +180,31 @@ def importance_scores(backbone: nn.Module, datamodule: Any, batches: int, seed: 
     separation and the gradients shrink, so use enough batches for the number of classes)."""
     loader = calibration_loader(datamodule, batches, seed)
     was_training = backbone.training
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     backbone.to(device).eval()
     prefix = int(getattr(backbone, "num_prefix_tokens", 1))
     param = next(backbone.parameters())
     try:
         with torch.no_grad():
-            pairs = [(pool_tokens(backbone.forward_features(x.to(param.device, param.dtype)), pool, prefix),
-                      y.to(param.device)) for x, y in loader]
-        weight, bias = fit_linear_probe(torch.cat([f for f, _ in pairs]), torch.cat([y for _, y in pairs]),
-                                        int(datamodule.num_classes))
+            pairs = [
+                (
+                    pool_tokens(backbone.forward_features(x.to(param.device, param.dtype)), pool, prefix),
+                    y.to(param.device),
+                )
+                for x, y in loader
+            ]
+        weight, bias = fit_linear_probe(
+            torch.cat([f for f, _ in pairs]), torch.cat([y for _, y in pairs]), int(datamodule.num_classes)
+        )
 
         def probe_loss(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return F.cross_entropy(F.linear(pool_tokens(tokens, pool, prefix), weight, bias), labels, reduction="none")
+            return F.cross_entropy(
+                F.linear(pool_tokens(tokens, pool, prefix), weight, bias), labels, reduction="none"
+            )
 
         scores = head_importance(backbone, loader, probe_loss)
     finally:

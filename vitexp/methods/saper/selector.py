@@ -24,6 +24,7 @@ gates, and the gated model that deploys to a physically pruned one.
   output projection (which ``recover`` keeps frozen), and the straight-through forward uses those
   gates.
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,8 +42,17 @@ from vitexp.models._common import ScaledAttention
 class HeadSelector(nn.Module):
     """Per-head scores and the annealed LapSum gates."""
 
-    def __init__(self, depth: int, heads: int, k: int, alpha_start: float, alpha_end: float, anneal_fraction: float,
-                 straight_through: bool = False, fold_gates: bool = False):
+    def __init__(
+        self,
+        depth: int,
+        heads: int,
+        k: int,
+        alpha_start: float,
+        alpha_end: float,
+        anneal_fraction: float,
+        straight_through: bool = False,
+        fold_gates: bool = False,
+    ):
         super().__init__()
         self.depth, self.heads, self.k = depth, heads, int(k)
         self.alpha_start, self.alpha_end, self.anneal_fraction = alpha_start, alpha_end, anneal_fraction
@@ -92,9 +102,12 @@ class HeadSelector(nn.Module):
         the removed heads' largest gate and their summed gate mass (what deployment drops)."""
         gates, mask = self.final_gates().flatten(), self.hard_mask().flatten().bool()
         dropped = gates[~mask]
-        return {"kept_gate_min": round(float(gates[mask].min()), 6), "kept_gate_mean": round(float(gates[mask].mean()), 6),
-                "dropped_gate_max": round(float(dropped.max()), 6) if dropped.numel() else 0.0,
-                "dropped_gate_mass": round(float(dropped.sum()), 6)}
+        return {
+            "kept_gate_min": round(float(gates[mask].min()), 6),
+            "kept_gate_mean": round(float(gates[mask].mean()), 6),
+            "dropped_gate_max": round(float(dropped.max()), 6) if dropped.numel() else 0.0,
+            "dropped_gate_mass": round(float(dropped.sum()), 6),
+        }
 
 
 class HeadPrunedModel(ProbeModel):
@@ -102,8 +115,15 @@ class HeadPrunedModel(ProbeModel):
     pruned one. The gates act through :class:`~vitexp.models._common.ScaledAttention` (timm's
     attention with ``gate_values`` before the projection), swapped onto each block's attention."""
 
-    def __init__(self, backbone: nn.Module, num_classes: int, selector: HeadSelector, hard: bool = False,
-                 head: nn.Module | None = None, pool: str = "cls_mean"):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_classes: int,
+        selector: HeadSelector,
+        hard: bool = False,
+        head: nn.Module | None = None,
+        pool: str = "cls_mean",
+    ):
         super().__init__(backbone, num_classes, head=head, pool=pool)
         self.selector = selector
         self.hard = hard
@@ -139,7 +159,11 @@ class HeadPrunedModel(ProbeModel):
             block.attn.gate_values = None
         deployed = copy.deepcopy(self)
         kept, gates = deployed.kept_heads(), deployed.selector.final_gates()
-        scales = ([[float(gates[layer, h]) for h in heads] for layer, heads in enumerate(kept)]
-                  if deployed.selector.fold_gates else None)
-        return prune_probe_model(deployed.backbone, kept, deployed.head, deployed.pool, deployed.attention_classes,
-                                 scales)
+        scales = (
+            [[float(gates[layer, h]) for h in heads] for layer, heads in enumerate(kept)]
+            if deployed.selector.fold_gates
+            else None
+        )
+        return prune_probe_model(
+            deployed.backbone, kept, deployed.head, deployed.pool, deployed.attention_classes, scales
+        )

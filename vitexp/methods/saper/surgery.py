@@ -5,6 +5,7 @@ attention stays its own (ungated) class with fewer heads. A layer with no head l
 output projection's bias (:class:`ConstantBranch`, a constant with no MACs), so the deployed model
 equals the hard-gated one.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,9 +26,12 @@ class ConstantBranch(nn.Module):
         return self.bias.expand_as(x)
 
 
-def prune_attention_heads(attn: Attention, keep: torch.Tensor | list[int],
-                          attention_class: type[nn.Module] | None = None,
-                          scales: list[float] | None = None) -> nn.Module:
+def prune_attention_heads(
+    attn: Attention,
+    keep: torch.Tensor | list[int],
+    attention_class: type[nn.Module] | None = None,
+    scales: list[float] | None = None,
+) -> nn.Module:
     """A timm ``Attention`` with only the heads in ``keep`` (indices), or a :class:`ConstantBranch`.
     The result is an instance of ``attention_class`` (default: its own class) with no gates.
     ``scales`` (one per kept head) multiply each kept head's output-projection columns: a gate folded in."""
@@ -38,17 +42,22 @@ def prune_attention_heads(attn: Attention, keep: torch.Tensor | list[int],
     if not isinstance(attn.norm, nn.Identity):
         raise TypeError("head pruning with a scale norm over all heads is not supported")
     H, d = attn.num_heads, attn.head_dim
-    rows = torch.cat([(part * H + keep).mul(d).unsqueeze(-1) + torch.arange(d) for part in range(3)]).flatten()
+    rows = torch.cat(
+        [(part * H + keep).mul(d).unsqueeze(-1) + torch.arange(d) for part in range(3)]
+    ).flatten()
     cols = (keep.mul(d).unsqueeze(-1) + torch.arange(d)).flatten()
     qkv = nn.Linear(dim, rows.numel(), bias=attn.qkv.bias is not None).to(attn.qkv.weight)
     qkv.weight.data.copy_(attn.qkv.weight.data[rows])
     if attn.qkv.bias is not None:
         qkv.bias.data.copy_(attn.qkv.bias.data[rows])
-    proj = nn.Linear(cols.numel(), attn.proj.out_features, bias=attn.proj.bias is not None).to(attn.proj.weight)
+    proj = nn.Linear(cols.numel(), attn.proj.out_features, bias=attn.proj.bias is not None).to(
+        attn.proj.weight
+    )
     proj.weight.data.copy_(attn.proj.weight.data[:, cols])
     if scales is not None:
-        proj.weight.data.mul_(torch.as_tensor(scales, dtype=proj.weight.dtype, device=proj.weight.device)
-                              .repeat_interleave(d))
+        proj.weight.data.mul_(
+            torch.as_tensor(scales, dtype=proj.weight.dtype, device=proj.weight.device).repeat_interleave(d)
+        )
     if attn.proj.bias is not None:
         proj.bias.data.copy_(attn.proj.bias.data)
     attn.qkv, attn.proj = qkv, proj
@@ -59,16 +68,22 @@ def prune_attention_heads(attn: Attention, keep: torch.Tensor | list[int],
     return attn
 
 
-def prune_probe_model(backbone: nn.Module, kept_heads: list[list[int]], head: nn.Module, pool: str,
-                      attention_classes: list[type[nn.Module]] | None = None,
-                      head_scales: list[list[float]] | None = None) -> ProbeModel:
+def prune_probe_model(
+    backbone: nn.Module,
+    kept_heads: list[list[int]],
+    head: nn.Module,
+    pool: str,
+    attention_classes: list[type[nn.Module]] | None = None,
+    head_scales: list[list[float]] | None = None,
+) -> ProbeModel:
     """``backbone`` with only ``kept_heads[l]`` in layer l, under ``head`` on ``pool`` features;
     ``head_scales[l]`` (one per kept head) folded into layer l's output projection."""
     if len(kept_heads) != len(backbone.blocks):
-        raise ValueError(f"kept_heads lists {len(kept_heads)} layers but the backbone has {len(backbone.blocks)}")
+        raise ValueError(
+            f"kept_heads lists {len(kept_heads)} layers but the backbone has {len(backbone.blocks)}"
+        )
     classes = attention_classes or [None] * len(kept_heads)
     scales = head_scales or [None] * len(kept_heads)
     for block, heads, cls, scale in zip(backbone.blocks, kept_heads, classes, scales):
         block.attn = prune_attention_heads(block.attn, heads, cls, scale)
     return ProbeModel(backbone, 0, head=head, pool=pool)
-

@@ -17,6 +17,7 @@ Bipartite soft matching of the N − P non-prefix tokens (P prefix tokens: CLS, 
 Merge (``merge_wavg``): tokens are averaged weighted by their size s (the number of input
 patches each stands for): x_b ← (s_b x_b + Σ s_a x_a) / (s_b + Σ s_a), s_b ← s_b + Σ s_a.
 """
+
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
@@ -76,7 +77,7 @@ def merge_fn(matching: Matching, num_prefix: int) -> Merge:
 
     def merge(t: torch.Tensor) -> torch.Tensor:
         B, _, C = t.shape
-        prefix, a, b = t[:, :P], t[:, P + 1::2], t[:, P::2]
+        prefix, a, b = t[:, :P], t[:, P + 1 :: 2], t[:, P::2]
         kept = a.gather(1, unmerged.unsqueeze(-1).expand(B, unmerged.shape[1], C))
         moved = a.gather(1, src.unsqueeze(-1).expand(B, src.shape[1], C))
         b = b.scatter_reduce(1, dst.unsqueeze(-1).expand(B, dst.shape[1], C), moved, reduce="sum")

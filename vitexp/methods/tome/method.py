@@ -1,4 +1,5 @@
 """``method=tome``: the Method glue (budget validation, apply) around :mod:`.patch`."""
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping

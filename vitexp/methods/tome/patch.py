@@ -11,6 +11,7 @@ stay the model's own.
 - The blocks share one :class:`MergeState` (r per layer, the running sizes); block 0 resets the
   sizes, so each forward pass starts from size 1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -11,6 +11,7 @@ the run's :class:`~vitexp.training.objectives.base.Objective` and never ask whic
 Decision: the plug-ins are named here by module path and imported when first asked for, so that
 the schema (:mod:`vitexp.config.schema`) can read their config groups without importing the training code.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,8 +21,10 @@ from vitexp.errors import ConfigError
 from vitexp.training.objectives.base import Count, Objective
 
 #: ``objective`` choice -> "module:class" of its plug-in.
-OBJECTIVES: dict[str, str] = {"auto": "vitexp.training.objectives.classification:Classification",
-                              "detect": "vitexp.training.objectives.detection:Detection"}
+OBJECTIVES: dict[str, str] = {
+    "auto": "vitexp.training.objectives.classification:Classification",
+    "detect": "vitexp.training.objectives.detection:Detection",
+}
 OBJECTIVE_CHOICES = tuple(OBJECTIVES)
 
 _loaded: dict[str, Objective] = {}

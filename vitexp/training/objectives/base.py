@@ -12,6 +12,7 @@ Decisions:
   counts (:meth:`Objective.count`) are one count, so a trained run and a FLOPs row of the same
   model agree.
 """
+
 from __future__ import annotations
 
 import abc
@@ -56,7 +57,9 @@ class Objective(abc.ABC):
         the key). Default: none."""
 
     @abc.abstractmethod
-    def stages(self, cfg: DictConfig, method: Method, model: nn.Module, data_config: Mapping[str, Any]) -> list[Stage]:
+    def stages(
+        self, cfg: DictConfig, method: Method, model: nn.Module, data_config: Mapping[str, Any]
+    ) -> list[Stage]:
         """The fits of a run of ``model`` (the backbone with ``method`` applied), in order."""
 
     @abc.abstractmethod
@@ -66,10 +69,16 @@ class Objective(abc.ABC):
     def module(self, scfg: DictConfig, stage: Stage, model: nn.Module | None = None) -> L.LightningModule:
         """``stage``'s LightningModule around ``model`` (default: the stage's own); ``scfg`` is the
         stage's config (:func:`vitexp.training.fit.stage_config`)."""
-        return self.module_class(stage)(stage.model() if model is None else model, num_classes=int(scfg.data.num_classes),
-                                        recipe=scfg.recipe, **dict(stage.module_kwargs))
+        return self.module_class(stage)(
+            stage.model() if model is None else model,
+            num_classes=int(scfg.data.num_classes),
+            recipe=scfg.recipe,
+            **dict(stage.module_kwargs),
+        )
 
-    def test(self, trainer: L.Trainer, module: L.LightningModule, datamodule, prefix: str = "") -> dict[str, Any]:
+    def test(
+        self, trainer: L.Trainer, module: L.LightningModule, datamodule, prefix: str = ""
+    ) -> dict[str, Any]:
         """The test split's metrics of ``module``, keyed ``<prefix><metric>`` (:meth:`test_metrics`)."""
         return self.test_metrics(trainer.test(module, datamodule=datamodule, verbose=False)[0], prefix)
 
@@ -93,8 +102,14 @@ class Objective(abc.ABC):
     def deployed_cost(self, cfg: DictConfig, model: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
         """(metrics, protocol) of a trained run's deployed ``model``, at the end of the run."""
 
-    def rebuild(self, cfg: DictConfig, method: Method, backbone: nn.Module, record: Mapping[str, Any],
-                data_config: Mapping[str, Any]) -> tuple[Stage, nn.Module]:
+    def rebuild(
+        self,
+        cfg: DictConfig,
+        method: Method,
+        backbone: nn.Module,
+        record: Mapping[str, Any],
+        data_config: Mapping[str, Any],
+    ) -> tuple[Stage, nn.Module]:
         """The stage whose model the completed run ``record`` deployed (its LightningModule, settings,
         metrics prefix and recipe), and that model's architecture for the run's saved weights.
         ``backbone`` is built from the run's config and prepared (:meth:`Method.prepare`); the

@@ -15,6 +15,7 @@ COCO data, :class:`~vitexp.training.detection_module.DetectModule`).
 - Config rules: a COCO-layout dataset (``data=coco``, ``micro_coco``, ``synthetic_coco``) and a
   backbone with stages (``feature_info``: CaFormer, SHViT).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +24,6 @@ from typing import Any, ClassVar, List, Literal, Mapping, Optional, Union
 from vitexp.config.objective_schemas import Detector
 from vitexp.errors import ConfigError
 from vitexp.training.objectives.base import Count, Objective
-
 
 #: Backbone families with stages a feature pyramid can read.
 STAGED_FAMILIES = ("metaformer", "shvit")
@@ -38,11 +38,15 @@ class Detection(Objective):
     def validate(self, cfg) -> None:
         data, bb = cfg.data, cfg.backbone
         if not str(data.get("_target_", "")).endswith("CocoDataModule"):
-            raise ConfigError(f"data: objective=detect needs a detection dataset (data=coco or data=micro_coco), "
-                              f"not data={data.name}")
+            raise ConfigError(
+                "data: objective=detect needs a detection dataset (data=coco or data=micro_coco), "
+                f"not data={data.name}"
+            )
         if bb.arch.get("family") not in STAGED_FAMILIES:
-            raise ConfigError(f"backbone: objective=detect needs a backbone with stages (caformer_*, shvit_*), "
-                              f"not {bb.name}")
+            raise ConfigError(
+                "backbone: objective=detect needs a backbone with stages (caformer_*, shvit_*), "
+                f"not {bb.name}"
+            )
 
     def stages(self, cfg, method, model, data_config):
         from vitexp.detection import detector_for
@@ -75,12 +79,18 @@ class Detection(Objective):
         report = count_macs(model.backbone.body.model, int(cfg.backbone.img_size))
         metrics.update({"heads": count_heads(model), "backbone_gmacs": report.gmacs})
         protocol["num_classes"] = int(cfg.data.num_classes)
-        parts = {k[len("gmacs_"):]: v for k, v in metrics.items() if k.startswith("gmacs_")}
-        return Count(metrics, protocol, f"{protocol['resolution']} (the whole detector)", parts, report.by_module)
+        parts = {k[len("gmacs_") :]: v for k, v in metrics.items() if k.startswith("gmacs_")}
+        return Count(
+            metrics, protocol, f"{protocol['resolution']} (the whole detector)", parts, report.by_module
+        )
 
     def deployed_cost(self, cfg, model) -> tuple[dict[str, Any], dict[str, Any]]:
         count = self.count(cfg, model)
-        return count.metrics, {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes), **count.protocol}
+        return count.metrics, {
+            "accuracy_unit": "%",
+            "num_classes": int(cfg.data.num_classes),
+            **count.protocol,
+        }
 
     def rebuild(self, cfg, method, backbone, record, data_config):
         (stage,) = self.stages(cfg, method, method.rebuild_deployed(backbone, record), data_config)
@@ -92,7 +102,11 @@ class Detection(Objective):
         generate = data.get("generate") or {}
         if generate.get("n_train") is None:
             return None
-        return {"train": int(generate["n_train"]), "val": int(generate["n_val"]), "test": int(generate["n_val"])}
+        return {
+            "train": int(generate["n_train"]),
+            "val": int(generate["n_val"]),
+            "test": int(generate["n_val"]),
+        }
 
     def cost_anchor(self, config: Mapping[str, Any]) -> str | None:
         """A published detector's training time (torchvision's Mask R-CNN R50-FPN;
@@ -100,13 +114,19 @@ class Detection(Objective):
         return "maskrcnn_r50_fpn"
 
     def check_timed(self, cfg) -> None:
-        raise ConfigError("objective=detect: vitexp-bench times a model on a batch of images at backbone.img_size; "
-                          "a detector's throughput is not measured (its RoI heads' time depends on its detections): "
-                          "vitexp-flops counts the whole detector")
+        raise ConfigError(
+            "objective=detect: vitexp-bench times a model on a batch of images at backbone.img_size; "
+            "a detector's throughput is not measured (its RoI heads' time depends on its detections): "
+            "vitexp-flops counts the whole detector"
+        )
 
     def rehearsal_data(self, config: Mapping[str, Any], n_train: int, n_eval: int) -> list[str]:
         """``data=synthetic_coco`` at ``detector.flops_size`` (1280 × 800 for COCO)."""
         height, width = (int(v) for v in config["detector"]["flops_size"])
-        return [f"data={self.synthetic_data}", f"data.num_classes={int(config['data']['num_classes'])}",
-                f"data.num_train={n_train}", f"data.num_val={n_eval}",
-                f"data.generate={{height:{height},width:{width},max_items:4}}"]
+        return [
+            f"data={self.synthetic_data}",
+            f"data.num_classes={int(config['data']['num_classes'])}",
+            f"data.num_train={n_train}",
+            f"data.num_val={n_eval}",
+            f"data.generate={{height:{height},width:{width},max_items:4}}",
+        ]
