@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tomllib
 from collections import Counter
 from pathlib import Path
 
 import grimp
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "layout.md"

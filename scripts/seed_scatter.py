@@ -42,10 +42,9 @@ from omegaconf import OmegaConf
 from scipy import stats
 
 from vitexp import PROJECT_ROOT
-
-from vitexp.report import protocols
 from vitexp.data.fashion_mnist import load_fashion_mnist
 from vitexp.ledger import Ledger, atomic_write_json, default_results_dir
+from vitexp.report import protocols
 from vitexp.report.tables import fill, load_spec
 
 

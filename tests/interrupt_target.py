@@ -5,8 +5,6 @@ second leaves a marker that must never appear."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from conftest import QUIET
 
 

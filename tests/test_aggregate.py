@@ -3,20 +3,18 @@ seeds than asked, and vitexp-sweep's plan that launches only the missing (row, s
 
 from __future__ import annotations
 
-import re
-
 import csv
 import io
 import math
+import re
 
 import pytest
-
 from conftest import config_of
-from vitexp.report import aggregate, tables
-from vitexp.data.datamodules import DATA_ORDER
-from vitexp.ledger import Ledger
-from vitexp.ledger import LedgerEntry
 from ledger_records import iter_runs
+
+from vitexp.data.datamodules import DATA_ORDER
+from vitexp.ledger import Ledger, LedgerEntry
+from vitexp.report import aggregate, tables
 
 SPEC = {
     "name": "seeded",

@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-
 import pytest
 import timm
 import torch
+from conftest import ledger_entries
 
 import vitexp  # noqa: F401
 from vitexp.analysis.heads import (
@@ -19,8 +19,6 @@ from vitexp.analysis.heads import (
     laplace_rgb,
     normalized_laplacian,
 )
-
-from conftest import ledger_entries
 
 
 def test_attention_maps_reproduce_timms_attention_output():

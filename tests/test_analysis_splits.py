@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import QUIET, ledger_entries
 
 #: The digits demo, six epochs: a real run with 359 validation and 360 test images, not yet accurate,

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import pairwise
 
 import vitexp.config.composition as vconfig
 from vitexp.training import resolve
-
-from conftest import pairwise
 
 METHODS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "method").glob("*.yaml"))
 MICRO = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "backbone").glob("*micro*.yaml"))
@@ -78,8 +77,8 @@ def test_every_method_config_is_covered():
 
 @pytest.mark.parametrize(("backbone", "method"), pairwise(MICRO, METHODS))
 def test_bf16_autocast_trains_every_method_on_every_micro_backbone(method, backbone):
-    from vitexp.training.modules import module_for
     from vitexp.training.build import build_model
+    from vitexp.training.modules import module_for
 
     try:
         cfg = _config(method, backbone)
@@ -110,8 +109,8 @@ def test_bf16_mixed_trainer_fits_bspf():
     """The Lightning path the GPU configs take (``precision: bf16-mixed``), one step on the CPU."""
     import lightning as L
 
-    from vitexp.training.modules import ClassifyModule
     from vitexp.training.build import build_model
+    from vitexp.training.modules import ClassifyModule
 
     cfg = _config("bspf", "vit_micro")
     model, _, _ = build_model(cfg)

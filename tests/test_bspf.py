@@ -13,9 +13,9 @@ import yaml
 
 import vitexp  # noqa: F401
 import vitexp.config.composition as vconfig
-from vitexp.training import resolve
 from vitexp.measure.flops import count_macs
 from vitexp.methods.bspf import BSPF, BlockScorer, ChunkOnly, TokenPruner
+from vitexp.training import resolve
 
 KEEP = {"kind": "keep_ratio", "keep_ratio": 0.5}
 STEPS = 10  # training steps of the scorer-learning test

@@ -12,10 +12,10 @@ import torch
 
 import vitexp  # noqa: F401  (registers shvit_micro)
 import vitexp.config.composition as vconfig
-from vitexp.training import resolve
 from vitexp.measure.flops import count_macs
 from vitexp.methods.bspf import BSPF, ChunkOnly
 from vitexp.methods.bspf.shvit import ChunkSHSA, TokenStage
+from vitexp.training import resolve
 
 KEEP = {"kind": "keep_ratio", "keep_ratio": 0.5}
 
@@ -261,8 +261,8 @@ def test_the_detector_count_records_the_chunks_of_each_attention_stage(make_cfg)
     """The whole-detector count at a size the windows do not tile (160 × 224: SHViT's attention
     stages see 5 × 7 and 3 × 4 grids) records each stage's grid, padded grid and chunk count, read
     from that forward: what a rehearsal's or a FLOPs run's ledger entry shows."""
-    from vitexp.training.build import build_model
     from vitexp.detection import detection_flops, detector_for
+    from vitexp.training.build import build_model
 
     overrides = [
         "experiment=micro_coco_bspf_shvit",

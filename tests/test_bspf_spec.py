@@ -23,8 +23,8 @@ BEFORE = json.loads((Path(__file__).parent / "fixtures" / "bspf_method_settings.
 @functools.lru_cache(maxsize=None)
 def _row_job(name: str) -> list[str] | None:
     """The job of the spec row recorded as ``name`` (the grid rows that replaced experiment files)."""
-    from vitexp.report import tables
     from vitexp.config import rows
+    from vitexp.report import tables
 
     row = tables.row_by_name(name)
     return None if row is None else rows.job_arguments(row, seeded=False, weights=False)

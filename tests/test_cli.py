@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import cli_env, ledger_entries
 
 BIN = Path(sys.executable).parent
@@ -407,8 +406,10 @@ def test_a_failed_run_is_one_line_and_its_traceback_only_in_debug(results_dir, t
 
 @pytest.mark.parametrize("plus", ["+", "++"])
 def test_a_key_added_to_a_mapping_of_the_schema_is_accepted(plus, results_dir, tmp_path, monkeypatch, capfd):
-    """``backbone.kwargs`` is a mapping (``Dict[str, Any]`` in vitexp.config.schema): ``+backbone.kwargs.init_values=1.0``
-    adds a timm argument, as ``vitexp.config.composition.compose`` accepts it, and reaches the model (LayerScale).
+    """``backbone.kwargs`` is a mapping (``Dict[str, Any]`` in vitexp.config.schema):
+    ``+backbone.kwargs.init_values=1.0``
+    adds a timm argument, as ``vitexp.config.composition.compose`` accepts it, and reaches the model
+    (LayerScale).
     """
     code, _, err = _in_process(
         "flops",

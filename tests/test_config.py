@@ -108,8 +108,8 @@ def test_use_ema_is_a_typed_backbone_key_added_with_plus_plus(tmp_path):
     import timm
     import torch
 
-    from vitexp.training.build import build_configured_backbone
     from vitexp.config.composition import check_overrides
+    from vitexp.training.build import build_configured_backbone
 
     torch.manual_seed(0)
     plain, ema = (timm.create_model("t2t_vit_micro", num_classes=10).state_dict() for _ in range(2))
@@ -203,7 +203,8 @@ def test_run_name_marks_command_line_changes_of_an_experiment():
     same = dict(choices, backbone="vit_micro")
     assert run_name(cfg, same, ["logger=none", "trainer=gpu", "data.root=/x"]) == "demo"
     assert run_name(cfg, same, ["recipe.lr=0.1"]) == "demo+recipe.lr=0.1"
-    # a change the old names missed: anything but logging, paths and the like (vitexp.ledger.fingerprint.EXCLUDED)
+    # a change the old names missed: anything but logging, paths and the like
+    # (vitexp.ledger.fingerprint.EXCLUDED)
     assert (
         run_name(
             cfg,
@@ -228,7 +229,8 @@ def test_run_name_marks_command_line_changes_of_an_experiment():
     }
     cfg2 = vconfig.compose(["experiment=deit_small_baseline"])
     assert run_name(cfg2, exp, ["experiment=deit_small_baseline", "trainer=gpu"]) == "deit_small_baseline"
-    # DDP over several devices is another configuration (the global batch): vitexp-tables is given it as the sweep was
+    # DDP over several devices is another configuration (the global batch): vitexp-tables is given it as the
+    # sweep was
     assert (
         run_name(cfg2, dict(exp, trainer="ddp"), ["experiment=deit_small_baseline", "trainer=ddp"])
         == "deit_small_baseline+trainer=ddp"

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from vitexp import cost
+from vitexp.config.rows import composed_config, composing
 from vitexp.cost import anchors, validation
 from vitexp.cost.rows import CostContext
 from vitexp.ledger import Ledger
-from vitexp.config.rows import composed_config, composing
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGENET = cost.DATASETS["imagenet"]
@@ -24,7 +24,8 @@ LAMBDA = CONF["gpus"]
 
 
 def _lambda(gpu: str) -> float:
-    """The factor by hand: sqrt(resnet50 ratio × bert_base_squad ratio) to the RTX 3090, from conf/cost.yaml."""
+    """The factor by hand: sqrt(resnet50 ratio × bert_base_squad ratio) to the RTX 3090, from
+    conf/cost.yaml."""
     g, r = LAMBDA[gpu], LAMBDA["RTX 3090"]
     return math.sqrt(g["resnet50"] / r["resnet50"] * g["bert_base_squad"] / r["bert_base_squad"])
 
@@ -102,7 +103,8 @@ def test_a_row_is_timed_from_its_anchors_measured_rate_at_its_flops_ratio():
     per_image = 1 / DEIT_S["train"]["images_per_s"] / _lambda("H100")
     assert c["stages"]["main"]["gpu_hours"] == pytest.approx(30 * IMAGENET["train"] * per_image / 3600)
     assert c["anchor"]["name"] == "deit_small_patch16_224" and c["anchor"]["relation"] == "same"
-    # evaluation: the validation split after each of the 30 epochs and the test split, at the measured inference rate
+    # evaluation: the validation split after each of the 30 epochs and the test split, at the measured
+    # inference rate
     assert c["eval"]["gpu_hours"] == pytest.approx(
         (30 * IMAGENET["val"] + IMAGENET["test"]) / DEIT_S["infer"]["images_per_s"] / _lambda("H100") / 3600
     )
@@ -203,7 +205,8 @@ def test_a_detection_row_takes_the_published_detectors_time_whatever_its_flops()
 
 def test_a_row_costs_the_larger_of_its_gpu_time_and_its_loader_time():
     """At 50 images/s per worker and 8 workers the DeiT-S fine-tune is loader-bound: it costs its loader time,
-    and keeping one H100 busy takes ⌈GPU images/s ÷ 50⌉ workers; at 5,000 images/s per worker the GPU bounds it.
+    and keeping one H100 busy takes ⌈GPU images/s ÷ 50⌉ workers; at 5,000 images/s per worker the GPU bounds
+    it.
     """
     config = _config("deit_small_baseline")
     slow = cost.row_cost(config, _rehearsal("x"), CostContext.of(Ledger.of([_loader_bench(50.0)])))

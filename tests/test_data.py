@@ -7,7 +7,6 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from torch.utils.data import DistributedSampler
 
 from vitexp.data.datamodules import (
@@ -149,8 +148,8 @@ def test_missing_roots_are_named(tmp_path):
 
 
 def test_randaugment_posterize_at_full_magnitude_gives_black_not_an_error():
-    from PIL import Image
     import timm.data.auto_augment as aa
+    from PIL import Image
 
     from vitexp.data.datamodules import timm_transforms
 

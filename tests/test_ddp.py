@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import cli_env, ledger_entries
 
 
@@ -96,7 +95,8 @@ FROZEN_CLASSIFIER = [
 
 def assert_same_bank(ddp: dict, single: dict, images: int) -> None:
     """Two k-NN memory banks as the ledger's protocol records them (``knn_bank``:
-    :func:`vitexp.training.modules.bank_summary`) are one bank of the training split's ``images``: the same size,
+    :func:`vitexp.training.modules.bank_summary`) are one bank of the training split's ``images``: the same
+    size,
     the same images per label, and the same sum of feature magnitudes up to float32 rounding across
     batchings (rel 1e-6; one image twice or swapped for another moves it by about 1/``images``)."""
     assert ddp["size"] == single["size"] == images, (ddp["size"], single["size"])
@@ -168,11 +168,13 @@ def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp
     assert ddp["top1"] == single["top1"] and ddp["top5"] == single["top5"]
 
 
-@pytest.mark.slow  # a second classification DDP run (test_ddp_cpu_two_processes_one_ledger_entry is the default one)
+# a second classification DDP run (test_ddp_cpu_two_processes_one_ledger_entry is the default one)
+@pytest.mark.slow
 def test_test_split_of_seven_images_counts_each_once_under_ddp(results_dir, tmp_path, make_cfg):
     """7 test images (and 5 validation images) on 2 processes: a padding sampler (Lightning's default
     ``DistributedSampler``) scores 8, image 0 twice, which moves top-1 from k/7 to (k ± 1)/8 unless k is
-    0 or 7; the unpadded evaluation sampler (:func:`vitexp.data.datamodules.eval_sampler`) scores each image once, as
+    0 or 7; the unpadded evaluation sampler (:func:`vitexp.data.datamodules.eval_sampler`) scores each image
+    once, as
     one process does (seen to fail with the padding sampler: 62.5 against 57.14). The losses are means
     over the split's images (torchmetrics' ``MeanMetric``): Lightning's ``sync_dist`` mean of the ranks'
     batch means gives another number when the ranks hold 4 and 3 images (seen to fail: test loss 2.6695

@@ -100,7 +100,8 @@ def test_map_perfect_prediction_is_one():
 
 def test_map_of_a_shifted_box_is_what_its_iou_implies():
     """Image 1 is predicted exactly (score 0.9); image 2's box is shifted to IoU 31/49 ≈ 0.633
-    (score 0.8). At IoU thresholds 0.5, 0.55, 0.6 both are true positives (AP 1); at the 7 thresholds above, the ranked
+    (score 0.8). At IoU thresholds 0.5, 0.55, 0.6 both are true positives (AP 1); at the 7 thresholds above,
+    the ranked
     list is TP, FP over 2 ground truths: precision 1 up to recall 0.5, so COCO's 101-point
     interpolation gives 51/101. AP@[.5:.95] = (3 · 1 + 7 · 51/101) / 10."""
     gt2 = torch.tensor([[10.0, 10.0, 50.0, 40.0]])  # 40 × 30
@@ -365,8 +366,8 @@ def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_c
     zero-initialised residual scales would stay 0); with weights, BatchNorm is frozen as usual."""
     from torchvision.ops.misc import FrozenBatchNorm2d  # what timm.layers.freeze_batch_norm_2d makes
 
-    from vitexp.training.build import build_model
     from vitexp.detection import detector_for
+    from vitexp.training.build import build_model
 
     def frozen(overrides):
         cfg = make_cfg(["experiment=micro_coco_shvit", "data.root=/nonexistent", *overrides])
@@ -386,8 +387,8 @@ def test_batchnorm_is_frozen_only_for_a_backbone_that_starts_from_weights(make_c
 def test_the_detect_objective_resumes_like_the_others():
     """DetectModule is an ObjectiveModule: its checkpoints carry the global RNG states (exact resume)
     and a non-finite loss stops with the shared guard's error."""
-    from vitexp.training.detection_module import DetectModule
     from vitexp.errors import NonFiniteLossError
+    from vitexp.training.detection_module import DetectModule
 
     module = DetectModule(torch.nn.Linear(2, 2), 10, {"lr": 1e-3})
     checkpoint: dict = {}

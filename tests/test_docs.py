@@ -48,7 +48,7 @@ def test_the_site_builds_strict(tmp_path):
 
 def test_the_readme_is_a_few_screens_and_names_ci_s_test_command():
     readme = (ROOT / "README.md").read_text()
-    assert len(readme.splitlines()) <= 200
+    assert len(readme.splitlines()) <= 100
     ci = [
         line.strip()
         for line in (ROOT / ".ci" / "run").read_text().splitlines()

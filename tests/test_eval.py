@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import QUIET, ledger_entries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,9 +80,8 @@ def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(
 def test_eval_reproduces_the_committed_demo_run(make_cfg, results_dir, tmp_path, capsys):
     """The committed demo run's weights are not in the repository: the demo is trained again
     (same seed, same data) and must give the committed top-1, then vitexp-eval the same."""
-    from vitexp.training.fit import train
-
     from vitexp.ledger import Ledger
+    from vitexp.training.fit import train
 
     committed = Ledger.load(ROOT / "results").newest("demo")  # the run the demo table cites
     trained = train(make_cfg(QUIET + ["eval.throughput=false"], tmp_path / "demo"))
@@ -95,8 +93,8 @@ def test_eval_reproduces_the_committed_demo_run(make_cfg, results_dir, tmp_path,
 def test_eval_reads_the_runs_portable_paths_as_paths_on_this_machine(make_cfg, results_dir):
     """The ledger stores data.root and backbone.pretrained relative to the project or the results
     folder; the evaluation gets them back as paths on this machine."""
-    from vitexp.config.composition import to_container
     from vitexp.commands.evaluate import eval_config
+    from vitexp.config.composition import to_container
     from vitexp.ledger import LedgerEntry
 
     weights = results_dir / "outputs" / "teacher" / "weights.pth"

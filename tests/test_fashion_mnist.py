@@ -143,11 +143,13 @@ def test_missing_root_names_the_package_and_command(tmp_path, make_cfg):
         validate(cfg)
 
 
-@pytest.mark.slow  # ~100 s under this machine's contention (two model builds, FLOPs counts, 70k images loaded twice)
+# ~100 s under this machine's contention (two model builds, FLOPs counts, 70k images loaded twice)
+@pytest.mark.slow
 @requires_fashion_mnist
 def test_pretrain_then_a_seeded_method_row_from_its_weights(make_cfg, results_dir, tmp_path):
     """The tier's chain on real data, one batch each: the vit_micro baseline, then BSPF from its weights."""
     from conftest import QUIET, ledger_entries
+
     from vitexp.training.fit import train
 
     quick = QUIET + ["trainer.fast_dev_run=true", "eval.throughput=false"]

@@ -7,9 +7,9 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import vit_analytic_macs
 
 import vitexp  # noqa: F401
-from conftest import vit_analytic_macs
 from vitexp.measure.flops import count_macs
 
 
@@ -86,10 +86,9 @@ def test_flops_of_a_saper_model_count_the_same_heads_whatever_the_global_rng(tmp
     heads leaves some layers headless, whose params differ by which layers those are."""
     import json
 
-    from vitexp.ledger.paths import local_path
-
     from vitexp.commands.inspect import run_flops
     from vitexp.config.composition import compose
+    from vitexp.ledger.paths import local_path
 
     def once(global_seed: int):
         cfg = compose(

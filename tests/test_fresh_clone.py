@@ -13,7 +13,8 @@ from vitexp import PROJECT_ROOT
 
 #: Shared starts whose weights are on no machine any more (neither a run folder nor results/weights/),
 #: with the reason. Their tables are complete, so the plan does not need them; a seed added to a row that
-#: loads one would train that start and every row loading it again (vitexp.commands.sweep.plan), hours of CPU each.
+#: loads one would train that start and every row loading it again (vitexp.commands.sweep.plan), hours of CPU
+#: each.
 KNOWN_ABSENT = {
     "fmnist_vit_micro_baseline": (
         "run 420a24 (tables 1, 6, 7, 8): trained from a dirty tree before weights were "
@@ -77,10 +78,9 @@ def _held(row: dict) -> set:
 def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
     """Every fmnist_* table's dry run plans nothing but the runs STILL_TO_RUN lists, never a run a table
     holds, never a shared start."""
-    from vitexp.config.rows import shared_start
-    from vitexp.ledger import Ledger
-    from vitexp.config.rows import expand_rows, row_name
     from vitexp.commands.sweep import plan
+    from vitexp.config.rows import expand_rows, row_name, shared_start
+    from vitexp.ledger import Ledger
     from vitexp.report.tables import all_specs, fill, load_spec
 
     ledger = Ledger.load(clone)
@@ -93,7 +93,7 @@ def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
         err = capsys.readouterr().err
         starts = {row_name(r) for r in expand_rows(spec["rows"]) if shared_start(spec, r)}
         held = {row["experiment"]: _held(row) for row in fill(spec, ledger) if row.get("experiment")}
-        for kind, rows in todo.items():
+        for rows in todo.values():
             assert not set(rows["launch"]) & starts, (
                 f"{table}: a fresh clone trains its start again: {rows['launch']}"
             )

@@ -7,11 +7,10 @@ import json
 
 import pytest
 import torch
+from conftest import QUIET, ledger_entries
 
 import vitexp  # noqa: F401
 from vitexp.analysis.head_grid import checkpoint_scores, draw_head_grid, kept_mask
-
-from conftest import QUIET, ledger_entries
 
 
 def test_the_grid_outlines_exactly_the_kept_heads(tmp_path):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import cli_env
 
 import vitexp.config.composition as vconfig
-from conftest import cli_env
 
 
 def vitexp_cli(*args: str, results_dir: Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -91,7 +91,8 @@ def test_cfg_prints_the_config_of_every_app(app, cfg_type, resolve, monkeypatch,
     if cfg_type != "job":
         run_dir, launcher = printed["hydra"]["run"]["dir"], printed["hydra"]["launcher"]
         if resolve:
-            # two nodes are another configuration (the global batch): the name says so (vitexp.ledger.fingerprint)
+            # two nodes are another configuration (the global batch): the name says so
+            # (vitexp.ledger.fingerprint)
             assert (
                 run_dir.startswith("outputs/demo+recipe.epochs=3,trainer.num_nodes=2/")
                 and "${" not in run_dir

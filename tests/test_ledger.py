@@ -7,9 +7,9 @@ import multiprocessing as mp
 import os
 
 import pytest
+from ledger_records import completed_runs, iter_runs
 
 from vitexp.ledger import LedgerEntry, atomic_write_json
-from ledger_records import completed_runs, iter_runs
 
 
 def test_entry_lifecycle_and_schema(results_dir):

@@ -14,10 +14,10 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from conftest import config_of
-from vitexp.report import tables
+
 from vitexp.ledger import Ledger, LedgerEntry, LedgerError, packs
+from vitexp.report import tables
 
 DEMO = {
     "name": "demo",

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 
 from vitexp.commands import recheck
-
-from vitexp.report import tables
 from vitexp.config import rows
+from vitexp.config.rows import composed_config, row_query
 from vitexp.ledger import Ledger, LedgerEntry, RowQuery
 from vitexp.ledger.fingerprint import fingerprint
-from vitexp.config.rows import composed_config, row_query
+from vitexp.report import tables
 
 SHARED = {
     "title": "t",
@@ -254,8 +253,8 @@ def test_a_key_an_old_run_lacks_matches_only_at_its_group_files_default(results_
 def test_a_group_default_is_read_from_its_file_with_the_files_it_extends():
     """rows.group_default: a key of a group's file, one it inherits (trainer/gpu.yaml extends cpu.yaml),
     an interpolation resolved in the row's config, a top-level key of train.yaml; NO_DEFAULT else."""
-    from vitexp.ledger.fingerprint import NO_DEFAULT
     from vitexp.config.rows import group_default
+    from vitexp.ledger.fingerprint import NO_DEFAULT
 
     config = {"recipe": {"batch_size": 48}, "seed": 3}
     choices = {"trainer": "gpu", "data": "fashion_mnist", "method": "saper_ft"}
@@ -526,9 +525,9 @@ def test_twenty_thousand_entries_fill_every_committed_table(results_dir):
     unrelated stubs. The ledger is read, checked and indexed, and every table filled, in under 45 s
     on 2 busy cores once the rows are composed (Hydra: about 0.3 s a row, whatever the ledger's
     size; composed first, to write the entries). A cell shows the newest run of its config."""
-    from vitexp.report import aggregate
-    from vitexp.ledger.sources import write_snapshot
     from vitexp.config.rows import composing, expand_rows
+    from vitexp.ledger.sources import write_snapshot
+    from vitexp.report import aggregate
 
     specs = [tables.load_spec(n) for n in tables.all_specs()]
     keys = sorted({c["key"] for spec in specs for c in spec["columns"]})

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
-
 from conftest import cli_env, ledger_entries
-from vitexp.errors import ConfigError
+
 from vitexp.data.imagenet_like import JpegSpec, ensure_jpegs
 from vitexp.data.loader_bench import cpu_rate, winner
 from vitexp.data.tensor_images import DeviceNormalize, randaugment_options, tensor_transform
+from vitexp.errors import ConfigError
 
 SMALL = JpegSpec(classes=2, train_per_class=3, width=200, height=150, target_kb=20.0)
 DATA_CONFIG = {
@@ -47,7 +47,8 @@ def test_generated_jpegs_reach_their_target_size_and_are_reused(jpegs, tmp_path)
 
 
 def test_cpu_rate_counts_each_workers_batches_after_its_first():
-    # (worker, its CPU clock when it finished the batch, images): worker 0 makes 8 more images in 1.0 s of CPU,
+    # (worker, its CPU clock when it finished the batch, images): worker 0 makes 8 more images in 1.0 s of
+    # CPU,
     # worker 1 makes 4 more in 0.2 s; their first batches only start the clocks
     stamps = [(0, 1.0, 4), (1, 2.0, 4), (0, 1.5, 4), (1, 2.2, 4), (0, 2.0, 4)]
     assert cpu_rate(stamps) == (12, pytest.approx(1.2), 2)

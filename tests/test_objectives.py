@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import QUIET, ledger_entries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,8 +52,8 @@ def test_no_module_outside_the_objective_plugins_names_detection():
     ],
 )
 def test_the_objective_is_checked_before_anything_is_built(overrides, message, make_cfg):
-    from vitexp.training.resolve import validate
     from vitexp.errors import ConfigError
+    from vitexp.training.resolve import validate
 
     with pytest.raises(ConfigError) as err:
         validate(make_cfg(overrides), need_data=False)

@@ -9,17 +9,17 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
+from conftest import recorded, vit_analytic_macs
 
 import vitexp  # noqa: F401  (registers the micro backbones)
 import vitexp.config.composition as vconfig
-from vitexp.training import resolve
-from conftest import vit_analytic_macs, recorded
 from vitexp.measure.flops import count_macs
 from vitexp.methods.evit import EViT
 from vitexp.methods.evit.fuse import keep_count, keep_rate_at, prune_and_fuse
 from vitexp.methods.tome import ToMe
 from vitexp.methods.tome.merge import match, merge_fn, merge_wavg, parse_r
 from vitexp.methods.tome.patch import ToMeAttention
+from vitexp.training import resolve
 
 #: the micro backbones (timm name, kwargs, image size): DeiT layout, DINOv2 with registers, T2T-ViT, LV-ViT
 MICRO = {
@@ -307,8 +307,9 @@ def test_a_comparison_that_fails_marks_its_entries_failed_and_says_so(
     not an invalid config."""
     import json
 
-    import vitexp.measure.throughput
     from conftest import QUIET, ledger_entries
+
+    import vitexp.measure.throughput
     from vitexp.commands.bench import run_bench
 
     def broken(*args, **kwargs):

@@ -13,13 +13,13 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import pytest
+from conftest import recorded
 from matplotlib.colors import to_rgba
 
-from conftest import recorded
-from vitexp.config import rows as vrows
 from vitexp import PROJECT_ROOT, SWEEPS_DIR
-from vitexp.report import aggregate, dodge, plots, tables
+from vitexp.config import rows as vrows
 from vitexp.ledger import Ledger
+from vitexp.report import aggregate, dodge, plots, tables
 from vitexp.report.plot_styles import MIN_DELTA_E, ciede2000, delta_e
 
 PLOTTED = sorted(

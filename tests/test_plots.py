@@ -12,11 +12,11 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 import pytest
+from conftest import recorded
 from matplotlib.colors import to_rgba
 
-from conftest import recorded
-from vitexp.report import plots, tables
 from vitexp.config import rows
+from vitexp.report import plots, tables
 
 SPEC = {
     "name": "plots_fixture",

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from vitexp import PROJECT_ROOT
-
-from vitexp.report import protocols, tables
 from vitexp.ledger import Ledger
+from vitexp.report import protocols, tables
 
 
 def _row(name: str, seeds: dict[int, float]) -> dict:
@@ -349,7 +348,7 @@ def test_every_verdict_names_rows_of_its_tables_and_regenerates_its_committed_ta
     fill = lambda t: tables.fill(tables.load_spec(t), ledger)  # noqa: E731
     text = protocols.text(name, fill, ledger, tables.load_spec)
     assert text == (PROJECT_ROOT / "results" / "tables" / f"{name}.md").read_text()
-    from vitexp.report.protocol_prose import page_block  # the README's and docs' blocks: the same prose
+    from vitexp.report.protocol_prose import page_block  # the docs pages' blocks: the same prose
 
     assert all(block == protocols.prose(text) for block in page_block(spec).values()), "run vitexp-tables"
 

@@ -4,16 +4,14 @@ rendered with a mark and a footnote (vitexp/report/tables.py)."""
 
 from __future__ import annotations
 
-import re
-
 import csv
 import io
+import re
 
 import pytest
 import yaml
 
 from vitexp import CONF_DIR, SWEEPS_DIR
-
 from vitexp.report import tables
 from vitexp.report.provenance import evaluate_formula, provenance_errors
 
@@ -30,7 +28,8 @@ KNOWN_DERIVED = [
     ("peers_deit_small", "bspf_deit_small", "top1", "79.8 + 2.0"),
 ]
 #: The published baselines BSPF-ViT compares with: each cell cites the peer's own publication and says
-#: whether it was checked against it (docs/reading-peers.md, "Where the peers' published numbers were checked").
+#: whether it was checked against it (docs/reading-peers.md, "Where the peers' published numbers were
+#: checked").
 #: label prefix -> checked? (EViT, top-1 checked and GMACs not: test_evit_values_name_where_each_was_read)
 PEERS = {"MCTF": True, "DynamicViT": True, "SPViT": False, "ToMe": False}
 

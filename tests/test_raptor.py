@@ -8,8 +8,9 @@ import timm
 import torch
 
 import vitexp  # noqa: F401
-from vitexp.measure.flops import count_macs
 from vitexp.config.composition import ConfigError
+from vitexp.measure.flops import count_macs
+from vitexp.methods.probe import ProbeModel
 from vitexp.methods.raptor import (
     RaptorDistill,
     RaptorSurrogate,
@@ -21,7 +22,6 @@ from vitexp.methods.raptor import (
     teacher_states,
     weighted_token_mse,
 )
-from vitexp.methods.probe import ProbeModel
 
 
 def block_matrix(sizes, inside=0.1, outside=1.0):
@@ -241,6 +241,7 @@ def test_micro_raptor_run_trains_teacher_then_surrogate_then_both_probes(make_cf
     """Teacher (a short demo-recipe run) -> ``backbone.pretrained=run:<teacher>`` -> phases from
     its distance matrix, stages 1 and 2, the probes; the ledger holds both accuracies."""
     from conftest import QUIET, ledger_entries
+
     from vitexp.training.fit import train
 
     small = ["eval.throughput_iters=1", "eval.throughput_batch=8"]
@@ -290,6 +291,7 @@ def test_analyze_phases_writes_the_heatmap_and_phases(results_dir, capsys):
     import json
 
     from conftest import ledger_entries
+
     from vitexp.commands.cli import analyze_main
 
     analyze_main(
@@ -333,6 +335,7 @@ def test_resumed_raptor_run_skips_finished_stages_and_ends_with_the_same_metrics
     """A finished run resumed from its folder: every stage restores its last checkpoint, nothing
     retrains, and the probes test to the same accuracies."""
     from conftest import QUIET
+
     from vitexp.training.fit import train
 
     base = QUIET + [
@@ -395,8 +398,8 @@ def test_swiglu_gates_with_the_first_half():
 
 
 def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg, results_dir):
-    from vitexp.methods import method_from_config
     from vitexp.ledger import LedgerEntry
+    from vitexp.methods import method_from_config
 
     def teacher_probe_from_ledger(
         method, cfg
@@ -437,6 +440,7 @@ def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg,
 
 def test_a_wrong_teacher_probe_run_fails_before_any_training(make_cfg, results_dir, tmp_path):
     from conftest import QUIET, ledger_entries
+
     from vitexp.training.fit import train
 
     cfg = make_cfg(
@@ -567,8 +571,8 @@ def test_probes_start_from_the_given_linear_head(tmp_path):
 
 
 def test_a_missing_or_misshapen_linear_head_is_a_clear_error(tmp_path, make_cfg):
-    from vitexp.training.resolve import validate
     from vitexp.methods.raptor import Raptor
+    from vitexp.training.resolve import validate
 
     base = ["backbone=dinov2_micro_reg", "method=raptor", "budget=blocks", "recipe=raptor"]
     with pytest.raises(
@@ -588,8 +592,8 @@ def test_probe_records_the_best_validation_top1_including_the_evaluation_before_
     """RAPTOR reports the best ImageNet-val accuracy over the evaluation before training and every
     epoch's; the ledger keeps it as best_val_top1 beside the final model's test top1."""
     import lightning as L
-
     from conftest import QUIET
+
     from vitexp.training.fit import train
 
     class ValidationLog(L.Callback):
@@ -639,9 +643,9 @@ def test_raptor_distils_on_the_evaluation_transforms_and_probes_on_the_augmentat
     precomputed activations), the probes the augmented ones; method.distill_augment=true distils on
     the augmentations too. digits with data.augment=true: an affine-jittered image never equals its
     evaluation tensor."""
+    from conftest import QUIET
     from lightning.pytorch.callbacks import Callback
 
-    from conftest import QUIET
     from vitexp.training.fit import train
 
     class Batches(Callback):
@@ -690,7 +694,8 @@ def test_raptor_distils_on_the_evaluation_transforms_and_probes_on_the_augmentat
 
 
 # -- the reference code's files (method.surrogate) -------------------------------------------------
-#: The micro teacher of the reference fixture (tests/fixtures/reference/raptor.json): width 16, 2 heads, depth 4.
+#: The micro teacher of the reference fixture (tests/fixtures/reference/raptor.json): width 16, 2 heads, depth
+#: 4.
 REFERENCE_ARCH = {"depth": 4, "num_heads": 2, "embed_dim": 16, "patch_size": 14, "num_prefix_tokens": 5}
 
 
@@ -783,6 +788,7 @@ def test_each_probe_logs_its_own_keys_so_the_loggers_test_top1_is_the_ledgers(
     import csv
 
     from conftest import QUIET
+
     from vitexp.training.fit import train
 
     out = train(

@@ -6,9 +6,8 @@ from __future__ import annotations
 import re
 
 from vitexp.commands import rebuild
-
-from vitexp.report import tables
 from vitexp.ledger import Ledger, LedgerEntry, marks
+from vitexp.report import tables
 
 RUN = {
     "run_id": "r",

@@ -8,12 +8,11 @@ import subprocess
 
 import pytest
 import yaml
-
-from vitexp.report import aggregate, tables
+from ledger_records import iter_runs
 
 from vitexp.commands import recheck, sweep
 from vitexp.ledger import LedgerEntry
-from ledger_records import iter_runs
+from vitexp.report import aggregate, tables
 
 SPEC = {
     "name": "recheck_fixture",

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference_weights import FIXTURES, load_fixture, max_rel, seeded_input, seeded_state_dict
 
 import vitexp  # noqa: F401  (registers vitexp's architectures)
-from reference_weights import FIXTURES, load_fixture, max_rel, seeded_input, seeded_state_dict
 from vitexp.models import CheckpointMismatchError, build_backbone
 
 FLOAT64_REL = 1e-9
@@ -47,7 +47,8 @@ ALL = (
 #:   ``load_checkpoint(model, args.eval_checkpoint, args.model_ema)``: ``state_dict_ema``.
 #: - TokenLabeling @ 9dbfd59: validate.py:98 ``--use-ema`` store_true (default False), validate.py:150
 #:   ``load_checkpoint(model, args.checkpoint, args.use_ema)``: ``state_dict``.
-#: - SHViT @ 6a729cc: README.md:100 ``main.py --eval --resume``, main.py:369 ``checkpoint['model']``: ``model``.
+#: - SHViT @ 6a729cc: README.md:100 ``main.py --eval --resume``, main.py:369 ``checkpoint['model']``:
+#: ``model``.
 RELEASE_SETS = {
     "t2t_vit_14": ("state_dict_ema", "state_dict", False),
     "t2t_vit_t_14": ("state_dict_ema", "state_dict", False),

@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import cli_env, ledger_entries
-from vitexp.cost.rehearsal import KIND, Settings, rehearsal_jobs, rehearse_table
+
 from vitexp.config.rows import composed_config, composing, expand_rows, row_name
+from vitexp.cost.rehearsal import KIND, Settings, rehearsal_jobs, rehearse_table
 from vitexp.report.tables import all_specs, load_spec
 
 
@@ -97,7 +97,8 @@ def test_a_rows_real_data_options_stay_out_of_its_rehearsal():
 
 
 def test_a_rehearsal_never_fills_a_table_cell(results_dir):
-    """Even under the row's own name and with the row's own configuration, a rehearsal is not a run of the row."""
+    """Even under the row's own name and with the row's own configuration, a rehearsal is not a run of the
+    row."""
     from vitexp.ledger import Ledger
     from vitexp.ledger import fingerprint as fp
     from vitexp.report.tables import fill
@@ -177,7 +178,8 @@ def test_a_failing_row_is_a_failed_entry_and_the_next_row_runs(results_dir, tmp_
     assert list(again["skipped"]) == ["demo+rehearsal"]  # done already; the failed rows would run again
 
 
-#: One full-size row per objective: classification fine-tune, SAPER distill (k-NN), RAPTOR's stages, Mask R-CNN.
+#: One full-size row per objective: classification fine-tune, SAPER distill (k-NN), RAPTOR's stages, Mask
+#: R-CNN.
 PER_OBJECTIVE = [
     ("bspf_table1", "deit_tiny_baseline"),
     ("saper_table1", "saper_kd_vits14_k6_in1k"),
@@ -336,8 +338,8 @@ def test_only_names_rows_and_a_spent_budget_starts_none(results_dir, tmp_path):
     ],
 )
 def test_a_rehearsal_refuses_real_data_naming_its_objectives_synthetic_data(overrides, named, make_cfg):
-    from vitexp.errors import ConfigError
     from vitexp.commands.rehearse import rehearse
+    from vitexp.errors import ConfigError
 
     cfg = make_cfg([*overrides, "+trainer.max_steps=2"])
     with pytest.raises(ConfigError, match=named):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from conftest import recorded
+
 from vitexp import SWEEPS_DIR
 from vitexp.report import results_page, tables
 
@@ -62,7 +62,8 @@ def test_placeholders_fill_from_the_cells():
         ),
     }
     text = results_page.fill_verdict(spec, tables.fill(spec, recorded(spec, _runs())))
-    # 82 ± 2; cost without std; paired Δ: (−1, −2, 0) → −1 ± 1; the same as diff; the paper's 79.8 as published; 81 ± 2.65
+    # 82 ± 2; cost without std; paired Δ: (−1, −2, 0) → −1 ± 1; the same as diff; the paper's 79.8 as
+    # published; 81 ± 2.65
     assert text == "82.00 ± 2.00; 0.023; −1.00 ± 1.00; −1.00 ± 1.00; 79.8; 81.00 ± 2.65"
     partial = {
         **SPEC,

@@ -4,17 +4,16 @@ closing JSON line on every exit, and the package's shape (no import cycle, short
 from __future__ import annotations
 
 import ast
-import tokenize
 import json
 import signal
 import subprocess
 import sys
 import time
+import tokenize
 from pathlib import Path
 
 import pytest
-
-from conftest import QUIET, cli_env, ledger_entries, config_of
+from conftest import QUIET, cli_env, config_of, ledger_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_RUN = [
@@ -53,7 +52,8 @@ def last_json(stdout: str) -> dict:
 
 @pytest.mark.slow
 def test_resume_auto_after_sigkill_continues_the_same_entry_and_wandb_run(tmp_path):
-    """(About 2 minutes of CPU: three processes.) SIGKILL once the first epoch's checkpoint exists, then the identical command: one ledger
+    """(About 2 minutes of CPU: three processes.) SIGKILL once the first epoch's checkpoint exists, then the
+    identical command: one ledger
     entry, completed, with the test metrics of an uninterrupted run, and one W&B run id."""
     whole_results, split_results = tmp_path / "whole_results", tmp_path / "split_results"
     whole = subprocess.run(
@@ -185,8 +185,8 @@ def dead_pid() -> int:
 
 
 def test_a_running_entry_whose_process_is_gone_is_interrupted(results_dir, tmp_path):
-    from vitexp.ledger import INTERRUPTED, LedgerEntry, effective_status
     from vitexp.commands.sweep import plan
+    from vitexp.ledger import INTERRUPTED, LedgerEntry, effective_status
     from vitexp.report.tables import fill, load_spec, render_markdown
 
     alive = LedgerEntry("demo", "train", config_of("demo"), results_dir).start()
@@ -482,7 +482,8 @@ def test_wandb_shows_the_ledgers_top1_in_a_group_with_tags(make_cfg, results_dir
 
 
 class _SignalAtEpoch:
-    """A callback that sends this process ``signum`` at the start of ``epoch`` (Ctrl-C, a scheduler's SIGTERM)."""
+    """A callback that sends this process ``signum`` at the start of ``epoch`` (Ctrl-C, a scheduler's
+    SIGTERM)."""
 
     def __new__(cls, epoch: int, signum: int):
         import os

@@ -250,9 +250,9 @@ def test_training_anneals_the_head_budget_through_the_module(tmp_path):
     """ClassifyModule tells the model its progress: by the end the budget is k and the scores moved."""
     import lightning as L
 
+    import vitexp.config.composition as vconfig
     from vitexp.data.datamodules import SyntheticDataModule
     from vitexp.training.modules import ClassifyModule
-    import vitexp.config.composition as vconfig
 
     model = SaperHeads(anneal_fraction=0.5).apply(micro(), {"kind": "heads", "k": 5})
     recipe = dict(vconfig.compose(["recipe.epochs=2", "recipe.warmup_epochs=0", "recipe.lr=0.01"]).recipe)
@@ -336,8 +336,8 @@ SOFT_RUN = [
 def independent_accuracy(model: nn.Module, cfg, objective: str) -> float:
     """Top-1 (%) of ``model`` on the run's test split, computed here: argmax of the logits, or the
     weighted k-NN over the training split's features."""
-    from vitexp.training.modules import weighted_knn_votes
     from vitexp.training.build import build_datamodule, data_config_for
+    from vitexp.training.modules import weighted_knn_votes
 
     dm = build_datamodule(cfg, data_config_for(cfg, model.backbone))
     dm.setup("test")
@@ -355,11 +355,11 @@ def independent_accuracy(model: nn.Module, cfg, objective: str) -> float:
 def test_run_reports_and_saves_the_deployed_model(method, make_cfg, results_dir, tmp_path):
     """top1 is the physically pruned model's accuracy; artifacts.weights is that model, rebuilt
     from the ledger (kept_heads) without the training code's gates; soft_top1 is the gated model's."""
+    from conftest import QUIET, ledger_entries
+
     from vitexp.methods import method_from_config
     from vitexp.training.build import build_configured_backbone
     from vitexp.training.fit import train
-
-    from conftest import QUIET, ledger_entries
 
     cfg = make_cfg(QUIET + SOFT_RUN + [f"method={method}"], tmp_path / method)
     metrics = train(cfg)["metrics"]

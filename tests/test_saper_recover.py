@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
-
 from conftest import QUIET, ledger_entries
+from lightning.pytorch.callbacks import Callback
 
 #: A small run where attention matters (LayerScale 1), two epochs of each stage at an lr that moves
 #: the MLPs visibly.
@@ -61,8 +60,8 @@ class StageSteps(Callback):
 
 def select_checkpoint_model(cfg, output_dir):
     """The deployed model at the end of ``select``, rebuilt here from the select stage's checkpoint."""
-    from vitexp.training.build import build_configured_backbone
     from vitexp.methods import method_from_config
+    from vitexp.training.build import build_configured_backbone
 
     method = method_from_config(cfg.method)
     torch.manual_seed(0)
@@ -89,8 +88,9 @@ def test_recover_trains_the_mlps_and_the_probe_of_the_deployed_model_and_leaves_
     """After ``recover`` the deployed weights (what ``top1``, FLOPs and the artifact are) differ from
     the deployed model at the end of ``select`` in every MLP and in the probe, and equal it in every
     attention weight; ``selected_top1`` is that earlier model's accuracy and ``top1`` the final one's."""
-    from vitexp.training.fit import train
     from test_saper import independent_accuracy
+
+    from vitexp.training.fit import train
 
     cfg = make_cfg(RUN + [f"method.selection={selection}"], tmp_path / "run")
     metrics = train(cfg)["metrics"]
@@ -151,9 +151,9 @@ def _recovery(mode: str, selection: str):
     """The recovery stage of one spec row (fmnist_saper_table1, k = 6): its composed method config,
     the stage, and the names of the parameters it trains."""
     import vitexp.config.composition as vconfig
-    from vitexp.training.build import build_configured_backbone
-    from vitexp.methods import method_from_config
     from vitexp.config import rows
+    from vitexp.methods import method_from_config
+    from vitexp.training.build import build_configured_backbone
 
     row = {
         "experiment": "fmnist_saper_dinov2_micro",
@@ -170,7 +170,8 @@ def _recovery(mode: str, selection: str):
     from vitexp.methods.saper.surgery import ConstantBranch
 
     recovered = stage.model()
-    # a layer left without heads freezes its norm1, which feeds nothing (vitexp.methods.saper.method.set_trainable):
+    # a layer left without heads freezes its norm1, which feeds nothing
+    # (vitexp.methods.saper.method.set_trainable):
     # which layers those are is the selection's; counted as trained, the rules' lists compare as before
     empty = {n.removesuffix(".attn") for n, m in recovered.named_modules() if isinstance(m, ConstantBranch)}
     trained = sorted(
@@ -225,8 +226,8 @@ def _recovery_start(mode: str, selection: str, overrides: tuple[str, ...] = ()):
     over (progress 1) with the scores it is handed afterwards (:func:`_lapsum_keeping`)."""
     import vitexp.config.composition as vconfig
     from vitexp.config import rows
-    from vitexp.training.build import build_configured_backbone
     from vitexp.methods import method_from_config
+    from vitexp.training.build import build_configured_backbone
 
     row = {
         "experiment": "fmnist_saper_dinov2_micro",

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import cli_env, ledger_entries
 
 SMALL = [
@@ -53,7 +52,6 @@ def test_a_slurm_jobs_default_folder_is_named_by_its_job_id(monkeypatch):
     from omegaconf import OmegaConf
 
     from vitexp import CONF_DIR
-
     from vitexp.config import composition as config
 
     for var in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
@@ -203,8 +201,8 @@ def test_slurms_signals_while_an_interrupted_entry_closes_are_noted_never_raised
     are noted, never raised: the entry closes ``interrupted`` by the first signal with submitit's requeue,
     submitit's handler ran once, and the process exits as after SIGUSR2 (128 + 12). (Seen to fail without
     the closing guard: the SIGTERM raised inside ``Run._fail`` left the entry ``running``.)"""
-    from vitexp.runs import slurm
     from vitexp.ledger import LedgerEntry
+    from vitexp.runs import slurm
     from vitexp.runs.owner import owned_run
 
     burst = (signal.SIGTERM, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)

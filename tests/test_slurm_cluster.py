@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ledger_entries
 from doc_commands import run_doc
 from slurm_cluster import ROOT
@@ -42,7 +41,8 @@ COMPARED = ("top1", "top5", "test_loss", "val_loss", "val_top1", "steps")
 
 
 def sbatch(cluster, cwd: Path, results: Path, *args: str) -> str:
-    """Submit the sbatch template as written, with sbatch options and vitexp overrides ``args``; the job id."""
+    """Submit the sbatch template as written, with sbatch options and vitexp overrides ``args``; the job
+    id."""
     cwd.mkdir(parents=True, exist_ok=True)
     options = [a for a in args if a.startswith("--")]
     overrides = [a for a in args if not a.startswith("--")]

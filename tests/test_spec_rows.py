@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import config_of
+from ledger_records import iter_runs
 from omegaconf import OmegaConf
 
-from conftest import config_of
 from vitexp import CONF_DIR, PROJECT_ROOT
-from vitexp.report import aggregate, tables
 from vitexp.config import rows
 from vitexp.ledger import LedgerEntry
-from ledger_records import iter_runs
+from vitexp.report import aggregate, render, tables
 
 FIXTURES = Path(__file__).parent / "fixtures"
 BEFORE = json.loads((FIXTURES / "table_cells.json").read_text())
@@ -117,9 +117,9 @@ def test_every_table_renders_the_cells_it_rendered_before_rows_from_overrides(na
         pytest.fail(f"sweeps/{name}.yaml is gone")
     spec = tables.load_spec(name)
     before = BEFORE["tables"][name]
-    body = [[_unmarked(c) for c in r] for r in tables._body(spec, tables.fill(spec, _before_runs()))]
+    body = [[_unmarked(c) for c in r] for r in render._body(spec, tables.fill(spec, _before_runs()))]
     labels = {r[0] for r in before["rows"]}
-    header = tables._header(spec)
+    header = render._header(spec)
     assert [h for h in header if h in before["header"]] == before["header"]
     keep = [header.index(h) for h in before["header"]]
     assert [[r[i] for i in keep] for r in body if r[0] in labels] == [

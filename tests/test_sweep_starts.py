@@ -5,6 +5,7 @@ never another start, its committed seeds, or a row that loads no start."""
 from __future__ import annotations
 
 from conftest import config_of
+
 from vitexp.data.datamodules import DATA_ORDER
 from vitexp.ledger import LedgerEntry
 

@@ -9,11 +9,11 @@ import re
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import recorded
+
 from vitexp import SWEEPS_DIR
-from vitexp.report import tables
 from vitexp.ledger import LedgerEntry
+from vitexp.report import tables
 
 SPEC = {
     "name": "fixture",
@@ -190,8 +190,9 @@ def test_a_protocol_filter_keeps_a_row_on_the_runs_of_that_protocol():
 
 
 def test_seeded_row_trained_without_an_optional_metric_says_na(results_dir):
-    from vitexp.data.datamodules import DATA_ORDER
     from ledger_records import iter_runs
+
+    from vitexp.data.datamodules import DATA_ORDER
 
     spec = {
         "name": "seeded_na",
@@ -225,8 +226,9 @@ def test_a_column_that_repeats_another_by_construction_says_so_and_shows_its_num
     """SAPER's soft-gated top-1 repeats the selected top-1 under straight-through: such a row says
     "= selected (straight-through)"; a row trained without it, and a straight-through row whose two
     values differ in one seed, show their numbers."""
-    from vitexp.data.datamodules import DATA_ORDER
     from ledger_records import iter_runs
+
+    from vitexp.data.datamodules import DATA_ORDER
 
     same = {
         "key": "selected_top1",

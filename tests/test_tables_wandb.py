@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import config_of
-from vitexp.report import tables
+
 from vitexp.ledger import local_path
+from vitexp.report import tables
 
 
 @pytest.fixture
@@ -88,7 +87,8 @@ def test_log_wandb_logs_the_local_ledger_offline(monkeypatch, tmp_path, capsys, 
     closing = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert logged["init"]["project"] == "vitexp" and logged["init"]["mode"] == "offline"
     _assert_demo_table(logged["data"], "93.25")
-    # reproduction 5 of issue 47: the folder is named relative to the results root, as every path of a closing line
+    # reproduction 5 of issue 47: the folder is named relative to the results root, as every path of a closing
+    # line
     assert closing["wandb"].startswith("offline:wandb/")
     assert local_path(closing["wandb"].removeprefix("offline:"), results).parent.name.startswith(
         "offline-run-"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ledger_entries
 
 import vitexp  # noqa: F401
 from vitexp.analysis.tokens import (
@@ -23,8 +24,6 @@ from vitexp.methods.bspf.pruning import TokenPruner
 from vitexp.methods.evit.fuse import fuse_decision, prune_and_fuse
 from vitexp.methods.token_record import recording_modules
 from vitexp.methods.tome.merge import match, merge_decision, merge_fn
-
-from conftest import ledger_entries
 
 
 def check_map(m: LayerMap, chunk_of_patch: torch.Tensor | None = None) -> None:
@@ -157,8 +156,8 @@ def test_tome_decision_is_where_the_merge_puts_each_token():
 
 @pytest.mark.parametrize("experiment", ["bspf_demo", "evit_demo", "tome_demo"])
 def test_token_maps_of_the_patched_micro_vit_account_for_every_patch(experiment):
-    from vitexp.training.build import build_model
     from vitexp.config.composition import compose
+    from vitexp.training.build import build_model
 
     cfg = compose([f"experiment={experiment}"])
     torch.manual_seed(0)

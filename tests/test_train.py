@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import QUIET, ledger_entries, pairwise
 from lightning.pytorch.callbacks import Callback
 
 import vitexp.config.composition as vconfig
-from vitexp.training import resolve
 from vitexp import CONF_DIR
 from vitexp.models import CheckpointMismatchError, build_backbone
-from vitexp.training.modules import NonFiniteLossError
+from vitexp.training import resolve
 from vitexp.training.fit import train
-
-from conftest import QUIET, ledger_entries, pairwise
+from vitexp.training.modules import NonFiniteLossError
 
 #: micro-scale backbones: one fast_dev_run each per method (full-size ones are built in test_config)
 BACKBONES = sorted(p.stem for p in (CONF_DIR / "backbone").glob("*.yaml") if "micro" in p.stem)

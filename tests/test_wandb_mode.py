@@ -1,5 +1,6 @@
 """``WANDB_MODE`` from the environment: empty means unset, a value W&B refuses is a one-line config
-error before anything starts (vitexp.runs.loggers.wandb_mode, called by vitexp.config.composition.validate); the
+error before anything starts (vitexp.runs.loggers.wandb_mode, called by vitexp.config.composition.validate);
+the
 empty value is dropped from the environment only where W&B starts (build_logger)."""
 
 from __future__ import annotations
@@ -8,10 +9,9 @@ import os
 
 import pytest
 
-from vitexp.config import composition as vconfig
-from vitexp.training import resolve
 from vitexp.errors import ConfigError
 from vitexp.runs.loggers import WANDB_MODES, build_logger, wandb_mode
+from vitexp.training import resolve
 
 
 def test_an_empty_wandb_mode_is_unset_and_only_the_logger_clears_it(monkeypatch, tmp_path):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import QUIET
+
 from vitexp.config import weights as weights_module
 from vitexp.config.rows import job_arguments
 
@@ -82,10 +82,10 @@ def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_wei
     the weights, fills its GMACs."""
     import torch
 
-    from vitexp.report import tables
     from vitexp.commands.inspect import run_flops
     from vitexp.ledger import Ledger
     from vitexp.models import build_backbone
+    from vitexp.report import tables
     from vitexp.training.fit import train
 
     folder = tmp_path / "weights"

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def save_png(fig, out: Path, title: str, dpi: int = 120) -> Path:
-    """Title, tight layout (unless the figure has a layout engine), then the figure written atomically to ``out`` (PNG) and closed."""
+    """Title, tight layout (unless the figure has a layout engine), then the figure written atomically to
+    ``out`` (PNG) and closed."""
     import matplotlib.pyplot as plt
 
     from vitexp.ledger import atomic_write

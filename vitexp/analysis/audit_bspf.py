@@ -54,8 +54,8 @@ def pinned_model(spec: str, results_dir: Path | None = None) -> tuple[torch.nn.M
     """The trained backbone of a ledger train run (``run:<experiment>`` or ``run:<run_id>``),
     rebuilt from the run's recorded backbone config and class count and loaded strictly from its
     recorded weights, with what pins it (run id, experiment, weights file)."""
-    from vitexp.models import build_backbone
     from vitexp.ledger import default_results_dir, weights_file, weights_run
+    from vitexp.models import build_backbone
 
     try:
         run = weights_run(spec, results_dir)

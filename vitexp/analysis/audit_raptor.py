@@ -59,9 +59,9 @@ def _rows(size: str) -> list[tuple[str, str, list[str]]]:
 def count(overrides: list[str]) -> dict[str, Any]:
     """GMACs / GFLOPs / params of an experiment's deployed model, as ``vitexp-flops`` counts them."""
     from vitexp.config.composition import compose
-    from vitexp.training.resolve import validate
     from vitexp.measure.flops import count_macs
     from vitexp.training.build import build_model, registers_of
+    from vitexp.training.resolve import validate
 
     cfg = compose(overrides)
     validate(cfg, need_data=False)

@@ -80,7 +80,8 @@ def laplacian_spectra(patch_attention: torch.Tensor) -> dict[str, Any]:
 
 
 def kept_labels(kept_heads: Sequence[Sequence[int]], heads_per_layer: int) -> np.ndarray:
-    """1 for a kept head, 0 for a pruned one, in the layer-major order of the clustering (layer · H + head)."""
+    """1 for a kept head, 0 for a pruned one, in the layer-major order of the clustering (layer · H +
+    head)."""
     labels = np.zeros(len(kept_heads) * heads_per_layer, dtype=int)
     for layer, heads in enumerate(kept_heads):
         for h in heads:
@@ -165,7 +166,8 @@ def teacher_of(saper_run: dict[str, Any], results_dir: Path | None) -> str:
 
 
 def saper_record(spec: str, results_dir: Path | None) -> dict[str, Any]:
-    """The ledger record of ``run:<experiment>`` (its newest completed train run with ``kept_heads``) or ``run:<run_id>``."""
+    """The ledger record of ``run:<experiment>`` (its newest completed train run with ``kept_heads``) or
+    ``run:<run_id>``."""
     from vitexp.ledger import RUN_WEIGHTS_PREFIX, Ledger
 
     target = spec.removeprefix(RUN_WEIGHTS_PREFIX)

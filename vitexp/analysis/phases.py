@@ -15,8 +15,8 @@ from typing import Any, Iterable
 
 import torch.nn as nn
 
-from vitexp.methods.raptor import distance_matrix_from_data, max_cut_phases, phases_for_blocks
 from vitexp.ledger import atomic_write
+from vitexp.methods.raptor import distance_matrix_from_data, max_cut_phases, phases_for_blocks
 
 
 def one_based(phases: list[list[int]]) -> str:

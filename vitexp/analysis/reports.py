@@ -54,9 +54,9 @@ def check_request(cfg: DictConfig, analysis: str, record: dict[str, Any] | None)
 
 def token_model(cfg: DictConfig):
     """(model, method, data config, where its weights came from: ``backbone`` | ``method`` | ``none``)."""
-    from vitexp.training.build import build_model, load_weights
-    from vitexp.models import CheckpointMismatchError
     from vitexp.config.weights import resolve_weights
+    from vitexp.models import CheckpointMismatchError
+    from vitexp.training.build import build_model, load_weights
 
     try:
         model, method, data_config = build_model(cfg)
@@ -116,13 +116,11 @@ def head_report(
     cfg: DictConfig, record: dict[str, Any], args: argparse.Namespace, out_dir: Path
 ) -> dict[str, Any]:
     """The heads grid of SAPER run ``record`` beside the head clusters of its unpruned backbone."""
+    from vitexp.analysis.audit_saper import teacher_of
     from vitexp.analysis.head_grid import checkpoint_scores, draw_head_grid, kept_mask
     from vitexp.analysis.heads import head_clusters
+    from vitexp.ledger import RUN_WEIGHTS_PREFIX, local_path
     from vitexp.training.build import build_configured_backbone, build_datamodule, data_config_for
-    from vitexp.ledger import local_path
-
-    from vitexp.analysis.audit_saper import teacher_of
-    from vitexp.ledger import RUN_WEIGHTS_PREFIX
 
     kept = record["kept_heads"]
     if str(cfg.backbone.get("pretrained") or "").startswith(

@@ -115,7 +115,8 @@ class CorrectByImage(Callback):
 
 
 def predict(cfg, record: Mapping[str, Any], deployed) -> dict[str, Any]:
-    """``{split: {"correct": bool array, "labels": int array, "predicted": int array, "size": n}}`` of run ``record``'s
+    """``{split: {"correct": bool array, "labels": int array, "predicted": int array, "size": n}}`` of run
+    ``record``'s
     deployed model (:class:`vitexp.commands.evaluate.Deployed`) on its validation and test splits, each
     checked against what the module's own torchmetrics accuracy logged."""
     from omegaconf import open_dict

@@ -23,8 +23,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from vitexp.analysis.tokens import LayerMap
 from vitexp.analysis import save_png
+from vitexp.analysis.tokens import LayerMap
 
 LEGEND = (
     "clear: kept; red, cross-hatched: dropped{chunks}\ntinted and hatched: fused into the token of that"

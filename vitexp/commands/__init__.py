@@ -1,1 +1,2 @@
-"""The console scripts and each command's body: compose, validate and resolve once, then hand typed parts down."""
+"""The console scripts and each command's body: compose, validate and resolve once, then hand typed parts
+down."""

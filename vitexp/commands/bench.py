@@ -5,24 +5,21 @@ and closing JSON line; the measurements themselves are :mod:`vitexp.measure.thro
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
-import torch.nn as nn
-
 from omegaconf import DictConfig, open_dict
 
 from vitexp import CONF_DIR
 from vitexp.config.composition import to_container
-from vitexp.training.resolve import validate
-from vitexp.ledger.entry import cpu_model
 from vitexp.errors import ConfigError, one_line
 from vitexp.ledger import portable_path, portable_text
-from vitexp.training.objectives import objective_for
+from vitexp.ledger.entry import cpu_model
 from vitexp.runs.owner import owned_run
+from vitexp.training.objectives import objective_for
+from vitexp.training.resolve import validate
 
 #: ``bench.mode`` choices.
 BENCH_MODES = ("throughput", "overhead", "loader", "train_step", "demo")
@@ -34,7 +31,8 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     Lightning's per-step overhead against a plain PyTorch loop on the same model and batches.
     ``bench.mode=loader``: the row's training (or evaluation) loader, images/s per worker for each
     decoder (:mod:`vitexp.data.loader_bench`). ``bench.mode=train_step``: training images/s of the
-    configured model on its device (:func:`vitexp.measure.throughput.measure_train_step`). ``bench.mode=demo``:
+    configured model on its device (:func:`vitexp.measure.throughput.measure_train_step`).
+    ``bench.mode=demo``:
     the first command a newcomer runs, ``vitexp-train``, timed as they run it (:func:`_run_demo`)."""
     if cfg.bench.mode == "throughput" and cfg.bench.get("compare"):
         from vitexp.runs.owner import emit
@@ -58,15 +56,14 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
 
 def _run_model_timing(cfg: DictConfig, run) -> None:
     """``bench.mode=throughput`` (one experiment) and ``overhead`` (:func:`run_bench`)."""
-    from vitexp.measure.throughput import bench_device, compare_throughput
-    from vitexp.training.overhead import lightning_overhead
-    from vitexp.training.build import build_configured_backbone, build_datamodule, build_model
     from vitexp.measure.flops import count_macs
+    from vitexp.measure.throughput import bench_device, compare_throughput
+    from vitexp.training.build import build_configured_backbone, build_datamodule, build_model
+    from vitexp.training.overhead import lightning_overhead
 
     method = validate(cfg, need_data=cfg.bench.mode == "overhead", need_trainer=False)
     objective_for(cfg).check_timed(cfg)
     run.start(to_container(cfg))
-    import torch
 
     img = int(cfg.backbone.img_size)
     b = cfg.bench
@@ -159,12 +156,11 @@ def _run_loader(cfg: DictConfig, run) -> None:
     """``bench.mode=loader`` (:mod:`vitexp.data.loader_bench`): the row's loader over ImageNet-like JPEGs
     (:mod:`vitexp.data.imagenet_like`, generated once into a cache folder unless ``bench.loader.root``
     names a folder), each decoder's images/s per worker; one ledger entry."""
-    import torch
 
-    from vitexp.training.build import build_configured_backbone, data_config_for
     from vitexp.data.imagenet_like import JpegSpec, ensure_jpegs
     from vitexp.data.loader_bench import STATISTIC, compare_loaders, winner
     from vitexp.data.tensor_images import DECODERS
+    from vitexp.training.build import build_configured_backbone, data_config_for
 
     b, lo = cfg.bench, cfg.bench.loader
     validate(cfg, need_data=False, need_trainer=False)
@@ -248,7 +244,6 @@ def _run_train_step(cfg: DictConfig, run) -> None:
     """``bench.mode=train_step``: the configured model's training images/s on ``bench.device`` (a
     plain loop: forward, cross-entropy, backward, optimiser step, synthetic batch; bf16 autocast on a
     GPU), the rate :mod:`vitexp.cost` takes for that GPU in place of its factor (docs/cluster.md)."""
-    import torch
 
     from vitexp.measure.throughput import bench_device, measure_train_step, throughput_protocol
     from vitexp.training.build import build_model
@@ -291,7 +286,6 @@ def _run_demo(cfg: DictConfig, run) -> None:
     import subprocess
     import sys
     import tempfile
-    import time
 
     from vitexp.ledger import Ledger, machine_load
 
@@ -398,10 +392,10 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
     import contextlib
     import os
 
-    from vitexp.measure.throughput import bench_device, compare_throughput
-    from vitexp.training.build import build_model
     from vitexp.measure.flops import count_macs
+    from vitexp.measure.throughput import bench_device, compare_throughput
     from vitexp.runs.owner import emit
+    from vitexp.training.build import build_model
 
     names = [str(n) for n in cfg.bench.compare]
     if len(names) < 2 or len(set(names)) != len(names):

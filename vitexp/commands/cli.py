@@ -23,12 +23,11 @@ from typing import Any, Callable
 from omegaconf import DictConfig, open_dict
 
 from vitexp import CONF_DIR
-from vitexp.config import (
-    composition as _composition,
-)  # noqa: F401  (registers the resolvers conf/train.yaml uses)
+
+# registers the resolvers conf/train.yaml uses
+from vitexp.config import composition as _composition  # noqa: F401
 from vitexp.errors import HYDRA_FULL_ERROR_BY_VITEXP, ConfigError, console_script, debug_mode, one_line
-from vitexp.runs.owner import emit, remove_if_empty
-from vitexp.runs.owner import ArgumentParser
+from vitexp.runs.owner import ArgumentParser, emit, remove_if_empty
 
 #: Lightning strategies that re-run the command line in worker processes.
 _SUBPROCESS_STRATEGIES = ("ddp", "ddp_find_unused_parameters_true")
@@ -42,7 +41,8 @@ def _report(
     unless the run owner printed it already."""
     from vitexp.ledger import portable_text
 
-    # stderr and the closing line name a path alike: relative when it lies in the checkout, the results or the run
+    # stderr and the closing line name a path alike: relative when it lies in the checkout, the results or the
+    # run
     message = portable_text(
         message or one_line(err),
         getattr(err, "vitexp_results_dir", None),
@@ -157,14 +157,15 @@ def _check_ledger(prog: str) -> None:
 def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
     """Run a Hydra app; a composition error (``backbone=nope``, ``recipe.lrr=1``) also ends with
     the JSON line, in one line (:func:`vitexp.config.composition.composition_error`); a multirun ends with
-    its summary line (:func:`vitexp.runs.multirun.summary`); an unreadable pack stops it first (:func:`_check_ledger`).
+    its summary line (:func:`vitexp.runs.multirun.summary`); an unreadable pack stops it first
+    (:func:`_check_ledger`).
     """
     import hydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from vitexp.runs import multirun
     from vitexp.config.composition import composition_error
+    from vitexp.runs import multirun
 
     if not any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") for a in sys.argv[1:]):
         _check_ledger(prog)
@@ -242,7 +243,8 @@ def _rehearse_body(cfg: DictConfig) -> dict[str, Any]:
 
 @console_script
 def rehearse_main() -> None:
-    """One row's rehearsal (``python -m vitexp.commands.rehearse_main``; ``vitexp-sweep TABLE --rehearse`` launches it)."""
+    """One row's rehearsal (``python -m vitexp.commands.rehearse_main``; ``vitexp-sweep TABLE --rehearse``
+    launches it)."""
     _run_hydra(_rehearse_body, "vitexp-rehearse")
 
 
@@ -275,7 +277,7 @@ def eval_main(argv: list[str] | None = None) -> None:
     """``vitexp-eval RUN_ID_OR_EXPERIMENT [overrides] [--weights PATH]``: rebuild the model a
     completed train run saved and test it on the run's test split (a ledger entry of kind eval)."""
 
-    from vitexp.commands.evaluate import evaluate, eval_config
+    from vitexp.commands.evaluate import eval_config, evaluate
 
     parser = ArgumentParser(prog="vitexp-eval", description=eval_main.__doc__)
     parser.add_argument("run", help="a completed train run's id, or an experiment (its newest completed run)")

@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from vitexp.config.weights import PREFIX as WEIGHTS_PREFIX
 from vitexp.errors import CheckpointError, ConfigError, join_lines
-from vitexp.runs.loggers import fetch_model
 from vitexp.ledger import (
     RUN_WEIGHTS_PREFIX,
     Ledger,
@@ -43,7 +43,7 @@ from vitexp.ledger import (
     portable_path,
     weights_file,
 )
-from vitexp.config.weights import PREFIX as WEIGHTS_PREFIX
+from vitexp.runs.loggers import fetch_model
 
 #: Groups an evaluation may swap whole (where and how it runs, not what the model is).
 SWAPPABLE_GROUPS = ("logger", "trainer")
@@ -161,11 +161,11 @@ def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None =
     :class:`~vitexp.errors.CheckpointError` naming it (module docstring). Writes nothing."""
     import lightning as L
 
-    from vitexp.training.build import build_backbone_and_method, load_weights
     from vitexp.models.factory import check_file
-    from vitexp.training.resolve import validate
-    from vitexp.training.objectives import objective_for
+    from vitexp.training.build import build_backbone_and_method, load_weights
     from vitexp.training.fit import datamodule_cache
+    from vitexp.training.objectives import objective_for
+    from vitexp.training.resolve import validate
 
     artifacts = record.get("artifacts") or {}
     key = "--weights" if weights else f"run {record['run_id']}'s weights"
@@ -197,7 +197,8 @@ def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None =
     backbone, method, data_config = build_backbone_and_method(built, method)
     datamodule_for = datamodule_cache(data_config)
     method.prepare(backbone, datamodule_for(cfg))
-    # the run's config, not ``built``: the objective's model follows the run's choices (backbone.pretrained too)
+    # the run's config, not ``built``: the objective's model follows the run's choices (backbone.pretrained
+    # too)
     stage, model = objective.rebuild(cfg, method, backbone, record, data_config)
     try:
         model.load_state_dict(load_weights(path))
@@ -210,9 +211,9 @@ def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None =
 
 def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> dict[str, Any]:
     """Rebuild, load and test (module docstring); returns the closing result of the eval run."""
-    from vitexp.training.build import build_trainer
     from vitexp.config.composition import to_container
     from vitexp.runs.owner import owned_run
+    from vitexp.training.build import build_trainer
     from vitexp.training.fit import stage_config
 
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:

@@ -11,11 +11,11 @@ from typing import Any
 from omegaconf import DictConfig, open_dict
 
 from vitexp.config.composition import to_container
-from vitexp.training.resolve import validate
 from vitexp.errors import ConfigError
 from vitexp.ledger import atomic_write, atomic_write_json, portable_path
-from vitexp.training.objectives import objective_for
 from vitexp.runs.owner import owned_run
+from vitexp.training.objectives import objective_for
+from vitexp.training.resolve import validate
 
 
 def run_flops(cfg: DictConfig) -> dict[str, Any]:
@@ -48,7 +48,8 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
 
 
 def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
-    """``vitexp-audit {bspf,saper,raptor}``: the report ``results/audit/<paper>.md`` and a ledger entry (kind audit)."""
+    """``vitexp-audit {bspf,saper,raptor}``: the report ``results/audit/<paper>.md`` and a ledger entry (kind
+    audit)."""
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     with owned_run(f"{args.paper}_audit", "audit", results_dir) as run:
         run.start(config)

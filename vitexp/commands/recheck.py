@@ -23,10 +23,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-from vitexp.report.aggregate import per_seed_values
-from vitexp.ledger import Ledger
-from vitexp.training.objectives import objective_for
 from vitexp.config.rows import composing, expand_rows, row_query
+from vitexp.ledger import Ledger
+from vitexp.report.aggregate import per_seed_values
+from vitexp.training.objectives import objective_for
 
 #: points of top-1; one image of a 10,000-image test set
 DEFAULT_TOLERANCE = 0.01
@@ -45,7 +45,8 @@ def training_rows(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _row_runs(spec: dict[str, Any], ledger: Ledger) -> list[tuple[str, dict[Any, list[dict[str, Any]]]]]:
     """[(row name, {seed (None for an unseeded row): its completed training runs, oldest first})]
-    per training row, found as :func:`vitexp.report.tables.fill` finds them (:meth:`vitexp.ledger.Ledger.row_runs`).
+    per training row, found as :func:`vitexp.report.tables.fill` finds them
+    (:meth:`vitexp.ledger.Ledger.row_runs`).
     """
     out = []
     with composing():

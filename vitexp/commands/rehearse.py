@@ -14,10 +14,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from vitexp.errors import ConfigError
-from vitexp.training.objectives import objective_for
 from vitexp.cost.rehearsal.meter import StepMeter
 from vitexp.cost.rehearsal.plan import KIND
+from vitexp.errors import ConfigError
+from vitexp.training.objectives import objective_for
 
 
 def device_name(cfg: DictConfig) -> str:

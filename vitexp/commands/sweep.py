@@ -9,7 +9,8 @@ run whose process is gone (``interrupted``, :func:`vitexp.ledger.effective_statu
 row with seeds (the spec's ``seeds``, :mod:`vitexp.report.aggregate`) is one job per seed (``experiment=E
 seed=s``, recorded as ``E+seed=s``; a row with overrides or a name N: ``name='N+seed=${seed}'``),
 and only its seeds without a completed or running run are launched (a seed s >= 1 trained by the
-sampler that drew ``s + epoch`` does not count: :func:`vitexp.report.aggregate.overlapping_order`); unseeded rows go first (the
+sampler that drew ``s + epoch`` does not count: :func:`vitexp.report.aggregate.overlapping_order`); unseeded
+rows go first (the
 pretrained baselines that seeded rows load with ``run:``). Such a shared start (a row with ``seeds:
 null`` in a seeded table) whose weights are not on this machine (neither its run folder's nor the
 copy kept with the results) trains again only when a row whose job loads it (its composed
@@ -18,7 +19,8 @@ run, and no other start or row changes (a start that itself loads another start 
 table has one); a complete table needs no start, so a fresh checkout of the
 committed ledger reruns nothing. A seeded run
 fine-tuned from another run of its start than the current one trains again too
-(:func:`vitexp.report.aggregate.other_start`), so a row never mixes two starts. Plain unseeded rows share one multirun
+(:func:`vitexp.report.aggregate.other_start`), so a row never mixes two starts. Plain unseeded rows share one
+multirun
 (``experiment=a,b,c``); a row with overrides is a job of its own.
 A shared start's weights are kept with the results after the sweep (and by ``--keep-starts`` alone:
 :mod:`vitexp.ledger.kept`), so its seeded rows can go on from the same start on another machine or
@@ -43,9 +45,17 @@ from typing import Sequence
 
 from vitexp import CONF_DIR
 from vitexp.commands import recheck
+from vitexp.config.rows import (
+    composing,
+    expand_rows,
+    job_arguments,
+    row_name,
+    row_query,
+    row_seeds,
+    row_weights,
+    shared_start,
+)
 from vitexp.cost import rehearsal
-from vitexp.report.aggregate import other_start, overlapping_order, seeded_name
-from vitexp.config.rows import row_seeds, shared_start
 from vitexp.errors import one_line
 from vitexp.ledger import (
     RUN_WEIGHTS_PREFIX,
@@ -59,7 +69,7 @@ from vitexp.ledger import (
     weights_run,
 )
 from vitexp.ledger.fingerprint import WEIGHTLESS_KINDS
-from vitexp.config.rows import composing, expand_rows, job_arguments, row_name, row_query, row_weights
+from vitexp.report.aggregate import other_start, overlapping_order, seeded_name
 from vitexp.report.tables import all_specs, broken_for, load_spec
 from vitexp.runs.owner import ArgumentParser
 
@@ -154,7 +164,8 @@ def _plan_row(
     }
     if seeds is not None:
         for seed in seeds:
-            # a completed training seed from the older sampler, or fine-tuned from another run of its start, runs again
+            # a completed training seed from the older sampler, or fine-tuned from another run of its start,
+            # runs again
             current = [
                 r
                 for r in active[seed]
@@ -272,7 +283,8 @@ def job_list(rows: dict) -> list[list[str]]:
 
 
 def _recheck(spec: dict, results_dir: Path, args) -> int:
-    """``--kind eval``: vitexp-eval each cited run (:func:`vitexp.commands.recheck.recheck`), one line per run.
+    """``--kind eval``: vitexp-eval each cited run (:func:`vitexp.commands.recheck.recheck`), one line per
+    run.
     vitexp-eval reads and writes the ledger in ``results_dir`` (``$VITEXP_RESULTS``); the other
     overrides (``data.root=...``) are its own."""
     if args.dry_run:

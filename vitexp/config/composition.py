@@ -13,16 +13,14 @@ model is built or ledger entry written.
 
 from __future__ import annotations
 
-import math
 import time
-from pathlib import Path
 from typing import Any, Iterable
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from vitexp import CONF_DIR, PROJECT_ROOT
-from vitexp.errors import ConfigError, one_line
 from vitexp.config.objective_schemas import OBJECTIVE_SCHEMAS
+from vitexp.errors import ConfigError, one_line
 
 if not OmegaConf.has_resolver("vitexp_root"):
     OmegaConf.register_new_resolver("vitexp_root", lambda: str(PROJECT_ROOT))
@@ -113,7 +111,8 @@ if not OmegaConf.has_resolver(
 #: Groups whose choice defines what a run is (a change renames the run).
 IDENTITY_GROUPS = ("backbone", "method", "budget", "data", "recipe")
 #: Groups whose keys are vitexp's schema, the objectives' own among them: ``+group.key=...`` may not
-#: add to them. (``trainer`` keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds one.)
+#: add to them. (``trainer`` keys are lightning.Trainer arguments: ``+trainer.accumulate_grad_batches=2`` adds
+#: one.)
 SCHEMA_GROUPS = (
     "backbone",
     "method",

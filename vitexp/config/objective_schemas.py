@@ -28,5 +28,6 @@ class Detector:
 
 
 #: {config group: its schema} of the groups an objective alone reads (every run's config holds
-#: them: ``conf/train.yaml`` selects one option of each; the owner: :data:`vitexp.ledger.fingerprint.GROUP_OWNERS`).
+#: them: ``conf/train.yaml`` selects one option of each; the owner:
+#: :data:`vitexp.ledger.fingerprint.GROUP_OWNERS`).
 OBJECTIVE_SCHEMAS: dict[str, type] = {"detector": Detector}

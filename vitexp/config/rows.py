@@ -38,8 +38,8 @@ import itertools
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from vitexp.ledger.index import seeded_name
 from vitexp.ledger import RowQuery
+from vitexp.ledger.index import seeded_name
 
 #: Override keys a row may not set through ``overrides`` (they are row keys of their own).
 RESERVED = ("seed", "experiment", "name")

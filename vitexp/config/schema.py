@@ -38,13 +38,13 @@ import functools
 import inspect
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from vitexp.config.objective_schemas import OBJECTIVE_SCHEMAS
-from vitexp.errors import ConfigError
 from vitexp.config.value_types import _is_union, _number, conforms, describe  # noqa: F401 (re-exported)
+from vitexp.errors import ConfigError
 
 
 @dataclass

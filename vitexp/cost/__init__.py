@@ -11,6 +11,7 @@ what the data loader can feed the GPU.
 
 from __future__ import annotations
 
+from vitexp.cost.render import render_cost, summary, write_cost, write_summary
 from vitexp.cost.rows import (
     DATASETS,
     KNN_METHODS,
@@ -20,7 +21,6 @@ from vitexp.cost.rows import (
     row_cost,
     table_cost,
 )
-from vitexp.cost.render import render_cost, summary, write_cost, write_summary
 
 __all__ = [
     "DATASETS",

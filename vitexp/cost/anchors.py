@@ -190,8 +190,7 @@ def count_anchor(name: str) -> dict[str, float]:
     import timm
     import torch
 
-    from vitexp.measure.flops import count_macs
-    from vitexp.measure.flops import flop_counting
+    from vitexp.measure.flops import count_macs, flop_counting
 
     model = timm.create_model(name, pretrained=False, num_classes=1000)
     img = int(a["img_size"])

@@ -3,7 +3,8 @@ gets on a cluster node.
 
 - **Rate**: images per second per worker of the row's transform (its split, resolution, RandAugment,
   random erasing) and decoder (``data.decoder``): the median over the completed ``vitexp-bench
-  bench.mode=loader`` runs that timed that transform (each run's own figure the median of its rounds) (:mod:`vitexp.data.loader_bench`: the worker's CPU
+  bench.mode=loader`` runs that timed that transform (each run's own figure the median of its rounds)
+  (:mod:`vitexp.data.loader_bench`: the worker's CPU
   time, i.e. one dedicated core). A row whose data has no decoder (CIFAR-100 from memory, COCO,
   Fashion-MNIST) has no measured rate: its loader is not counted, which its cost table says.
 - **Workers**: ``min(data.num_workers, cpus_per_task − main_process_cores)``: the SLURM task's cores

@@ -221,7 +221,8 @@ def summary(costs: Iterable[Mapping[str, Any]], ledger=None) -> str:
     need to keep the GPU busy and its loader-bound rows."""
     from vitexp.cost.anchors import gpu_factors
     from vitexp.cost.loader import loader_runs
-    from vitexp.cost.validation import render as render_checks, validations
+    from vitexp.cost.validation import render as render_checks
+    from vitexp.cost.validation import validations
 
     costs = [c for c in costs if any("cost" in r for r in c["rows"])]
     gpu = costs[0]["gpu"] if costs else cost_config()["target_gpu"]

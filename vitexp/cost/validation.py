@@ -103,6 +103,7 @@ def render(results: Iterable[Mapping[str, Any]]) -> str:
         lines.append(
             f"| {r['what']}, {r['gpus']} × {r['gpu']} | {bound}{r['published']:g} h | {r['hours']:.1f} h "
             f"({r['gpu_train_hours']:.1f} h; {loader}; {r['eval_hours']:.1f} h) | {r['ratio']:.2f} | "
-            f"{'yes' if r['holds'] else '**no**'}{' (a bound: one-sided)' if r['kind'] == 'upper_bound' else ''} |"
+            f"{'yes' if r['holds'] else '**no**'}"
+            f"{' (a bound: one-sided)' if r['kind'] == 'upper_bound' else ''} |"
         )
     return "\n".join(lines) + "\n"

@@ -1,1 +1,2 @@
-"""Datamodules, Fashion-MNIST and its IDX files, the tensor decoder, and the loader benchmark with its JPEG folder."""
+"""Datamodules, Fashion-MNIST and its IDX files, the tensor decoder, and the loader benchmark with its JPEG
+folder."""

@@ -1,5 +1,6 @@
 """LightningDataModules: digits, synthetic, imagenet / imagefolder, cifar100 (fashion_mnist:
-:mod:`vitexp.data.fashion_mnist`; another objective's data: the one its plug-in in :mod:`vitexp.training.objectives` builds).
+:mod:`vitexp.data.fashion_mnist`; another objective's data: the one its plug-in in
+:mod:`vitexp.training.objectives` builds).
 
 Every module takes ``num_classes`` and ``batch_size`` from its config group and the model's
 data config (``timm.data.resolve_data_config``: input size, interpolation, mean, std, crop) from

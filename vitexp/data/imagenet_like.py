@@ -13,7 +13,8 @@ and would decode faster than a photograph; the content is therefore built like o
 
 Layout: ``<root>/train/<class>/<n>.JPEG`` and ``<root>/val/<class>/<n>.JPEG`` (an ImageFolder, as
 ``data=imagenet`` reads it), ``classes`` class folders; with ``val_per_class=0`` the ``val`` folder is
-a link to ``train`` (a loader benchmark times the evaluation transform on the training images). ``manifest.json`` is written last, with
+a link to ``train`` (a loader benchmark times the evaluation transform on the training images).
+``manifest.json`` is written last, with
 the parameters and the measured file sizes: a folder without it (a killed generation) is rebuilt,
 one whose manifest names the same parameters is reused. The images live in a cache folder
 (:func:`default_root`), never in the repository.

@@ -120,7 +120,7 @@ def compare_loaders(
 
     load = machine_load()
     samples: dict[str, list[dict[str, float]]] = {k: [] for k in loaders}
-    for name, loader in loaders.items():
+    for loader in loaders.values():
         stamp(loader)
     for _ in range(rounds):
         for name, loader in loaders.items():

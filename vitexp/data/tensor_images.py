@@ -17,7 +17,8 @@ Decision: timm's RandAugment (``rand-mM-nN-mstdS-incI``) acts on PIL images only
 ``v2.RandAugment(num_ops=N, magnitude=M, num_magnitude_bins=11)``, the same number of operations at the
 same fraction M/10 of the largest magnitude, but without timm's magnitude noise (``mstd``), with
 torchvision's operation set (no Invert or SolarizeAdd; Identity instead) and bilinear interpolation in
-its rotations, shears and translations (torchvision's tensor kernels have no bicubic there). That is a change of the
+its rotations, shears and translations (torchvision's tensor kernels have no bicubic there). That is a change
+of the
 augmentation: a run with ``data.decoder=tensor`` is a different configuration from one with ``pil``
 (the decoder is part of the run's fingerprint), which is why the decoder is a data option.
 """

@@ -54,7 +54,8 @@ class StageFeatures(nn.Module):
 
 
 class BackboneFPN(nn.Module):
-    """Stage features -> torchvision's FPN (plus its max-pool level); ``out_channels`` as torchvision expects."""
+    """Stage features -> torchvision's FPN (plus its max-pool level); ``out_channels`` as torchvision
+    expects."""
 
     def __init__(self, body: StageFeatures, out_channels: int = 256):
         super().__init__()
@@ -97,7 +98,8 @@ def build_detector(
     c = features.out_channels
     representation = int(cfg.get("box_representation", 1024))
     mask_layers = [int(w) for w in cfg.get("mask_layers", (256, 256, 256, 256))]
-    return MaskRCNN(  # num_classes is given to the predictors (torchvision wants it there or in the model, not both)
+    # num_classes is given to the predictors (torchvision wants it there or in the model, not both)
+    return MaskRCNN(
         features,
         num_classes=None,
         box_head=TwoMLPHead(c * 7 * 7, representation),

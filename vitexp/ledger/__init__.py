@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from vitexp.ledger.entry import LedgerEntry, environment, machine_load, new_run_id
-from vitexp.ledger.kept import KeptWeightsError, keep, kept_path, sha256, weights_file
 from vitexp.ledger.index import Ledger, RowQuery, run_seed, seeded_name
+from vitexp.ledger.kept import KeptWeightsError, keep, kept_path, sha256, weights_file
 from vitexp.ledger.paths import (
     atomic_write,
     atomic_write_json,

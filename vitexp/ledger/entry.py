@@ -179,7 +179,8 @@ def _seconds(started: Any, finished: Any) -> float:
 
 
 class LedgerEntry:
-    """One run's ledger file. ``start`` writes it as running; ``finish`` / ``fail`` / ``interrupt`` close it."""
+    """One run's ledger file. ``start`` writes it as running; ``finish`` / ``fail`` / ``interrupt`` close
+    it."""
 
     def __init__(
         self,
@@ -336,7 +337,8 @@ class LedgerEntry:
 
     def beat(self) -> None:
         """Record that the run is alive (``heartbeat``, UTC): how a running entry written on another
-        host (a cluster node) is told apart from one whose job died (:func:`vitexp.ledger.status.effective_status`).
+        host (a cluster node) is told apart from one whose job died
+        (:func:`vitexp.ledger.status.effective_status`).
         """
         if self.record.get("status") == "running":
             self.record["heartbeat"] = now()

@@ -15,7 +15,8 @@ Decisions:
   ``eval.throughput`` and their settings ``eval.throughput_*``: they add metrics, they change none;
   ``trainer.num_sanity_val_steps``: a check before training, no step, no draw from the training
   order), how a model is timed (``bench``: a bench entry records its device, batch, precision and
-  mode in its ``protocol``, which a table row selects by; a train run never reads it) and the classes' import paths
+  mode in its ``protocol``, which a table row selects by; a train run never reads it) and the classes' import
+  paths
   (``_target_`` at any depth: a class moved by a refactor is the same method, its group's ``name``
   says which). Kept: the seed, precision, devices, strategy, every ``limit_*_batches`` and every
   key of the identity groups.
@@ -173,7 +174,8 @@ def _has(config: Mapping[str, Any], key: str) -> bool:
 
 
 #: {config group: the ``objective`` choice that alone reads it}: a run of another objective leaves
-#: the group out of its fingerprint (the group's schema: :data:`vitexp.config.objective_schemas.OBJECTIVE_SCHEMAS`).
+#: the group out of its fingerprint (the group's schema:
+#: :data:`vitexp.config.objective_schemas.OBJECTIVE_SCHEMAS`).
 GROUP_OWNERS: dict[str, str] = {"detector": "detect"}
 
 
@@ -213,7 +215,8 @@ def _lapsum_folded(recorded: Mapping[str, Any]) -> bool:
 
 #: Options added with a default that is NOT what runs before them did: {dotted key: (the choices of
 #: its group it applies to (the ``name`` of ``method`` or ``data``), the value a run without the key
-#: had, or a function of the run's recorded leaves that gives it)}. A training run recorded without such a key is read as having had that value
+#: had, or a function of the run's recorded leaves that gives it)}. A training run recorded without such a key
+#: is read as having had that value
 #: (:func:`differences`), so that, e.g., SAPER's one-stage runs (before ``method.recover_epochs``: no
 #: recovery) never fill a two-stage row, nor its LapSum runs that folded their gates a row of today's
 #: unfolded start, nor a run that read its JPEGs with PIL (before ``data.decoder``) a row of today's
@@ -239,7 +242,8 @@ def _text(value: Any) -> str:
 def flattened(
     config: Mapping[str, Any], weightless: bool = False, experiment_of: Callable[[str], str] | None = None
 ) -> dict[str, str]:
-    """{dotted key: its value as JSON} of :func:`normalised` ``config`` (what :func:`differences` compares)."""
+    """{dotted key: its value as JSON} of :func:`normalised` ``config`` (what :func:`differences`
+    compares)."""
     exclusions = WEIGHTLESS_EXCLUDED if weightless else EXCLUDED
     return {k: _text(v) for k, v in leaves(normalised(config, exclusions, experiment_of)).items()}
 

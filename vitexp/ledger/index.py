@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from vitexp.ledger import fingerprint as fp
-from vitexp.ledger.schema import BrokenEntry, LedgerError
 from vitexp.ledger.packs import read_root
+from vitexp.ledger.schema import BrokenEntry, LedgerError
 from vitexp.ledger.sources import is_snapshot, read_snapshot, read_wandb
 
 RUN_PREFIX = fp.RUN_PREFIX
@@ -332,7 +332,8 @@ class Ledger:
         default_of: Callable[[str], Any] | None,
     ) -> list[dict[str, Any]]:
         """The runs of ``config``: every run with its fingerprint (a FLOPs count or a timing: whatever its
-        ``backbone.pretrained``, :data:`vitexp.ledger.fingerprint.WEIGHTLESS_KINDS`), and those of ``named`` (the row's
+        ``backbone.pretrained``, :data:`vitexp.ledger.fingerprint.WEIGHTLESS_KINDS`), and those of ``named``
+        (the row's
         runs under its names) whose recorded config differs from today's by no key
         (:func:`vitexp.ledger.fingerprint.differences`). The other runs under the row's names are
         kept in :attr:`unmatched` with the keys that separate them (``vitexp-tables`` says so)."""

@@ -31,7 +31,8 @@ def cost_metric(key: str) -> bool:
     return key.startswith(COST_PREFIXES) or "throughput" in key
 
 
-#: The protocol key a training run records for the order its sampler drew (:data:`vitexp.data.datamodules.DATA_ORDER`).
+#: The protocol key a training run records for the order its sampler drew
+#: (:data:`vitexp.data.datamodules.DATA_ORDER`).
 ORDER_KEY = "data_order"
 
 

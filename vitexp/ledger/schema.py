@@ -6,7 +6,8 @@ name without ``.json``), ``experiment`` (the name the run was recorded under), `
 names no zone, not later than now + :data:`CLOCK_SKEW_S`). Every other field is optional (entries
 written by older code lack the newer ones) but, when present, has the type :data:`FIELDS` gives:
 ``config``, ``metrics``, ``protocol``, ``env`` and ``artifacts`` are objects, ``attempts`` a list
-of objects, times and ids are strings (``finished`` and ``error`` may be null), ``resumed_from`` an object or null, and a metric is a
+of objects, times and ids are strings (``finished`` and ``error`` may be null), ``resumed_from`` an object or
+null, and a metric is a
 number, a list of numbers, a string, a boolean or null.
 
 Decisions:
@@ -53,7 +54,8 @@ FIELDS: dict[str, tuple[type, ...]] = {
     "resumed_from": (dict, type(None)),
 }
 REQUIRED = ("run_id", "experiment", "status", "kind", "started")
-#: Seconds a ``started`` may lie ahead of this machine's clock (another node's clock) before the entry is broken.
+#: Seconds a ``started`` may lie ahead of this machine's clock (another node's clock) before the entry is
+#: broken.
 CLOCK_SKEW_S = 300
 _METRIC = (int, float, str, bool, list, dict, type(None))
 
@@ -118,7 +120,8 @@ def problems(record: Any, stem: str | None = None) -> list[str]:
 
 
 def started_at(stamp: str) -> _dt.datetime:
-    """``started`` as a time (UTC when it names no zone, as W&B's ``created_at``); ``ValueError`` when it is none."""
+    """``started`` as a time (UTC when it names no zone, as W&B's ``created_at``); ``ValueError`` when it is
+    none."""
     then = _dt.datetime.fromisoformat(stamp)
     return then if then.tzinfo is not None else then.replace(tzinfo=_dt.timezone.utc)
 

@@ -10,7 +10,8 @@
 - Every timing records the machine's load when it started (``load``: the 1/5/15-minute load
   average, the CPU count and this process's threads); a table marks a throughput timed while the
   load average exceeded the CPU count (:mod:`vitexp.ledger.marks`).
-- :func:`vitexp.training.overhead.lightning_overhead`: seconds per training step of the same model on the same batches,
+- :func:`vitexp.training.overhead.lightning_overhead`: seconds per training step of the same model on the same
+batches,
   in a plain PyTorch loop and under ``lightning.Trainer``; the overhead is their ratio − 1.
 - :func:`measure_train_step`: training images/s of a model on its device (forward, cross-entropy,
   backward, AdamW step on one synthetic batch; bf16 autocast where the protocol says), the
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.nn as nn

@@ -104,7 +104,8 @@ class Method(abc.ABC):
         return {}
 
     def record(self) -> dict[str, Any]:
-        """Data-dependent choices the ledger entry keeps beside the metrics (RAPTOR's phases). Default: none."""
+        """Data-dependent choices the ledger entry keeps beside the metrics (RAPTOR's phases). Default:
+        none."""
         return {}
 
     def deploy(self, model: nn.Module) -> nn.Module:

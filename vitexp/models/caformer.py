@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from timm.models import register_model
+from timm.models._registry import generate_default_cfgs
 from timm.models.metaformer import (
     Attention,
     LayerNorm2dNoBias,
@@ -23,7 +24,6 @@ from timm.models.metaformer import (
     _cfg,
     _create_metaformer,
 )
-from timm.models._registry import generate_default_cfgs
 
 default_cfgs = generate_default_cfgs(
     {

@@ -41,7 +41,6 @@ Decisions:
 from __future__ import annotations
 
 import argparse
-
 import contextlib
 import re
 import sys
@@ -225,7 +224,8 @@ def load_checkpoint(
 
 def build_backbone(cfg: Mapping[str, Any], num_classes: int) -> nn.Module:
     """``timm.create_model`` from a backbone config: ``timm_name``, ``img_size``, ``pretrained``,
-    ``use_ema`` (absent: the reference evaluation's set), ``drop_path_rate`` and free ``kwargs`` passed to the model constructor.
+    ``use_ema`` (absent: the reference evaluation's set), ``drop_path_rate`` and free ``kwargs`` passed to the
+    model constructor.
     """
     kwargs = dict(cfg.get("kwargs") or {})
     img = int(cfg["img_size"])

@@ -1,1 +1,2 @@
-"""Table specs joined with the ledger: rows, aggregation, rendering, plots, protocols and their prose, the results page."""
+"""Table specs joined with the ledger: rows, aggregation, rendering, plots, protocols and their prose, the
+results page."""

@@ -11,7 +11,8 @@ the newest such run of each kind with the row's metrics counts (:func:`chosen`).
 Decisions:
 - The spread is the sample standard deviation (``ddof=1``); with one seed there is none.
 - A method row's ``baseline:`` names its baseline row (the row's ledger name,
-  :func:`vitexp.config.rows.row_name`: its experiment, unless the row has overrides or a ``name``). The paired difference is
+  :func:`vitexp.config.rows.row_name`: its experiment, unless the row has overrides or a ``name``). The paired
+  difference is
   taken per seed over the seeds both rows completed, ``d_s = method_s - baseline_s``, and reported
   as mean ± sample std of the ``d_s`` (n pairs): the seeds of a fine-tuning share the pretrained
   weights, data order and initialisation of the head, so pairing removes that shared noise.

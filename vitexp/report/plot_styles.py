@@ -235,8 +235,8 @@ def row_styles(
         near = [styles[n] for n in neighbours.get(label, ()) if n in styles]
         tiers = (
             lambda s: all(_apart(s, o) for o in styles.values()),
-            lambda s: all(_apart(s, o) for o in near) and s not in styles.values(),
-            lambda s: all(_apart(s, o) for o in near),
+            lambda s, near=near: all(_apart(s, o) for o in near) and s not in styles.values(),
+            lambda s, near=near: all(_apart(s, o) for o in near),
         )
         t = next((t for ok in tiers for t in order if ok(own[t])), first % len(own))
         styles[label], start[family] = own[t], t + 1

@@ -31,7 +31,8 @@ Encoding (decisions):
   without a measured point says "not run" in its title.
 - **No row hidden under another**: markers of different rows whose centres lie closer than
   :data:`vitexp.report.dodge.GAP` points (10: about 17 px at 120 dpi) are offset on the page by multiples
-  of it: sideways in the plane, upwards in the cost-only strip, rightwards in the no-cost strip (each strip as deep as its stack); the value is
+  of it: sideways in the plane, upwards in the cost-only strip, rightwards in the no-cost strip (each strip as
+  deep as its stack); the value is
   unchanged (an offset transform), error bars move with their marker, and the legend names each
   row (:mod:`vitexp.report.dodge`).
 - **Units on every scale**: the column's label with its unit's short form ("Top-1 (%)", "GMACs"),
@@ -51,13 +52,12 @@ from pathlib import Path
 from typing import Any
 
 from vitexp.config.composition import experiment_choices
-from vitexp.report.dodge import BASE, LABELS, MARKER, MOVED_NOTE, Mark, Strips, place
-from vitexp.report.plot_styles import (
-    FAMILY_COLOURS,
-    row_styles,
-)  # noqa: F401 (FAMILY_COLOURS: the families' hues, here too)
-from vitexp.report.provenance import DERIVED_MARK
 from vitexp.config.rows import row_overrides
+from vitexp.report.dodge import BASE, LABELS, MARKER, MOVED_NOTE, Mark, Strips, place
+
+# FAMILY_COLOURS: the families' hues, the plots' API too
+from vitexp.report.plot_styles import FAMILY_COLOURS, row_styles  # noqa: F401
+from vitexp.report.provenance import DERIVED_MARK
 
 #: Method choice -> family (colour). Probes and k-NN of the unpruned backbone are its baseline.
 METHOD_FAMILIES = {

@@ -1,4 +1,5 @@
-"""The prose of a claim-by-claim table (:mod:`vitexp.report.protocols`), generated from it: one bullet per claim
+"""The prose of a claim-by-claim table (:mod:`vitexp.report.protocols`), generated from it: one bullet per
+claim
 (its verdict, then each protocol's differences on both splits), the cost, and the verdict file's
 ``caveats``, so that the README and the docs state the verdicts without a typed number.
 

@@ -39,7 +39,8 @@ Decisions:
   those loaded (``backbone.pretrained=run:``, followed back to a run that loaded none), each counted
   once: the ledger's ``fit_time_s`` (training only, test excluded) times the torch threads the run had
   (``env.cpu_threads``; one where unrecorded), summed and shown in CPU-hours ("cited"): runs of one
-  table may differ in threads (the micro COCO's two, the Fashion-MNIST tier's one). Beside it, what the protocol *spent*: every training run
+  table may differ in threads (the micro COCO's two, the Fashion-MNIST tier's one). Beside it, what the
+  protocol *spent*: every training run
   recorded under the names of its rows and of those starts, any seed, completed or not (an older run
   of the same row, a failed one or one left ``running`` by a process that died: its wall clock when it
   recorded no fit time); and what it still
@@ -54,8 +55,8 @@ from typing import Any, Callable, Iterable
 import yaml
 
 from vitexp import PROJECT_ROOT
-from vitexp.report.aggregate import format_stat, paired_difference
 from vitexp.ledger.status import effective_status
+from vitexp.report.aggregate import format_stat, paired_difference
 
 VERDICTS_DIR = PROJECT_ROOT / "sweeps" / "verdicts"
 
@@ -183,7 +184,8 @@ def cost(
     starts under their names, any seed, completed or not, a ``running`` one whose process is gone
     included (:func:`vitexp.ledger.effective_status`): what the protocol spent, cited or not),
     ``spent_hours``, ``failed`` (the spent runs not completed), ``to_run`` (the (row, seed) pairs the cells
-    lack) and ``to_run_hours`` (times the mean of the cited seeded runs; module docstring); ``ledger`` is a :class:`vitexp.ledger.Ledger`.
+    lack) and ``to_run_hours`` (times the mean of the cited seeded runs; module docstring); ``ledger`` is a
+    :class:`vitexp.ledger.Ledger`.
     """
     key, out = spec.get("key", "top1"), []
     for proto in spec["protocols"]:

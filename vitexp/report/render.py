@@ -15,8 +15,8 @@ import csv
 import io
 from typing import Any
 
-from vitexp.report import aggregate
 from vitexp.ledger import marks
+from vitexp.report import aggregate
 from vitexp.report.provenance import DERIVED_MARK
 
 NOT_RUN = "not run"
@@ -193,7 +193,8 @@ def _body(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[list[str]]:
 
 
 def render_markdown(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """The table by ``tabulate`` (GitHub Markdown), then units, the paper values' sources, footnotes and the runs."""
+    """The table by ``tabulate`` (GitHub Markdown), then units, the paper values' sources, footnotes and the
+    runs."""
     from tabulate import tabulate
 
     table = tabulate(_body(spec, rows), headers=_header(spec), tablefmt="github", disable_numparse=True)
@@ -259,7 +260,8 @@ def _tex_escape(text: str) -> str:
 
 
 def render_latex(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """A booktabs ``tabular`` by ``tabulate`` (which escapes the cells) in a captioned table, then footnotes."""
+    """A booktabs ``tabular`` by ``tabulate`` (which escapes the cells) in a captioned table, then
+    footnotes."""
     from tabulate import tabulate
 
     head = _header(spec)

@@ -27,7 +27,8 @@ numbers, marked "(paper: ...)" (:data:`HAND_MARKS`); ``tests/test_results_page.p
 other measurement-like number in a verdict.
 
 Decisions: the page covers every spec in ``sweeps/`` (a spec without a verdict gets its link and
-"no verdict written yet") and every claim-by-claim table of ``sweeps/verdicts/`` (:mod:`vitexp.report.protocols`,
+"no verdict written yet") and every claim-by-claim table of ``sweeps/verdicts/``
+(:mod:`vitexp.report.protocols`,
 shown whole: it is the verdict), in the order of :data:`ORDER` then by name; it links each table's
 ``.md`` and shows its ``.png`` relative to ``docs/`` (``../results/tables/...``), which a GitHub
 view of the file resolves and the MkDocs build maps (``scripts/mkdocs_hooks.py``).
@@ -39,8 +40,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from vitexp.report import aggregate
 from vitexp.ledger import marks
+from vitexp.report import aggregate
 
 #: Where ``vitexp-tables`` writes the page when it reads the project's own ledger into results/tables.
 DEFAULT_PAGE = Path(__file__).resolve().parents[2] / "docs" / "results.md"
@@ -86,7 +87,8 @@ def _stat(mean: float | None, std: float | None, digits: int, signed: bool = Fal
 
 
 def _partial(n: int | None, expected: int | None, value: float | None) -> str:
-    """`` (n of N seeds)`` after a seeded value from fewer seeds than its row asks for, as the table's cell says."""
+    """`` (n of N seeds)`` after a seeded value from fewer seeds than its row asks for, as the table's cell
+    says."""
     return f" ({n} of {expected} seeds)" if value is not None and n and expected and n < expected else ""
 
 

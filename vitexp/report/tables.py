@@ -2,7 +2,8 @@
 cost-vs-accuracy plot (:mod:`vitexp.report.plots`) in ``results/tables/``.
 
 A cell shows vitexp's value from the newest completed run recorded under the row's name
-(:func:`vitexp.config.rows.row_name`) that has that metric, beside the paper's value. With no such run the cell says "not run" (or "running" /
+(:func:`vitexp.config.rows.row_name`) that has that metric, beside the paper's value. With no such run the
+cell says "not run" (or "running" /
 "interrupted" while the row's newest run is one, :func:`vitexp.ledger.effective_status`), or, in a column
 marked ``optional: true``, "n/a" when the row has a completed training run that does not record that
 metric (the soft-gated accuracy of an unpruned row); a row marked
@@ -20,10 +21,12 @@ it, not a run of its configuration under another name; implied by ``seeds: null`
 ``baseline`` (the name of the baseline row), ``series`` (rows of one sweep, drawn as a
 curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and axis where the row
 has no experiment to read them from), ``panel`` (the plot axis of rows whose accuracies are not
-comparable with the others', :func:`vitexp.report.plots.axis_panels`), ``paper``: {metric: {value, source, derived, formula}});
+comparable with the others', :func:`vitexp.report.plots.axis_panels`), ``paper``: {metric: {value, source,
+derived, formula}});
 ``notes`` (optional list of footnotes printed under the table, e.g. where a row's settings were
 fitted rather than read); ``verdict`` (optional: the table's prose on the results page, numbers as
-placeholders filled from its cells, :mod:`vitexp.report.results_page`); ``protocol`` (optional, the spec's or a row's: only runs whose ledger
+placeholders filled from its cells, :mod:`vitexp.report.results_page`); ``protocol`` (optional, the spec's or
+a row's: only runs whose ledger
 ``protocol`` has these values fill it, e.g. ``{mode: compare}`` for one interleaved comparison).
 
 Provenance (:mod:`vitexp.report.provenance`): every paper value names the document and place it was read
@@ -47,14 +50,11 @@ from typing import Any, Iterable, Sequence
 
 import yaml
 
-from vitexp.config import rows as vrows
 from vitexp import SWEEPS_DIR
-
-from vitexp.report import aggregate, protocol_prose, protocols
+from vitexp.config import rows as vrows
+from vitexp.config.rows import check_rows, composing, expand_rows, row_name, row_query
+from vitexp.cost import CostContext, table_cost, write_cost, write_summary
 from vitexp.errors import one_line
-from vitexp.runs.loggers import log_tables
-from vitexp.report.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
-from vitexp.report.provenance import provenance_errors
 from vitexp.ledger import (
     BrokenEntry,
     Ledger,
@@ -66,26 +66,12 @@ from vitexp.ledger import (
     portable_path,
 )
 from vitexp.ledger.sources import WandbError, write_snapshot
-from vitexp.cost import CostContext, table_cost, write_cost, write_summary
-from vitexp.report import results_page
-from vitexp.config.rows import check_rows, composing, expand_rows, row_name, row_query
+from vitexp.report import aggregate, protocol_prose, protocols, results_page
+from vitexp.report.plots import render_plot, series_curves  # noqa: F401 (series_curves: the tables' API too)
+from vitexp.report.provenance import provenance_errors
+from vitexp.report.render import footnotes, render_csv, render_latex, render_markdown
+from vitexp.runs.loggers import log_tables
 from vitexp.runs.owner import ArgumentParser
-from vitexp.report.render import (
-    CITED,
-    NO_PAPER,
-    NOT_RECORDED,
-    NOT_RUN,
-    UNICODE_TEX,
-    _body,
-    _cell_texts,  # noqa: F401
-    _header,
-    _missing,
-    footnotes,
-    mark_notes,
-    render_csv,
-    render_latex,
-    render_markdown,
-)
 
 
 def load_spec(table: str | Path) -> dict[str, Any]:
@@ -190,7 +176,8 @@ def fill(
     spec: dict[str, Any], runs: "Ledger | Iterable[dict[str, Any]]", overrides: Sequence[str] = ()
 ) -> list[dict[str, Any]]:
     """For every row and column: vitexp's value (the newest completed run of the row's configuration
-    with that metric, :meth:`vitexp.ledger.Ledger.row_runs`; of each kind one run, :func:`vitexp.report.aggregate.chosen`),
+    with that metric, :meth:`vitexp.ledger.Ledger.row_runs`; of each kind one run,
+    :func:`vitexp.report.aggregate.chosen`),
     its run id, the paper's value and source. ``overrides``: those the rows were swept with. A broken
     entry the table could depend on raises :class:`vitexp.ledger.LedgerError` unless the spec lists it
     under ``skipped_broken`` (``vitexp-tables --skip-broken``)."""
@@ -201,7 +188,8 @@ def fill(
         raise LedgerError(unexpected, ledger.source)
     keys = [c["key"] for c in spec["columns"]]
     rows = expand_rows(spec["rows"])
-    # an eval entry re-tests a training run's weights under its name (vitexp-eval): it checks a cell, never fills one
+    # an eval entry re-tests a training run's weights under its name (vitexp-eval): it checks a cell, never
+    # fills one
     starts = {
         row_name(r): (ledger.newest(row_name(r), "train") or {}).get("run_id")
         for r in rows

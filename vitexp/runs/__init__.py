@@ -1,1 +1,2 @@
-"""One run's life: its owner (ledger entry, closing line), lock, signals, SLURM requeue, loggers, callbacks, CPU threads."""
+"""One run's life: its owner (ledger entry, closing line), lock, signals, SLURM requeue, loggers, callbacks,
+CPU threads."""

@@ -120,7 +120,8 @@ class ResumedFrom(Callback):
 
 
 class DataOrderMark(Callback):
-    """Records the training sampler's order (:data:`vitexp.data.datamodules.DATA_ORDER`) in every checkpoint and,
+    """Records the training sampler's order (:data:`vitexp.data.datamodules.DATA_ORDER`) in every checkpoint
+    and,
     on resume, notes a checkpoint whose epochs another order drew. A checkpoint without the mark was
     written by the sampler that drew epoch e of seed s from ``s + e`` (:data:`PRE_MARK_ORDER`). A run
     resumed from one is recorded without ``data_order`` (``data_order_resumed_from`` instead), so

@@ -116,7 +116,8 @@ def emit(payload: Mapping[str, Any]) -> None:
 
 def remove_if_empty(output_dir: Path | None) -> None:
     """Remove a run folder holding nothing but Hydra's own files (``.hydra/``, the job log), and
-    the two folders above it if they are left empty (``outputs/<name>/``, ``outputs/``): what a run that failed validation leaves behind.
+    the two folders above it if they are left empty (``outputs/<name>/``, ``outputs/``): what a run that
+    failed validation leaves behind.
     """
     if output_dir is None or not (output_dir / ".hydra").is_dir():
         return
@@ -321,8 +322,8 @@ class Run:
         """A run that saved weights (``artifacts.weights``) logs them as a W&B model artifact, its
         metadata the ledger record as it closes (what ``vitexp-eval`` needs on another machine); the
         ledger records its reference as ``artifacts.wandb_model``."""
-        from vitexp.runs.loggers import log_model
         from vitexp.ledger import local_path, portable_paths
+        from vitexp.runs.loggers import log_model
 
         artifacts = dict(c["record"].get("artifacts") or {})
         if not artifacts.get("weights") or not self.logger:

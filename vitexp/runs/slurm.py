@@ -43,7 +43,8 @@ import subprocess
 
 
 def job_id() -> str | None:
-    """``$SLURM_JOB_ID`` (an array task: ``$SLURM_ARRAY_JOB_ID_$SLURM_ARRAY_TASK_ID``), ``None`` outside SLURM."""
+    """``$SLURM_JOB_ID`` (an array task: ``$SLURM_ARRAY_JOB_ID_$SLURM_ARRAY_TASK_ID``), ``None`` outside
+    SLURM."""
     array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     if array and task:
         return f"{array}_{task}"

@@ -1,1 +1,2 @@
-"""One run's fits: config to objects, the LightningModules, and the objectives (what to train, test and count)."""
+"""One run's fits: config to objects, the LightningModules, and the objectives (what to train, test and
+count)."""

@@ -14,9 +14,9 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint, TQDMProgressBar
 from omegaconf import DictConfig
 
-from vitexp.runs import slurm
 from vitexp.methods import Method, method_from_config
 from vitexp.models import build_backbone
+from vitexp.runs import slurm
 
 
 def load_weights(path: str | Path) -> dict[str, Any]:
@@ -34,8 +34,8 @@ def build_configured_backbone(cfg: DictConfig) -> nn.Module:
     """The ``backbone`` group's model with the data's class count, its weights resolved by
     :func:`vitexp.config.weights.resolve_weights` (a path, or ``run:<experiment>``). A vitexp Lightning
     checkpoint (``checkpoints/last.ckpt``) loads through :func:`load_weights`."""
-    from vitexp.models import CheckpointMismatchError
     from vitexp.config.weights import resolve_weights
+    from vitexp.models import CheckpointMismatchError
 
     weights = resolve_weights(cfg.backbone.get("pretrained"), cfg.results_dir)
     lightning_ckpt = bool(weights) and str(weights).endswith(".ckpt")

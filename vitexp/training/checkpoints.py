@@ -25,8 +25,6 @@ Decisions:
 
 from __future__ import annotations
 
-import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +32,12 @@ from omegaconf import DictConfig
 
 from vitexp.errors import CheckpointError, ConfigError, join_lines, one_line
 
-from vitexp.models.factory import (
-    SAFE_GLOBALS,
-)  # the Python objects a weights file may hold beside its tensors
-
 
 def check_backbone_weights(cfg: DictConfig, weights: str | Path) -> None:
     """Build the configured backbone with ``weights`` (already through :func:`check_file`) as the
     run will; a checkpoint that does not load into it is a :class:`CheckpointError`."""
-    from vitexp.training.build import build_configured_backbone
     from vitexp.models import CheckpointMismatchError
+    from vitexp.training.build import build_configured_backbone
 
     try:
         build_configured_backbone(cfg)

@@ -10,9 +10,11 @@ method's, ``Method.stages``: one fit for most methods; RAPTOR's surrogate stages
 probes; SAPER's select and recover), each with its own Trainer, checkpoints and recipe keys
 (:func:`stage_config`). A tested stage is tested on the model as deployed
 (``Method.deploy``: SAPER's physically pruned heads), a stage that trains another model (SAPER's
-soft gates, ``Stage.soft_prefix``) on that one too (``soft_top1``); the deployed model's weights are saved as ``<output_dir>/weights.pth`` (the ledger's
+soft gates, ``Stage.soft_prefix``) on that one too (``soft_top1``); the deployed model's weights are saved as
+``<output_dir>/weights.pth`` (the ledger's
 ``artifacts.weights``, what ``backbone.pretrained=run:<experiment>`` loads and ``vitexp-eval``
-rebuilds with ``Method.rebuild_deployed``). The test split is evaluated with the final weights (no checkpoint selection on the test set). Under
+rebuilds with ``Method.rebuild_deployed``). The test split is evaluated with the final weights (no checkpoint
+selection on the test set). Under
 DDP every rank trains; torchmetrics syncs the accuracies across ranks (Lightning's
 DistributedSampler pads an uneven split by at most world_size - 1 repeated samples); only rank 0
 writes the ledger, logs, counts FLOPs and times throughput.
@@ -29,6 +31,13 @@ import torch.nn as nn
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig
 
+from vitexp.config.composition import to_container
+from vitexp.data.datamodules import DATA_ORDER
+from vitexp.ledger import atomic_write, portable_path, sha256
+from vitexp.methods import Method, Stage
+from vitexp.runs.callbacks import BestValidation, DataOrderMark, Heartbeat, LastValidation, ResumedFrom
+from vitexp.runs.loggers import stage_keys
+from vitexp.runs.owner import owned_run, resume_checkpoint
 from vitexp.training.build import (
     build_backbone_and_method,
     build_datamodule,
@@ -36,15 +45,8 @@ from vitexp.training.build import (
     checkpoint_dir,
     pretrained_artifacts,
 )
-from vitexp.runs.callbacks import BestValidation, DataOrderMark, Heartbeat, LastValidation, ResumedFrom
-from vitexp.config.composition import to_container
-from vitexp.training.resolve import validate
-from vitexp.data.datamodules import DATA_ORDER
-from vitexp.methods import Method, Stage
 from vitexp.training.objectives import Objective, objective_for
-from vitexp.ledger import atomic_write, portable_path, sha256
-from vitexp.runs.loggers import stage_keys
-from vitexp.runs.owner import owned_run, resume_checkpoint
+from vitexp.training.resolve import validate
 
 
 def stage_config(cfg: DictConfig, stage: Stage) -> DictConfig:
@@ -87,7 +89,8 @@ def evaluate_stage(
             f"{stage.soft_prefix}{k[len(prefix) :]}": v for k, v in soft.items()
         }  # soft_top1, soft_top5, ...
     module.model = method.deploy(module.model)
-    # a deployed k-NN model has no distillation target: its test_loss is None (the soft model's is soft_test_loss)
+    # a deployed k-NN model has no distillation target: its test_loss is None (the soft model's is
+    # soft_test_loss)
     return {**metrics, **objective.test(trainer, module, datamodule, prefix)}
 
 
@@ -105,7 +108,8 @@ def fit_stage(
     """Fit ``stage``: its module, its Trainer, the seconds the fit took, the stage's config, and the
     ``val/*`` metrics of its last validation (restored with a stage whose checkpoint is past its last
     epoch, which validates nothing again: :class:`~vitexp.runs.callbacks.LastValidation`). A fit that
-    restores a checkpoint records it in the run's ledger ``entry`` (:class:`~vitexp.runs.callbacks.ResumedFrom`).
+    restores a checkpoint records it in the run's ledger ``entry``
+    (:class:`~vitexp.runs.callbacks.ResumedFrom`).
     """
     scfg = stage_config(cfg, stage)
     module = objective.module(scfg, stage)
@@ -225,7 +229,8 @@ def train(
                 # validation saw the model the stage trained (the soft model when there is one)
                 metrics.update(objective.validation_metrics(val, stage.soft_prefix or p))
                 best = [c for c in trainer.callbacks if isinstance(c, BestValidation) and c.best is not None]
-                if best:  # the best validation headline (top-1) of the model the stage trained, and after how many epochs
+                # the best validation headline (top-1) of the model the stage trained, and its epoch
+                if best:
                     metrics[f"{stage.soft_prefix or p}best_val_{objective.headline[0]}"] = (
                         100.0 * best[0].best
                     )

@@ -31,10 +31,10 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
     ``need_trainer`` (default: ``need_data``) checks that this machine has the trainer's
     accelerator. A ``backbone.pretrained`` file is opened and loaded into the backbone
     (:mod:`vitexp.training.checkpoints`)."""
-    from vitexp.training.checkpoints import check_accelerator, check_backbone_weights
-    from vitexp.models.factory import check_file
     from vitexp.methods import method_from_config
+    from vitexp.models.factory import check_file
     from vitexp.runs.owner import resume_mode
+    from vitexp.training.checkpoints import check_accelerator, check_backbone_weights
 
     _check(isinstance(cfg.name, str) and cfg.name != "", "name", "must be a non-empty string")
     resume_mode(cfg.get("resume", False))
@@ -54,8 +54,9 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
         f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}",
     )
     if bb.pretrained:
+        from vitexp.config.weights import is_tag
+        from vitexp.config.weights import resolve as resolve_weights
         from vitexp.ledger import RUN_WEIGHTS_PREFIX, LedgerError, weights_file, weights_run
-        from vitexp.config.weights import is_tag, resolve as resolve_weights
 
         try:
             if str(bb.pretrained).startswith(RUN_WEIGHTS_PREFIX):

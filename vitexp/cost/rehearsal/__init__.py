@@ -11,7 +11,8 @@ peak memory (CPU RSS; CUDA max allocated on a GPU), the device and the per-devic
 (:mod:`.meter`). :mod:`vitexp.cost` turns those entries into GPU-hours per row and per table.
 
 Decisions:
-- One process per row (``python -m vitexp.commands.rehearse_main``, :mod:`vitexp.commands.rehearse`): its peak memory is the row's,
+- One process per row (``python -m vitexp.commands.rehearse_main``, :mod:`vitexp.commands.rehearse`): its peak
+memory is the row's,
   a crash or an out-of-memory kill is the row's alone, and a DDP row (``--rehearse-trainer
   ddp_cpu``: 2 gloo processes) runs as ``vitexp-train`` would. A row that fails (an exception, an
   invalid config, a killed process, a timeout) is a ``failed`` entry with its error, written by the
@@ -205,8 +206,8 @@ def _run_row(job: Job, results_dir: Path, run_dir: Path, timeout: float) -> dict
 
 def _already(job: Job, settings: Settings, ledger) -> str | None:
     """The id of a completed rehearsal of the job's configuration on this kind of device, if any."""
-    from vitexp.ledger import fingerprint as fp
     from vitexp.config.rows import composed_config
+    from vitexp.ledger import fingerprint as fp
 
     config = composed_config([a for a in job.arguments if not a.startswith(("name=", "results_dir="))], None)
     if config is None:

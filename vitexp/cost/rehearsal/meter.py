@@ -120,7 +120,8 @@ class StepMeter(Callback):
             self._counting = self._counter = None
 
     def summary(self) -> dict[str, dict[str, Any]]:
-        """{stage: {epochs (the stage's recipe epochs), module, batch, timed_steps, step_s, images_per_s, first_step_s, train_gflops,
+        """{stage: {epochs (the stage's recipe epochs), module, batch, timed_steps, step_s, images_per_s,
+        first_step_s, train_gflops,
         train_gflops_per_image}} for every stage that trained."""
         out = {}
         for name, s in self.stages.items():

@@ -33,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from vitexp.training.objectives import objective_for
 from vitexp.config.rows import composed_config, job_arguments, runnable_rows
+from vitexp.training.objectives import objective_for
 
 KIND = "rehearsal"
 SUFFIX = "+rehearsal"

@@ -23,7 +23,8 @@
   of its chunk maximising cos(x_i, x_j)·(1 − Hamming(m_i, m_j)/Ω) (m: a token's row of M), by the
   weighted average x_j ← (x_j + Σ w_i x_i) / (1 + Σ w_i), w_i the positive part of that
   similarity; ``cosine`` and ``hamming`` are Table 8's fusion ablations, matching and weighting by
-  one factor alone (cos(x_i, x_j), or 1 − Hamming(m_i, m_j)/Ω); ``none`` drops pruned tokens; ``paper_literal`` is Eq. 8 as the public review reads
+  one factor alone (cos(x_i, x_j), or 1 − Hamming(m_i, m_j)/Ω); ``none`` drops pruned tokens;
+  ``paper_literal`` is Eq. 8 as the public review reads
   it, x⊙k + (x⊙(1−k))⊙k, which adds exactly zero.
 
 - **Partial chunks** (``counts``: a padded grid, :func:`~vitexp.methods.bspf.layout.padded_chunks`):
@@ -128,7 +129,8 @@ class TokenPruner(nn.Module):
         )
 
     def select(self, blocks: torch.Tensor):
-        """blocks (B, C, Ω, Ω) -> (kept token indices per chunk (B, C, Ω'), entry mask M, scores S, soft importance)."""
+        """blocks (B, C, Ω, Ω) -> (kept token indices per chunk (B, C, Ω'), entry mask M, scores S, soft
+        importance)."""
         B, C, L, _ = blocks.shape
         rho = self.ratio()
         scores = self.scorer(blocks)

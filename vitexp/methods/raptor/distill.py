@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vitexp.methods.raptor.surrogate import RaptorSurrogate, teacher_states
 from vitexp.ledger import atomic_write
+from vitexp.methods.raptor.surrogate import RaptorSurrogate, teacher_states
 
 #: Stage 2's token weights (RAPTOR): CLS, registers, patches.
 TOKEN_WEIGHTS = {"cls": 0.45, "registers": 0.10, "patches": 0.45}

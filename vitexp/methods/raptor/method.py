@@ -9,13 +9,13 @@ from typing import Any, ClassVar, Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from vitexp.config.schema import recipe_keys
 from vitexp.methods.base import Method, Stage, require_vit
 from vitexp.methods.probe import ProbeModel
 from vitexp.methods.raptor.distill import RaptorDistill
 from vitexp.methods.raptor.phases import distance_matrix_from_data, even_phases, phases_for_blocks
 from vitexp.methods.raptor.reference import ReferenceSurrogate, phases_from_thresholds, read_surrogate
 from vitexp.methods.raptor.surrogate import MLP_KINDS, RaptorBlock, RaptorSurrogate
-from vitexp.config.schema import recipe_keys
 
 #: Recipe keys ``method.probe`` may set for the probe stages.
 PROBE_RECIPE_KEYS = frozenset(
@@ -43,8 +43,8 @@ def read_linear_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     probe (``head.weight``, ``head.bias``). The file is opened by :func:`vitexp.models.factory.check_file`
     (one line naming it: missing, empty, no torch file, pickled objects); a file without those keys
     is a :class:`~vitexp.errors.CheckpointError` too."""
-    from vitexp.models.factory import check_file
     from vitexp.errors import CheckpointError
+    from vitexp.models.factory import check_file
 
     path = Path(path).expanduser()
     state = check_file(path, "method.probe_head")

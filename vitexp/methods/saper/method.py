@@ -257,7 +257,8 @@ class SaperHeads(Method):
         return out
 
     def extra_metrics(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """Without ``recover`` the deployed model before recovery is the run's: ``selected_top1`` = ``top1``."""
+        """Without ``recover`` the deployed model before recovery is the run's: ``selected_top1`` =
+        ``top1``."""
         if "selected_top1" in metrics or metrics.get("top1") is None:
             return {}
         return {"selected_top1": metrics["top1"], "selected_top5": metrics.get("top5")}

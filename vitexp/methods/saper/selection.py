@@ -32,7 +32,6 @@ model (:func:`top_k_heads`, as LapSum's deployment does with its learned scores)
 from __future__ import annotations
 
 import os
-
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 

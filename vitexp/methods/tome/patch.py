@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from timm.models.vision_transformer import Attention, Block
 
-from vitexp.methods.tome.merge import match, merge_decision, merge_fn, merge_wavg
 from vitexp.methods.token_surgery import attend, heads, keep_residual_scale, project, vit_blocks
+from vitexp.methods.tome.merge import match, merge_decision, merge_fn, merge_wavg
 
 
 @dataclass

@@ -5,7 +5,8 @@ k-NN rows; raptor, RAPTOR's surrogate stages), and tested for top-1 and top-5 (%
 
 Counted (:mod:`vitexp.measure.flops`): the deployed model's MACs on one image at ``backbone.img_size``,
 register tokens as the protocol says, and its attention heads; at the end of a training run only
-when ``eval.flops``, and timed alone (``eval.throughput``, :mod:`vitexp.measure.throughput`) on ``bench.device``.
+when ``eval.flops``, and timed alone (``eval.throughput``, :mod:`vitexp.measure.throughput`) on
+``bench.device``.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class Classification(Objective):
         return deployed
 
     def count(self, cfg, model) -> Count:
-        from vitexp.training.build import registers_of
         from vitexp.measure.flops import count_heads, count_macs
+        from vitexp.training.build import registers_of
 
         img_size = int(cfg.backbone.img_size)
         report = count_macs(model, img_size, registers=registers_of(cfg))
@@ -64,8 +65,8 @@ class Classification(Objective):
         """The count when ``eval.flops`` (else the heads alone) and, when ``eval.throughput``, the
         images/s of the model alone on ``bench.device`` (the GPU when there is one: Lightning hands
         the model back on the CPU)."""
-        from vitexp.measure.throughput import bench_device, measure_throughput
         from vitexp.measure.flops import count_heads
+        from vitexp.measure.throughput import bench_device, measure_throughput
 
         metrics: dict[str, Any] = {}
         protocol: dict[str, Any] = {"accuracy_unit": "%", "num_classes": int(cfg.data.num_classes)}
@@ -89,7 +90,8 @@ class Classification(Objective):
         return metrics, protocol
 
     def rehearsal_data(self, config: Mapping[str, Any], n_train: int, n_eval: int) -> list[str]:
-        """``data=synthetic`` at the backbone's resolution (the module takes it from the model's data config)."""
+        """``data=synthetic`` at the backbone's resolution (the module takes it from the model's data
+        config)."""
         return [
             f"data={self.synthetic_data}",
             f"data.num_classes={int(config['data']['num_classes'])}",

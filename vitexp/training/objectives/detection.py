@@ -18,8 +18,7 @@ COCO data, :class:`~vitexp.training.detection_module.DetectModule`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar, List, Literal, Mapping, Optional, Union
+from typing import Any, ClassVar, Mapping
 
 from vitexp.config.objective_schemas import Detector
 from vitexp.errors import ConfigError
