@@ -91,7 +91,7 @@ def make_cfg(tmp_path):
 def _trained_once(tmp_path_factory):
     """overrides -> (folder, result) of one training run per configuration in this session (per xdist
     worker): ``<folder>/results`` holds its ledger entry and ``<folder>/<run>`` its run folder."""
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     done: dict[tuple[str, ...], tuple[Path, dict]] = {}
 

@@ -9,7 +9,7 @@ from conftest import QUIET
 
 
 def test_train_until_interrupted(make_cfg, tmp_path):
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     train(
         make_cfg([*QUIET, "recipe.epochs=500", "eval.throughput=false", "eval.flops=false"], tmp_path / "run")

@@ -109,7 +109,7 @@ def _fixed_model_on_two_processes_and_one(
 ) -> tuple[dict, dict]:
     """The ledger entries of a fixed model (``model``; default method=knn: the frozen backbone, no training)
     on the synthetic data ``data`` under trainer=ddp_cpu and on one process."""
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     model = model or [
         "backbone=dinov2_micro",

@@ -33,7 +33,7 @@ def run_eval(capsys, *argv: str) -> dict:
 
 @pytest.mark.parametrize("method", ["saper_ft", "saper_kd"])
 def test_eval_reproduces_a_saper_micro_runs_top1(method, make_cfg, results_dir, tmp_path, capsys):
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     trained = train(
         make_cfg(
@@ -80,8 +80,8 @@ def test_eval_takes_a_lightning_checkpoint_and_refuses_unknown_keys(
 def test_eval_reproduces_the_committed_demo_run(make_cfg, results_dir, tmp_path, capsys):
     """The committed demo run's weights are not in the repository: the demo is trained again
     (same seed, same data) and must give the committed top-1, then vitexp-eval the same."""
+    from vitexp.commands.train import train
     from vitexp.ledger import Ledger
-    from vitexp.training.fit import train
 
     committed = Ledger.load(ROOT / "results").newest("demo")  # the run the demo table cites
     trained = train(make_cfg(QUIET + ["eval.throughput=false"], tmp_path / "demo"))
@@ -127,8 +127,8 @@ def test_a_run_is_evaluated_from_its_wandb_model_artifact_elsewhere(
     import wandb
     from wandb.sdk.wandb_run import Run
 
+    from vitexp.commands.train import train
     from vitexp.ledger import local_path
-    from vitexp.training.fit import train
 
     logged = {}
     real_log_artifact = Run.log_artifact
@@ -231,7 +231,7 @@ def test_eval_of_a_run_fine_tuned_from_a_teacher_needs_not_the_teachers_weights(
     train the teacher), ``vitexp-eval <student>`` reproduces the student's top-1."""
     import shutil
 
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     backbone = ["backbone=dinov2_micro_reg"] if student_kind == "raptor" else []
     teacher = trained_run(TINY + backbone + ["name=teacher"], "teacher")

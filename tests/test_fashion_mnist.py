@@ -150,7 +150,7 @@ def test_pretrain_then_a_seeded_method_row_from_its_weights(make_cfg, results_di
     """The tier's chain on real data, one batch each: the vit_micro baseline, then BSPF from its weights."""
     from conftest import QUIET, ledger_entries
 
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     quick = QUIET + ["trainer.fast_dev_run=true", "eval.throughput=false"]
     train(make_cfg(quick + ["experiment=fmnist_vit_micro_baseline"], output_dir=tmp_path / "pre"))

@@ -51,8 +51,8 @@ TINY_SAPER = [
 
 def test_analyze_heads_draws_the_runs_kept_heads_and_scores(make_cfg, results_dir, tmp_path, capsys):
     from vitexp.commands.cli import analyze_main
+    from vitexp.commands.train import train
     from vitexp.ledger import local_path
-    from vitexp.training.fit import train
 
     train(make_cfg(QUIET + TINY_SAPER, tmp_path / "saper"))
     (run,) = ledger_entries(results_dir)
@@ -76,7 +76,7 @@ def test_analyze_heads_draws_the_runs_kept_heads_and_scores(make_cfg, results_di
 
 def test_analyze_heads_refuses_a_run_that_is_not_saper(make_cfg, results_dir, tmp_path, capsys):
     from vitexp.commands.cli import analyze_main
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     train(
         make_cfg(

@@ -234,9 +234,9 @@ def test_an_importance_run_deploys_k_heads_that_the_ledger_rebuilds(
 ):
     import lightning as L
 
+    from vitexp.commands.train import train
     from vitexp.methods import method_from_config
     from vitexp.training.build import build_configured_backbone, build_datamodule, data_config_for
-    from vitexp.training.fit import train
 
     cfg = make_cfg(RUN + [f"method={method}", f"method.trainable={trainable}"], tmp_path / method)
     keep = DeployedModel()

@@ -185,7 +185,7 @@ def test_keep_starts_says_which_start_has_no_weights_here_and_fails(results_dir,
 
 
 def test_a_train_run_records_the_sha256_of_the_weights_it_saved(make_cfg, results_dir):
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     train(
         make_cfg(

@@ -187,7 +187,7 @@ def test_a_run_trains_on_the_tensor_decoders_device_normalised_batches(
 ):
     """A uint8 batch reaching the model would fail its first convolution: the run completing is the
     device-side normalisation at work, under Lightning (the datamodule's on_after_batch_transfer)."""
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     cfg = make_cfg(
         [

@@ -99,7 +99,7 @@ def test_eval_reproduces_a_micro_detector_runs_box_and_mask_ap(
     tested on the same split, and gives the ledger's ap_box and ap_mask, also when the rebuilt model
     starts from another seed's initialisation (the saved weights decide)."""
     from vitexp.commands.cli import eval_main
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     trained = train(
         make_cfg(

@@ -115,8 +115,8 @@ def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_ru
     same seed trained again from scratch would end with the same metrics: the second attempt's
     ``resumed_from`` (the first attempt's checkpoint, 1 epoch and 2 steps done) is what shows it resumed
     (seen to fail with ``last.ckpt`` ignored)."""
+    from vitexp.commands.train import train
     from vitexp.ledger import portable_path
-    from vitexp.training.fit import train
 
     over = (
         [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))]
@@ -150,8 +150,8 @@ def test_resume_auto_in_process_reuses_the_entry_and_matches_an_uninterrupted_ru
 def test_resume_refuses_a_folder_that_holds_another_run(make_cfg, results_dir, tmp_path):
     """resume=auto in a folder whose interrupted attempt had another config does not continue that
     run (its entry, W&B run and checkpoint) with this config: it stops before touching them."""
+    from vitexp.commands.train import train
     from vitexp.errors import ConfigError
-    from vitexp.training.fit import train
 
     over = (
         [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))]
@@ -233,7 +233,7 @@ def test_a_training_run_beats_its_entry(make_cfg, results_dir, tmp_path):
     import unittest.mock
 
     import vitexp.ledger
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     beats = []
 
@@ -251,8 +251,8 @@ def test_a_training_run_beats_its_entry(make_cfg, results_dir, tmp_path):
 
 
 def test_ledger_paths_are_relative_to_the_results_folder(make_cfg, results_dir):
+    from vitexp.commands.train import train
     from vitexp.ledger import local_path
-    from vitexp.training.fit import train
 
     cfg = make_cfg(
         QUIET
@@ -446,7 +446,7 @@ def test_wandb_shows_the_ledgers_top1_in_a_group_with_tags(make_cfg, results_dir
     import wandb
     from wandb.sdk.wandb_run import Run
 
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     inits, logged = [], {}
     real_init, real_log = wandb.init, Run.log
@@ -514,7 +514,7 @@ def test_a_signal_interrupts_the_entry_and_the_resumed_run_sums_its_attempts(
     handler that was there before the run (Python's KeyboardInterrupt for SIGINT; for SIGTERM this test's
     own handler, where a bare process would end); resume=auto continues it, and its fit_time_s is the
     sum of both attempts' (each kept under attempts)."""
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     over = (
         [o for o in SMALL_RUN if not o.startswith(("logger", "recipe.epochs", "data.num_t"))]
@@ -659,8 +659,8 @@ def test_a_run_folder_is_owned_by_one_live_process(tmp_path):
 def test_a_folder_that_holds_a_completed_run_is_not_run_again(make_cfg, results_dir, tmp_path):
     """resume=auto on a folder whose run completed would open a second entry that resumes from the
     first's last checkpoint (a duplicate "completed" with no training): refused, one entry remains."""
+    from vitexp.commands.train import train
     from vitexp.errors import ConfigError
-    from vitexp.training.fit import train
 
     over = [*SMALL_RUN, *QUIET, "resume=auto", "recipe.epochs=2"]
     train(make_cfg(over, tmp_path / "done"))

@@ -357,9 +357,9 @@ def test_run_reports_and_saves_the_deployed_model(method, make_cfg, results_dir,
     from the ledger (kept_heads) without the training code's gates; soft_top1 is the gated model's."""
     from conftest import QUIET, ledger_entries
 
+    from vitexp.commands.train import train
     from vitexp.methods import method_from_config
     from vitexp.training.build import build_configured_backbone
-    from vitexp.training.fit import train
 
     cfg = make_cfg(QUIET + SOFT_RUN + [f"method={method}"], tmp_path / method)
     metrics = train(cfg)["metrics"]

@@ -90,7 +90,7 @@ def test_recover_trains_the_mlps_and_the_probe_of_the_deployed_model_and_leaves_
     attention weight; ``selected_top1`` is that earlier model's accuracy and ``top1`` the final one's."""
     from test_saper import independent_accuracy
 
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     cfg = make_cfg(RUN + [f"method.selection={selection}"], tmp_path / "run")
     metrics = train(cfg)["metrics"]
@@ -204,7 +204,7 @@ def test_every_selection_rule_gets_the_identical_recovery(mode):
 def test_resume_in_the_middle_of_recover_does_not_select_again(make_cfg, results_dir, tmp_path):
     """A run preempted in recover's second epoch, resumed: select restores its checkpoint and trains
     no batch; recover trains only its second epoch; the metrics equal an uninterrupted run's."""
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     over = RUN + ["resume=auto"]
     whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]
@@ -301,7 +301,7 @@ def test_a_run_killed_after_the_last_epoch_of_a_stage_resumes_with_every_metric(
     validating it again: its last validation metrics (LapSum's soft_val_*, a fixed rule's
     selected_val_*, recover's val_*) come back from the checkpoint, every metric but the times equals
     an uninterrupted run's, and wall_time_s sums the attempts, as fit_time_s does."""
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     over = RUN + ["resume=auto", f"method.selection={selection}"]
     whole = train(make_cfg(over, tmp_path / "whole"))["metrics"]

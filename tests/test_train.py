@@ -10,9 +10,9 @@ from lightning.pytorch.callbacks import Callback
 
 import vitexp.config.composition as vconfig
 from vitexp import CONF_DIR
+from vitexp.commands.train import train
 from vitexp.models import CheckpointMismatchError, build_backbone
 from vitexp.training import resolve
-from vitexp.training.fit import train
 from vitexp.training.modules import NonFiniteLossError
 
 #: micro-scale backbones: one fast_dev_run each per method (full-size ones are built in test_config)

@@ -83,10 +83,10 @@ def test_one_command_trains_a_row_from_its_tag_and_its_flops_row_ignores_the_wei
     import torch
 
     from vitexp.commands.inspect import run_flops
+    from vitexp.commands.train import train
     from vitexp.ledger import Ledger
     from vitexp.models import build_backbone
     from vitexp.report import tables
-    from vitexp.training.fit import train
 
     folder = tmp_path / "weights"
     folder.mkdir()
@@ -146,7 +146,7 @@ def test_a_run_records_which_weight_set_of_its_pretrained_file_it_loaded(make_cf
     import timm
     import torch
 
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     torch.manual_seed(0)
     last, ema = (timm.create_model("t2t_vit_micro", num_classes=10).state_dict() for _ in range(2))

@@ -18,8 +18,7 @@ from vitexp.errors import ConfigError, one_line
 from vitexp.ledger import portable_path, portable_text
 from vitexp.ledger.entry import cpu_model
 from vitexp.runs.owner import owned_run
-from vitexp.training.objectives import objective_for
-from vitexp.training.resolve import validate
+from vitexp.training.resolve import Resolved, resolve
 
 #: ``bench.mode`` choices.
 BENCH_MODES = ("throughput", "overhead", "loader", "train_step", "demo")
@@ -40,37 +39,41 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
         result = run_compare(cfg)
         emit(result)
         return result
+    if cfg.bench.mode not in BENCH_MODES:
+        raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of {BENCH_MODES}")
+    resolved = resolve(cfg, need_data=cfg.bench.mode == "overhead", need_trainer=False)
+    if cfg.bench.mode in ("throughput", "overhead", "train_step"):
+        resolved.objective.check_timed(cfg)
+    if cfg.bench.mode == "loader":
+        _check_loader(cfg)
     with owned_run(cfg.name, "bench", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
-        if cfg.bench.mode not in BENCH_MODES:
-            raise ConfigError(f"bench.mode: {cfg.bench.mode!r} is not one of {BENCH_MODES}")
         if cfg.bench.mode == "loader":
-            _run_loader(cfg, run)
+            _run_loader(resolved, run)
         elif cfg.bench.mode == "train_step":
-            _run_train_step(cfg, run)
+            _run_train_step(resolved, run)
         elif cfg.bench.mode == "demo":
             _run_demo(cfg, run)
         else:
-            _run_model_timing(cfg, run)
+            _run_model_timing(resolved, run)
     return run.result
 
 
-def _run_model_timing(cfg: DictConfig, run) -> None:
+def _run_model_timing(resolved: Resolved, run) -> None:
     """``bench.mode=throughput`` (one experiment) and ``overhead`` (:func:`run_bench`)."""
     from vitexp.measure.flops import count_macs
     from vitexp.measure.throughput import bench_device, compare_throughput
     from vitexp.training.build import build_configured_backbone, build_datamodule, build_model
     from vitexp.training.overhead import lightning_overhead
 
-    method = validate(cfg, need_data=cfg.bench.mode == "overhead", need_trainer=False)
-    objective_for(cfg).check_timed(cfg)
+    cfg = resolved.cfg
     run.start(to_container(cfg))
 
     img = int(cfg.backbone.img_size)
     b = cfg.bench
-    model, method, data_config = build_model(cfg, method)
+    model, method, data_config = build_model(cfg, resolved.method, resolved.weights)
     if b.mode == "throughput":
         deployed = method.deploy(model)
-        baseline = build_configured_backbone(cfg)
+        baseline = build_configured_backbone(cfg, resolved.weights)
         macs_m, macs_b = count_macs(deployed, img).gmacs, count_macs(baseline, img).gmacs
         device = bench_device(str(b.device))
         res = compare_throughput(
@@ -152,18 +155,11 @@ def _loader_datamodule(cfg: DictConfig, data_config: dict[str, Any], root: str, 
     return datamodule
 
 
-def _run_loader(cfg: DictConfig, run) -> None:
-    """``bench.mode=loader`` (:mod:`vitexp.data.loader_bench`): the row's loader over ImageNet-like JPEGs
-    (:mod:`vitexp.data.imagenet_like`, generated once into a cache folder unless ``bench.loader.root``
-    names a folder), each decoder's images/s per worker; one ledger entry."""
-
-    from vitexp.data.imagenet_like import JpegSpec, ensure_jpegs
-    from vitexp.data.loader_bench import STATISTIC, compare_loaders, winner
+def _check_loader(cfg: DictConfig) -> None:
+    """``bench.mode=loader``'s own keys, checked with the config at the command's top."""
     from vitexp.data.tensor_images import DECODERS
-    from vitexp.training.build import build_configured_backbone, data_config_for
 
-    b, lo = cfg.bench, cfg.bench.loader
-    validate(cfg, need_data=False, need_trainer=False)
+    lo = cfg.bench.loader
     if "decoder" not in cfg.data:
         raise ConfigError(
             "bench.mode=loader times an image-folder loader (data=imagenet or imagefolder); "
@@ -175,6 +171,19 @@ def _run_loader(cfg: DictConfig, run) -> None:
             f"bench.loader: decoders {list(lo.decoders)} must be among {DECODERS}, split "
             f"{lo.split!r} train or eval, workers ({lo.workers}) and batches ({lo.batches}) >= 1"
         )
+
+
+def _run_loader(resolved: Resolved, run) -> None:
+    """``bench.mode=loader`` (:mod:`vitexp.data.loader_bench`): the row's loader over ImageNet-like JPEGs
+    (:mod:`vitexp.data.imagenet_like`, generated once into a cache folder unless ``bench.loader.root``
+    names a folder), each decoder's images/s per worker; one ledger entry."""
+
+    from vitexp.data.imagenet_like import JpegSpec, ensure_jpegs
+    from vitexp.data.loader_bench import STATISTIC, compare_loaders, winner
+    from vitexp.training.build import build_configured_backbone, data_config_for
+
+    cfg = resolved.cfg
+    b, lo = cfg.bench, cfg.bench.loader
     run.start(to_container(cfg))
     if lo.root:
         jpegs = {"root": str(lo.root), "spec": "a given folder"}
@@ -185,7 +194,7 @@ def _run_loader(cfg: DictConfig, run) -> None:
             val_per_class=int(lo.val_per_class),
         )
         jpegs = ensure_jpegs(spec, progress=True)
-    data_config = data_config_for(cfg, build_configured_backbone(cfg))
+    data_config = data_config_for(cfg, build_configured_backbone(cfg, resolved.weights))
     modules = {d: _loader_datamodule(cfg, data_config, jpegs["root"], d) for d in lo.decoders}
     train = lo.split == "train"
     loaders = {d: m.train_dataloader() if train else m.val_dataloader() for d, m in modules.items()}
@@ -240,7 +249,7 @@ def _run_loader(cfg: DictConfig, run) -> None:
     run.complete(metrics, protocol)
 
 
-def _run_train_step(cfg: DictConfig, run) -> None:
+def _run_train_step(resolved: Resolved, run) -> None:
     """``bench.mode=train_step``: the configured model's training images/s on ``bench.device`` (a
     plain loop: forward, cross-entropy, backward, optimiser step, synthetic batch; bf16 autocast on a
     GPU), the rate :mod:`vitexp.cost` takes for that GPU in place of its factor (docs/cluster.md)."""
@@ -248,10 +257,9 @@ def _run_train_step(cfg: DictConfig, run) -> None:
     from vitexp.measure.throughput import bench_device, measure_train_step, throughput_protocol
     from vitexp.training.build import build_model
 
-    method = validate(cfg, need_data=False, need_trainer=False)
-    objective_for(cfg).check_timed(cfg)
+    cfg = resolved.cfg
     run.start(to_container(cfg))
-    model, method, _ = build_model(cfg, method)
+    model, method, _ = build_model(cfg, resolved.method, resolved.weights)
     device = bench_device(str(cfg.bench.device))
     batch, amp = throughput_protocol(device, cfg.bench.batch_size, cfg.bench.amp)
     res = measure_train_step(
@@ -289,7 +297,6 @@ def _run_demo(cfg: DictConfig, run) -> None:
 
     from vitexp.ledger import Ledger, machine_load
 
-    validate(cfg, need_data=False, need_trainer=False)
     run.start(to_container(cfg))
     scratch = Path(tempfile.mkdtemp(prefix="vitexp-demo-bench-"))
     try:
@@ -413,10 +420,9 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                 cfg.bench,
                 cfg.logger,
             )
-        validate(sub, need_data=False)
-        objective_for(sub).check_timed(sub)
-        subs[name] = sub
-    sizes = {int(sub.backbone.img_size) for sub in subs.values()}
+        subs[name] = resolve(sub, need_data=False)
+        subs[name].objective.check_timed(sub)
+    sizes = {int(sub.cfg.backbone.img_size) for sub in subs.values()}
     if len(sizes) != 1:
         raise ConfigError(f"bench.compare: the experiments run at different resolutions {sorted(sizes)}")
     img = sizes.pop()
@@ -427,12 +433,12 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                 runs[name] = stack.enter_context(
                     owned_run(name, "bench", cfg.results_dir, None, None, emits=False)
                 )
-                runs[name].start(to_container(subs[name]))
+                runs[name].start(to_container(subs[name].cfg))
             b = cfg.bench
             device = bench_device(str(b.device))
             models, gmacs = {}, {}
             for name, sub in subs.items():
-                model, method, _ = build_model(sub)
+                model, method, _ = build_model(sub.cfg, sub.method, sub.weights)
                 deployed = method.deploy(model)
                 gmacs[name] = count_macs(deployed, img).gmacs
                 models[name] = deployed.to(device)

@@ -218,7 +218,7 @@ def _run_hydra(body: Callable[[DictConfig], dict[str, Any]], prog: str) -> None:
 
 
 def _train_body(cfg: DictConfig) -> dict[str, Any]:
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     return train(cfg)
 

@@ -155,17 +155,23 @@ class Deployed(NamedTuple):
     path: Path
 
 
-def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> Deployed:
-    """The run's deployed model rebuilt from ``cfg`` and loaded with its weights (``weights``, else the
-    run's own, else its W&B artifact's); a missing or unfitting file is a
+def resolve_rebuild(cfg: DictConfig, record: dict[str, Any]):
+    """The one resolve step of a completed run's rebuild (:func:`rebuild_config`'s config): what
+    :func:`load_deployed` is handed."""
+    from vitexp.training.resolve import resolve
+
+    return resolve(rebuild_config(cfg, record))
+
+
+def load_deployed(resolved, cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> Deployed:
+    """The run's deployed model rebuilt from ``resolved`` (:func:`resolve_rebuild`) and loaded with its
+    weights (``weights``, else the run's own, else its W&B artifact's); a missing or unfitting file is a
     :class:`~vitexp.errors.CheckpointError` naming it (module docstring). Writes nothing."""
     import lightning as L
 
     from vitexp.models.factory import check_file
     from vitexp.training.build import build_backbone_and_method, load_weights
     from vitexp.training.fit import datamodule_cache
-    from vitexp.training.objectives import objective_for
-    from vitexp.training.resolve import validate
 
     artifacts = record.get("artifacts") or {}
     key = "--weights" if weights else f"run {record['run_id']}'s weights"
@@ -190,11 +196,9 @@ def load_deployed(cfg: DictConfig, record: dict[str, Any], weights: str | None =
             "checkpoints/last.ckpt of that run) or rerun it"
         )
     check_file(path, key)
-    built = rebuild_config(cfg, record)
-    method = validate(built)
-    objective = objective_for(cfg)
+    built, objective = resolved.cfg, resolved.objective
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-    backbone, method, data_config = build_backbone_and_method(built, method)
+    backbone, method, data_config = build_backbone_and_method(built, resolved.method, resolved.weights)
     datamodule_for = datamodule_cache(data_config)
     method.prepare(backbone, datamodule_for(cfg))
     # the run's config, not ``built``: the objective's model follows the run's choices (backbone.pretrained
@@ -216,8 +220,9 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
     from vitexp.training.build import build_trainer
     from vitexp.training.fit import stage_config
 
+    resolved = resolve_rebuild(cfg, record)
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
-        objective, stage, model, datamodule_for, path = load_deployed(cfg, record, weights)
+        objective, stage, model, datamodule_for, path = load_deployed(resolved, cfg, record, weights)
         run.start({**to_container(cfg), "evaluates": record["run_id"]})
         scfg = stage_config(cfg, stage)
         trainer = build_trainer(scfg, False, Path(cfg.output_dir), test_only=True)

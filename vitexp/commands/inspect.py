@@ -14,8 +14,7 @@ from vitexp.config.composition import to_container
 from vitexp.errors import ConfigError
 from vitexp.ledger import atomic_write, atomic_write_json, portable_path
 from vitexp.runs.owner import owned_run
-from vitexp.training.objectives import objective_for
-from vitexp.training.resolve import validate
+from vitexp.training.resolve import resolve
 
 
 def run_flops(cfg: DictConfig) -> dict[str, Any]:
@@ -27,12 +26,12 @@ def run_flops(cfg: DictConfig) -> dict[str, Any]:
 
     from vitexp.training.build import build_model
 
+    resolved = resolve(cfg, need_data=False)
+    objective = resolved.objective
     with owned_run(cfg.name, "flops", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
-        method = validate(cfg, need_data=False)
-        objective = objective_for(cfg)
         run.start(to_container(cfg))
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-        model, method, data_config = build_model(cfg, method)
+        model, method, data_config = build_model(cfg, resolved.method, resolved.weights)
         count = objective.count(cfg, objective.measured(cfg, method.deploy(model), data_config))
         metrics, protocol = count.metrics, count.protocol
         print(
@@ -92,10 +91,10 @@ def run_analyze(
     analysis_dir = Path(cfg.results_dir) / "analysis"
     if args.analysis in ("tokens", "heads"):
         return _run_report(cfg, args, record, analysis_dir)
+    resolved = resolve(cfg, need_trainer=False)
     with owned_run(cfg.name, "analyze", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
-        validate(cfg, need_trainer=False)
         run.start({**to_container(cfg), "analysis": vars(args)})
-        model = build_configured_backbone(cfg).eval()
+        model = build_configured_backbone(cfg, resolved.weights).eval()
         datamodule = build_datamodule(cfg, data_config_for(cfg, model))
         datamodule.setup("test")
         test = datamodule.test_set
@@ -139,15 +138,13 @@ def _run_report(
     """``vitexp-analyze tokens|heads`` (vitexp/analysis/reports.py): PNGs, W&B images, ledger paths."""
     from vitexp.analysis import reports
 
+    checked = cfg
+    if args.analysis == "tokens" and cfg.backbone.get("pretrained"):  # a trained method model's weights
+        checked = cfg.copy()  # do not fit the bare backbone: reports.token_model loads them, or says why not
+        with open_dict(checked):
+            checked.backbone.pretrained = None
+    resolve(checked, need_trainer=False)
     with owned_run(cfg.name, "analyze", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
-        checked = cfg
-        if args.analysis == "tokens" and cfg.backbone.get("pretrained"):  # a trained method model's weights
-            checked = (
-                cfg.copy()
-            )  # do not fit the bare backbone: reports.token_model loads them, or says why not
-            with open_dict(checked):
-                checked.backbone.pretrained = None
-        validate(checked, need_trainer=False)
         reports.check_request(cfg, args.analysis, record)
         extra = {"analyzes": record["run_id"]} if record else {}
         run.start({**to_container(cfg), "analysis": vars(args), **extra})
@@ -190,15 +187,17 @@ def run_splits(pairs: list[tuple[DictConfig, dict[str, Any]]], args: argparse.Na
     and the paired bootstrap of their difference (:mod:`vitexp.analysis.splits`); the JSON report
     ``results/analysis/splits_<a>_<b>.json`` (or ``--out``) and a ledger entry (kind analyze)."""
     from vitexp.analysis import splits
-    from vitexp.commands.evaluate import load_deployed
+    from vitexp.commands.evaluate import load_deployed, resolve_rebuild
 
     records = [record for _, record in pairs]
     ids = [splits.short_id(r["run_id"]) for r in records]
     results_dir = Path(pairs[0][0].results_dir)
     name = f"splits_{ids[0]}_{ids[1]}"
     out = Path(args.out) if args.out else results_dir / "analysis" / f"{name}.json"
+    resolved = [resolve_rebuild(cfg, record) for cfg, record in pairs]
     with owned_run(name, "analyze", results_dir, results_dir / "analysis" / "run" / name) as run:
-        deployed = [load_deployed(cfg, record) for cfg, record in pairs]  # bad weights: before the entry
+        # bad weights: before the entry
+        deployed = [load_deployed(r, cfg, record) for r, (cfg, record) in zip(resolved, pairs)]
         config = {
             "analysis": "splits",
             "runs": [r["run_id"] for r in records],

@@ -1,6 +1,6 @@
 """The rehearsal of one row, as a Hydra app (``python -m vitexp.commands.rehearse_main <overrides>``, what
 ``vitexp-sweep TABLE --rehearse`` launches with :func:`vitexp.cost.rehearsal.plan.rehearsal_overrides`):
-``vitexp.training.fit.train`` itself, every stage, deploy, test, FLOPs, with a :class:`StepMeter`, recorded
+``vitexp.commands.train.train`` itself, every stage, deploy, test, FLOPs, with a :class:`StepMeter`, recorded
 as a ledger entry of kind ``rehearsal``.
 
 Decision: the app refuses a config that is not a rehearsal's (no ``trainer.max_steps``, or data
@@ -34,7 +34,7 @@ def rehearse(cfg: DictConfig) -> dict[str, Any]:
     step time, images per second and peak memory (:meth:`StepMeter.measured`)."""
     import torch
 
-    from vitexp.training.fit import train
+    from vitexp.commands.train import train
 
     if not cfg.trainer.get("max_steps") or int(cfg.trainer.max_steps) < 1:
         raise ConfigError(

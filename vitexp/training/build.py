@@ -30,14 +30,21 @@ def load_weights(path: str | Path) -> dict[str, Any]:
     return state
 
 
-def build_configured_backbone(cfg: DictConfig) -> nn.Module:
-    """The ``backbone`` group's model with the data's class count, its weights resolved by
-    :func:`vitexp.config.weights.resolve_weights` (a path, or ``run:<experiment>``). A vitexp Lightning
-    checkpoint (``checkpoints/last.ckpt``) loads through :func:`load_weights`."""
+#: ``weights`` not given: the builder resolves ``backbone.pretrained`` itself.
+UNRESOLVED: Any = object()
+
+
+def build_configured_backbone(cfg: DictConfig, weights: Any = UNRESOLVED) -> nn.Module:
+    """The ``backbone`` group's model with the data's class count, loaded with ``weights``: the file a
+    run's resolve step found (:class:`vitexp.training.resolve.Resolved`), else the one
+    :func:`vitexp.config.weights.resolve_weights` finds for ``backbone.pretrained`` (a tool building a
+    model from a config alone). A vitexp Lightning checkpoint (``checkpoints/last.ckpt``) loads
+    through :func:`load_weights`."""
     from vitexp.config.weights import resolve_weights
     from vitexp.models import CheckpointMismatchError
 
-    weights = resolve_weights(cfg.backbone.get("pretrained"), cfg.results_dir)
+    if weights is UNRESOLVED:
+        weights = resolve_weights(cfg.backbone.get("pretrained"), cfg.results_dir)
     lightning_ckpt = bool(weights) and str(weights).endswith(".ckpt")
     backbone_cfg = {**cfg.backbone, "pretrained": None if lightning_ckpt else weights}
     model = build_backbone(backbone_cfg, num_classes=int(cfg.data.num_classes))
@@ -77,11 +84,12 @@ def pretrained_artifacts(backbone: nn.Module, results_dir: Path | str) -> dict[s
 
 
 def build_backbone_and_method(
-    cfg: DictConfig, method: Method | None = None
+    cfg: DictConfig, method: Method | None = None, weights: Any = UNRESOLVED
 ) -> tuple[nn.Module, Method, dict[str, Any]]:
-    """The backbone, the method (``method`` when the caller built it already), and the model's data config."""
+    """The backbone (with ``weights``: :func:`build_configured_backbone`), the method (``method`` when
+    the caller built it already), and the model's data config."""
     method = method or method_from_config(cfg.method)
-    backbone = build_configured_backbone(cfg)
+    backbone = build_configured_backbone(cfg, weights)
     return backbone, method, data_config_for(cfg, backbone)
 
 
@@ -100,10 +108,12 @@ def data_config_for(cfg: DictConfig, backbone: nn.Module) -> dict[str, Any]:
     return data_config
 
 
-def build_model(cfg: DictConfig, method: Method | None = None) -> tuple[nn.Module, Method, dict[str, Any]]:
+def build_model(
+    cfg: DictConfig, method: Method | None = None, weights: Any = UNRESOLVED
+) -> tuple[nn.Module, Method, dict[str, Any]]:
     """The backbone with the method applied (no data seen: ``Method.prepare`` is skipped), the
     method, and the model's data config."""
-    backbone, method, data_config = build_backbone_and_method(cfg, method)
+    backbone, method, data_config = build_backbone_and_method(cfg, method, weights)
     return method.apply(backbone, cfg.budget), method, data_config
 
 

@@ -46,7 +46,7 @@ from vitexp.training.build import (
     pretrained_artifacts,
 )
 from vitexp.training.objectives import Objective, objective_for
-from vitexp.training.resolve import validate
+from vitexp.training.resolve import Resolved
 
 
 def stage_config(cfg: DictConfig, stage: Stage) -> DictConfig:
@@ -157,44 +157,31 @@ def datamodule_cache(data_config: dict[str, Any]) -> Callable[[DictConfig], L.Li
     return datamodule_for
 
 
-def resolve_needs(method: Method, results_dir: Any) -> dict[str, dict[str, Any]]:
-    """The earlier runs the method reads (:meth:`vitexp.methods.Method.needs`), each the completed
-    train run with that id, else the newest of that experiment (``FileNotFoundError`` naming the key)."""
-    needs = method.needs()
-    if not needs:
-        return {}
-    from vitexp.ledger import Ledger
-
-    ledger = Ledger.load(results_dir)
-    ledger.check(needs.values())
-    return {key: ledger.find(ref, key) for key, ref in needs.items()}
-
-
-def train(
-    cfg: DictConfig,
+def fit_run(
+    resolved: Resolved,
     callbacks: Iterable[Callback] = (),
     kind: str = "train",
     measured: Callable[[], tuple[dict[str, Any], dict[str, Any]]] | None = None,
 ) -> dict[str, Any]:
-    """Train, test and record one run. Raises on failure after marking the ledger entry failed.
-    ``kind``: the ledger kind (``rehearsal``: :mod:`vitexp.rehearse`, whose ``measured`` adds its
-    (metrics, protocol) to the entry on rank zero)."""
+    """Train, test and record one run from its resolved parts (:func:`vitexp.training.resolve.resolve`,
+    which checked the config: nothing here checks it again). Raises on failure after marking the
+    ledger entry failed. ``kind``: the ledger kind (``rehearsal``: :mod:`vitexp.commands.rehearse`,
+    whose ``measured`` adds its (metrics, protocol) to the entry on rank zero)."""
     import torch
 
+    cfg = resolved.cfg
     started = time.perf_counter()
     output_dir = Path(cfg.output_dir)
     with owned_run(
         cfg.name, kind, cfg.results_dir, output_dir, cfg.logger, cfg.get("resume", False), resumable=True
     ) as run:
-        method = validate(cfg)
         run.start(to_container(cfg))
         L.seed_everything(int(cfg.seed), workers=True, verbose=False)
-        backbone, method, data_config = build_backbone_and_method(cfg, method)
+        backbone, method, data_config = build_backbone_and_method(cfg, resolved.method, resolved.weights)
         datamodule_for = datamodule_cache(data_config)
-        method.lookup(cfg, resolve_needs(method, cfg.results_dir))  # before training: a missing run fails now
         method.prepare(backbone, datamodule_for(cfg))
         model = method.apply(backbone, cfg.budget)
-        objective = objective_for(cfg)
+        objective = resolved.objective
         stages = objective.stages(cfg, method, model, data_config)
         metrics: dict[str, Any] = {"epochs": 0, "steps": 0}
         deployed_model = model

@@ -1,15 +1,19 @@
-"""The checks a config passes before a run starts: values, cross-group constraints, the weights
-and the accelerator on this machine (docs/commands.md, "bad input")."""
+"""The one resolve step at a command's top: a config checked (values, cross-group constraints, the
+weights and the accelerator on this machine), its starting weights and earlier runs found, its method
+built and its objective picked, handed down as :class:`Resolved` (docs/commands.md, "bad input")."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from vitexp.errors import ConfigError
-from vitexp.training.objectives import objective_for
+from vitexp.methods import Method
+from vitexp.training.objectives import Objective, objective_for
 
 LOGGER_KINDS = ("wandb", "csv", "none")
 
@@ -22,10 +26,60 @@ def _check(cond: bool, key: str, msg: str) -> None:
         raise ConfigError(f"{key}: {msg}")
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """A run's parts after :func:`resolve`: the checked config (``backbone.pretrained: run:<experiment>``
+    pinned to ``run:<run_id>``), the method built once, the objective, the backbone's starting weights
+    as a file (``None``: none) and the earlier runs the method reads
+    (:meth:`~vitexp.methods.Method.needs`)."""
+
+    cfg: DictConfig
+    method: Method
+    objective: Objective
+    weights: str | None = None
+    needs: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def resolve(
+    cfg: DictConfig,
+    need_data: bool = True,
+    method: Method | None = None,
+    need_trainer: bool | None = None,
+    runs: bool = False,
+) -> Resolved:
+    """:func:`validate`'s checks, then the parts a command hands down (:class:`Resolved`); ``runs``:
+    the earlier runs the method reads are found now and handed to it (:meth:`~vitexp.methods.Method.lookup`),
+    so a missing one fails before the run starts. Raises :class:`ConfigError` naming the key, or
+    ``FileNotFoundError`` naming a missing earlier run."""
+    method, weights = _checked(cfg, need_data, method, need_trainer)
+    needs = resolve_needs(method, cfg.results_dir) if runs else {}
+    if runs:
+        method.lookup(cfg, needs)
+    return Resolved(cfg, method, objective_for(cfg), None if weights is None else str(weights), needs)
+
+
+def resolve_needs(method: Method, results_dir: Any) -> dict[str, dict[str, Any]]:
+    """The earlier runs the method reads (:meth:`vitexp.methods.Method.needs`), each the completed
+    train run with that id, else the newest of that experiment (``FileNotFoundError`` naming the key)."""
+    needs = method.needs()
+    if not needs:
+        return {}
+    from vitexp.ledger import Ledger
+
+    ledger = Ledger.load(results_dir)
+    ledger.check(needs.values())
+    return {key: ledger.find(ref, key) for key, ref in needs.items()}
+
+
 def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer: bool | None = None):
+    """:func:`resolve`'s checks alone: returns the method (``method`` when the caller built it, else
+    built here once)."""
+    return _checked(cfg, need_data, method, need_trainer)[0]
+
+
+def _checked(cfg: DictConfig, need_data: bool = True, method=None, need_trainer: bool | None = None):
     """Check values and cross-group constraints; raise :class:`ConfigError` naming the key.
-    Returns the method (``method`` when the caller built it, else built here once), so the run
-    does not build it a second time.
+    Returns the method and the backbone's starting weights file (``None``: none).
 
     ``need_data=False`` (vitexp-flops, vitexp-bench) skips the dataset's location;
     ``need_trainer`` (default: ``need_data``) checks that this machine has the trainer's
@@ -53,6 +107,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
         "backbone.img_size",
         f"{bb.img_size} must be a positive multiple of the patch size {arch.patch_size}",
     )
+    weights = None
     if bb.pretrained:
         from vitexp.config.weights import is_tag
         from vitexp.config.weights import resolve as resolve_weights
@@ -146,7 +201,7 @@ def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
         check_accelerator(cfg.trainer)
     if bb.pretrained:  # last: it builds the backbone
         check_backbone_weights(cfg, weights)
-    return method
+    return method, weights
 
 
 def _check_bspf_spec(cfg: DictConfig) -> None:
