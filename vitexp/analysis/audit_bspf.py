@@ -1,28 +1,7 @@
-"""``vitexp-audit bspf``: the public review's four objections to BSPF-ViT, each finding labelled
-by what backs it: measured on a pinned model, true by construction, or counted from shapes.
+"""``vitexp-audit bspf``: the public review's four objections to BSPF-ViT, each finding labelled by what
+backs it: measured on a pinned model, true by construction, or counted from shapes.
 
-The models are pinned to ledger runs, so rerunning the audit on the same ledger gives the same
-numbers (every random draw below is seeded):
-- the micro ViT is the trained model of a ledger train run (``--micro-run``, default ``run:demo``:
-  the newest completed ``demo`` run; ``run:<run_id>`` pins one), rebuilt from its recorded config
-  and weights, fed held-out digits;
-- DeiT-S at 224 px takes the weights given by ``--deit-small`` (a local file or ``run:<...>``),
-  else it is randomly initialised with seed 0, and the report says that (a) then measures an
-  untrained DeiT-S. Its inputs are digits upsampled to 224 px.
-
-(a) Measured. With W_q = W_k (BSPF's shared projection, initialised from the pinned model's
-    (W_q + W_k)/2), the logits S = QKᵀ are symmetric but the row-softmax A is not: max and mean
-    |A − Aᵀ| over the scored blocks, and the fraction of keep/prune decisions that differ between
-    scoring the full block and scoring its upper triangle mirrored.
-(b) True by construction: the literal reading of Eq. 8 adds the pruned values multiplied by the
-    complement of the very mask that selects the kept tokens, which is zero wherever it is added.
-    ``fusion=paper_literal`` against ``fusion=none`` (max absolute difference of the pruned
-    layer's output) only checks that the implementation follows that reading.
-(c) Counted from shapes: the MACs of scoring every chunk block A_{m,n} (C² blocks: the whole N×N
-    QKᵀ) against only the diagonal blocks, per layer of BSPF-DeiT-S at its token counts.
-(d) Measured: GMACs only (DeiT-S, chunk-only and BSPF beside the paper's 4.6 / 2.4 / 2.4), so its
-    verdict covers FLOPs; accuracy comes from pinned ImageNet train runs in the ledger, and says
-    "accuracy not run" while they do not exist.
+Its reasoning: docs/reading-bspf.md, "vitexp/analysis/audit_bspf.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """``vitexp-audit raptor``: SAPER's FLOPs comparison with RAPTOR, decomposed under one protocol.
 
-SAPER's Table 2 prints 46.33 / 12.25 GFLOPs for the unpruned DINOv2 ViT-B / ViT-S (224 px, no
-registers, 257 tokens, linear head on [CLS ‖ mean patch]) and 61.86 / 16.15 for RAPTOR (RAPTOR's
-own setting: 4 registers, 261 tokens, SwiGLU MLPs, 12 block applications). The public review
-objects that RAPTOR's FLOPs exceed the unpruned model's, so "fewer FLOPs than RAPTOR" needs one
-protocol for both. Every number here is counted by ``vitexp.measure.flops.count_macs`` on the model as
-vitexp builds it from an experiment config (random weights: FLOPs do not depend on them):
-
-- the unpruned DINOv2 under SAPER's protocol, and its 4-register variant (RAPTOR's teacher);
-- RAPTOR in its own setting (k = 2 and k = 4: the count does not depend on k);
-- RAPTOR over the register-free teacher (SAPER's protocol), and the same with the teacher's GELU
-  MLP in place of SwiGLU (``method.mlp=gelu``, a counterfactual, not RAPTOR).
-
-Registers' share = RAPTOR(4 registers) − RAPTOR(none); SwiGLU's share = RAPTOR(none) −
-RAPTOR-GELU(none); what is left, RAPTOR-GELU(none) − DINOv2(none), is the layer-index gates.
+Its reasoning: docs/reading-raptor.md, "vitexp/analysis/audit_raptor.py".
 """
 
 from __future__ import annotations

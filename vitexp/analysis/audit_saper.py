@@ -1,32 +1,6 @@
 """``vitexp-audit saper``: the public review's objections to SAPER, measured on pinned ledger runs.
 
-The models are pinned to the ledger: each SAPER run (``--saper-run``, default the newest completed
-``saper_micro_ft_k4`` and ``saper_micro_kd_k4`` runs) gives its deployed heads (``kept_heads``) and
-the backbone it pruned, its ``backbone.pretrained`` teacher, resolved to the newest completed train
-run of that experiment that finished before the SAPER run started (or ``--weights PATH``, e.g. a
-real DINOv2 checkpoint for a paper-scale SAPER run). Its attention is measured on the run's own
-test split (evaluation transforms); every random draw is seeded.
-
-(a) **Laplacian.** An attention map among the patch tokens, A (rows: queries; the CLS column
-    dropped, so rows sum to 1 minus the CLS share), is a directed graph. Two Laplacians:
-    - *as the formula reads without symmetrisation* (:func:`directed_laplacian`):
-      L = I − D^{−1/2} A D^{−1/2}, D = diag(A·1) (out-degrees). It is not symmetric; its
-      eigenvalues may be complex, and it is positive semi-definite in the sense xᵀLx ≥ 0 only if
-      its symmetric part (L + Lᵀ)/2 is, so the least eigenvalue of that part is reported;
-    - *vitexp's* (:func:`vitexp.analysis.heads.normalized_laplacian`): the same formula on
-      W = (A + Aᵀ)/2, symmetric PSD with spectrum in [0, 2].
-    Both spectra are computed with the general eigensolver (``torch.linalg.eigvals``), so an
-    asymmetric matrix cannot pass as symmetric.
-(b) **"Interpretability-guided".** Do the spectral clusters of the heads (the CLS-attention
-    correlation clustering of ``vitexp-analyze clusters``: :func:`vitexp.analysis.heads.cluster_heads`)
-    predict which heads LapSum keeps? For each cluster count, :func:`agreement` gives the adjusted
-    mutual information between the kept / pruned labelling and the cluster labels (0 in expectation
-    for a selection unrelated to the clusters, 1 when the selection is exactly one of two
-    clusters), the kept heads per cluster, and chance: the same measures for many uniformly random
-    selections of the same number of heads (SAPER's top-k is over all heads of the model), with a
-    permutation p-value (1 + #{random ≥ observed}) / (1 + #random).
-(c) **FLOPs against RAPTOR.** Read from the newest completed ``vitexp-audit raptor`` run in the
-    ledger (``results/audit/raptor.md``); not recomputed here.
+Its reasoning: docs/reading-saper.md, "vitexp/analysis/audit_saper.py".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The heads of a SAPER run (``vitexp-analyze heads``): the layers × heads grid of the head scores
-with the kept heads marked, beside the same grid coloured by the head clusters of
-``vitexp-analyze clusters`` (vitexp/analysis/heads.py) for the run's unpruned backbone.
+"""The heads of a SAPER run (``vitexp-analyze heads``): the layers × heads grid of the head scores with the
+kept heads marked, beside the same grid coloured by the head clusters of ``vitexp-analyze clusters``
+(vitexp/analysis/heads.py) for the run's unpruned backbone.
 
-- **Kept heads**: the ledger entry's ``kept_heads`` (what deployment kept: the top-k scores over
-  the whole model, vitexp/methods/saper).
-- **Scores**: the deployed weights hold no scores (the selector is removed at deployment), so they
-  are read from the select stage's Lightning checkpoint (``<output_dir>/checkpoints/select/last.ckpt``;
-  ``checkpoints/last.ckpt`` for a run from before the two stages), the key ending in
-  ``selector.scores``: the final scores, as the stage ends on its last epoch. Without
-  that file the left grid shows the kept heads only, and says so.
+Its reasoning: docs/reading-saper.md, "vitexp/analysis/head_grid.py".
 """
 
 from __future__ import annotations

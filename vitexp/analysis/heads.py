@@ -1,30 +1,6 @@
 """Interpretability of attention heads (SAPER's analyses): Laplace maps and head clustering.
 
-- **Laplace maps** (``vitexp-analyze laplace``). For each head, the attention among patch tokens of
-  one image is a weighted graph.
-  - It is directed (row-softmax), so its normalised Laplacian would not be symmetric PSD (the
-    review's objection). vitexp symmetrises it: W = (A + Aᵀ)/2.
-  - L = I − D^{−1/2} W D^{−1/2}, with D = diag(W·1).
-  - Eigenvectors 2–4 of L (the Fiedler vector and the next two) are each min–max scaled to [0, 1]
-    and drawn as the R, G and B channels over the patch grid.
-  - An eigenvector's sign is arbitrary (v and −v are both eigenvectors; min–max scaling maps −v
-    to the complement colour), so each is signed with its largest-magnitude entry positive, making
-    heads and layers comparable.
-  - The output is a PNG grid of layers × heads.
-- **Head clustering** (``vitexp-analyze clusters``).
-  - Per image and head: the maximal attention the CLS query pays to a patch token.
-  - The Pearson correlation of these values between heads over the dataset, then spectral
-    clustering of the heads with affinity (1 + ρ)/2.
-  - Silhouette and Davies–Bouldin scores with the distance the clustering used,
-    D = 1 − (1 + ρ)/2 = (1 − ρ)/2: silhouette is scikit-learn's on the precomputed D; Davies–Bouldin
-    needs centroids, which a dissimilarity matrix does not define, so each cluster's centroid is
-    replaced by its medoid (the member with the least summed distance to the others, as in
-    k-medoids): s_c = mean distance of the members to the medoid, M_cd = distance between medoids,
-    DB = mean_c max_{d≠c} (s_c + s_d) / M_cd (:func:`davies_bouldin_precomputed`).
-  - A heatmap of the correlation, ordered by cluster.
-
-Attention probabilities are recomputed from each block's own q/k projection on the block's input,
-so fused attention (SDPA) needs no change.
+Its reasoning: docs/reading-saper.md, "vitexp/analysis/heads.py".
 """
 
 from __future__ import annotations

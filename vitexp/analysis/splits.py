@@ -1,29 +1,8 @@
-"""``vitexp-analyze splits --runs A B``: how much of a paired difference between two classifiers,
-and of its change from the validation split to the test split, one fixed finite sample of images
-can account for.
+"""``vitexp-analyze splits --runs A B``: how much of a paired difference between two classifiers, and of
+its change from the validation split to the test split, one fixed finite sample of images can account
+for.
 
-Each run's deployed model is rebuilt from its own config and weights as ``vitexp-eval`` rebuilds it
-(:func:`vitexp.commands.evaluate.load_deployed`) and run over the run's validation and test splits (the
-datamodule's ``val_dataloader`` and ``test_dataloader``, in order, evaluation transforms) by the
-run's own LightningModule under a one-device Trainer (:func:`vitexp.training.build.build_trainer`), so its
-accuracies are the ledger's ``val_top1`` and ``top1``; a forward hook on the model records, image by
-image, whether its top-1 prediction is right. The two runs must share their data config (loader
-keys aside: :data:`LOADER_KEYS`) and, image by image, their labels.
-
-What the bootstrap measures: the image-sampling error of a paired difference measured on one fixed
-split, *given the two trained models*. Each replicate draws the split's n images with replacement
-and takes a − b (percentage points) on that draw; the standard error and the 95 % percentile
-interval are over ``--boot`` replicates (generator ``numpy.random.default_rng(--seed)``). Seed
-variation (another training run of either model) is not in it. On a split that every seed shares,
-the part of this error that the seeds' models share (their errors on the same images) is common to every
-seed and does not shrink when seeds are averaged; the bootstrap of one pair bounds that part from above
-and cannot tell it from the pair's own. The resampling is paired
-(the same drawn images score both models) because the difference is measured on the same images:
-what counts is where the models disagree (McNemar's b, images only a gets right, and c, only b),
-and errors the two models share on an image cancel; resampling each model's images on its own
-would count the variance of both accuracies and miss that. The split gap, test difference −
-validation difference, takes its standard error from the two splits' independent bootstraps
-(√(se_val² + se_test²)) and ``z = gap / se``.
+Its reasoning: docs/fashion-mnist.md, "vitexp/analysis/splits.py".
 """
 
 from __future__ import annotations

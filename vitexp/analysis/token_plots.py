@@ -1,18 +1,7 @@
-"""The PNG of ``vitexp-analyze tokens`` for one image: the input, then one panel per reducing
-layer (vitexp/analysis/tokens.py computes the maps).
+"""The PNG of ``vitexp-analyze tokens`` for one image: the input, then one panel per reducing layer
+(vitexp/analysis/tokens.py computes the maps).
 
-In a layer's panel:
-- a kept patch (its own token survives) shows the image as it is;
-- a fused patch is tinted with the colour of the token it is in now and hatched (``/``) in white
-  (a hatch in the token's own colour vanished on the black background where that colour is dark),
-  and the patch anchoring that token (its kept patch, if any: EViT's fused token has none) is
-  outlined in that colour;
-- a dropped patch is covered in red and cross-hatched.
-Decision: a removed patch is marked by a hatch, never by a dark fill, so that it cannot be
-mistaken for dark image content (Fashion-MNIST's black background, a digit's dark strokes);
-- chunk boundaries (BSPF-ViT, chunk-only) are white lines between patches of different chunks.
-Token colours cycle through matplotlib's ``tab20`` by token index, so neighbouring tokens of a
-chunk differ. The input is min–max scaled per image for display (the model saw it normalised).
+Its reasoning: docs/commands.md, "vitexp/analysis/token_plots.py".
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Where the tokens go (``vitexp-analyze tokens``): source maps of a token-reduction method
-(BSPF-ViT, chunk-only, EViT, ToMe) on a ViT, from the decisions its own layers record.
+"""Where the tokens go (``vitexp-analyze tokens``): source maps of a token-reduction method (BSPF-ViT,
+chunk-only, EViT, ToMe) on a ViT, from the decisions its own layers record.
 
-- **Decisions.** Each reducing layer records, with ``record_decisions`` on
-  (vitexp/methods/token_record.py), where every non-prefix token entering it went: kept as itself,
-  fused/merged into an output token, or dropped. Nothing here re-runs a method's selection.
-- **Source maps** (ToMe's visualisation, as its code tracks ``source``). Every original patch p
-  starts in its own token: its slot in the order the first block sees (BSPF-ViT's window order,
-  else raster). Through each reducing layer, p follows its token: t_l(p) = target_l[t_{l−1}(p)]
-  (−1 once dropped). p is *kept* at layer l while its own token has survived every layer so far
-  (the token it anchors); otherwise it was pruned, and is either *fused* (its token is another
-  one's) or *dropped*. A ToMe destination, which absorbs others, is kept; EViT's fused token
-  anchors no patch.
-- **Chunks** (BSPF-ViT). A token stays in its chunk: patch p is in chunk ⌊s(p)/(M/C)⌋, s(p) its
-  first slot; after a layer with M' tokens, token j is in chunk ⌊j/(M'/C)⌋.
-
-The figure (vitexp/analysis/token_plots.py) draws one panel per reducing layer.
+Its reasoning: docs/commands.md, "vitexp/analysis/tokens.py".
 """
 
 from __future__ import annotations

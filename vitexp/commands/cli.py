@@ -1,14 +1,7 @@
-"""Console scripts. The Hydra apps (vitexp-train, vitexp-flops, vitexp-bench) compose
-``conf/train.yaml``; vitexp-eval, vitexp-analyze, vitexp-audit, vitexp-sweep and vitexp-tables
-take plain arguments.
+"""Console scripts. The Hydra apps (vitexp-train, vitexp-flops, vitexp-bench) compose ``conf/train.yaml``;
+vitexp-eval, vitexp-analyze, vitexp-audit, vitexp-sweep and vitexp-tables take plain arguments.
 
-Every command ends its standard output with one line of JSON: the run's metrics and the ledger
-path, ``{"status": "invalid", ...}`` (exit code 2) for a config or command line that cannot run,
-Hydra's composition errors included, and ``{"status": "failed", ...}`` (exit code 1) when it fails;
-a Hydra multirun ends with its summary line (:mod:`vitexp.runs.multirun`). Every error is also one line
-on stderr, ``<prog>: invalid|failed: ...`` naming the key or the file
-(:func:`vitexp.errors.one_line`); the traceback only under ``VITEXP_DEBUG=1`` or the user's
-``HYDRA_FULL_ERROR=1``.
+Its reasoning: docs/commands.md, "vitexp/commands/cli.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
-"""``vitexp-eval``: evaluation only. The model a completed train run saved (``artifacts.weights``,
-or ``--weights``: a ``weights.pth`` or a vitexp Lightning checkpoint) is rebuilt from the run's
-own resolved config by the run's objective (:meth:`vitexp.training.objectives.Objective.rebuild`: the
-backbone built once and prepared, the method's deployed model on it,
-:meth:`~vitexp.methods.Method.rebuild_deployed`, with the data-dependent choices its ledger entry
-kept, SAPER's kept heads; the objective's model around it), loaded, and tested on the run's test
-split by the same LightningModule and test (:meth:`~vitexp.training.objectives.Objective.test`) the run
-used, under a Trainer from the same helper (:func:`vitexp.training.build.build_trainer`, one device), so
-the objective's metrics (``top1``; ``ap_box`` and ``ap_mask``) equal the ledger's for the same
-weights and data. The result is a ledger entry of kind ``eval`` naming the run it evaluates
-(``evaluates``).
+"""``vitexp-eval``:
 
-The run is named by its id, its experiment (the newest completed run), or the W&B model artifact
-its weights were logged as (``artifacts.wandb_model``, :func:`vitexp.runs.loggers.log_model`):
-the artifact carries the run's ledger record, so a machine that did not train the run, and holds
-neither its entry nor its weights, evaluates it. A run in the local ledger whose weights are not on
-this machine takes them from its artifact.
-
-The weights are checked, the model rebuilt and the weights loaded before the eval's ledger entry is
-written: a file that is missing, empty, no checkpoint or another model's is an invalid command
-(exit 2, :class:`~vitexp.errors.CheckpointError` naming the file), not a failed evaluation.
-
-Overrides: ``key=value`` on the run's config (``data.root=/datasets/imagenet``), or
-``group=option`` for the groups that say where and how it runs (``logger``, ``trainer``), composed
-from ``conf/<group>/<option>.yaml``. A key the run's config does not have is refused.
+Its reasoning: docs/commands.md, "vitexp/commands/evaluate.py".
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
-"""``vitexp-rebuild``: rerun a ‡ run at its recorded commit, to decide whether its code can
-be rebuilt from the repository.
+"""``vitexp-rebuild``: rerun a ‡ run at its recorded commit, to decide whether its code can be rebuilt from
+the repository.
 
-‡ (:func:`vitexp.ledger.marks.diff_missing`) marks a run recorded with ``env.git_dirty`` and no
-kept diff. Before commit 6014b6c (2026-12-01) the dirty flag was ``git status --porcelain
---untracked-files=no`` of the whole checkout: a table, a spec or a page rewritten by ``vitexp-tables``
-made it true with the code untouched. The flag alone cannot tell the two apart; rerunning can.
-
-Rule: a run is *rebuilt* when its own command, run in a clean checkout of its recorded commit,
-records the same configuration (:func:`vitexp.ledger.fingerprint.normalised`) and every recorded
-metric equal to the last digit, timings aside (a FLOPs count; a training run's accuracies and losses,
-on one CPU thread, and its weights' sha256 where recorded). Then that commit's code gives the run's
-numbers, and a table drops its ‡ (:meth:`vitexp.ledger.Ledger.rebuilt`; the notes count those
-cells). Anything else keeps the mark: a metric that differs, a config the commit composes otherwise,
-a command that fails, a timing (``bench``: nothing to compare), a run whose start's weights are not
-on this machine.
-
-Decisions:
-- The command is the run's name read as vitexp-sweep launched it: ``experiment=<name before '+'>``,
-  ``seed=<s>`` for a ``+seed=<s>`` name, the recorded ``backbone.pretrained`` when it pins a run
-  (its entry is copied into the scratch ledger the rerun writes to; its weights must be on this
-  machine), ``logger=none`` (the logger is not part of what a run measures). A run whose name is no
-  experiment file at its commit (launched with overrides under ``name=``) is rerun from its recorded
-  config instead (:func:`config_arguments`).
-- Each check is one ledger entry of kind ``rebuild`` (experiment ``rebuild_check``): ``rebuilds``
-  (the run id), ``rebuilt`` (true or false), ``differences`` (what kept it from being rebuilt),
-  its metrics the number of values compared. The rerun itself is written to a scratch folder and
-  is not a run of any table.
+Its reasoning: docs/commands.md, "vitexp/commands/rebuild.py".
 """
 
 from __future__ import annotations

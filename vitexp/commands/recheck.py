@@ -1,21 +1,6 @@
 """``vitexp-sweep TABLE --kind eval``: re-evaluate the weights behind every accuracy cell of a table.
 
-A run is checked on its objective's headline metrics (:attr:`vitexp.training.objectives.Objective.headline`:
-``top1`` for a classifier, ``ap_box`` and ``ap_mask`` for the COCO objective). The runs a table cites for a
-training row are the ones :func:`vitexp.report.tables.fill` reads: per seed, the newest completed ``train``
-run with the first headline metric (an unseeded row: the newest completed one under the row's name).
-Each is rebuilt and tested by ``vitexp-eval <run_id>`` (a ledger entry of kind ``eval`` that
-``evaluates`` it, recorded under the run's name; tables never read eval entries); a run that already
-has a completed ``eval`` entry is not evaluated again unless ``--force``. The summary pairs each
-run's ledger values with the re-evaluated ones. A training run without its headline metrics (a run
-that recorded none) is listed as not checkable.
-
-Decision: a re-evaluation *agrees* when every headline metric satisfies ``|eval - train| <= tolerance``
-points (plus 1e-6 for the float32 percentages). The default tolerance is 0.01 points, one image of
-Fashion-MNIST's 10,000 test images; the same weights on the same kind of device give the same
-outputs, so any larger difference means the rebuilt model is not the one that was trained (wrong
-heads deployed, a pruning step missing, other weights loaded). A run trained on a GPU under bf16 and
-re-evaluated on a CPU may differ by more: pass ``--tolerance``.
+Its reasoning: docs/commands.md, "vitexp/commands/recheck.py".
 """
 
 from __future__ import annotations

@@ -1,36 +1,6 @@
 """``vitexp-sweep TABLE``: launch every row of a table spec as one Hydra multirun.
 
-Rows are experiment configs (``conf/experiment/<row.experiment>.yaml``), with the row's overrides
-appended and its name passed (:mod:`vitexp.config.rows`); a row's ``run`` says which app produces it
-(``train`` -> vitexp-train, ``flops`` -> vitexp-flops, ``bench`` -> vitexp-bench). Rows that
-already have a completed run of that kind under their name in the ledger, or one running now, are
-skipped unless ``--force``, so an interrupted sweep resumes by running the same command again; a
-run whose process is gone (``interrupted``, :func:`vitexp.ledger.effective_status`) is rerun. A
-row with seeds (the spec's ``seeds``, :mod:`vitexp.report.aggregate`) is one job per seed (``experiment=E
-seed=s``, recorded as ``E+seed=s``; a row with overrides or a name N: ``name='N+seed=${seed}'``),
-and only its seeds without a completed or running run are launched (a seed s >= 1 trained by the
-sampler that drew ``s + epoch`` does not count: :func:`vitexp.report.aggregate.overlapping_order`); unseeded
-rows go first (the
-pretrained baselines that seeded rows load with ``run:``). Such a shared start (a row with ``seeds:
-null`` in a seeded table) whose weights are not on this machine (neither its run folder's nor the
-copy kept with the results) trains again only when a row whose job loads it (its composed
-``backbone.pretrained`` is ``run:<start>``) has a seed to train: then the rows that load it load the new
-run, and no other start or row changes (a start that itself loads another start is not followed: no
-table has one); a complete table needs no start, so a fresh checkout of the
-committed ledger reruns nothing. A seeded run
-fine-tuned from another run of its start than the current one trains again too
-(:func:`vitexp.report.aggregate.other_start`), so a row never mixes two starts. Plain unseeded rows share one
-multirun
-(``experiment=a,b,c``); a row with overrides is a job of its own.
-A shared start's weights are kept with the results after the sweep (and by ``--keep-starts`` alone:
-:mod:`vitexp.ledger.kept`), so its seeded rows can go on from the same start on another machine or
-after this one's run folders are gone.
-Every job's W&B run is grouped and tagged by the table (``logger.group``, ``logger.tags``).
-Extra arguments are Hydra overrides passed to every job, e.g. ``hydra/launcher=slurm
-trainer=ddp data.root=/datasets/imagenet``.
-``--rehearse`` rehearses every row at full size instead (:mod:`vitexp.cost.rehearsal`).
-``--kind eval`` re-evaluates the weights of every completed training run the table cites
-(:mod:`vitexp.commands.recheck`) and fails when a re-evaluated top-1 differs from the ledger's.
+Its reasoning: docs/commands.md, "vitexp/commands/sweep.py".
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """Config composition helpers and validation.
 
-Hydra composes ``conf/train.yaml`` in struct mode, so an unknown key (``recipe.lrr=1``) and an
-unknown group option (``backbone=nope``) already fail at composition; :func:`composition_error`
-puts Hydra's message on one line, and for an unknown key names the group's keys and how to see
-every key. Hydra's suggested way round, ``+recipe.lrr=1``, would add the key silently:
-:func:`check_overrides` refuses an added key in vitexp's own groups, listing the group's keys, and
-a removed one (``~recipe.lr``). Every key's type is checked next (:mod:`vitexp.config.schema`), then
-:func:`validate` checks values and cross-group constraints (ranges, the budget against the
-backbone's architecture facts, the checkpoint and the accelerator on this machine) before any
-model is built or ledger entry written.
+Its reasoning: docs/commands.md, "vitexp/config/composition.py".
 """
 
 from __future__ import annotations

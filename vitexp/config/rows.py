@@ -1,35 +1,7 @@
-"""Table rows as runs: a row of a spec (``sweeps/<table>.yaml``) is a base experiment plus Hydra
-overrides, and a ``grid`` row stands for one row per combination of its variables.
+"""Table rows as runs: a row of a spec (``sweeps/<table>.yaml``) is a base experiment plus Hydra overrides,
+and a ``grid`` row stands for one row per combination of its variables.
 
-Row keys (beside those :mod:`vitexp.report.tables` reads):
-
-- ``experiment``: the base, ``conf/experiment/<experiment>.yaml``;
-- ``overrides``: Hydra overrides appended to it (``[method=saper_kd, budget.k=6]``); no ``seed``
-  (the row's ``seeds`` say that), ``experiment`` or ``name`` (row keys of their own);
-- ``name``: the name the row's runs are recorded under in the ledger (its ``experiment`` field).
-  Default: the experiment; with overrides ``<experiment>+<override>,<override>...``, the form the
-  CLIs give a command-line change of an experiment (:func:`vitexp.config.composition.run_name`).
-
-Decision: the sweep passes the row's name to every job (``name='<name>'``, or
-``name='<name>+seed=${seed}'`` for a seeded row, :func:`vitexp.report.aggregate.seeded_name`), so the
-ledger name of a run made from a row never depends on how the CLIs abbreviate overrides, and
-:func:`vitexp.report.tables.fill`, ``vitexp-sweep``'s skip list, ``vitexp-eval NAME`` and
-``backbone.pretrained=run:NAME`` all find a row's runs by that one name. A ``name`` different
-from the derived one keeps a row on the runs of an experiment file it replaced.
-
-Decision: a row's runs are those of its configuration (:meth:`vitexp.ledger.Ledger.row_runs`):
-:func:`row_query` composes the row's job as vitexp-sweep launches it (plus the overrides the sweep
-was given, ``trainer=ddp``), per seed, and the ledger matches runs by that config's fingerprint.
-A key today's config has and an older run lacks is read at its default in the group file the row
-composes (:func:`group_default`: ``conf/<group>/<choice>.yaml`` with the group files it extends;
-a top-level key, ``conf/train.yaml``), an interpolation resolved in the row's config.
-
-Grid: ``grid: {variable: [values]}`` expands into one row per combination, the first variable
-outermost. A value is a scalar (the variable's value) or a mapping that sets several variables at
-once (``{mode: ft, mode_label: fine-tune}``). Every string of the row (label, overrides, name,
-baseline, paper sources, ...) is formatted with the combination (``str.format``:
-``budget.k={k}``). ``by_name: {<expanded name>: {row keys}}`` adds keys (paper values, a
-baseline) to the expanded row of that name.
+Its reasoning: docs/commands.md, "vitexp/config/rows.py".
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """Typed schemas of the config groups, checked when a config is composed.
 
-Every key of the composed config has a type: the groups whose keys are vitexp's own (``backbone``,
-``data``, ``recipe``, ``budget``, ``logger``, ``bspf_spec``, ``eval``, ``bench`` and the top-level
-keys) in the dataclasses below, an objective's own group in its plug-in
-(:data:`OBJECTIVE_SCHEMAS`); ``method`` and ``trainer`` from the constructor
-their keys are passed to (the method's ``_target_`` class, ``lightning.Trainer``), so a key a
-method adds is typed as soon as its ``__init__`` declares it, and no second list goes stale.
-:func:`check_types` reads every key the config holds, interpolations resolved, against its type
-and raises :class:`~vitexp.errors.ConfigError` naming the key, the value and the type expected
-(``recipe.lr: 'abc' is not a float``); the Hydra apps, :func:`vitexp.config.composition.compose` and
-``vitexp-eval`` call it before anything is written. Ranges and rules across keys stay in
-:func:`vitexp.training.resolve.validate`.
-
-Decisions:
-- The dataclasses are not registered in Hydra's ConfigStore as the groups' base configs. The
-  options of a group hold different keys (``data=digits`` has ``split``, ``data=imagenet`` has
-  ``root``), and a structured config adds every field it declares to every option and converts
-  values to its types (``warmup_epochs: 2`` becomes ``2.0``): the config each run records, and the
-  fingerprint resume compares, would change for every run. Here the schema only reads: an option
-  keeps its own keys and values.
-- The check is strict about Python types, as the code reading the values is: an integer where a
-  float is expected is a float; a float, a string or a boolean where an integer is expected is not;
-  ``true``/``false`` only for a boolean. A ``Literal`` annotation is a list of choices.
-- ``???`` (a value the user must give), an interpolation of one, and ``${hydra:...}`` outside a
-  Hydra app are left to :func:`vitexp.training.resolve.validate`, which names what to set; any other
-  interpolation that does not resolve (``recipe.lr=${nope}``) is refused here, naming its key.
-- A key the constructor does not take (``trainer.foo``, a method key its class lacks) is refused
-  here: it would fail inside the run, after its ledger entry. So are the ``lightning.Trainer``
-  arguments vitexp sets itself (``max_epochs`` comes from ``recipe.epochs``).
+Its reasoning: docs/commands.md, "vitexp/config/schema.py".
 """
 
 from __future__ import annotations

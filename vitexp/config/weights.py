@@ -1,18 +1,6 @@
 """Starting weights by tag: ``backbone.pretrained=weights:<tag>`` resolved through ``conf/weights.yaml``.
 
-A table spec row names its start as ``weights: <tag>`` (:func:`vitexp.config.rows.job_arguments` passes
-``backbone.pretrained=weights:<tag>``) or as ``weights: run:<row>`` (another row's run, the ledger's
-``run:<experiment>``), so ``vitexp-sweep TABLE --kind train`` launches every row with its own weights.
-
-Decisions:
-- The run's config keeps the tag, never the path: a row's fingerprint is the same on every machine,
-  and the path is resolved where the weights are read (:func:`vitexp.config.weights.resolve_weights`).
-- Looked for in order: ``$VITEXP_WEIGHTS/<file>``; timm's Hugging Face hub cache for the tag's
-  ``hub`` (timm's ``model.tag``: ``huggingface_hub.try_to_load_from_cache``, nothing fetched); a
-  download into that cache only with ``VITEXP_WEIGHTS_HUB=1`` (``HF_HUB_OFFLINE=1`` forbids it, as the
-  hub library does). A tag that resolves nowhere is a :class:`FileNotFoundError` naming the tag,
-  the file and every place looked in.
-- A hub file may be ``model.safetensors``: :func:`vitexp.models.factory.read_checkpoint` reads it.
+Its reasoning: docs/commands.md, "vitexp/config/weights.py".
 """
 
 from __future__ import annotations

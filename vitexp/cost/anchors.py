@@ -1,18 +1,6 @@
 """The measured rates GPU-hours are anchored on (``conf/cost.yaml``), and the GPU factor table.
 
-- An **anchor** is a model whose training and inference rates were measured on a named GPU (timm's
-  benchmark files; an objective's published training time), with its FLOPs counted by vitexp the way a
-  row's are (:func:`count_anchor`). A row's seconds per training image on GPU ``g`` are
-  ``(1 / anchor rate) × (row's training GFLOPs / anchor's) × (factor[anchor GPU] / factor[g])``: the
-  measured rate, scaled by the FLOPs ratio (a token-reduced or pruned model against its backbone; a
-  sibling architecture against its family's measured model), moved to ``g`` by the factor table.
-- A row's anchor: its objective's (:meth:`vitexp.training.objectives.base.Objective.cost_anchor`), else its
-  backbone's (``backbones``: ``same`` or ``sibling``), else ``flops_only`` (the backbone is timed at
-  the FLOPs rate of a measured model: marked FLOPs-only, with that rate).
-- **GPU factors** (:func:`gpu_factors`): training speed relative to the RTX 3090, the geometric mean
-  of two measured workloads' ratios (``conf/cost.yaml``). A GPU on which ``vitexp-bench
-  bench.mode=train_step`` timed the DeiT-S anchor (``scripts/gpu_check.sh anchor``) takes that
-  measurement over timm's DeiT-S rate instead, and a GPU outside the table gets a factor that way.
+Its reasoning: docs/cluster.md, "vitexp/cost/anchors.py".
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""The loader side of a row's cost: how fast its data loader prepares images, and how many workers it
-gets on a cluster node.
+"""The loader side of a row's cost: how fast its data loader prepares images, and how many workers it gets
+on a cluster node.
 
-- **Rate**: images per second per worker of the row's transform (its split, resolution, RandAugment,
-  random erasing) and decoder (``data.decoder``): the median over the completed ``vitexp-bench
-  bench.mode=loader`` runs that timed that transform (each run's own figure the median of its rounds)
-  (:mod:`vitexp.data.loader_bench`: the worker's CPU
-  time, i.e. one dedicated core). A row whose data has no decoder (CIFAR-100 from memory, COCO,
-  Fashion-MNIST) has no measured rate: its loader is not counted, which its cost table says.
-- **Workers**: ``min(data.num_workers, cpus_per_task − main_process_cores)``: the SLURM task's cores
-  (``conf/hydra/launcher/slurm.yaml``) less the training process's own (``conf/cost.yaml``).
-- **Which decoder is faster** (:func:`decoder_verdicts`): over the repeated bench runs of one transform,
-  a decoder wins when its slowest run (median of its rounds) beats every other decoder's fastest run: a
-  margin beyond the spread between repeated runs. ``data.decoder``'s default is the winner, else ``pil``.
+Its reasoning: docs/cluster.md, "vitexp/cost/loader.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """One row's GPU-hours, and a table's: the larger of the GPU's time and the loader's, phase by phase.
 
-For each stage of the row (its newest completed rehearsal gives the stages, their recipe epochs and
-the counted FLOPs of one training step per image) and for its evaluation:
-
-- **GPU time** = images × seconds per image on the target GPU (:func:`vitexp.cost.anchors.seconds_per_image`:
-  the row's anchor's measured rate × the FLOPs ratio × the GPU factor). A rehearsal measured on the
-  target GPU itself gives the training seconds per image directly (its step time over its batch).
-- **Loader time** = images / (images/s per worker × workers) (:mod:`vitexp.cost.loader`), where the
-  row's transform was timed; else not counted (the table says so).
-- The phase costs the larger of the two; the row is **loader-bound** when that makes it cost more than
-  its GPU time. **Workers to keep one GPU busy** = ⌈GPU images/s ÷ images/s per worker⌉ of the row's
-  busiest training stage (of its evaluation, for a row that only evaluates: a k-NN bank); the CPU cores
-  per GPU it needs are those plus the training process's.
-
-Images: training = a stage's epochs × the training split; evaluation = the validation split after every
-epoch of every stage, the test split once, and for a k-NN row (:data:`KNN_METHODS`) the training split
-(its memory bank) at each evaluation. Linear scaling over GPUs is assumed (DDP's all-reduce is not
-counted). A table's cost is the sum of its rows, each × its seeds; a row without a completed rehearsal or
-a known dataset size is listed and left out of the sum.
+Its reasoning: docs/cluster.md, "vitexp/cost/rows.py".
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The cost model against published training wall clocks (``conf/cost.yaml`` ``validation``).
 
-Each entry is a training run as it was published: its model (an anchor), images, GPUs and their
-kind, loader workers per GPU and how it evaluated. The model's wall clock for it is, per GPU,
-
-    max(training images per GPU × GPU seconds per image, training images per GPU ÷ (workers × images/s
-    per worker)) + evaluation images per GPU × GPU seconds per forward
-
-with the GPU seconds from the anchor moved to the published GPU by the factor table
-(:func:`vitexp.cost.anchors.seconds_per_image`; the anchor is the published model itself, so no FLOPs
-ratio enters) and the loader rate of the published transform where ``vitexp-bench bench.mode=loader``
-measured it (:mod:`vitexp.cost.loader`). A ``point`` publication holds when the two agree within
-:data:`FACTOR` either way; an ``upper_bound`` ("less than 3 days") when the model is not above the
-bound × :data:`FACTOR` (a bound says nothing about how far below it the run finished).
+Its reasoning: docs/cluster.md, "vitexp/cost/validation.py".
 """
 
 from __future__ import annotations

@@ -2,14 +2,7 @@
 :mod:`vitexp.data.fashion_mnist`; another objective's data: the one its plug-in in
 :mod:`vitexp.training.objectives` builds).
 
-Every module takes ``num_classes`` and ``batch_size`` from its config group and the model's
-data config (``timm.data.resolve_data_config``: input size, interpolation, mean, std, crop) from
-:func:`vitexp.training.build.build_model`, so images are prepared as the backbone's pretrained weights
-expect. Nothing is downloaded: a missing dataset root is a ``FileNotFoundError`` naming it.
-
-Reproducibility: every DataLoader carries its own seeded generator and the training sampler
-reshuffles from the seed and the epoch (:class:`EpochSeededSampler`), so a resumed run sees the same
-batches as an uninterrupted one and no loader draws from the global RNG.
+Its reasoning: docs/measurements.md, "vitexp/data/datamodules.py".
 """
 
 from __future__ import annotations

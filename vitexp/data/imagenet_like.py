@@ -1,23 +1,6 @@
 """A folder of ImageNet-like JPEGs for timing a data loader (``vitexp-bench bench.mode=loader``).
 
-ImageNet's training JPEGs are about 500 × 375 px and 110 KB on average, and a JPEG's decode time
-grows with its file size (entropy decoding), so the folder matches both: ``width`` × ``height`` px
-at ``target_kb`` on average. Smooth upscaled Fashion-MNIST alone compresses to a fraction of that
-and would decode faster than a photograph; the content is therefore built like one:
-
-- a mosaic of Fashion-MNIST images (the Debian package ``dataset-fashion-mnist``), each upscaled
-  bicubically to a random tile size, tinted and laid on a random background colour (edges, shapes);
-- plus texture at every scale: Gaussian noise octaves upsampled from 1/32 to full resolution with
-  amplitude falling as 1/f (shading, surfaces), and full-resolution grain whose amplitude is set by
-  bisection on a few probe images so that the mean file size reaches ``target_kb``.
-
-Layout: ``<root>/train/<class>/<n>.JPEG`` and ``<root>/val/<class>/<n>.JPEG`` (an ImageFolder, as
-``data=imagenet`` reads it), ``classes`` class folders; with ``val_per_class=0`` the ``val`` folder is
-a link to ``train`` (a loader benchmark times the evaluation transform on the training images).
-``manifest.json`` is written last, with
-the parameters and the measured file sizes: a folder without it (a killed generation) is rebuilt,
-one whose manifest names the same parameters is reused. The images live in a cache folder
-(:func:`default_root`), never in the repository.
+Its reasoning: docs/measurements.md, "vitexp/data/imagenet_like.py".
 """
 
 from __future__ import annotations

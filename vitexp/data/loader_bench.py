@@ -1,21 +1,7 @@
-"""How fast a row's data loader prepares images: images per second per worker, for each decoder
-(``vitexp-bench bench.mode=loader``; :mod:`vitexp.cost` divides a row's images by it).
+"""How fast a row's data loader prepares images: images per second per worker, for each decoder (``vitexp-
+bench bench.mode=loader``; :mod:`vitexp.cost` divides a row's images by it).
 
-- The loaders are the row's own (:class:`~vitexp.data.datamodules.ImageFolderDataModule`: its training
-  transform, batch, workers, pin memory), one per decoder, over the same folder of JPEGs
-  (:mod:`vitexp.data.imagenet_like`), timed in interleaved rounds (pil, tensor, pil, tensor, ...) so
-  that drift of the machine hits both alike.
-- **Per worker, in CPU time**: each batch carries its worker's id and the worker's CPU clock
-  (``time.process_time``) when the worker finished it (the loader's ``collate_fn`` is wrapped).
-  A worker's images per CPU-second are the images of its batches after its first, over the CPU
-  time between its first and last stamps: what one dedicated core delivers, and independent of how
-  many other processes share the machine. Wall-clock images per second per worker are recorded
-  beside it (on a loaded machine they are lower).
-- The ``tensor`` decoder's normalisation and random erasing run on the device, in the main
-  process (:class:`~vitexp.data.tensor_images.DeviceNormalize`): timed apart, as CPU ms per image here,
-  and not charged to the workers.
-- Reported per decoder: the median over rounds and the spread (min, max); the faster decoder wins
-  only when its slowest round beats the other's fastest (:func:`winner`).
+Its reasoning: docs/measurements.md, "vitexp/data/loader_bench.py".
 """
 
 from __future__ import annotations

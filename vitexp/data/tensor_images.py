@@ -1,26 +1,8 @@
-"""``data.decoder=tensor``: JPEGs decoded by ``torchvision.io.decode_jpeg``, augmented by transforms v2
-on uint8 tensors in the loader's workers, and normalised on the device (``decoder=pil``, timm's PIL
+"""``data.decoder=tensor``: JPEGs decoded by ``torchvision.io.decode_jpeg``, augmented by transforms v2 on
+uint8 tensors in the loader's workers, and normalised on the device (``decoder=pil``, timm's PIL
 pipeline, is :func:`vitexp.data.datamodules.timm_transforms`).
 
-A worker hands over uint8 C×H×W crops; :class:`DeviceNormalize` turns a batch on the device into
-``(x / 255 − mean) / std`` and applies random erasing there (timm's ``RandomErasing``, mode
-``const`` as :func:`~vitexp.data.datamodules.timm_transforms` uses it, on the normalised batch; it acts on the
-batch per image). So the workers skip the float conversion, normalisation and erasing of every
-pixel, which the GPU does in microseconds.
-
-The v2 pipeline follows timm's ``transforms_imagenet_train`` / ``transforms_imagenet_eval`` step by
-step: RandomResizedCrop (scale 0.08–1, ratio 3/4–4/3, the data config's interpolation, antialiased),
-horizontal flip 0.5, then RandAugment when the recipe names one, else ColorJitter 0.4 (brightness,
-contrast, saturation, as timm); evaluation resizes the short side to size / crop_pct and centre-crops.
-
-Decision: timm's RandAugment (``rand-mM-nN-mstdS-incI``) acts on PIL images only; the tensor path uses
-``v2.RandAugment(num_ops=N, magnitude=M, num_magnitude_bins=11)``, the same number of operations at the
-same fraction M/10 of the largest magnitude, but without timm's magnitude noise (``mstd``), with
-torchvision's operation set (no Invert or SolarizeAdd; Identity instead) and bilinear interpolation in
-its rotations, shears and translations (torchvision's tensor kernels have no bicubic there). That is a change
-of the
-augmentation: a run with ``data.decoder=tensor`` is a different configuration from one with ``pil``
-(the decoder is part of the run's fingerprint), which is why the decoder is a data option.
+Its reasoning: docs/measurements.md, "vitexp/data/tensor_images.py".
 """
 
 from __future__ import annotations

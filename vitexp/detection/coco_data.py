@@ -1,29 +1,8 @@
 """``data=coco``: COCO 2017 (or the micro COCO of :mod:`vitexp.detection.micro_coco`) in the standard
-layout, ``<root>/{train2017,val2017}/`` and ``<root>/annotations/instances_{train,val}2017.json``,
-read with torchvision's ``CocoDetection`` (pycocotools).
+layout, ``<root>/{train2017,val2017}/`` and ``<root>/annotations/instances_{train,val}2017.json``, read
+with torchvision's ``CocoDetection`` (pycocotools).
 
-Decisions:
-- A sample is ``(image, target)``: the image as float in [0, 1] (3, H, W) at its own size, the
-  target with ``boxes`` (x0, y0, x1, y1), ``labels`` (1..K: COCO's category ids in sorted order,
-  0 is background for torchvision's detectors), ``masks`` (uint8, N×H×W, from the annotation's
-  polygon or RLE) and ``image_id``.
-- Crowd regions as COCO treats them: a training target drops crowd annotations (``iscrowd: 1``)
-  and boxes under 1 px and clamps boxes to the image, as torchvision's detection reference does
-  (a crowd is no instance to learn). An evaluation target (validation and test) keeps every
-  annotation of the image as the JSON holds it (box unclamped, ``area`` from the file) and adds
-  ``iscrowd``, which ``MeanAveragePrecision`` hands to COCOeval: a detection that falls on a crowd
-  region is ignored, neither true nor false positive, and AP equals pycocotools' COCOeval on the
-  same predictions (tests/test_coco_eval.py).
-- Resizing and normalisation belong to the detector (torchvision's ``GeneralizedRCNNTransform``:
-  the recipe's ``min_size`` / ``max_size``), not to the data, so evaluation sees every image
-  at one scale rule.
-- ``generate`` (the micro COCO): when the root does not exist, it is written there first by
-  :func:`vitexp.detection.micro_coco.make_micro_coco` with these arguments.
-- Training flips horizontally with probability ``hflip``, drawn from (seed, epoch, index), so a
-  resumed run flips as the uninterrupted one. The training samplers yield ``(epoch, index)`` keys:
-  the epoch travels with each index to the loader's workers, which keep their own copy of the
-  dataset (persistent workers would otherwise flip every epoch as in the first). val2017 is both
-  the validation and the test split (COCO's practice: results are reported on val2017).
+Its reasoning: docs/full-size.md, "vitexp/detection/coco_data.py".
 """
 
 from __future__ import annotations

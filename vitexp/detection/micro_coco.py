@@ -1,25 +1,8 @@
-"""A micro COCO that a 2-core CPU can train on: real Fashion-MNIST items (or scikit-learn's digits
-when the Debian package ``dataset-fashion-mnist`` is absent) composed onto square canvases, with
-their boxes and instance masks, written in COCO 2017's layout so that ``data=coco`` reads it.
+"""A micro COCO that a 2-core CPU can train on: real Fashion-MNIST items (or scikit-learn's digits when the
+Debian package ``dataset-fashion-mnist`` is absent) composed onto square canvases, with their boxes and
+instance masks, written in COCO 2017's layout so that ``data=coco`` reads it.
 
-Decisions:
-- Each canvas holds 1 to ``max_items`` items, each an item image scaled by a random factor in
-  [``scale_min``, ``scale_max``] (bilinear), pasted where its box does not overlap any earlier
-  item's box (up to 50 tries, else the item is skipped), so instance masks are disjoint.
-- The instance mask is the item's pixels above ``threshold`` (of 255); the box is that mask's
-  tight extent (COCO ``[x, y, w, h]``, pixel-edge coordinates), ``area`` its pixel count, the
-  segmentation its RLE (pycocotools).
-- Items come from the source's training images for ``train2017`` and its test images for
-  ``val2017``, so no item is seen in both.
-- Crowd regions (``crowd``, off by default): with probability ``crowd`` a canvas also gets a
-  crowd, 3 to 5 items of one class at 0.6 to 0.8 of ``scale_min``, each pasted overlapping the
-  one before it by a third of its width (a group of touching items), placed clear of the other
-  boxes and annotated as one ``iscrowd: 1`` instance whose segmentation is an uncompressed RLE
-  (COCO's form for crowds), its box the group's tight extent. With ``crowd`` 0 no extra number
-  is drawn, so a crowd-free micro COCO is the same dataset it always was.
-- Deterministic for a seed: one ``numpy.random.Generator`` drives every choice, and images are
-  written as PNG without timestamps. The folder is written under a temporary name and renamed,
-  so an interrupted run leaves no half-written dataset.
+Its reasoning: docs/full-size.md, "vitexp/detection/micro_coco.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,6 @@
 """``objective: detect``: torchvision's Mask R-CNN around a vitexp backbone.
 
-The backbone (plain, or with a method applied: BSPF-ViT on CaFormer or SHViT) gives one feature map
-per stage through timm's ``forward_intermediates``; torchvision's ``FeaturePyramidNetwork`` (with
-its max-pool level) turns them into the pyramid; the RPN, RoI heads and mask head are torchvision's
-``MaskRCNN`` as it ships. vitexp writes only the adapter between the two.
-
-Decisions (``conf/detector/maskrcnn.yaml``):
-- Anchors: one size per pyramid level, ``anchor_scale`` × the level's stride (8 × stride is
-  torchvision's ResNet-50-FPN rule: strides 4…64 → 32…512), aspect ratios 0.5, 1, 2.
-- Head widths are torchvision's defaults (FPN 256 channels, box head 1024, mask head 4 × 256,
-  512 sampled RoIs per image) unless the config narrows them, as the micro COCO configs do (their
-  mask head still costs most of the detector's MACs: 0.65 of 0.75 GMACs with shvit_micro at 128 px).
-- BatchNorm layers of the backbone are frozen (``freeze_bn``), as detection fine-tuning does at
-  2 images per GPU, when the backbone starts from weights (``freeze_bn: auto``). A backbone trained
-  from scratch keeps them trainable: frozen at initialisation they would fix SHViT's zero-initialised
-  residual-branch BatchNorm scales at 0 and switch every block off.
-- Images are resized by the detector's ``GeneralizedRCNNTransform``: shorter side ``min_size``,
-  longer side at most ``max_size`` (the 1× schedule: 800 / 1333, one fixed scale), normalised with
-  the backbone's mean and std.
+Its reasoning: docs/full-size.md, "vitexp/detection/model.py".
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The published detector that detection rows' GPU-hours are anchored on (``conf/cost.yaml`` anchor
 ``maskrcnn_r50_fpn``: torchvision's Mask R-CNN ResNet-50 FPN and its measured training time), counted
 the way a detection row's rehearsal counts its own detector: the training step by
-:mod:`vitexp.cost.rehearsal.meter`'s counter, the forward by :func:`vitexp.detection.model.detector_macs`.
+:mod:`vitexp.cost.rehearsal.meter`'s counter, the forward by
+:func:`vitexp.detection.model.detector_macs`.
 
-Decisions: torchvision's ``maskrcnn_resnet50_fpn`` as its reference training builds it (random
-weights here: FLOPs do not depend on them; ``trainable_backbone_layers=3``, i.e. the stem and the
-first stage frozen, BatchNorm frozen), 91 classes, ``min_size`` 800 / ``max_size`` 1333; one
-training step on a synthetic image of the rehearsal's size (1280 × 800) with 4 instances
-(:class:`~vitexp.detection.synthetic.SyntheticInstances`, ``max_items`` 4 as a rehearsal draws up
-to), forward (the losses) and backward under torch's FLOP counter.
+Its reasoning: docs/full-size.md, "vitexp/detection/reference.py".
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""``data=synthetic_coco``: random instance-segmentation samples at any image size, for the rehearsal
-of a detection row at full size (:mod:`vitexp.rehearse`): no dataset on disk, no download.
+"""``data=synthetic_coco``: random instance-segmentation samples at any image size, for the rehearsal of a
+detection row at full size (:mod:`vitexp.rehearse`): no dataset on disk, no download.
 
-Decisions:
-- A sample is what :class:`vitexp.detection.coco_data.CocoInstances` yields: a float image in
-  [0, 1] of ``generate.height`` × ``generate.width`` (COCO's 1280 × 800 after Mask R-CNN's resize
-  for the full-size rows), and a target with 1 to ``generate.max_items`` axis-aligned rectangles
-  (``boxes`` x0, y0, x1, y1; ``labels`` in 1..``num_classes``; filled ``masks``; ``image_id``).
-  Each rectangle is drawn in a colour of its own over Gaussian noise, so the losses are those of
-  a real batch (positives for the RPN and the RoI heads, masks for the mask head).
-- Each sample is drawn from ``(seed, split, index)``: the same images on every process and after a
-  resume. Training flips follow :class:`CocoInstances` (no flip here: the boxes are random anyway).
-- The loaders, samplers and DDP behaviour are :class:`~vitexp.detection.coco_data.CocoDataModule`'s:
-  this module replaces only where the samples come from.
+Its reasoning: docs/full-size.md, "vitexp/detection/synthetic.py".
 """
 
 from __future__ import annotations

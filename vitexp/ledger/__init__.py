@@ -1,20 +1,8 @@
-"""The ledger: the one reader and writer of results. Nothing outside this package opens a run's
-entry; commands, tables and methods receive records from a :class:`Ledger` or write through a
+"""The ledger: the one reader and writer of results. Nothing outside this package opens a run's entry;
+commands, tables and methods receive records from a :class:`Ledger` or write through a
 :class:`LedgerEntry`.
 
-- :mod:`~vitexp.ledger.paths`: the results root, atomic writes, portable (relative) paths.
-- :mod:`~vitexp.ledger.schema`: what an entry holds; broken entries and :class:`LedgerError`.
-- :mod:`~vitexp.ledger.status`: ``running`` entries whose process is gone read as ``interrupted``.
-- :mod:`~vitexp.ledger.fingerprint`: the configuration a row matches runs by, and its exclusions.
-- :mod:`~vitexp.ledger.entry`: :class:`LedgerEntry`, one run's entry, its code and machine.
-- :mod:`~vitexp.ledger.sources`: a results folder, a snapshot, a W&B project.
-- :mod:`~vitexp.ledger.index`: :class:`Ledger`, every entry indexed, and the queries.
-- :mod:`~vitexp.ledger.marks`: what a table says about a cell's run (stale, busy, dirty).
-
-Decision: a command that needs a whole ledger (``vitexp-tables``) refuses to go on when an entry it
-could depend on is broken, naming the file and what is wrong (``--skip-broken`` goes on and lists the
-skipped files); a command that needs one run (``vitexp-eval``, ``run:<experiment>``) reads the
-entries it names.
+Its reasoning: docs/ledger.md, "vitexp/ledger/__init__.py".
 """
 
 from __future__ import annotations

@@ -1,38 +1,7 @@
-"""Writing one run's ledger entry: :class:`LedgerEntry`, and what it records of the code and the
-machine (:func:`environment`).
+"""Writing one run's ledger entry: :class:`LedgerEntry`, and what it records of the code and the machine
+(:func:`environment`).
 
-Decisions:
-- A run writes its entry when it starts (``running``, so a run killed by SIGKILL is visible), beats
-  it while it trains, and closes it ``completed``, ``failed`` or ``interrupted`` (SIGINT or SIGTERM:
-  :meth:`LedgerEntry.interrupt` records the signal). Every write goes through
-  :func:`vitexp.ledger.paths.atomic_write`; run ids carry a random suffix, so concurrent runs never collide.
-- A closed entry is never overwritten: closing twice raises. The one exception is a resumed run
-  (``resume=auto|true``), which reopens its own unfinished entry (:meth:`LedgerEntry.reopen`): the
-  earlier attempt moves to ``attempts`` with its times, its fit seconds per stage and how it ended
-  (how SLURM requeued it, ``requeued``, and where it started, ``resumed_from``);
-  an attempt whose process died without closing the entry (SIGKILL, a lost node) is closed there
-  as ``interrupted``. The run's ``fit_time_s`` and ``wall_time_s`` are then sums over its attempts:
-  each attempt records its seconds so far with every beat and at its close
-  (``attempt_fit_time_s`` per stage, ``attempt_wall_time_s``), which :meth:`LedgerEntry.reopen`
-  keeps with the attempt (``fit_time_s``, ``wall_time_s``; an attempt recorded before the wall
-  clock counts from its ``started`` to its ``finished``).
-- Each attempt records where its fits started (``resumed_from``: ``null`` for a fresh start, else
-  ``{stage: {checkpoint, epoch, global_step}}``, the checkpoint's portable path and the epochs done
-  and step the trainer restored, :meth:`LedgerEntry.resumed`): the proof that a requeued attempt
-  continued its predecessor instead of training again from scratch, which with the same seed ends
-  with the same metrics.
-- Code provenance: ``env.git_commit`` and ``env.git_dirty`` describe the code (``vitexp/``,
-  ``conf/``, ``sweeps/`` (the specs a sweep launches runs from), ``pyproject.toml``:
-  :data:`CODE_PATHS`; results are not code). A file of those folders that git does not track and
-  does not ignore (a new module, a new method's config) is code too: the tree is dirty and the
-  patch adds it. A run from a dirty tree stores ``git diff HEAD`` of those paths, followed by
-  each untracked file as a new file, as ``<results>/patches/<sha256[:16]>.patch``
-  (beside the ledger, committed with its entries: run folders are not; one file per distinct
-  diff), a copy as ``<run folder>/code.patch``, and the hash and results-relative path in
-  ``env.code_patch``, so the code that produced a number can be rebuilt from a clone; the run's W&B
-  code is the same patch.
-- Every entry records its ``fingerprint`` (:mod:`vitexp.ledger.fingerprint`) and the machine's load
-  when it started (``env.load``); a timing records the load it ran under in its protocol.
+Its reasoning: docs/ledger.md, "vitexp/ledger/entry.py".
 """
 
 from __future__ import annotations

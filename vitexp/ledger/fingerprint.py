@@ -1,46 +1,6 @@
 """The fingerprint of a run's configuration: what a table row matches runs by.
 
-A fingerprint is a short hash of the resolved config without the keys that do not change what a
-run measures (:data:`EXCLUDED`, the one list of them: run names (:func:`vitexp.config.composition.run_name`),
-fingerprints and table rows all read it). Two runs with one fingerprint trained, counted or timed the
-same configuration; a run with any other change (``trainer.limit_train_batches``, another
-``backbone.pretrained``, another precision) has another fingerprint.
-
-Decisions:
-- Excluded: the run's name and where it writes (``name``, ``output_dir``, ``results_dir``,
-  ``resume``, ``evaluates``), how it logs (``logger``), where its data lies and how it is read
-  (``data.root``, ``data.num_workers``, ``data.package``), the accelerator and the progress display
-  (``trainer.accelerator``, ``trainer.enable_progress_bar``, ``trainer.enable_model_summary``,
-  ``trainer.log_every_n_steps``), which costs are measured at the end (``eval.flops``,
-  ``eval.throughput`` and their settings ``eval.throughput_*``: they add metrics, they change none;
-  ``trainer.num_sanity_val_steps``: a check before training, no step, no draw from the training
-  order), how a model is timed (``bench``: a bench entry records its device, batch, precision and
-  mode in its ``protocol``, which a table row selects by; a train run never reads it) and the classes' import
-  paths
-  (``_target_`` at any depth: a class moved by a refactor is the same method, its group's ``name``
-  says which). Kept: the seed, precision, devices, strategy, every ``limit_*_batches`` and every
-  key of the identity groups.
-- ``backbone.pretrained: run:<run_id>`` (what validation pins ``run:<experiment>`` to) is read as
-  ``run:<experiment>``: each run pins the newest run of its start anew, and which one it loaded is
-  the table's concern (:meth:`vitexp.ledger.Ledger.start_of`), not the configuration's.
-- A group that only one objective reads (its plug-in's ``config_groups``:
-  :data:`GROUP_OWNERS`) is left out of every other run's fingerprint: a
-  classification run is the same whatever the settings of another objective's group.
-- Keys whose values reach a run only through the interpolations of other keys (:data:`INTERPOLATED`:
-  the per-backbone BSPF defaults ``bspf_spec.*``, before them ``backbone.bspf.*``, which method=bspf
-  and chunk read as ``${bspf_spec.chunk_size}``) are left out: the keys that read them are recorded
-  resolved (``method.chunk_size``), and say what the run did.
-- A key that moved keeps its meaning (:data:`MOVED`): a run recorded before the move is read with
-  the key where it lies today (``method.freeze_backbone: true`` is ``method.trainable: scores``).
-- A ledger entry stores ``fingerprint`` as ``<VERSION>:<hash>``; an entry of another version, or
-  without one (entries written before fingerprints, W&B runs), is fingerprinted from its recorded
-  config (:func:`of_record`): every entry with a run's config is matched by its config.
-- A key that today's config has and a run's recorded config lacks (an option added since) separates
-  the run from its row unless today's value is the one such a run had: the key's default in its
-  config group, read from the group file (:func:`differences`, given the row's ``default_of``), or,
-  for an option added with a default that is not what runs before it did, the value of
-  :data:`CHANGED_DEFAULTS`. A key the run has and today's config lacks, or another value, separates
-  it too.
+Its reasoning: docs/ledger.md, "vitexp/ledger/fingerprint.py".
 """
 
 from __future__ import annotations

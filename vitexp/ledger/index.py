@@ -1,27 +1,9 @@
-"""The ledger as one indexed object: :class:`Ledger` loads a results folder, a snapshot or a W&B
-project once, keeps every entry that keeps the schema (and the broken ones aside), and answers the
-queries the commands need, each from an index (by run id, by name, by fingerprint), so that a table
-is linear in runs + cells.
+"""The ledger as one indexed object: :class:`Ledger` loads a results folder, a snapshot or a W&B project
+once, keeps every entry that keeps the schema (and the broken ones aside), and answers the queries the
+commands need, each from an index (by run id, by name, by fingerprint), so that a table is linear in
+runs + cells.
 
-Decisions:
-- Entries are ordered oldest first by ``started`` (files: then by run id; records handed in: then
-  in the order given); "the newest" is the last in that order.
-- A row's runs (:meth:`Ledger.row_runs`) are found by their configuration only: the runs whose
-  fingerprint (:func:`vitexp.ledger.fingerprint.of_record`: stored, or computed from the recorded
-  config for entries written before fingerprints and W&B runs) is the row's composed config's,
-  whatever their name, and the runs under the row's names (the row's, or ``<name>+seed=<s>``)
-  whose recorded config differs from today's only by keys added since at the value such a run had
-  (:func:`vitexp.ledger.fingerprint.differences`, each missing key read at its group file's default,
-  :attr:`RowQuery.default_of`). The other runs under the row's name are left out and listed in
-  :attr:`Ledger.unmatched`. A row that does not compose today (its experiment file removed) has no
-  config to match by: its runs are those recorded under its names. A start row
-  (``RowQuery.own_name``) keeps only the runs under its own names: ``run:<name>`` loads the newest
-  run so named, and a from-scratch row with the start's exact configuration must not take its place.
-- A broken entry is reported for a row it could be a run of (:meth:`Ledger.broken_for`): by the
-  name it records (or its file's name), or by the config it still holds; one that holds no
-  readable config could be any configuration's, so it is reported for every row that composes.
-- The index is linear in entries: keyed by run id, by name and by fingerprint, each entry's
-  fingerprint computed once; a row's config is composed once per seed (Hydra, a fraction of a second).
+Its reasoning: docs/ledger.md, "vitexp/ledger/index.py".
 """
 
 from __future__ import annotations

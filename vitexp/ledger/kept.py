@@ -2,21 +2,7 @@
 (``backbone.pretrained=run:<name>``) can be trained on another machine, or after this machine's
 ``outputs/`` are gone, against the same start.
 
-Decisions:
-- What is kept: the weights of a table's shared start (a row with ``seeds: null`` whose seeded rows
-  load it, :func:`vitexp.config.rows.shared_start`); ``vitexp-sweep TABLE --keep-starts`` keeps them,
-  and a sweep keeps them after it ran. Other runs' weights stay in their run folders.
-- Where: ``<results>/weights/<run_id>.pth`` beside ``<run_id>.json`` (the run, its experiment, the
-  file's size and sha256, read from the file the entry records where :func:`keep` runs). A kept
-  copy whose bytes differ from its record, or whose record names another run, is refused when read
-  (a truncated copy, a Git LFS pointer that was never pulled), naming both hashes.
-- The hash a run recorded (``artifacts.weights_sha256``: every train run saves it; older entries
-  have none) is the reference: a file is kept only while it still has it, a kept record must agree
-  with it, and a run folder's file that no longer has it is not read (the kept copy is, when it
-  has it). Entries without it are read and kept on the kept record's hash alone.
-- Reading: the file the entry records when it is on this machine (and has the recorded hash), else
-  the kept copy (:func:`weights_file`); nothing is fetched. Hashing is read-bound (about 1 s per
-  GB); a start is read a few times per run.
+Its reasoning: docs/ledger.md, "vitexp/ledger/kept.py".
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """What a table says about the run behind a cell, beyond its number.
 
-- **stale** (:func:`stale`): trained under a protocol today's code no longer reproduces. One rule
-  today: a training run that took steps and whose protocol has no ``data_order`` (the sampler before
-  ``seed * 1000003 + epoch``, which drew epoch e of seed s from ``s + e``; a run resumed from such a
-  checkpoint records ``data_order_resumed_from``) with a recorded seed other than 0 (seed 0 drew the
-  same orders under both samplers). ``vitexp-train`` of today gives another number for it.
-- **busy** (:func:`busy`): a throughput timed while the machine had more runnable threads than
-  cores (the 1-minute load average above the CPU count, recorded with the timing as
-  ``protocol[...]["load"]``; a ``bench.compare`` entry's load average before and after): the timing
-  shared its cores. A timing recorded without a load is not judged.
-- **no diff** (:func:`diff_missing`): trained from a dirty tree (``env.git_dirty``) whose diff was
-  not kept (no ``env.code_patch``): the code that produced the number cannot be rebuilt from the
-  repository, unless a rerun at the recorded commit gave every recorded metric again
-  (:func:`rebuilt`, :mod:`vitexp.commands.rebuild`), in which case the table drops the mark and counts it in
-  its notes. Before commit 6014b6c the dirty flag covered every tracked file (a table or spec
-  rewritten by ``vitexp-tables`` set it), so the flag alone says nothing about the code.
+Its reasoning: docs/ledger.md, "vitexp/ledger/marks.py".
 """
 
 from __future__ import annotations

@@ -1,30 +1,6 @@
 """Packs: a results root's completed entries, folded into one compressed file per pack.
 
-``<root>/runs/`` holds one JSON file per run: the entry a running process rewrites (heartbeats,
-stages, attempts), resumes and closes. A project accumulates hundreds of them (each a file in every
-clone and in ``git status``); once completed an entry never changes again. ``vitexp-tables --pack``
-moves every completed entry of ``runs/`` into ``<root>/ledger/<time>.jsonl.gz`` (a snapshot:
-:func:`vitexp.ledger.sources.write_snapshot`, one JSON object a line, sorted, gzip'ed: about a thirtieth
-of the files' bytes) and removes their files; :meth:`vitexp.ledger.Ledger.load` reads the packs and
-the folder as one ledger, so tables, sweeps and ``run:<experiment>`` weights see the same runs before
-and after a pack (a test regenerates tables from both).
-
-Decisions:
-- Only ``completed`` entries are packed: a failed or interrupted entry may still be reopened by
-  ``resume=auto`` (:meth:`vitexp.ledger.LedgerEntry.load` reads ``runs/<run_id>.json``).
-- Written, read back and compared before any file is removed; a pack never rewrites an older pack,
-  so the history of ``main`` grows by the compressed new entries only. A pack holds the ledger's lock
-  (``<root>/ledger/.lock``, ``flock``) from reading ``runs/`` to its last removal: two packs at once
-  run one after the other, and the second finds the first's entries packed (an entry already in a
-  pack is not packed again; its file, if it is still there, is removed once it is the pack's
-  copy byte for byte in JSON). The pack's file is created exclusively (two in the same second: the
-  second stops before it removes anything), and an entry written in the last :data:`SETTLED_S`
-  seconds waits for the next pack.
-- An entry found both in a pack and in ``runs/`` (a copy put back by hand) is read from ``runs/``.
-- Packs are read once per process (:func:`pack_index`, keyed by each file's size and modification
-  time): a lookup by run id is a dictionary's. A pack that cannot be read to its end is one broken
-  entry naming it; a lookup that does not find its run in the readable packs then raises
-  :class:`~vitexp.ledger.schema.LedgerError` naming it, since the run could be in it.
+Its reasoning: docs/ledger.md, "vitexp/ledger/packs.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""Where results live and how their paths are written: atomic writes, and paths that hold no
-machine's absolute location.
+"""Where results live and how their paths are written: atomic writes, and paths that hold no machine's
+absolute location.
 
-Decisions:
-- Every file vitexp writes goes through :func:`atomic_write`: a temporary file beside the target,
-  fsync'ed, then ``os.replace``d over it, so a killed process never leaves half a file.
-- The results root is ``$VITEXP_RESULTS`` when set, else ``results/`` in the source checkout
-  (:func:`default_results_dir`); its ``runs/`` folder is the ledger (or a snapshot file, see
-  :mod:`vitexp.ledger.sources`).
-- A path stored in a ledger entry or a closing JSON line is relative (:func:`portable_path`): to the
-  project root when it lies inside the checkout (what the committed entries hold), else to the
-  results root, with ``..`` when it lies outside both (a run folder under ``/scratch``). No absolute
-  path of a machine is ever stored; :func:`local_path` turns a stored path back into one here.
-  Error texts get the same treatment for every absolute path they quote that lies in the checkout,
-  the results root or the run's folder (:func:`portable_text`); a system path or a placeholder
-  stays as written.
+Its reasoning: docs/ledger.md, "vitexp/ledger/paths.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """The schema of a ledger entry, checked on every entry the ledger loads.
 
-An entry (``<results>/runs/<run_id>.json``) is one JSON object. Required: ``run_id`` (the file's
-name without ``.json``), ``experiment`` (the name the run was recorded under), ``status`` (one of
-:data:`STATUSES`), ``kind`` (one of :data:`KINDS`) and ``started`` (an ISO 8601 time, UTC when it
-names no zone, not later than now + :data:`CLOCK_SKEW_S`). Every other field is optional (entries
-written by older code lack the newer ones) but, when present, has the type :data:`FIELDS` gives:
-``config``, ``metrics``, ``protocol``, ``env`` and ``artifacts`` are objects, ``attempts`` a list
-of objects, times and ids are strings (``finished`` and ``error`` may be null), ``resumed_from`` an object or
-null, and a metric is a
-number, a list of numbers, a string, a boolean or null.
-
-Decisions:
-- A file that does not parse, or whose object breaks the schema, is a :class:`BrokenEntry`: the
-  ledger keeps it aside with the file's name and what is wrong, and never skips it in silence
-  (:class:`LedgerError`, :meth:`vitexp.ledger.Ledger.check`).
-- ``started`` orders a row's runs (the newest wins a cell): an entry without one, or whose start
-  lies in the future (a wrong clock, a hand edit), would win or lose every cell without a word, so
-  it is broken. :data:`CLOCK_SKEW_S` allows the clocks of a cluster's nodes to disagree a little.
-- Unknown top-level keys are allowed: a method's record (``kept_heads``, ``phases``, ...) lives
-  beside the fixed fields.
+Its reasoning: docs/ledger.md, "vitexp/ledger/schema.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Where a ledger is read from: a results folder (``<root>/runs/*.json``), a snapshot file, or a W&B
 project; and how a snapshot is written.
 
-Decisions:
-- Results off ``main``'s history, tables on it: the run entries of a project live in the results
-  root ``$VITEXP_RESULTS`` (default ``results/`` of the checkout), completed ones folded into
-  compressed packs (:mod:`vitexp.ledger.packs`); a release can ship one snapshot
-  (:func:`write_snapshot`: every entry exactly as written, key order kept, one JSON object a line,
-  sorted by run id, gzip'ed), from which ``vitexp-tables --ledger <snapshot>`` regenerates the
-  committed tables byte for byte. A team may keep its runs in any folder or on a ``results``
-  branch checked out as a worktree (``export VITEXP_RESULTS=../vitexp-results``).
-- Every entry is checked against :mod:`vitexp.ledger.schema` as it is read; a file that does not
-  parse or breaks the schema is kept aside as a :class:`~vitexp.ledger.schema.BrokenEntry`, never
-  skipped in silence. A snapshot or pack that cannot be read to its end (truncated, not gzip, not
-  UTF-8) is one broken entry naming the file, and none of its entries is read: what it lost could
-  be any run's newest. A W&B project that cannot be listed raises :class:`WandbError`; one run that
-  cannot be read is a broken entry naming the run.
-- What a broken file still says is kept with it (:func:`salvage`: its ``experiment``, ``kind`` and a
-  ``config`` that parses whole), so a table can tell whether it could be one of its rows' runs.
+Its reasoning: docs/ledger.md, "vitexp/ledger/sources.py".
 """
 
 from __future__ import annotations

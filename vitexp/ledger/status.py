@@ -1,14 +1,6 @@
-"""What an entry's status means now: a ``running`` entry whose process is gone reads as
-``interrupted``.
+"""What an entry's status means now: a ``running`` entry whose process is gone reads as ``interrupted``.
 
-Decisions:
-- A ``running`` entry records its ``host`` and ``pid``; on this host it is interrupted once that
-  process no longer exists. An entry from another host (a cluster node) is judged by its
-  ``heartbeat`` (written after every training epoch and validation; before the first, its start):
-  older than ``$VITEXP_STALE_HOURS`` (default :data:`STALE_HOURS`) reads as interrupted. Work outside
-  a fit (RAPTOR's phase pass, flops, bench) does not beat.
-- An entry closed by a signal is stored ``interrupted`` (:meth:`vitexp.ledger.LedgerEntry.interrupt`);
-  it reads as it is stored.
+Its reasoning: docs/ledger.md, "vitexp/ledger/status.py".
 """
 
 from __future__ import annotations

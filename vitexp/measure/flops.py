@@ -1,17 +1,6 @@
 """MAC/FLOP counting under an explicit protocol.
 
-Convention (reproduces the published DeiT / T2T-ViT / LV-ViT figures): multiply-accumulates
-of matmuls, linear layers and convolutions, **attention matmuls included**; normalisations and
-element-wise ops (add, GELU, softmax, scaling) are not counted. ``gmacs`` is 1e9 MACs (what the
-token-pruning papers call "FLOPs"); ``gflops`` = 2 × MACs (what SAPER and RAPTOR print).
-
-The counter is fvcore's ``FlopCountAnalysis`` (its "flops" are MACs). fvcore and
-``torch.utils.flop_counter`` do not count ``aten::scaled_dot_product_attention`` on CPU, which
-timm's fused attention calls, so vitexp registers a handle for it; fvcore's default handles for
-normalisations and resampling are switched off to follow the convention. Methods that add ops
-register their handles with :func:`register_op_handle`; methods whose counted forward decides
-something the figure depends on (BSPF's chunk layout, its realised keep fractions) register a
-:func:`register_model_record`, read after the counted forward into the protocol and the metrics.
+Its reasoning: docs/flops.md, "vitexp/measure/flops.py".
 """
 
 from __future__ import annotations

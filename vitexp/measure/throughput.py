@@ -1,21 +1,6 @@
 """Throughput, side by side and interleaved, and Lightning's per-step overhead.
 
-- :func:`measure_throughput`: images/s of a model alone (eval, no grad), warm-up discarded.
-- :func:`compare_throughput`: several models timed in one process in interleaved rounds
-  (A, B, A, B, ...), so drift of the machine (thermal, other load) hits all alike; the median
-  over rounds is reported. Each round is one ``torch.utils.benchmark.Timer.timeit`` (which
-  synchronises CUDA and runs its own warm-up) with the process's thread count.
-- Protocol (:func:`throughput_protocol`): on a GPU the field's, batch 256 under bf16 autocast; on
-  the CPU batch 64 in fp32. ``bench.batch_size`` / ``bench.amp`` set to a value override it.
-- Every timing records the machine's load when it started (``load``: the 1/5/15-minute load
-  average, the CPU count and this process's threads); a table marks a throughput timed while the
-  load average exceeded the CPU count (:mod:`vitexp.ledger.marks`).
-- :func:`vitexp.training.overhead.lightning_overhead`: seconds per training step of the same model on the same
-batches,
-  in a plain PyTorch loop and under ``lightning.Trainer``; the overhead is their ratio − 1.
-- :func:`measure_train_step`: training images/s of a model on its device (forward, cross-entropy,
-  backward, AdamW step on one synthetic batch; bf16 autocast where the protocol says), the
-  measurement timm's training benchmark makes, which :mod:`vitexp.cost` anchors GPU-hours on.
+Its reasoning: docs/measurements.md, "vitexp/measure/throughput.py".
 """
 
 from __future__ import annotations

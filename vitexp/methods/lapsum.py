@@ -1,32 +1,7 @@
-"""LapSum soft top-k (Struski et al., ICML 2025, arXiv 2503.06242): closed form after a sort,
-with an O(n) custom backward.
+"""LapSum soft top-k (Struski et al., ICML 2025, arXiv 2503.06242): closed form after a sort, with an O(n)
+custom backward.
 
-F is the Laplace CDF: F(x) = ½eˣ for x ≤ 0 and 1 − ½e⁻ˣ for x > 0. For scores r₁..rₙ, a
-temperature α > 0 and a real k in (0, n), the output is p_i = F((r_i − t)/α), where t solves
-Σ p_i = k.
-
-**Forward.** With s = r/α sorted and c = t/α, let the solution lie between knots s_{j−1} ≤ c ≤ s_j,
-so that j scores lie to the left of c. Then
-
-    g(c) = ½ e^{L − c} + (n − j) − ½ e^{R + c},   L = log Σ_{i<j} e^{s_i},   R = log Σ_{i≥j} e^{−s_i}.
-
-- Setting g(c) = k and writing y = e^{L − c} gives the quadratic y² + 2m·y − e^{L+R} = 0, with
-  m = n − j − k. Its positive root is taken in the cancellation-free form, in logs, so that a
-  vanishing e^{L+R} (well-separated scores, small α) still gives a finite threshold.
-- L and R come from log-cumulative-sum-exp, so nothing overflows for scores of any magnitude
-  (L + R ≤ log(j(n − j))).
-- The interval j comes from a binary search (``searchsorted``) over g at the knots, which is
-  decreasing. The sort makes the whole forward O(n log n).
-
-**Backward.** With x_i = (r_i − t)/α, f_i = ½e^{−|x_i|}, S = Σ f and q = f/S, the closed-form
-derivatives are:
-
-    ∂p/∂r = (S/α)(diag q − q qᵀ),   ∂p/∂k = q,   ∂p/∂α = −(S/α²) q ⊙ (r − ⟨q, r⟩).
-
-The vector–Jacobian products need only ⟨q, ·⟩ inner products, so they are O(n); no n×n matrix is
-formed. q is a softmax of −|x|, and S is computed in the log domain.
-
-Limits: as α → 0 the output tends to the hard top-k indicator; as α → ∞ it tends to k/n everywhere.
+Its reasoning: docs/reading-saper.md, "vitexp/methods/lapsum.py".
 """
 
 from __future__ import annotations

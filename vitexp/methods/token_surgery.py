@@ -1,16 +1,6 @@
 """What ToMe and EViT share when they patch a live ViT (ToMe-style class swap).
 
-The methods swap a block's and an attention's ``__class__`` for a subclass whose forward adds
-the token reduction; LayerScale (``ls1``/``ls2``), drop path and the norms stay timm's own
-modules. These helpers hold the pieces of that forward the two methods write alike:
-
-- :func:`vit_blocks`: the blocks and prefix-token count of a patchable ViT (timm's
-  ``VisionTransformer``, DINOv2 with registers, vitexp's T2T-ViT and LV-ViT), or a clear error.
-- :func:`heads`: q, k, v of shape B×H×N×d from timm's ``qkv`` projection (q/k norms applied).
-- :func:`attend` and :func:`project`: scaled dot-product attention with ``attn.scale`` (T2T-ViT's
-  ``qk_scale`` is honoured) and an optional additive float bias, then the output projection.
-- :func:`keep_residual_scale`: LV-ViT divides both residual branches by ``skip_lam``; the value
-  is copied onto the instance before the class swap so the patched block keeps dividing.
+Its reasoning: docs/reading-peers.md, "vitexp/methods/token_surgery.py".
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Pieces shared by vitexp's own architectures (T2T-ViT, LV-ViT).
 
-:class:`ClsTokenViT` gives them timm's model contract as timm's ``VisionTransformer`` defines it:
-``num_features`` / ``head_hidden_size`` / ``num_prefix_tokens`` / ``feature_info``,
-``forward_features`` / ``forward_head(pre_logits=...)``, ``forward_intermediates`` and
-``prune_intermediate_layers`` (so ``timm.create_model(..., features_only=True)`` works through
-timm's ``FeatureGetterNet``), FX tracing and TorchScript.
-
-This module does not use postponed annotations: TorchScript reads the annotations of the modules
-it compiles and needs them as types, not strings.
+Its reasoning: docs/reading-backbones.md, "vitexp/models/_common.py".
 """
 
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union

@@ -1,22 +1,7 @@
 """DINOv2 hub checkpoints (``dinov2_vit*14[_reg4]_pretrain.pth``, the files ``torch.hub.load(
 "facebookresearch/dinov2", ...)`` loads) in timm's DINOv2 ViTs.
 
-timm's ``vision_transformer.checkpoint_filter_fn`` converts the keys: it drops ``mask_token``,
-and with registers folds ``pos_embed[:, 0]`` into ``cls_token`` and moves ``register_tokens`` to
-``reg_token`` (timm's registers carry no position, as in DINOv2). The position table is another
-matter. A hub checkpoint holds it on the 37×37 grid of 518 px; the hub model keeps that table and
-interpolates it at every forward pass to the input's grid (``interpolate_pos_encoding``), while
-timm resamples it once, at load, to the model's ``img_size``. The two rules differ:
-
-- DINOv2 without registers (hub ``interpolate_offset=0.1``, ``interpolate_antialias=False``):
-  bicubic with scale factor (g + 0.1) / 37 and no antialiasing;
-- DINOv2 with registers (``interpolate_offset=0.0``, ``interpolate_antialias=True``): bicubic to
-  size g with antialiasing, which is also timm's rule;
-
-both in float32. :func:`hub_pos_embed` applies the hub's rule, and :func:`load_hub_pos_embed` puts
-its result in the model after timm has loaded the rest, so ``backbone.pretrained=<hub file>`` at
-224 px gives the hub model's 224 px outputs (``tests/test_reference_equivalence.py``). Without
-it, DINOv2 ViT-S/14 at 224 px would start from a differently smoothed position table.
+Its reasoning: docs/reading-backbones.md, "vitexp/models/dinov2.py".
 """
 
 from __future__ import annotations

@@ -1,41 +1,6 @@
 """Build a backbone from its config group (``conf/backbone/*.yaml``).
 
-Decisions:
-- Weights come only from a local file: ``pretrained`` is a path or null. A missing file is a
-  ``FileNotFoundError`` naming the path; a file whose keys do not fit the model is a
-  ``CheckpointMismatchError`` naming the file, the keys the model expected and did not find, and
-  the keys it did not expect (:func:`load_checkpoint`).
-- Which weights of a training checkpoint: the set the architecture's reference evaluation loads
-  (T2T-ViT's ``main.py --eval_checkpoint``: ``state_dict_ema``; TokenLabeling's ``validate.py``:
-  ``state_dict``; SHViT's ``main.py --eval``: ``model``; every other release holds one set), with
-  the file and line of each reference in :mod:`.weight_sets`. ``backbone.use_ema=true`` /
-  ``false`` overrides that in either direction and never falls back to the other set; a file
-  without the set asked for is refused in one line naming the override that loads what it holds
-  (a :class:`~vitexp.errors.CheckpointError`). A file that is a plain state dict (no such keys) is
-  the weights. The model records what was loaded as ``model.pretrained_weights``
-  (:class:`LoadedWeights`), which the ledger entry of a run names. A ``module.`` prefix is
-  stripped (timm's ``clean_state_dict``), and an ``args`` Namespace beside the weights is allowed
-  (:data:`SAFE_GLOBALS`).
-- ``backbone.use_ema`` is not written in the ``conf/backbone`` files: a key there would change the
-  fingerprint of every run in the ledger, and the tables would lose them. Absent means the
-  reference evaluation's set; ``++backbone.use_ema=true`` (or ``=false``) adds it
-  (:data:`vitexp.config.composition.ADDABLE_KEYS`), and the schema types it.
-- The weights then go through the checkpoint filter timm's own loading would use for this model:
-  the ``pretrained_filter_fn`` its create function hands ``build_model_with_cfg``, partial
-  arguments included (DeiT-III's ``adapt_layer_scale=True``), captured as the model is built
-  (:func:`_create`); without one captured, the ``checkpoint_filter_fn`` of the model's module. The
-  filter converts keys and resizes position embeddings to the model's grid. A filter that fails on
-  the file (a key lookup, a reshape of another model's table) is a ``CheckpointMismatchError``.
-- The classifier: when the class count differs from the pretrained config's, classifier tensors
-  that do not fit are dropped and re-initialised (timm's rule), and ones that fit are loaded (a
-  checkpoint trained for this class count). Every other key must be in the file, and nothing
-  else may be: timm alone loads without strictness whenever the class count differs, which let
-  any file "load".
-- Layouts timm's filters do not convert: SHViT's original releases (:mod:`.shvit`). A DINOv2 hub
-  checkpoint gets the hub's position-table interpolation (:mod:`.dinov2`), and a timm MetaFormer
-  (CaFormer) the official head LayerNorm eps (:func:`.caformer.official_head_eps`).
-- timm's adaptation of the first convolution to another ``in_chans`` is not applied (vitexp's
-  data always have 3 channels): such a checkpoint is refused with the size mismatch named.
+Its reasoning: docs/reading-backbones.md, "vitexp/models/factory.py".
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""LV-ViT (Jiang et al., "All Tokens Matter: Token Labeling for Training Better Vision
-Transformers", NeurIPS 2021), registered with timm as ``lvvit_s`` (and ``lvvit_micro`` for CPU tests).
+"""LV-ViT (Jiang et al., "All Tokens Matter: Token Labeling for Training Better Vision Transformers",
+NeurIPS 2021), registered with timm as ``lvvit_s`` (and ``lvvit_micro`` for CPU tests).
 
-Architecture, as in the official code:
-- Stem ("4_2" patch embedding): conv 7×7/2 (3→64, no bias) + BN + ReLU, two conv 3×3 (64→64, no
-  bias) + BN + ReLU, then conv 8×8/8 (64→dim): 16-pixel patches.
-- CLS token and a learned position embedding; pre-norm blocks whose residual branches are divided
-  by ``skip_lam`` = 2. The blocks are timm's ``Block`` with timm's ``Attention`` (qkv without bias),
-  so token-reduction methods patch them like any timm ViT. LayerNorms use eps 1e-5 (PyTorch's
-  default, as the official model).
-- An auxiliary head on the patch tokens. In eval the logits are the class head plus 0.5 × the
-  maximum over tokens of the auxiliary head; in training :meth:`LVViT.forward` returns the same
-  combination (token labeling's dense targets are out of scope).
-
-Checkpoints: the official ``.pth.tar`` files hold ``state_dict`` or ``state_dict_ema``, sometimes
-with a ``module.`` prefix. :func:`checkpoint_filter_fn` unwraps them and resizes the position
-embedding when the resolution differs.
+Its reasoning: docs/reading-backbones.md, "vitexp/models/lvvit.py".
 """
 
 from typing import Any, Dict, Optional, Tuple, Union

@@ -1,16 +1,9 @@
-"""SHViT (Yun & Ro, "SHViT: Single-Head Vision Transformer with Memory Efficient Macro Design",
-CVPR 2024) comes from timm (``shvit_s1`` … ``shvit_s4``: a 16×16 overlapping conv stem, three
-stages at strides 16 / 32 / 64, single-head attention on ``partial_dim`` of the channels in stages 2
-and 3). vitexp adds ``shvit_micro``: the same layout at micro width for CPU runs and tests
-(128 px: 8×8, 4×4 and 2×2 grids).
+"""SHViT (Yun & Ro, "SHViT: Single-Head Vision Transformer with Memory Efficient Macro Design", CVPR 2024)
+comes from timm (``shvit_s1`` … ``shvit_s4``: a 16×16 overlapping conv stem, three stages at strides 16
+/ 32 / 64, single-head attention on ``partial_dim`` of the channels in stages 2 and 3). vitexp adds
+``shvit_micro``: the same layout at micro width for CPU runs and tests (128 px: 8×8, 4×4 and 2×2 grids).
 
-Checkpoints of the original code (ysj9909/SHViT, ``{"model": state_dict}`` from its ``main.py`` and
-its releases) name the stages ``blocks1`` … ``blocks3``, each later one starting with the
-downsampling (residual depthwise conv, residual FFN, PatchMerging, residual depthwise conv, residual
-FFN). timm's ``checkpoint_filter_fn`` leaves them as they are (its conversion is commented out:
-timm loads its own converted weights), so :func:`original_to_timm` renames them for
-``build_backbone``; 1×1 convolutions stored as matrices are reshaped, as the original ``build.py``
-does.
+Its reasoning: docs/reading-backbones.md, "vitexp/models/shvit.py".
 """
 
 from __future__ import annotations

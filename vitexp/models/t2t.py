@@ -1,28 +1,8 @@
-"""T2T-ViT (Yuan et al., "Tokens-to-Token ViT", ICCV 2021), registered with timm as
-``t2t_vit_14`` (Performer tokens-to-token module), ``t2t_vit_t_14`` (Transformer variant) and
-``t2t_vit_micro`` (CPU tests). Parameter names follow the official code, so its checkpoints load.
+"""T2T-ViT (Yuan et al., "Tokens-to-Token ViT", ICCV 2021), registered with timm as ``t2t_vit_14``
+(Performer tokens-to-token module), ``t2t_vit_t_14`` (Transformer variant) and ``t2t_vit_micro`` (CPU
+tests). Parameter names follow the official code, so its checkpoints load.
 
-- Tokens-to-token module: Unfold(7, s4, p2) → token block (147 → 64) → Unfold(3, s2, p1) → token
-  block (576 → 64) → Unfold(3, s2, p1) → Linear(576 → dim).
-  - A Performer token block has a single head with 32 random features from a frozen orthogonal
-    matrix ``w``.
-  - A Transformer token block has a single head, MLP ratio 1, and a skip connection from v.
-- Backbone: a fixed sinusoidal position embedding, pre-norm blocks with qkv
-  without bias and MLP ratio 3, and a CLS head after the final norm. The blocks are timm's
-  ``Block``, with an attention that honours ``qk_scale``, and every LayerNorm has the official
-  ``nn.LayerNorm``'s eps 1e-5 (timm's ``Block`` default, 1e-6, moved full-size T2T-ViT-14's
-  logits by about 1e-5, 5e-6 of their largest, on seeded weights).
-- The Performer's random features are computed in at least float32 (the official code casts to
-  float32; vitexp keeps float64 in float64, so the model can be checked in float64).
-- The fixed tables (``w``, ``pos_embed``) are persistent buffers under the official keys (official
-  ``nn.Parameter(requires_grad=False)``): checkpoints load, every parameter gets a gradient, and
-  ``vitexp.measure.flops.count_params`` still counts them, as the official parameter count does.
-- **qk_scale.** The official ``t2t_vit_14(pretrained=True)`` builds the backbone's attention with
-  scale 384^-0.5. Its evaluation script builds the model with ``pretrained=False``, which gives
-  head_dim^-0.5, and then loads the released checkpoint into it. vitexp defaults to that
-  evaluation build (``qk_scale=None`` → head_dim^-0.5) and exposes the key
-  (``backbone.kwargs.qk_scale=0.05103``). Which of the two reproduces 81.5 % can only be checked
-  with the released weights on ImageNet.
+Its reasoning: docs/reading-backbones.md, "vitexp/models/t2t.py".
 """
 
 import math

@@ -1,33 +1,7 @@
 """Which weights of a training checkpoint ``backbone.pretrained`` loads: the set the architecture's
 reference evaluation loads, unless ``backbone.use_ema`` says which.
 
-A training checkpoint can hold two sets: the weights of the last step (``state_dict`` in timm's
-``CheckpointSaver`` layout, ``model`` in DeiT-style ``main.py`` files) and their exponential moving
-average (``state_dict_ema``, ``model_ema``). Which of them is "the released model" is the choice of
-the reference's own evaluation script, per architecture (:data:`REFERENCE_EVALUATIONS`):
-
-- **T2T-ViT** (yitu-opensource/T2T-ViT @ 0f63dc9): ``main.py:197`` declares ``--model-ema`` with
-  ``action='store_true', default=True`` (no flag turns it off), and ``main.py:531`` evaluates
-  ``--eval_checkpoint`` with ``load_checkpoint(model, args.eval_checkpoint, args.model_ema)``. timm's
-  ``load_state_dict`` of the version the README pins (``README.md:32``, timm 0.3.4) takes
-  ``state_dict_ema`` when asked and present, else ``state_dict``, else the file itself. So:
-  ``state_dict_ema``, else ``state_dict``.
-- **LV-ViT** (zihangJiang/TokenLabeling @ 9dbfd59): ``validate.py:98`` declares ``--use-ema`` with
-  ``action='store_true'`` (default False), and ``validate.py:150`` loads
-  ``load_checkpoint(model, args.checkpoint, args.use_ema, strict=False)``. So: ``state_dict``, else
-  ``model`` (a DeiT-layout file, as before: the last step's weights either way).
-- **SHViT** (ysj9909/SHViT @ 6a729cc): ``README.md:100`` evaluates with
-  ``main.py --eval --resume <file>``, and ``main.py:369`` loads ``checkpoint['model']``, although
-  the file also holds ``model_ema``. So: ``model``, else ``state_dict`` (timm's ``train.py`` layout,
-  which timm's own ``shvit_*`` training writes).
-- Every other architecture: DeiT's ``main.py --eval --resume`` (facebookresearch/deit @ 7e160fe,
-  ``main.py:402``) loads ``checkpoint['model']``, and its releases hold that set alone; CaFormer
-  and DINOv2 releases, timm hub files and vitexp's own ``weights.pth`` hold one set. So:
-  ``state_dict``, else ``model`` (:data:`ONE_SET`).
-
-A file that is a plain state dict (none of the four keys) is the weights, whatever the rule.
-``backbone.use_ema=true`` (``false``) overrides the rule in either direction and loads the EMA
-(non-EMA) set only: it never falls back to the other set.
+Its reasoning: docs/reading-backbones.md, "vitexp/models/weight_sets.py".
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Seeds of a table row -> mean ± sample std (n), and the paired difference to its baseline row.
 
-A spec (``sweeps/<table>.yaml``) asks for seeds with ``seeds: [0, 1, 2]`` at the table level or
-per row (a row's ``seeds: null`` means one unseeded run of the experiment as configured, e.g. the
-shared pretrained baseline that the other rows load). A seeded row's runs are the completed runs
-of its name (the experiment, or :func:`vitexp.config.rows.row_name` for a row with overrides) whose
-``config.seed`` is one of its seeds, recorded under that name or under the name ``vitexp-sweep``
-gives them (``<name>+seed=<s>``), found by :meth:`vitexp.ledger.Ledger.row_runs`; for each seed
-the newest such run of each kind with the row's metrics counts (:func:`chosen`).
-
-Decisions:
-- The spread is the sample standard deviation (``ddof=1``); with one seed there is none.
-- A method row's ``baseline:`` names its baseline row (the row's ledger name,
-  :func:`vitexp.config.rows.row_name`: its experiment, unless the row has overrides or a ``name``). The paired
-  difference is
-  taken per seed over the seeds both rows completed, ``d_s = method_s - baseline_s``, and reported
-  as mean ± sample std of the ``d_s`` (n pairs): the seeds of a fine-tuning share the pretrained
-  weights, data order and initialisation of the head, so pairing removes that shared noise.
-- A row with fewer completed seeds than it asks for says so in its cell ("2 of 3 seeds").
+Its reasoning: docs/tables.md, "vitexp/report/aggregate.py".
 """
 
 from __future__ import annotations

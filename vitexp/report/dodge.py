@@ -1,34 +1,8 @@
-"""Markers of different rows that would hide one another on a plot's axis are set apart on the
-page, never in the data; a row with a cost but no accuracy, or an accuracy but no cost, is drawn in a
-strip beside the axis, never inside it (:mod:`vitexp.report.plots` draws them, this module places them).
+"""Markers of different rows that would hide one another on a plot's axis are set apart on the page, never
+in the data; a row with a cost but no accuracy, or an accuracy but no cost, is drawn in a strip beside
+the axis, never inside it (:mod:`vitexp.report.plots` draws them, this module places them).
 
-Decisions:
-- **Who moves, and how far**: markers are placed in drawing order (the table's row order; a row's
-  measured point, then its paper point, then the strips' markers), per axis or strip, and the first
-  keeps its place. A marker whose centre lies closer than :data:`GAP` points (a marker's 8-point width
-  and 2 points between outlines) to a placed marker of another row moves by the smallest multiple of
-  :data:`GAP` that clears every placed marker: a point of the plane sideways (+GAP, -GAP, +2 GAP,
-  ...), a cost-only marker upwards in its strip (a stack), an accuracy-only marker rightwards in its
-  strip.
-- **Strips** (:class:`Strips`): the cost-only strip lies under the accuracy axis and shares its cost
-  (x) axis, the no-cost strip lies left of it and shares its accuracy (y) axis; neither has a scale
-  of the other quantity, so no stack reads as a value. A strip is made for the first marker it
-  holds, and is as deep as its deepest stack (:func:`fit`); the figure grows by its strips, so the
-  accuracy axis keeps its size. The strips carry the axis's tick labels and units.
-- **The value is unchanged**: the move is an offset transform in points, so the data, the axis
-  limits and the sweep lines (drawn through the values) stay as they are; error bars, the derived
-  mark and a cost tick's name move with their marker, and a moved marker is not clipped at the
-  axes' edge. The legend names each row by its colour and marker, which is how a moved marker is read,
-  and a plot with a moved marker on an axis (a stack in a strip is not one) says so under it
-  (:data:`MOVED_NOTE`).
-- **No marker cut at the axes' edge** (:func:`pad`): once the markers are set apart, an axis
-  whose markers (their outline at their size, edge and offset included, with their notes such as
-  the derived mark) reach past its window, or
-  nearer to it than :data:`EDGE` points, is widened in data units until they clear it; the
-  cost-only strip widens its shared cost axis, the no-cost strip its accuracy axis, and the layout
-  and the moves are then redone (:func:`place`). Limits only grow: the autoscaled margin stays.
-- **A row's own markers may coincide**: its hollow paper marker round its filled measured one reads
-  as agreement, so they are not set apart from each other.
+Its reasoning: docs/tables.md, "vitexp/report/dodge.py".
 """
 
 from __future__ import annotations

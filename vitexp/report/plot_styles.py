@@ -1,32 +1,7 @@
 """The table plots' row styles (:mod:`vitexp.report.plots`): a colour and a marker per row, and the colour
 distance that decides which pairs can be told apart.
 
-Decisions:
-- **Hue per family, shade and marker per row**: a family's hue (:data:`FAMILY_COLOURS`, else the
-  next of :data:`SPARE_COLOURS` at least :data:`MIN_DELTA_E` from every hue already in the plot
-  and from the controls' grey) gives its shades (:func:`palette`: the hue mixed with black or
-  white, each shade :data:`MIN_DELTA_E` from the others, :data:`MIN_FROM_WHITE` from white and
-  :data:`MIN_FROM_BLACK` from black). A family's pairs come in the order t = 0, 1, ...: marker
-  t mod 14, shade (t mod 14 + t div 14) mod (its shades), so consecutive rows differ in both (except
-  where the markers wrap round, t = 13 to 14, when the shade may repeat) and every pair comes once;
-  each row takes the next pair that is distinguishable (:func:`row_styles`).
-- **Distinguishable**: on every axis a row shares with another row, the two have different
-  outlines or colours at least :data:`MIN_DELTA_E` apart. Preferred, in order: a pair
-  distinguishable from every row in the figure (the legend then names each pair once), one
-  distinguishable on the row's axes and used by no other row, one distinguishable on its axes (a
-  family with more rows than pairs, spread over panels). A row's axes are the plot's axes
-  (:func:`vitexp.report.plots.axis_panels`) before empty panels are dropped, so a row keeps its style as
-  the ledger fills.
-- **The threshold** (:data:`MIN_DELTA_E`): CIEDE2000 (:func:`delta_e`, Sharma, Wu & Dalal 2005,
-  sRGB under D65), the CIE's distance that tracks perceived difference, across lightness too. A
-  ΔE00 of about 2 is just noticeable between large patches side by side; a plot's markers are
-  small (6-8 points: colour discrimination drops for small fields) and are matched to the legend
-  apart, not side by side, so two markers of one outline need ten times that: 20. It leaves
-  two or three shades of a hue (tab:blue, tab:brown, tab:pink: two; tab:red, tab:green, tab:orange:
-  three).
-- **Markers** (:data:`MARKERS`): fourteen, of thirteen outlines that differ at 6 points (no
-  octagon beside the circle; the two hexagons, ``h`` and ``H``, count as one outline on an axis:
-  :data:`OUTLINES`); controls are grey and hollow with :data:`CONTROL_MARKERS`.
+Its reasoning: docs/tables.md, "vitexp/report/plot_styles.py".
 """
 
 from __future__ import annotations

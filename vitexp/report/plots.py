@@ -1,46 +1,7 @@
-"""A table's plot (``results/tables/<table>.png``): its ``plot: {x, y}`` metrics (cost against
-accuracy) for every row that :func:`vitexp.report.tables.fill` filled, drawn so that methods compare.
+"""A table's plot (``results/tables/<table>.png``): its ``plot: {x, y}`` metrics (cost against accuracy)
+for every row that :func:`vitexp.report.tables.fill` filled, drawn so that methods compare.
 
-Encoding (decisions):
-- **Every row its own style, named in the legend**: a row a table separates is a row the plot
-  separates. The hue is the method family (:data:`METHOD_FAMILIES` of the experiment's ``method``
-  choice, a head-selection rule other than LapSum as its own family, or the spec row's ``family:``
-  for cited rows); each row takes a shade of that hue and a marker such that no two rows on one
-  axis share a marker unless their colours are at least ΔE00 20 apart (CIEDE2000;
-  :mod:`vitexp.report.plot_styles`). The legend names each row by its label (which names its backbone).
-- **Controls** (a spec row's ``control: true``: an untrained surrogate, a probe at initialisation)
-  are grey and hollow, with their own marker: they are drawn as what they are, not as the method.
-- **Filled: vitexp's measured value; hollow: the paper's.** A paper value derived by arithmetic
-  is marked † (:data:`vitexp.report.provenance.DERIVED_MARK`; the footnote under the plot gives its formula).
-- **Error bars:** ±1 sample std over a seeded row's seeds (:mod:`vitexp.report.aggregate`); a row with
-  fewer completed seeds than it asks for says so after its name in the legend ("(1 of 3 seeds)").
-- **Sweep lines:** rows of one ``series:`` (the spec's), and otherwise rows of one base experiment
-  whose overrides differ only in their budget (keep ratio, r, k, blocks: ``budget.*`` overrides) and
-  ``name``: a method's sweep. Solid
-  through vitexp's points, dashed through the paper's, sorted by cost.
-- **Cost without accuracy** (a ``vitexp-flops`` row, or a paper that prints only GMACs): the
-  row's marker at that cost in a thin "cost only" strip under the accuracy axis (sharing its cost
-  axis, with no accuracy scale), filled or hollow as above; an axis with nothing else is itself
-  such a strip ("cost only: ... not measured yet") and names its rows beside the ticks. Likewise
-  an accuracy without its cost: its marker at that accuracy in a "no cost given" strip left of the
-  axis (sharing its accuracy axis, with no cost scale). No such marker lies inside the accuracy
-  axis, where its place would read as a value of the other quantity; an axis without such a row
-  has no strip (:mod:`vitexp.report.dodge`).
-- **No panel without a measured point**: beside other panels, one with neither a measured (cost,
-  accuracy) point nor a paper value is dropped (its costs are in the table files); a panel left
-  without a measured point says "not run" in its title.
-- **No row hidden under another**: markers of different rows whose centres lie closer than
-  :data:`vitexp.report.dodge.GAP` points (10: about 17 px at 120 dpi) are offset on the page by multiples
-  of it: sideways in the plane, upwards in the cost-only strip, rightwards in the no-cost strip (each strip as
-  deep as its stack); the value is
-  unchanged (an offset transform), error bars move with their marker, and the legend names each
-  row (:mod:`vitexp.report.dodge`).
-- **Units on every scale**: the column's label with its unit's short form ("Top-1 (%)", "GMACs"),
-  on the axis or on the strip that carries the axis's tick labels.
-- **One dataset per axis:** the rows' datasets (the experiment's ``data`` choice, or the row's
-  ``dataset:``; a row with neither joins the table's most common dataset) each get their own
-  axis, side by side.
-The legend (outside the axes) names every row drawn, then the value kinds.
+Its reasoning: docs/tables.md, "vitexp/report/plots.py".
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """The prose of a claim-by-claim table (:mod:`vitexp.report.protocols`), generated from it: one bullet per
-claim
-(its verdict, then each protocol's differences on both splits), the cost, and the verdict file's
+claim (its verdict, then each protocol's differences on both splits), the cost, and the verdict file's
 ``caveats``, so that the README and the docs state the verdicts without a typed number.
 
-Decisions:
-- A caveat is text with the results page's placeholders (:mod:`vitexp.report.results_page`), filled from the
-  table its ``table`` names; a caveat without one has no measured number in it.
-- The same block goes into the claim table's markdown (so the results page shows it) and between the
-  markers ``<!-- vitexp-tables: <name> verdicts begin/end -->`` of each page the verdict file lists
-  under ``pages`` (paths from the project root). ``vitexp-tables`` writes them when it writes the
-  project's own results page; a listed page without the markers is an error, never a silent skip.
+Its reasoning: docs/tables.md, "vitexp/report/protocol_prose.py".
 """
 
 from __future__ import annotations

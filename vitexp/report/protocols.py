@@ -1,50 +1,6 @@
 """A method's claims under several protocols: one generated table per ``sweeps/verdicts/<name>.yaml``.
 
-A verdict file names protocols (each maps roles such as ``full``, ``bspf``, ``tome`` to a row of a
-table spec: ``<table>:<row name>``) and claims (``a`` beats ``b`` on ``key``: the file's, or the
-claim's own ``key``, so one file can judge several columns). Each cell is the paired difference
-``a - b`` over the seeds both rows completed (:func:`vitexp.report.aggregate.paired_difference`), mean ±
-sample std (n pairs), read from the same ledger and the same filled rows as the tables. A file
-whose columns are not protocols (the same protocol on several backbones) names them with
-``column: backbone``: the verdicts then say "under every measured backbone".
-
-Decisions:
-- A protocol *supports* a claim when every pair is above zero, *contradicts* it when every pair is
-  below, and is *undecided* otherwise (pairs of both signs, or a single pair of 0); with three seeds
-  that is the sign test's strongest answer, stated without a p-value. A cell with fewer pairs than
-  the verdict file's ``pairs`` (the seeds each row is to have; 1 when not given) is *incomplete*: its
-  difference is shown, its sign is not, and it counts as not measured (a protocol whose runs are
-  under way says nothing until they are done).
-- Both splits (``val_key``, the file's: the validation split's headline of the same deployed model,
-  e.g. ``val_top1``): a protocol *supports* a claim only where every pair is above zero on the test
-  split *and* on validation (and *contradicts* it where every pair is below on both); where the two
-  splits' signs differ the cell is *split-dependent*, which is no support. Each cell shows both
-  splits' differences. A protocol may ask for more pairs than the file (its own ``pairs``): while
-  its runs are missing the cell is incomplete and shows the sign its pairs give so far. A cell
-  whose test split is complete but whose validation split has too few pairs (or none) is incomplete
-  too, never judged on one split: it shows each split's count of pairs.
-- A claim's verdict is given only where the measured protocols agree ("holds under all N measured
-  protocols", "fails under all N"); where they disagree the verdict names which protocol says what;
-  protocols not run or incomplete are counted ("k of M protocols measured, j incomplete") and the
-  verdict says "so far", so it never speaks for them; an incomplete cell's difference follows the
-  verdict ("not yet judged: ..."), whichever way it points.
-- A protocol with ``reference: <why>`` is shown and costed but does not vote: its cells say "not
-  counted", and no verdict counts, awaits or rests on them. It is for runs a later protocol trains
-  again (the tier's rows from a start whose weights are lost, trained again from a kept one), so a
-  reader sees both without one verdict counting the same design twice.
-- A cell carries the marks of the two table cells it pairs (:mod:`vitexp.ledger.marks`: ‡ a run whose
-  code cannot be rebuilt, § a protocol today's code does not reproduce), and a verdict that rests on
-  a marked cell names the protocols where it does, so a claim never leans on such a run unsaid.
-- A protocol's cost is the training time of every run its cells use plus the runs whose weights
-  those loaded (``backbone.pretrained=run:``, followed back to a run that loaded none), each counted
-  once: the ledger's ``fit_time_s`` (training only, test excluded) times the torch threads the run had
-  (``env.cpu_threads``; one where unrecorded), summed and shown in CPU-hours ("cited"): runs of one
-  table may differ in threads (the micro COCO's two, the Fashion-MNIST tier's one). Beside it, what the
-  protocol *spent*: every training run
-  recorded under the names of its rows and of those starts, any seed, completed or not (an older run
-  of the same row, a failed one or one left ``running`` by a process that died: its wall clock when it
-  recorded no fit time); and what it still
-  asks for, the (row, seed) pairs its cells lack times the mean fit time of its cited seeded runs.
+Its reasoning: docs/tables.md, "vitexp/report/protocols.py".
 """
 
 from __future__ import annotations

@@ -1,37 +1,7 @@
-"""The results page (``docs/results.md``), written by ``vitexp-tables`` from the tables and each
-spec's ``verdict:``, so that no number in its prose is typed by hand.
+"""The results page (``docs/results.md``), written by ``vitexp-tables`` from the tables and each spec's
+``verdict:``, so that no number in its prose is typed by hand.
 
-A spec's ``verdict`` is Markdown prose with placeholders that :func:`fill_verdict` replaces with
-the table's cells (:func:`vitexp.report.tables.fill`), formatted with the column's ``digits``; a row is
-named by its ledger name (:func:`vitexp.config.rows.row_name`: the experiment, or the row's ``name``):
-
-- ``{cell:ROW:COL}``: vitexp's value; a seeded row's mean ± sample std ("86.15 ± 0.12"; a cost
-  column, the same for every seed, without its std), "(1 of 3 seeds)" after it while seeds are missing.
-- ``{delta:ROW:COL}``: the paired difference to the row's ``baseline`` ("−2.64 ± 0.18").
-- ``{diff:ROW_A:ROW_B:COL}``: the paired difference A − B over the seeds both have, or the
-  plain difference of two unseeded cells ("+0.01 ± 0.09").
-- ``{saved:ROW_A:ROW_B:COL}``: the share of B's value that A saves, ``100 · (1 − A / B)`` %, of the
-  two cells' values (a seeded row's mean), to whole percent ("54").
-- ``{ratio:ROW_A:ROW_B:COL}``: how far A's value is from B's, ``100 · (A / B − 1)`` %, signed, to two
-  decimals ("+0.61 %"; a seeded row's mean): the equal-cost settings name their GMACs this way.
-- ``{paper:ROW:COL}``: the paper's value in the spec, as published (not padded to the column's digits).
-
-Row labels take the same placeholders (:func:`fill_text`, called by :func:`vitexp.report.tables.fill`), so a
-label such as "EViT, keep 0.44 (GMACs {ratio:...} of BSPF-ViT's)" states the measured ratio, never a
-typed one.
-
-A placeholder whose cell has no value yet renders as "not run". A placeholder naming a row or a
-column the table does not have is an error (:func:`verdict_errors`, checked by the tests), so a
-renamed row cannot leave a stale number behind. Prose may quote only the paper's own
-numbers, marked "(paper: ...)" (:data:`HAND_MARKS`); ``tests/test_results_page.py`` refuses any
-other measurement-like number in a verdict.
-
-Decisions: the page covers every spec in ``sweeps/`` (a spec without a verdict gets its link and
-"no verdict written yet") and every claim-by-claim table of ``sweeps/verdicts/``
-(:mod:`vitexp.report.protocols`,
-shown whole: it is the verdict), in the order of :data:`ORDER` then by name; it links each table's
-``.md`` and shows its ``.png`` relative to ``docs/`` (``../results/tables/...``), which a GitHub
-view of the file resolves and the MkDocs build maps (``scripts/mkdocs_hooks.py``).
+Its reasoning: docs/tables.md, "vitexp/report/results_page.py".
 """
 
 from __future__ import annotations

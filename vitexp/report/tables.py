@@ -1,44 +1,7 @@
-"""Table specs (``sweeps/<table>.yaml``) joined with the ledger -> Markdown, LaTeX, CSV and a
-cost-vs-accuracy plot (:mod:`vitexp.report.plots`) in ``results/tables/``.
+"""Table specs (``sweeps/<table>.yaml``) joined with the ledger -> Markdown, LaTeX, CSV and a cost-vs-
+accuracy plot (:mod:`vitexp.report.plots`) in ``results/tables/``.
 
-A cell shows vitexp's value from the newest completed run recorded under the row's name
-(:func:`vitexp.config.rows.row_name`) that has that metric, beside the paper's value. With no such run the
-cell says "not run" (or "running" /
-"interrupted" while the row's newest run is one, :func:`vitexp.ledger.effective_status`), or, in a column
-marked ``optional: true``, "n/a" when the row has a completed training run that does not record that
-metric (the soft-gated accuracy of an unpruned row); a row marked
-``cited: true`` (a published baseline vitexp does not reimplement) says "cited, not run". No
-number ever comes from anywhere but a run or the spec's paper value.
-
-Spec keys: ``title``; ``columns`` (``key``, ``label``, ``unit``, ``digits``, ``paired``, ``optional``,
-``same_as``: ``{key, when, text}``, the text shown instead of a cell that repeats column ``key`` in every
-seed where the row's runs have the config values ``when``, :func:`vitexp.report.render._same_as`); ``plot``
-(``x``, ``y`` metric keys, optional); ``seeds`` (optional); ``rows`` (``label``, ``experiment``,
-``overrides``, ``name``, ``grid`` (:mod:`vitexp.config.rows`: a row is a base experiment plus overrides,
-recorded under its name; a grid expands into rows), ``run``: train | flops | bench, ``cited``,
-``seeds``, ``start: true`` (a start other rows load by its name: only runs recorded under that name fill
-it, not a run of its configuration under another name; implied by ``seeds: null`` in a seeded table),
-``baseline`` (the name of the baseline row), ``series`` (rows of one sweep, drawn as a
-curve), ``family`` / ``backbone`` / ``dataset`` (the plot's colour, marker and axis where the row
-has no experiment to read them from), ``panel`` (the plot axis of rows whose accuracies are not
-comparable with the others', :func:`vitexp.report.plots.axis_panels`), ``paper``: {metric: {value, source,
-derived, formula}});
-``notes`` (optional list of footnotes printed under the table, e.g. where a row's settings were
-fitted rather than read); ``verdict`` (optional: the table's prose on the results page, numbers as
-placeholders filled from its cells, :mod:`vitexp.report.results_page`); ``protocol`` (optional, the spec's or
-a row's: only runs whose ledger
-``protocol`` has these values fill it, e.g. ``{mode: compare}`` for one interleaved comparison).
-
-Provenance (:mod:`vitexp.report.provenance`): every paper value names the document and place it was read
-from (``source``). A value the paper does not print but that follows by arithmetic from what it
-prints (72.2 + 1.3 = 73.5) carries ``derived: true`` and its ``formula``; the formula must evaluate
-to the value, and such a cell is rendered with :data:`DERIVED_MARK` and a footnote giving the
-formula. :func:`load_spec` refuses a spec that breaks these rules (:mod:`vitexp.report.provenance`).
-
-Seeds (:mod:`vitexp.report.aggregate`): a row with seeds shows mean ± sample std (n) over its seeds' newest
-runs, says when fewer seeds completed than it asks for, and, with a ``baseline`` row, the paired
-difference to it (a "Δ ... vs baseline" column for each ``paired: true`` column); plots draw the std
-as error bars.
+Its reasoning: docs/tables.md, "vitexp/report/tables.py".
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """How many CPUs this process may use, and torch's compute threads fitted to them.
 
-Decisions:
-- The CPUs a process may use are the fewest of three counts: its affinity mask
-  (``os.sched_getaffinity``), and the CPU quota of its cgroup, rounded up (cgroup v2 ``cpu.max``,
-  v1 ``cpu.cfs_quota_us / cpu.cfs_period_us``). A container or a SLURM job limited by quota still
-  shows every core of its host in ``os.cpu_count()``, and a torch that starts one thread per host
-  core on a 2-CPU quota makes the threads wait on each other every step.
-- :func:`fit_threads` lowers torch's intra-op threads to that count when it is higher, and never
-  raises them; an ``OMP_NUM_THREADS`` the user set is their choice and left alone. Measured on the
-  demo (2 cores): 2 threads fit in 51 s, 1 thread in 81 s (docs/measurements.md), so the count is
-  every CPU the process may use, not fewer.
+Its reasoning: docs/cluster.md, "vitexp/runs/cpus.py".
 """
 
 from __future__ import annotations

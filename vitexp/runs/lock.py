@@ -1,23 +1,6 @@
 """One live process per run folder: ``<run folder>/run.lock``, held with ``flock``, names its owner.
 
-Two identical ``vitexp-train`` commands started in the same second share Hydra's default folder
-(``outputs/<name>/<time to the second>``); under ``resume=auto`` the second would read the first's
-``run.json`` and continue the first's unfinished ledger entry as its own. The lock stops that: the
-process that holds an exclusive ``flock`` on the lock file owns the folder until its run ends;
-another gets a :class:`~vitexp.errors.ConfigError` naming the owner (exit 2, nothing written),
-never the other's entry.
-
-Decisions:
-- The kernel holds the lock, not the file's existence: a process that dies (SIGKILL, OOM, a lost
-  node's NFS client lease) releases it with its file descriptors, so the same command resumes a
-  killed run in its own folder at once, and two processes can never both judge a lock stale and
-  both take it over. The file stays (unlinking it would let a waiter lock an orphaned inode) and
-  carries the owner's host and pid for the refusal message only.
-- Across hosts: on Linux NFS ``flock`` is carried by the server's byte-range locks (NFSv4, or NLM
-  on v3), so a requeued SLURM job on another node takes the folder when the first node's lock is
-  gone. Such locks drop when any descriptor of the file in the owning process closes, so the owner
-  never opens the file a second time (its own lock is recognised by :data:`_HELD`, not by reading it).
-- Only rank zero of a distributed run locks (the other ranks share its folder by design).
+Its reasoning: docs/cluster.md, "vitexp/runs/lock.py".
 """
 
 from __future__ import annotations

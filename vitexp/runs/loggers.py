@@ -1,15 +1,7 @@
-"""Loggers: W&B by default (online when logged in, offline otherwise; never waits on the
-network), Lightning's CSVLogger, or none.
+"""Loggers: W&B by default (online when logged in, offline otherwise; never waits on the network),
+Lightning's CSVLogger, or none.
 
-W&B as users read it:
-- One unit per metric: the LightningModules log accuracies as torchmetrics computes them
-  (fractions; callbacks and :mod:`vitexp.training.fit` read those), and every logger built here writes
-  ``<split>/top1``, ``top5`` and the box and mask ``ap*`` in % (:func:`in_percent`), as the ledger, the
-  closing JSON line and the progress bar show them.
-- Every run is in a group: ``logger.group`` (vitexp-sweep sets the table's name), else its
-  experiment (the run's name before any ``+override``, so seeds and variants of one experiment sit
-  together); tagged ``backbone=<name>``, ``method=<name>`` and ``budget=<kind>[:<value>]`` besides
-  ``logger.tags``.
+Its reasoning: docs/cluster.md, "vitexp/runs/loggers.py".
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""The closing line of a Hydra multirun (``vitexp-train -m ...``): one JSON object after the jobs'
-own lines, with how many runs completed, failed or were interrupted and their run ids.
+"""The closing line of a Hydra multirun (``vitexp-train -m ...``): one JSON object after the jobs' own
+lines, with how many runs completed, failed or were interrupted and their run ids.
 
-:class:`MultirunRecorder` is a Hydra callback (``hydra.callbacks`` in ``conf/train.yaml``): when a
-multirun starts, in the process that launches it, it notes the sweep folder, the results folder
-and the time. :func:`summary` then reads the ledger for the entries whose ``output_dir`` lies in
-that sweep folder and that were written since (a resumed run's reopened entry included).
-
-Decisions:
-- The ledger, not the launcher's return values, is the source: SLURM jobs run in other processes
-  on other machines, and a job SIGKILLed by the scheduler returns nothing; its ``running`` entry
-  reads as ``interrupted`` (:func:`vitexp.ledger.effective_status`). A broken entry of the ledger
-  is not one of the multirun's (those it wrote are whole: atomic writes).
-- A job that fails does not stop the others (each has its own ledger entry and closing line); the
-  multirun exits 1 when any failed or was interrupted. A job whose config is invalid stops the
-  multirun as before (exit 2: the other jobs are most likely invalid too).
+Its reasoning: docs/cluster.md, "vitexp/runs/multirun.py".
 """
 
 from __future__ import annotations

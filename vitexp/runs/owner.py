@@ -1,28 +1,7 @@
-"""One owner per run: :func:`owned_run` holds a run's ledger entry, its logger and its closing
-JSON line from start to last line, for every command (train, eval, flops, bench, audit, analyze).
+"""One owner per run: :func:`owned_run` holds a run's ledger entry, its logger and its closing JSON line
+from start to last line, for every command (train, eval, flops, bench, audit, analyze).
 
-- ``run.start(config)`` opens the ledger entry (after validation: an invalid config writes
-  nothing). Under ``resume=auto|true`` an interrupted attempt's own entry and W&B run are reused:
-  ``<output_dir>/run.json`` records the run id and the W&B id of the first attempt.
-- ``run.logger`` is built on first use (rank zero only), with that W&B id and ``resume="allow"``.
-- ``run.complete(metrics, protocol, ...)`` says what the entry closes with. Leaving the block
-  normally closes it ``completed``; an exception closes it ``failed`` (a :class:`ConfigError`
-  before ``start``: ``invalid``, nothing written, no empty output folder left).
-- On every exit rank zero prints one line of JSON, the last line of standard output; its paths
-  (``ledger``, those in an error) are relative to the results root, as the ledger's.
-- SIGINT (Ctrl-C) and SIGTERM close the entry ``interrupted`` with the signal (not ``failed``):
-  :func:`owned_run` notes the signal before Lightning turns it into ``SystemExit(1)``, closes the
-  entry, restores the handlers from before the run and raises the signal again
-  (:mod:`vitexp.runs.signals`): the CLI exits 128 + the signal's number, and a caller such as pytest
-  stops as that signal stops it. While the entry closes, SLURM's further signals are noted, never
-  raised (:mod:`vitexp.runs.signals`). ``resume=auto`` continues such a run, and a resumed
-  run's ``fit_time_s`` sums its attempts (:class:`vitexp.ledger.LedgerEntry`).
-- A run folder is owned by one live process (:mod:`vitexp.runs.lock`): a second process started on
-  the same folder is refused (exit 2) before it reads the folder's ``run.json``.
-
-``resume``: ``false`` starts fresh; ``true`` continues from ``checkpoints/last.ckpt`` and fails
-when there is none; ``auto`` continues when there is one and starts fresh otherwise (what a
-requeued SLURM job needs: the same command, the same run folder).
+Its reasoning: docs/cluster.md, "vitexp/runs/owner.py".
 """
 
 from __future__ import annotations

@@ -1,24 +1,7 @@
 """The signals that stop a run (:func:`vitexp.runs.owner.owned_run`): noted so the ledger entry closes
 ``interrupted`` with the signal, then handed on to whatever handled them before the run.
 
-- SIGINT (Ctrl-C) raises ``KeyboardInterrupt``, SIGTERM :class:`Interrupted`; inside a SLURM job
-  (``$SLURM_JOB_ID``) SIGUSR1 too, SLURM's warning before the time limit (``sbatch
-  --signal=USR1@<s>``), which also asks for a requeue once the entry is closed (:mod:`vitexp.runs.slurm`).
-  SIGUSR2, submitit's signal, stays submitit's, noted first (:func:`vitexp.runs.slurm.note_submitit_requeue`).
-  Lightning would turn them into ``SystemExit(1)``; the note (``run.signal``, the first signal
-  only) is what closes the entry ``interrupted``.
-- A run that is closing its entry (``run.entry_closing``: from the first line of ``Run._close`` or
-  ``Run._fail`` until the handlers are restored) is not stopped again: SIGTERM, SIGUSR1 and SIGUSR2
-  are only noted in ``run.deferred``. SLURM sends them in bursts: ``scontrol requeue`` (submitit's
-  under SIGUSR2, vitexp's after SIGUSR1) ends the job with SIGTERM to the batch step and srun's
-  forwarded copy to each task, while the entry is being closed; raised there, they would leave it
-  ``running`` and the requeued attempt without its signal. A signal that arrives before the close,
-  while the first one's exception unwinds Lightning, replaces that exception and changes nothing:
-  the first signal is already noted. After a completed close a deferred SIGTERM is handed on (the
-  process was asked to end); a requeue warning is moot (the run is done, nothing is requeued).
-  SIGINT is not deferred: a person at the keyboard can still stop a close that hangs.
-- :func:`pass_on` hands the stopping signal on once the entry is closed and the handlers from
-  before the run are back.
+Its reasoning: docs/cluster.md, "vitexp/runs/signals.py".
 """
 
 from __future__ import annotations

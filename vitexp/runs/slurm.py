@@ -1,37 +1,6 @@
 """A SLURM job's requeue before its time limit: SIGUSR1 → ``scontrol requeue $SLURM_JOB_ID``.
 
-``sbatch --signal=USR1@120`` (or ``#SBATCH --signal=USR1@120``) warns a job two minutes before its
-time limit. Inside a job (``$SLURM_JOB_ID`` set) a vitexp run then closes its ledger entry
-``interrupted`` (signal ``SIGUSR1``, ``requeued``: the command), asks SLURM to requeue the job (every
-rank asks, so one stuck in a collective does not stop it; ``scontrol requeue`` kills the job at once,
-so the entry is closed first) and exits; SLURM starts the same command again, in the same run folder, and
-``resume=auto`` (the default) reopens the same ledger entry and continues from
-``checkpoints/<stage>/last.ckpt``.
-
-Decisions:
-- The run resumes from its last end-of-epoch checkpoint, not from a checkpoint taken at the
-  signal: an epoch's end is where a resumed run sees the same batches and schedule as an
-  uninterrupted one (the sampler draws each epoch from ``seed * SEED_STRIDE + epoch``), so the
-  requeued run finishes with the uninterrupted run's metrics; the partial epoch is trained again.
-  Lightning's own SLURM handler (which saves a mid-epoch ``hpc_ckpt`` that Lightning then resumes
-  without the epoch's remaining order) is switched off: :func:`plugins`.
-- The run's default folder inside a SLURM job is ``outputs/<name>/slurm-<job id>``
-  (:func:`vitexp.config.composition.run_stamp`), which the requeued job (same id) finds again; with
-  ``hydra.run.dir`` set, the same folder is whatever it names.
-- Hydra's submitit launcher (``hydra/launcher=slurm``) warns with SIGUSR2 and requeues through
-  submitit itself: submitit's handler pickles the job again, runs ``scontrol requeue`` and raises
-  ``SystemExit(-1)`` inside the run (rank 0; other ranks return and go on until SLURM stops them).
-  :func:`note_submitit_requeue` wraps that handler so the run notes the signal first: the entry then
-  closes ``interrupted`` (``SIGUSR2``, ``requeued``: submitit's requeue), never ``failed``, and vitexp
-  asks SLURM nothing itself. Where submitit declines (timed out too often, not checkpointable) the run
-  is still ``interrupted``, with no ``requeued``. The SIGTERMs that follow the requeue arrive while
-  the entry closes and are only noted (:mod:`vitexp.runs.signals`); a SIGUSR2 that arrives then is
-  noted too, and submitit's handler is not called (a completed run is never requeued).
-
-A job's resources under ``hydra/launcher=slurm`` follow its trainer (:func:`resources`): a GPU
-trainer asks one task and 10 CPUs per GPU (``trainer.devices`` GPUs per node, 64 GB); a CPU trainer
-asks no GPU, one CPU per task and 4 GB, one task per DDP process (``trainer=ddp_cpu``: 2), so the
-CPU demo never holds a GPU node. ``hydra.launcher.<key>=...`` overrides any of them.
+Its reasoning: docs/cluster.md, "vitexp/runs/slurm.py".
 """
 
 from __future__ import annotations

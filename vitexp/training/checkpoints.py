@@ -1,26 +1,6 @@
 """What a run needs from this machine, checked before it starts: its weights files and its accelerator.
 
-A weights file (``backbone.pretrained``, a run's ``weights.pth``, ``vitexp-eval --weights``) is
-opened by :func:`check_file` (it exists, is not empty, and ``torch.load(weights_only=True)`` reads
-it) and the configured backbone is then built with it by :func:`check_backbone_weights` (vitexp's
-loader, :func:`vitexp.models.factory.load_checkpoint`: the weight set the architecture's reference
-evaluation loads, or the one ``backbone.use_ema`` names,
-the model's timm key filter, then every key and shape checked against the model), so a file that
-would fail inside the run fails before its ledger entry and run folder exist. Every failure is a
-:class:`~vitexp.errors.CheckpointError`: one line naming the file and what is wrong.
-
-Decisions:
-- vitexp loads weights with ``weights_only=True`` only. A file that needs ``weights_only=False``
-  (one holding pickled Python objects) is refused, and the message says how to save the state dict
-  instead; it never advises ``weights_only=False``, which runs whatever code the file holds.
-- One Python object is allowed in that load, as timm allows it: ``argparse.Namespace``, the
-  ``args`` entry that timm's ``CheckpointSaver``, SHViT's ``main.py`` and the official T2T-ViT and
-  LV-ViT scripts save beside the weights. It is admitted for that one load
-  (``torch.serialization.safe_globals``), not registered for the process; its contents are read
-  by the same weights-only unpickler (tensors, containers, numbers, strings).
-- The backbone is built once more for the check (a few seconds for ViT-B on a CPU, once per run
-  with weights): the run builds its own after seeding, so the checked model cannot be reused
-  without changing the random initialisation of the layers the checkpoint does not cover.
+Its reasoning: docs/commands.md, "vitexp/training/checkpoints.py".
 """
 
 from __future__ import annotations

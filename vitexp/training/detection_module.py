@@ -1,15 +1,10 @@
-"""The ``detect`` objective: a LightningModule that trains torchvision's Mask R-CNN (its own losses:
-RPN objectness and box, RoI class, box and mask) and evaluates COCO box and mask AP with
-``torchmetrics.detection.MeanAveragePrecision`` (``iou_type=("bbox", "segm")``, pycocotools
-backend, crowd regions flagged ``iscrowd``: COCOeval's own numbers). It never knows which method
-produced the backbone.
+"""The ``detect`` objective: a LightningModule that trains torchvision's Mask R-CNN (its own losses: RPN
+objectness and box, RoI class, box and mask) and evaluates COCO box and mask AP with
+``torchmetrics.detection.MeanAveragePrecision`` (``iou_type=("bbox", "segm")``, pycocotools backend,
+crowd regions flagged ``iscrowd``: COCOeval's own numbers). It never knows which method produced the
+backbone.
 
-Logged as ``{split}/ap_box``, ``ap_mask`` (COCO AP@[.5:.95]) and ``ap_box_50``, ``ap_box_75``,
-``ap_mask_50``, ``ap_mask_75``, in [0, 1]; the ledger stores them × 100, as COCO tables print them.
-
-Optimisation (``recipe``): timm's optimizer (``opt``, ``lr``, ``weight_decay``, ``momentum``);
-the schedule is a linear warm-up over ``warmup_steps`` then ``sched: multistep`` (× ``decay_rate``
-at each epoch of ``decay_epochs``: the 1× schedule's 8 and 11 of 12) or ``cosine``.
+Its reasoning: docs/commands.md, "vitexp/training/detection_module.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
-"""The fits of one run: model (backbone + method) -> data -> LightningModule -> Trainer, stage by
-stage -> test -> FLOPs and throughput of the deployed model. :func:`vitexp.runs.owner.owned_run` owns
-the run around it (ledger entry, logger, resume, closing JSON line); :mod:`vitexp.training.build` builds
-the objects.
+"""The fits of one run: model (backbone + method) -> data -> LightningModule -> Trainer, stage by stage ->
+test -> FLOPs and throughput of the deployed model. :func:`vitexp.runs.owner.owned_run` owns the run
+around it (ledger entry, logger, resume, closing JSON line); :mod:`vitexp.training.build` builds the
+objects.
 
-``train(cfg)`` returns ``{"metrics": ..., "ledger": path, "run_id": ...}``. Accuracies in the
-ledger are percentages. The run's objective (:mod:`vitexp.training.objectives`) says what trains, how it is
-tested and how it is counted. A run is one or more stages (the objective's; for ``auto`` the
-method's, ``Method.stages``: one fit for most methods; RAPTOR's surrogate stages 1 and 2, then its
-probes; SAPER's select and recover), each with its own Trainer, checkpoints and recipe keys
-(:func:`stage_config`). A tested stage is tested on the model as deployed
-(``Method.deploy``: SAPER's physically pruned heads), a stage that trains another model (SAPER's
-soft gates, ``Stage.soft_prefix``) on that one too (``soft_top1``); the deployed model's weights are saved as
-``<output_dir>/weights.pth`` (the ledger's
-``artifacts.weights``, what ``backbone.pretrained=run:<experiment>`` loads and ``vitexp-eval``
-rebuilds with ``Method.rebuild_deployed``). The test split is evaluated with the final weights (no checkpoint
-selection on the test set). Under
-DDP every rank trains; torchmetrics syncs the accuracies across ranks (Lightning's
-DistributedSampler pads an uneven split by at most world_size - 1 repeated samples); only rank 0
-writes the ledger, logs, counts FLOPs and times throughput.
+Its reasoning: docs/commands.md, "vitexp/training/fit.py".
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""LightningModules, one per objective. A module trains whatever ``nn.Module`` it is given and
-never knows which method produced it.
+"""LightningModules, one per objective. A module trains whatever ``nn.Module`` it is given and never knows
+which method produced it.
 
-``classify``: cross-entropy (label smoothing, or soft targets under timm's Mixup/CutMix),
-timm optimizer and scheduler, torchmetrics top-1/top-5 (synced across DDP ranks).
-Validation and test losses are per-image means over the whole split under any number of processes:
-torchmetrics' ``MeanMetric`` sums loss × images and images on each rank and reduces both sums as
-floats (Lightning's ``sync_dist`` mean of batch means divides by an integer batch count, wrong when
-ranks hold unequal shares of a split).
-``distill``: feature distillation with k-NN evaluation (SAPER). ``raptor``: one stage of
-RAPTOR's surrogate training. All register in :data:`OBJECTIVE_MODULES`.
+Its reasoning: docs/commands.md, "vitexp/training/modules.py".
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""``vitexp-sweep TABLE --rehearse``: every row of a table at full size, for a few optimiser steps,
-before any cluster time is spent on it.
+"""``vitexp-sweep TABLE --rehearse``: every row of a table at full size, for a few optimiser steps, before
+any cluster time is spent on it.
 
-Each runnable row of the spec (:mod:`.plan`) is trained on synthetic images of its resolution and
-class count, from random weights, through every stage it has (SAPER's select and recover, RAPTOR's
-phases, stages 1 and 2 and its probes, a fine-tune, Mask R-CNN), with its recipe and precision
-(bf16 autocast on the CPU too); then deployed, tested on a few batches and counted (FLOPs). Each
-row is one ledger entry of kind ``rehearsal`` under ``<row name>+rehearsal`` with its status, the
-seconds per optimiser step and images per second of each stage, the FLOPs of one training step,
-peak memory (CPU RSS; CUDA max allocated on a GPU), the device and the per-device batch
-(:mod:`.meter`). :mod:`vitexp.cost` turns those entries into GPU-hours per row and per table.
-
-Decisions:
-- One process per row (``python -m vitexp.commands.rehearse_main``, :mod:`vitexp.commands.rehearse`): its peak
-memory is the row's,
-  a crash or an out-of-memory kill is the row's alone, and a DDP row (``--rehearse-trainer
-  ddp_cpu``: 2 gloo processes) runs as ``vitexp-train`` would. A row that fails (an exception, an
-  invalid config, a killed process, a timeout) is a ``failed`` entry with its error, written by the
-  row's own run or, when the row never opened one, here; the next row runs regardless, and the
-  command exits 1 when any row failed.
-- A row whose configuration already has a completed rehearsal on this kind of device (same
-  fingerprint) is skipped unless ``--force``, like the sweep's training rows.
-- A rehearsal's weights are random and its checkpoints are GBs at full size: both are deleted after
-  the row (its folder keeps ``rehearsal.log`` and a dirty tree's ``code.patch``).
+Its reasoning: docs/cluster.md, "vitexp/cost/rehearsal/__init__.py".
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""What a rehearsal measures while it trains: seconds per optimiser step, images per second, the
-FLOPs of one training step, and the process's peak memory (:class:`StepMeter`).
+"""What a rehearsal measures while it trains: seconds per optimiser step, images per second, the FLOPs of
+one training step, and the process's peak memory (:class:`StepMeter`).
 
-Decisions:
-- A step is timed from Lightning's ``on_train_batch_start`` to ``on_train_batch_end``: forward,
-  backward and optimiser step of one batch, without loading it (the synthetic data costs
-  nothing; a real loader is the cluster's concern). On a GPU the clock waits for the device
-  (``torch.cuda.synchronize``) at both ends.
-- The first step of each stage is the warm-up (allocator, autotuning, lazy buffers): it is not
-  timed. It is counted instead, under ``torch.utils.flop_counter.FlopCounterMode`` with the math
-  kernel of ``scaled_dot_product_attention`` (the fused CPU kernel is not counted by torch's
-  counter; the math kernel is the same matmuls): forward, backward and, for a stage that distils,
-  the teacher's forward, i.e. what one training step really computes. That count, per image, is
-  what the cost estimate scales with (:mod:`vitexp.cost`). FLOPs here are torch's (2 per MAC).
-- ``step_s`` of a stage is the median of its timed steps; ``images_per_s`` is its per-device
-  batch over it. A stage with one step has no timed step (``step_s`` None): rehearse with at
-  least two steps (the sweep's default is three).
-- Peak memory: the process's peak resident set (``resource.getrusage``, Linux reports KiB; the
-  rehearsal runs each row in a process of its own, so the peak is the row's) and, on a GPU,
-  ``torch.cuda.max_memory_allocated``. Under DDP they are rank zero's.
+Its reasoning: docs/cluster.md, "vitexp/cost/rehearsal/meter.py".
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """Which runs a table's rehearsal launches, and the overrides that turn a row into its rehearsal.
 
-A row's rehearsal is the row's own job (:func:`vitexp.config.rows.job_arguments`: its experiment, its
-overrides; a seeded row its first seed) followed by :func:`rehearsal_overrides`, computed from the
-row's composed config:
-
-- data: synthetic data of the row's shape with the row's ``data.num_classes``, as the row's
-  objective gives it (:meth:`vitexp.training.objectives.Objective.rehearsal_data`: ``data=synthetic`` at the
-  backbone's resolution for ``auto``; the row's own ``data.*`` overrides, options of its real data
-  such as ``data.augment``, are left out). ``steps`` batches per
-  process for training, ``eval_batches`` for validation and for the test;
-- weights: none (``backbone.pretrained=null``; RAPTOR's ``teacher_probe_run``, ``surrogate`` and
-  ``probe_head`` null): random initialisation, nothing to download or find;
-- the recipe as the row has it (optimiser, schedule, mixup/cutmix, label smoothing, drop path,
-  clipping, warm-up), with the per-device batch ``batch`` (``None``: the recipe's own) in the recipe
-  and in every ``batch_size`` of the method (RAPTOR's probe); ``+trainer.max_steps=steps`` ends
-  every stage after ``steps`` optimiser steps; RAPTOR's ``phase_images`` at most the training images;
-- the trainer: ``trainer`` (``cpu``, ``gpu``, ``ddp_cpu``, ``ddp``) with the row's own precision
-  (``bf16-mixed`` for the GPU recipes: bf16 autocast on the CPU too) and ``devices``;
-- no logger, no throughput timing at the end (``eval.throughput=false``; FLOPs are counted).
-
-Not rehearsed: timm's image augmentations (RandAugment, random erasing, RandomResizedCrop) act on
-decoded images, which synthetic tensors are not; mixup, cutmix and label smoothing act on the batch
-and are rehearsed.
-
-Decision: the rehearsal of row ``N`` is recorded as ``N+rehearsal`` and its config differs from the
-row's (data, steps, batch), so neither its name nor its fingerprint is the row's: a table never shows
-a rehearsal (:func:`vitexp.report.tables.fill` also leaves out every entry of kind ``rehearsal``).
+Its reasoning: docs/cluster.md, "vitexp/cost/rehearsal/plan.py".
 """
 
 from __future__ import annotations

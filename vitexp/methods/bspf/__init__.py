@@ -1,22 +1,6 @@
 """BSPF-ViT: block-based symmetric pruning and fusion (arXiv 2507.12125), as vitexp reads it.
 
-The paper's full text was not available; each decision is a named config key
-(``conf/method/bspf.yaml``), written down in the module that implements it and in docs/reading-bspf.md:
-
-- ``layout``: which tokens form a chunk (``chunk_layout``: √Ω×√Ω windows by default, or raster
-  ranges) and the chunk count (``chunk_size`` = Ω; null is one chunk, Table 8's "without chunking").
-- ``pruning``: the 3×3 block scorer (``score``: learned softmax taps, fixed average, or the single
-  token), block-based 2D pruning with its straight-through gradient, and fusion (``fusion``).
-- ``surgery``: chunk attention as fused 4-D SDPA calls, the pruned blocks, window ordering and
-  CaFormer's grid restoration, shared Q/K (``symmetric``, ``mirror``), patched onto a live timm
-  model ToMe-style.
-- ``shvit``: SHViT's SHSA stages as token stages (attention and FFN on the kept tokens, the
-  depthwise convolutions on the restored grid).
-- ``method``: the Method glue (``prune_layers``, budget validation, EViT's keep-rate warm-up
-  ``keep_warmup_epochs``) and the chunk layout and realised keep fractions a FLOPs count records.
-
-Tokens are removed by gather, so later layers, MLPs included, run on fewer tokens; CLS and the
-other prefix tokens are always kept.
+Its reasoning: docs/reading-bspf.md, "vitexp/methods/bspf/__init__.py".
 """
 
 from vitexp.methods.bspf.layout import CHUNK_LAYOUTS, chunk_count, window_order

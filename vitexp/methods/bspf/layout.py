@@ -1,25 +1,6 @@
 """Which patch tokens form a chunk (``method.chunk_layout``).
 
-- ``window`` (default): chunks are √Ω × √Ω windows of the patch grid, as in the Shifted Chunk
-  Transformer that BSPF-ViT builds on. The patch tokens are put in window order once, before the
-  first block (window by window in raster order of the windows, raster order inside a window), so
-  a chunk is again Ω consecutive tokens. Pruning keeps each surviving token in its window, in
-  order, so a later layer's chunks are the survivors of each window (Ω' = ⌈ρΩ⌉ tokens).
-  Ω must be a square s² whose side s divides both sides of the grid (DeiT-S 14×14: Ω = 49, four
-  7×7 windows; the micro ViT 8×8: Ω = 16, four 4×4 windows).
-- ``raster``: chunks are Ω consecutive tokens in raster order (Ω = 49 on a 14×14 grid is 3.5 rows).
-
-Both layouts run the same token counts through the same layers, so their MACs are identical; the
-one-off reordering is a gather (no MACs).
-
-A grid the chunks do not tile (SHViT's stages on 1280 × 800 COCO canvases: a 25 × 40 grid and 4 × 4
-windows) is padded, not given up: :func:`padded_chunks` (used by the SHViT token stages, whose grid
-is known only at each call) pads the grid to whole windows (the sequence to whole chunks for
-``raster``), and each chunk holds its real tokens first, in window order, then empty slots
-(:class:`Chunks`). An empty slot is no token: it gets no attention weight, is never scored,
-pruned, kept or fused, and no layer but the attention matmuls of its chunk sees it; every window
-holds at least one real token, since the padding is less than a window. A grid that one window
-covers is one chunk without padding (SHViT's own global attention).
+Its reasoning: docs/reading-bspf.md, "vitexp/methods/bspf/layout.py".
 """
 
 from __future__ import annotations

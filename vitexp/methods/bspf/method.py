@@ -1,13 +1,7 @@
-"""The Method glue of BSPF-ViT: config keys -> surgery on the backbone, budget validation, the
-keep-rate warm-up, and what the FLOPs protocol records about a BSPF model.
+"""The Method glue of BSPF-ViT: config keys -> surgery on the backbone, budget validation, the keep-rate
+warm-up, and what the FLOPs protocol records about a BSPF model.
 
-**Keep-rate warm-up** (``method.keep_warmup_epochs`` E, ``method.keep_warmup_start`` E₀), EViT's
-schedule (EViT's ``adjust_keep_rate``: keep everything for ``shrink_start_epoch`` epochs, then a
-half-cosine from 1 down to the base keep rate over ``shrink_epochs``; EViT's main DeiT-S runs use
-10 and 100 of 300 epochs). While training at epoch t (fractional, from the step count):
-ρ(t) = 1 for t < E₀; ρ(t) = ρ + (1 − ρ)·(1 + cos(π (t − E₀)/E))/2 for E₀ ≤ t < E₀ + E; ρ after.
-Evaluation always uses the target ρ. E = 0 (default) switches it off. BSPF-ViT's own recipe is
-not published: this is an option, not the paper's schedule.
+Its reasoning: docs/reading-bspf.md, "vitexp/methods/bspf/method.py".
 """
 
 from __future__ import annotations

@@ -1,43 +1,6 @@
 """BSPF-ViT's algorithm on one layer: the block scorer, block-based 2D pruning and fusion.
 
-- **Scoring** (``method.score``): each chunk's head-averaged patch-to-patch attention block
-  A_{m,m} (Ω×Ω) is scored by a 3×3 convolution, S = conv(A, w).
-  - ``local3x3`` (default): the learned 3×3 local average. Its taps are w = softmax(θ) over nine
-    logits θ (positive, summing to 1), initialised at θ = 0, the uniform 3×3 average. The
-    parametrisation removes the kernel's scale, to which the top-k below is blind, so every
-    gradient step changes the kernel's shape, which is what decides. θ is a 1-D parameter, which
-    timm's optimizer keeps out of weight decay (decay cannot flip its sign or shrink it to zero).
-  - ``avg3x3``: the fixed 3×3 average (Table 6's middle row: local averaging without learning).
-  - ``single``: the fixed identity kernel, S = A (Table 6's single-token score).
-  - ``mirror: upper`` symmetrises the kernel to (w + wᵀ)/2 and mirrors the upper triangle,
-    S ← triu(S) + triu(S, 1)ᵀ.
-- **Selection**: the top ⌈ρΩ²⌉ entries of each block are kept (mask M). A token's importance
-  counts its kept entries as a query (its row of M) and as a key (its column of M): the joint Q/K
-  decision. The ⌈ρΩ⌉ most important tokens of each chunk survive, in their order, so chunks stay
-  balanced. Ties are broken by the token's summed score.
-- **Gradient** (straight-through): each surviving token is multiplied by g = 1 + s − sg(s), with
-  s its soft importance (row plus column sum of M⊙S, divided by Ω) and sg stop-gradient. The
-  forward value is unchanged (g = 1); the scorer receives ∂L/∂s = ⟨∂L/∂x, x⟩ through every kept
-  token.
-- **Fusion** (``method.fusion``): ``similarity`` merges each pruned token i into the kept token j
-  of its chunk maximising cos(x_i, x_j)·(1 − Hamming(m_i, m_j)/Ω) (m: a token's row of M), by the
-  weighted average x_j ← (x_j + Σ w_i x_i) / (1 + Σ w_i), w_i the positive part of that
-  similarity; ``cosine`` and ``hamming`` are Table 8's fusion ablations, matching and weighting by
-  one factor alone (cos(x_i, x_j), or 1 − Hamming(m_i, m_j)/Ω); ``none`` drops pruned tokens;
-  ``paper_literal`` is Eq. 8 as the public review reads
-  it, x⊙k + (x⊙(1−k))⊙k, which adds exactly zero.
-
-- **Partial chunks** (``counts``: a padded grid, :func:`~vitexp.methods.bspf.layout.padded_chunks`):
-  a chunk with r real tokens in its first slots is scored, pruned and fused as a chunk of those r
-  tokens alone: its empty slots' rows and columns are left out of the scores, it keeps the top
-  ⌈ρr²⌉ entries and the ⌈ρr⌉ most important tokens, divides by r where a full chunk divides by Ω,
-  and merges only its real pruned tokens, only into its real kept tokens. The output has
-  ⌈ρΩ⌉ slots per chunk, its first ⌈ρr⌉ holding the kept tokens. Two tokens of exactly equal
-  importance (two tokens and the anti-diagonal kept: each counts one entry as query and one as key,
-  of the same summed score) go to the earlier one, by a stable sort.
-
-Selection and matching run in float32 even under autocast (they are O(C·Ω²) and a bf16 ranking of
-attention probabilities would be mostly ties); the tokens keep the dtype they arrive in.
+Its reasoning: docs/reading-bspf.md, "vitexp/methods/bspf/pruning.py".
 """
 
 from __future__ import annotations

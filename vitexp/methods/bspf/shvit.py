@@ -1,36 +1,6 @@
 """BSPF-ViT on SHViT (timm ``shvit_*``), patched onto a live model ToMe-style.
 
-SHViT keeps its tokens as NCHW maps. A block is a residual depthwise 3×3 convolution, a residual
-single-head attention (SHSA) on the first ``pdim`` channels (the other channels pass through to
-its 1×1 projection) and a residual FFN of 1×1 convolutions; SHSA blocks form stages 2 and 3.
-Decisions (docs/reading-backbones.md, SHViT):
-
-- **Where**: every SHSA stage becomes a :class:`TokenStage`. Its blocks' attention is chunk
-  attention (:class:`ChunkSHSA`); pruning and fusion happen at ``prune_layers``, counted within
-  the first SHSA stage (stage 2), between a block's attention and its FFN, as in ViT blocks.
-- **What runs on the kept tokens**: the positions of the stage are gathered into a token sequence
-  (window order for ``chunk_layout=window``), and the SHSA and the FFN run on the tokens that
-  survive, as a (B, C, N', 1) map, so their 1×1 convolutions, attention matmuls and BatchNorm
-  statistics see N' tokens only. SHSA's GroupNorm (one group) normalises over the tokens present.
-- **Untouched channels**: a pruned position leaves with all its channels; fusion merges the whole
-  token (attention channels and pass-through channels alike, by the similarity of the whole token).
-- **What runs on the grid**: each block's depthwise 3×3 convolution needs neighbours, so it runs on
-  the grid restored from the tokens (a gather: every pruned position takes the value of the kept
-  token it was fused into, or that token's own when nothing was fused), at full cost; then the kept
-  tokens read the convolution's output at their own positions. A pruned position's own value is
-  never used again. The stage hands the next stage's downsampling (and the head, or a feature
-  pyramid) the restored grid.
-- **Chunks follow the grid**: the layout is decided from each call's grid. Where the windows do
-  not tile it (the grids of 1280 × 800 COCO canvases), the grid is padded to whole windows
-  and each window's chunk holds its real tokens, then empty slots (docs/reading-bspf.md, "Chunks on
-  any grid"; :func:`~vitexp.methods.bspf.layout.padded_chunks`). The tokens stay a sequence of real
-  tokens only: the GroupNorm, the 1×1 convolutions and their BatchNorm, the FFN and the pruner's
-  fusion see no empty slot; the attention spreads q, k and v into the padded chunks, masks the
-  empty keys (weight exactly 0) and gathers the real queries' outputs back. Its matmuls run on
-  the padded chunks, and the FLOPs count them so. A grid that one window covers (a stage smaller
-  than a window) is one chunk, SHViT's own global attention.
-- Shared Q/K (``symmetric``) is not implemented for SHSA; the method refuses it on SHViT
-  (docs/reading-bspf.md, "Shared Q/K on SHViT").
+Its reasoning: docs/reading-bspf.md, "vitexp/methods/bspf/shvit.py".
 """
 
 from __future__ import annotations

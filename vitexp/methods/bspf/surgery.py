@@ -1,21 +1,7 @@
-"""The surgery that puts BSPF-ViT into a live timm model, ToMe-style: each attention's and pruned
-block's class is swapped for a subclass, so LayerScale, drop path and the norms stay timm's own.
+"""The surgery that puts BSPF-ViT into a live timm model, ToMe-style: each attention's and pruned block's
+class is swapped for a subclass, so LayerScale, drop path and the norms stay timm's own.
 
-- :class:`ChunkAttention`: a patch query attends to the keys of its own chunk (Ω consecutive
-  tokens, see ``layout``) and to the prefix tokens (CLS, registers); a prefix query attends to
-  every token. It is one 4-D ``scaled_dot_product_attention`` call on (B, H·C, Ω, d) queries and
-  (B, H·C, P + Ω, d) keys (the prefix keys concatenated to every chunk), so PyTorch's fused
-  kernels (flash, memory-efficient) apply and the cost is O(N·Ω); the prefix queries are a second
-  4-D call. A pruning layer computes its softmax explicitly, since its blocks are scored.
-- :class:`PruneBlock` / :class:`PruneMetaBlock`: prune (and fuse) between attention and MLP.
-- :class:`WindowOrder`: puts the patch tokens in window order before the first block
-  (``chunk_layout=window``); :class:`RestoringSequential` undoes it (and the pruning) for a
-  MetaFormer stage whose grid the next stage downsamples.
-- Symmetric Q/K: one projection W_qk computes q and k once per token, initialised from
-  (W_q + W_k)/2 (and the biases alike).
-
-Audit state (``last_blocks``, a pruner's ``last``) is detached: it never holds the autograd graph,
-so a model can be deep-copied (EMA, SWA) after a forward with gradients.
+Its reasoning: docs/reading-bspf.md, "vitexp/methods/bspf/surgery.py".
 """
 
 from __future__ import annotations

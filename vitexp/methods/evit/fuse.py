@@ -1,23 +1,8 @@
-"""EViT's algorithm (Liang et al., ICLR 2022, "Not All Patches are What You Need"), as its
-public code (``evit.py``, ``helpers.py``) computes it. Pure tensor code; :mod:`.patch` calls it
-between the attention and the MLP of the pruning blocks.
+"""EViT's algorithm (Liang et al., ICLR 2022, "Not All Patches are What You Need"), as its public code
+(``evit.py``, ``helpers.py``) computes it. Pure tensor code; :mod:`.patch` calls it between the
+attention and the MLP of the pruning blocks.
 
-- Candidates: the M = N − P non-prefix tokens entering the block (P prefix tokens: CLS and, on
-  DINOv2, registers; EViT has only CLS). The fused token of an earlier pruning block is one of
-  them, as in EViT's code.
-- Kept: the k = ⌈ρ·M⌉ candidates with the largest CLS attention, averaged over heads (the CLS
-  query's softmax row of this block's attention), in descending order of that attention.
-- Fused (``fuse=True``, EViT's ``--fuse_token``): the other M − k candidates become one token,
-  appended last: x_f = Σ_i a_i x_i with a_i their CLS attention. EViT's code sums without
-  dividing by Σ a_i (the weights are the softmax probabilities, summing to less than 1);
-  vitexp does the same. The sum is written as a (1×(M−k)) · ((M−k)×C) matmul, so the protocol
-  counts its (M−k)·C MACs.
-- Tokens after the block: P + k + 1 (P + k without fusion).
-
-``keep_rate_at``: EViT's keep-rate warm-up (``helpers.adjust_keep_rate``). ρ_t = 1 before
-``start`` epochs; then cosine from 1 down to the target over ``ramp`` epochs,
-ρ_t = ρ + (1 − ρ)·(1 + cos(π·(e − start)/ramp))/2; ρ after. EViT evaluates iterations, so e is
-fractional (e = training progress × epochs). Evaluation always uses the target ρ.
+Its reasoning: docs/reading-peers.md, "vitexp/methods/evit/fuse.py".
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""EViT's surgery on a live ViT: the blocks at ``prune_layers`` have their and their
-attention's class swapped (ToMe-style), so LayerScale, drop path, the norms and LV-ViT's
-``skip_lam`` stay the model's own; the other blocks are untouched timm blocks.
+"""EViT's surgery on a live ViT: the blocks at ``prune_layers`` have their and their attention's class
+swapped (ToMe-style), so LayerScale, drop path, the norms and LV-ViT's ``skip_lam`` stay the model's
+own; the other blocks are untouched timm blocks.
 
-- :class:`EViTAttention`: when the block prunes, the CLS query's attention row is computed
-  explicitly (its softmax is EViT's score, head-averaged) and the other queries go through SDPA,
-  so the MACs are those of the unmodified attention. EViT reads the row after attention dropout;
-  vitexp before (DeiT trains with attention dropout 0, where the two agree).
-- :class:`EViTBlock`: attention, residual, :func:`.fuse.prune_and_fuse`, MLP, residual.
-- :class:`KeepRateSchedule`: the keep rate ρ_t the blocks use (EViT's warm-up while training,
-  the target in evaluation); the patched model's ``set_progress`` (called by the classify
-  objective every step) moves it.
+Its reasoning: docs/reading-peers.md, "vitexp/methods/evit/patch.py".
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """RAPTOR surrogates saved by the reference code (KempnerInstitute/raptor) loaded into vitexp's
 :class:`~vitexp.methods.raptor.surrogate.RaptorBlock` (``method.surrogate``).
 
-What the reference saves: its ``trainer.py`` writes whole modules with ``torch.save(model)``, a
-stage-1 run one ``block.Block``, a stage-2 run a ``raptor.Raptor`` holding ``blocks`` and
-``thresholds``; the patch embedding, final norm and linear head stay the DINOv2 teacher's (its
-probe wrappers take them from ``torch.hub``), as in vitexp. The files are read with torch's
-weights-only unpickler: the reference's classes are admitted under their pickled names as
-attribute-only stand-ins (:class:`_Pickled`), so no reference code is needed or run. A file that
-holds the state dict of either module loads too. A file holding any other class is refused in
-one line naming the class it met and what was expected; torch's own message (which suggests
-``weights_only=False``, never an option in vitexp) is not passed on.
-
-Key map (``block.Block`` -> ``RaptorBlock``): ``attn.in_proj_{weight,bias}`` -> ``attn.qkv.*``
-(``nn.MultiheadAttention`` packs q, k, v in timm's order, scale head_dim^-0.5), ``attn.out_proj.*``
--> ``attn.proj.*``, ``mlp.0.*`` / ``mlp.2.*`` -> ``mlp.fc1.*`` / ``mlp.fc2.*``, ``t_proj.{0,2}.*`` ->
-``gate.{0,2}.*``; ``norm{1,2}.*`` and ``ls{1,2}.gamma`` keep their names. ``mlp.0`` of width 2·hidden
-is the SwiGLU MLP (``--swiglu``), of width hidden the GELU one. A block saved without
-``--t_scale`` (no ``t_proj``) is refused: vitexp's block always has the gates.
-
-Thresholds -> phases: the reference's ``Raptor.forward(x, t, t_integer)`` runs block i for the
-first threshold with t_integer <= thresholds[i] (the last block above them all), t being the
-1-based layer index, so block i covers the 0-based layers thresholds[i-1] .. thresholds[i] − 1.
-Stage-1 ``Block`` files, and a ``Raptor`` saved as a state dict, hold no thresholds: the layers
-each block was trained for are not in the file, so the method requires ``method.phases`` with them
-(:meth:`vitexp.methods.raptor.Raptor.validate_budget`) rather than choosing phases the blocks were
-not trained on.
+Its reasoning: docs/reading-raptor.md, "vitexp/methods/raptor/reference.py".
 """
 
 from __future__ import annotations

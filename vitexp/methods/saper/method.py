@@ -1,40 +1,7 @@
 """SAPER's Method glue: ``method=saper_ft`` (:class:`SaperHeads`) and ``method=saper_kd``
 (:class:`SaperDistill`), for every head-selection rule (``method.selection``).
 
-A run has SAPER's two stages ("learns a soft top-k mask over all heads and then fine-tunes or
-distills the surviving subset", ``../shared/reference.md``), each with its checkpoints under
-``checkpoints/<stage>/`` and restored on requeue:
-
-1. ``select`` (``recipe.epochs``): which k heads survive.
-   - ``lapsum``: the gated model (:class:`~vitexp.methods.saper.selector.HeadPrunedModel`) trains
-     its head scores (and the probe, or nothing more in distillation) with the rest as
-     ``method.trainable`` says (default: frozen); tested as trained as ``soft_top1``. With
-     ``method.straight_through`` the forward pass uses the deployed gates once the anneal is over
-     (:mod:`~vitexp.methods.saper.selector`).
-   - ``random`` | ``magnitude`` | ``importance`` (:mod:`vitexp.methods.saper.selection`): the k
-     heads are chosen once, before training, and the others removed at once; the stage trains what
-     ``method.trainable`` leaves on the pruned model (the probe in fine-tune mode; nothing in
-     distillation: zero epochs), so every rule ends ``select`` with a probe fitted for as long.
-   The deployed model at the end of ``select`` (top-k kept, the others physically removed) is
-   tested as ``selected_top1``.
-2. ``recover`` (``method.recover_epochs``, ``method.recover_lr``): the deployed model trains with
-   ``method.recover_trainable`` (default ``non_attention``: the heads' attention frozen, MLPs,
-   norms, embeddings and the probe trained, as SAPER reports better than adjusting the heads).
-   Fine-tune mode continues the linear probe of ``select`` on the deployed features (every rule
-   trained its probe in ``select`` for as long; a probe refitted from scratch at the recovery's lr,
-   a tenth of the selection's, ended below the selected model on digits); distillation mode trains
-   the pruned student against the unpruned frozen teacher with the same token loss. Every rule gets
-   this identical stage from the same kind of start: the backbone less the other heads, each kept
-   head as it is in the backbone (LapSum deploys its heads at gate 1, as the fixed rules do:
-   :mod:`~vitexp.methods.saper.selector`; ``method.fold_gates`` measures the earlier reading, its
-   final gates folded into the frozen projection). What differs at the start of ``recover`` is
-   which heads survive and the probe ``select`` fitted. Its test is the run's ``top1``, of the
-   model whose FLOPs and weights are recorded.
-   ``recover_epochs=0`` skips it (``top1`` = ``selected_top1``).
-
-The ledger keeps the kept heads per layer (``kept_heads``), from which
-:meth:`SaperHeads.rebuild_deployed` rebuilds the deployed architecture for the saved weights, and
-for LapSum how far its final gates were from 0/1 (``gate_summary``).
+Its reasoning: docs/reading-saper.md, "vitexp/methods/saper/method.py".
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""Head-selection baselines at SAPER's budget k (``method.selection``): rules that choose the k
-heads once, before training, instead of learning them with LapSum.
+"""Head-selection baselines at SAPER's budget k (``method.selection``): rules that choose the k heads once,
+before training, instead of learning them with LapSum.
 
-Each rule scores every head of the model (an L×H tensor) and keeps the k best over the whole
-model (:func:`top_k_heads`, as LapSum's deployment does with its learned scores).
-
-- ``random``: scores drawn uniformly from a generator seeded by ``method.selection_seed`` (the
-  run's seed), so the kept heads are a uniform k-subset of the L×H heads.
-- ``magnitude``: the Frobenius norm of the head's d input columns of its layer's output
-  projection (``attn.proj.weight[:, h·d:(h+1)·d]``), ranked over the whole model, unnormalised.
-- ``importance``: Michel et al. (NeurIPS 2019, "Are Sixteen Heads Really Better than One?"),
-  Eq. 2: gates ξ_h = 1 multiply each head's output, and I_h = E_x |∂L(x)/∂ξ_h| over a
-  calibration set, every gate at 1. vitexp's reading:
-  - The absolute value is taken per example, as Eq. 2 writes it (Michel et al.'s code takes it
-    per batch): the gates have one value per example (:func:`head_gates`), so one backward gives
-    every example's gradient.
-  - Scores are normalised per layer by their ℓ2 norm, as Michel et al.'s pruning experiments do
-    (``--normalize_pruning_by_layer`` in their code).
-  - The calibration set is ``method.importance_batches`` batches of the training split under
-    evaluation transforms (the k-NN bank's images), a random subset drawn with
-    ``method.selection_seed``, so a resumed run chooses the same heads. Under DDP every rank
-    computes them on the same images.
-  - L is the cross-entropy of a linear probe on the selection's features (``cls_mean`` in
-    fine-tune mode; ``method.knn_features`` in distillation mode), fitted on the calibration
-    features of the unpruned, frozen model (:func:`fit_linear_probe`). Michel et al. score a
-    model trained for its task; SAPER's probe is untrained when heads are chosen, and through a
-    random head ∂L/∂ξ is a random projection of the features' sensitivity. The distillation loss
-    cannot serve: with every gate at 1 the student is its teacher, the loss is at its minimum
-    (0), and every ∂L/∂ξ_h is 0.
+Its reasoning: docs/reading-saper.md, "vitexp/methods/saper/selection.py".
 """
 
 from __future__ import annotations

@@ -1,28 +1,7 @@
-"""SAPER's learned selection (``method.selection=lapsum``): per-head scores, the annealed LapSum
-gates, and the gated model that deploys to a physically pruned one.
+"""SAPER's learned selection (``method.selection=lapsum``): per-head scores, the annealed LapSum gates, and
+the gated model that deploys to a physically pruned one.
 
-- One learnable score per head over all heads of the model (L×H: 72 for ViT-S/14, 144 for
-  ViT-B/14). The gates are g = soft_topk(scores, k_t, α_t) (vitexp/methods/lapsum.py), and each
-  head's output is scaled by its gate before the output projection.
-- k_t anneals from the total head count (less ½, as the soft top-k needs k < n) to the budget k by
-  a cosine over the first ``anneal_fraction`` of training; α_t falls geometrically from
-  ``alpha_start`` to ``alpha_end`` over the same span.
-- ``straight_through``: after the anneal, the forward pass uses the deployed gates while the
-  scores' gradient flows through the soft gates (straight-through estimator), so the model's last
-  phase of training is the deployed model. The soft top-k alone does not reach 0/1: α is absolute,
-  and scores that move by a few hundredths leave gates of 0.3–0.6 at α = 0.01 (measured on the
-  micro tiers: ``gate_summary`` in the ledger), on which the soft model relies and which deployment
-  drops.
-- Deployment keeps the top-k heads by score (:meth:`HeadPrunedModel.kept_heads`) and removes the
-  rest (:func:`~vitexp.methods.saper.surgery.prune_probe_model`). The kept heads enter the deployed
-  model as they are in the backbone, at weight 1 (the deployed gates: 1 for the top k, 0 elsewhere),
-  as every fixed selection rule's do, so the recovery stage starts each rule from the same kind of
-  model: the backbone less the other heads (decision, docs/reading-saper.md, "One recovery start").
-  ``fold_gates`` (``method.fold_gates``, off by default) is the earlier reading, kept to measure it:
-  each kept head's final gate (the soft top-k at the budget k and ``alpha_end``,
-  :meth:`HeadSelector.final_gates`) is then its deployed gate, folded into its columns of the
-  output projection (which ``recover`` keeps frozen), and the straight-through forward uses those
-  gates.
+Its reasoning: docs/reading-saper.md, "vitexp/methods/saper/selector.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""ToMe's algorithm (Bolya et al., ICLR 2023, Sec. 3): bipartite soft matching and the
-size-weighted merge. Pure tensor code; :mod:`vitexp.methods.tome.patch` calls it between the
-attention and the MLP of every block.
+"""ToMe's algorithm (Bolya et al., ICLR 2023, Sec. 3): bipartite soft matching and the size-weighted merge.
+Pure tensor code; :mod:`vitexp.methods.tome.patch` calls it between the attention and the MLP of every
+block.
 
-Bipartite soft matching of the N − P non-prefix tokens (P prefix tokens: CLS, registers):
-
-1. Alternate them into sets A and B. With the sequence counted from CLS at position 0, A holds
-   the even positions and B the odd ones, as ToMe's code does with its class token in A:
-   A = patches[1::2], B = patches[0::2]. Prefix tokens are in neither set, so they are never
-   merged and never merged into (ToMe protects only CLS; registers are treated alike).
-2. Score every a ∈ A against every b ∈ B by the cosine similarity of the metric (the attention
-   keys averaged over heads): one matmul, |A|·|B|·d MACs, which the FLOPs protocol counts.
-3. Each a keeps its best b; the r a's with the highest best score are merged into their b
-   (r ≤ |A| = ⌊(N − P)/2⌋; several a's may go to one b).
-4. Output order: prefix, the unmerged A tokens in their input order, then B.
-
-Merge (``merge_wavg``): tokens are averaged weighted by their size s (the number of input
-patches each stands for): x_b ← (s_b x_b + Σ s_a x_a) / (s_b + Σ s_a), s_b ← s_b + Σ s_a.
+Its reasoning: docs/reading-peers.md, "vitexp/methods/tome/merge.py".
 """
 
 from __future__ import annotations

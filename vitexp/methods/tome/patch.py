@@ -1,15 +1,7 @@
-"""ToMe's surgery on a live ViT: each block's and attention's class is swapped (as ToMe's
-``apply_patch`` does for timm), so LayerScale, drop path, the norms and LV-ViT's ``skip_lam``
-stay the model's own.
+"""ToMe's surgery on a live ViT: each block's and attention's class is swapped (as ToMe's ``apply_patch``
+does for timm), so LayerScale, drop path, the norms and LV-ViT's ``skip_lam`` stay the model's own.
 
-- :class:`ToMeAttention` returns the attention output and the metric (keys averaged over heads).
-  With proportional attention, log s_j is added to every logit towards key j,
-  softmax(q kᵀ/√d + log s): a token of size s is attended as s identical tokens would be. The
-  bias goes to SDPA as a float ``attn_mask`` (B×1×1×N), so a fused kernel still runs; before the
-  first merge there is no bias at all.
-- :class:`ToMeBlock`: attention, residual, merge of ``r`` tokens (:mod:`.merge`), MLP, residual.
-- The blocks share one :class:`MergeState` (r per layer, the running sizes); block 0 resets the
-  sizes, so each forward pass starts from size 1.
+Its reasoning: docs/reading-peers.md, "vitexp/methods/tome/patch.py".
 """
 
 from __future__ import annotations

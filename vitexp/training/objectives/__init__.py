@@ -1,16 +1,10 @@
 """Objectives as plug-ins: what a run trains, how it is tested and how it is counted, chosen by the
 config's ``objective`` key. :mod:`vitexp.training.fit`, :mod:`vitexp.commands.evaluate`,
-:mod:`vitexp.commands.inspect`
-(``vitexp-flops``, ``vitexp-bench``), :func:`vitexp.training.resolve.validate` and the rehearsal plan call
-the run's :class:`~vitexp.training.objectives.base.Objective` and never ask which one it is.
+:mod:`vitexp.commands.inspect` (``vitexp-flops``, ``vitexp-bench``),
+:func:`vitexp.training.resolve.validate` and the rehearsal plan call the run's
+:class:`~vitexp.training.objectives.base.Objective` and never ask which one it is.
 
-- ``auto`` (:mod:`.classification`): the method's own objective, one LightningModule per stage
-  (classify, the probes, SAPER's k-NN distillation, RAPTOR's surrogate stages).
-- the other choices: one module each, named in :data:`OBJECTIVES`, which owns its config group
-  (its schema: :data:`vitexp.config.objective_schemas.OBJECTIVE_SCHEMAS`) and wraps its package.
-
-Decision: the plug-ins are named here by module path and imported when first asked for, so that
-the schema (:mod:`vitexp.config.schema`) can read their config groups without importing the training code.
+Its reasoning: docs/commands.md, "vitexp/training/objectives/__init__.py".
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""The interface every objective implements: the model to measure, how to train it (its stages and
-their LightningModule), how to test it (the metrics of a test or a validation), how to count it
-(FLOPs and params under its protocol), and how a completed run's model is rebuilt for its weights.
+"""The interface every objective implements: the model to measure, how to train it (its stages and their
+LightningModule), how to test it (the metrics of a test or a validation), how to count it (FLOPs and
+params under its protocol), and how a completed run's model is rebuilt for its weights.
 
-Decisions:
-- A run's stages come from its objective: ``auto`` hands the method's own stages through; another
-  objective builds its model around the method's (the backbone with the method applied) and trains
-  that in stages of its own.
-- A stage's LightningModule is built from the stage's config (:func:`vitexp.training.fit.stage_config`:
-  the run's recipe with the stage's keys), the one place a stage's recipe is derived.
-- What the end of a run measures (:meth:`Objective.deployed_cost`) and what ``vitexp-flops``
-  counts (:meth:`Objective.count`) are one count, so a trained run and a FLOPs row of the same
-  model agree.
+Its reasoning: docs/commands.md, "vitexp/training/objectives/base.py".
 """
 
 from __future__ import annotations

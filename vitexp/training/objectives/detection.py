@@ -1,19 +1,8 @@
 """``objective: detect``: object detection and instance segmentation, a thin plug-in over
-:mod:`vitexp.detection` (torchvision's Mask R-CNN around the backbone with the method applied,
-COCO data, :class:`~vitexp.training.detection_module.DetectModule`).
+:mod:`vitexp.detection` (torchvision's Mask R-CNN around the backbone with the method applied, COCO
+data, :class:`~vitexp.training.detection_module.DetectModule`).
 
-- The model: the run's Mask R-CNN (:func:`vitexp.detection.detector_for`, group ``detector``)
-  around the method's model, trained in one stage ``main``; its weights (``weights.pth``) are the
-  whole detector's, which ``vitexp-eval`` loads into the detector rebuilt from the run's config
-  (BatchNorm frozen or not as the run's ``freeze_bn`` decided, from the run's own
-  ``backbone.pretrained``).
-- The test: COCO box and mask AP (``ap_box``, ``ap_mask``, at IoU .5 and .75) × 100.
-- The count: the whole detector at ``detector.flops_size`` by part
-  (:func:`vitexp.detection.detection_flops`), its heads, and the backbone alone at
-  ``backbone.img_size`` (``backbone_gmacs``). Throughput is not measured: the RoI heads' time
-  depends on how many detections an image has, so ``vitexp-bench`` refuses a detector.
-- Config rules: a COCO-layout dataset (``data=coco``, ``micro_coco``, ``synthetic_coco``) and a
-  backbone with stages (``feature_info``: CaFormer, SHViT).
+Its reasoning: docs/commands.md, "vitexp/training/objectives/detection.py".
 """
 
 from __future__ import annotations
