@@ -17,7 +17,6 @@ from omegaconf import open_dict  # noqa: E402
 from slurm_cluster import slurm_cluster  # noqa: E402,F401  (the one-node SLURM of the slurm tests)
 
 import vitexp.config.composition as vconfig  # noqa: E402
-import vitexp.models  # noqa: E402,F401 - registers vitexp's architectures with timm
 
 #: Overrides that keep a test run small and quiet (no logger, no progress bar).
 QUIET = ["logger=none", "trainer.enable_progress_bar=false"]

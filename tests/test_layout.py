@@ -28,3 +28,9 @@ def test_the_layers_picture_is_the_codes():
         text=True,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_importing_the_package_registers_its_architectures_with_timm():
+    code = "import timm, vitexp; print(sorted(timm.list_models('vit_micro*')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "vit_micro_patch4_32" in result.stdout, result.stderr[-500:]

@@ -138,3 +138,28 @@ def test_a_run_launched_under_a_name_is_rerun_from_its_recorded_config():
         "recipe.name": "r",
         "recipe.warmup_lr": 1e-06,
     }
+
+
+def test_a_rerun_calls_the_console_scripts_where_its_commit_has_them(tmp_path):
+    """A ‡ run of a commit before the package layout reruns through vitexp.cli; a later one through
+    vitexp.commands.cli; and every commit the ledger's rebuild entries name has vitexp/cli.py."""
+    import subprocess
+
+    from vitexp import PROJECT_ROOT
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    (old / "vitexp").mkdir(parents=True)
+    (old / "vitexp" / "cli.py").write_text("")
+    (new / "vitexp" / "commands").mkdir(parents=True)
+    (new / "vitexp" / "commands" / "cli.py").write_text("")
+    assert rebuild.cli_module(old) == "vitexp.cli"
+    assert rebuild.cli_module(new) == "vitexp.commands.cli"
+    assert rebuild.cli_module(PROJECT_ROOT) == "vitexp.commands.cli"
+    listed = subprocess.run(
+        ["git", "ls-tree", "--name-only", "8cd9138", "vitexp/cli.py"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if listed.returncode == 0:  # a clone with the history: the last commit before the layout
+        assert listed.stdout.strip() == "vitexp/cli.py"

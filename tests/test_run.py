@@ -386,13 +386,22 @@ def test_no_module_over_300_statements():
     assert not long, long
 
 
-def test_the_documented_layout_names_every_package():
+def test_the_documented_layout_names_every_package_and_module():
+    """docs/layout.md's paragraph of each top-level package names every module and subpackage in it."""
     layout = (ROOT / "docs" / "layout.md").read_text().split("## The packages", 1)[1]
+    paragraphs = {p.split("`**", 1)[0].strip("*`"): p for p in layout.split("\n- **`")[1:]}
     for p in sorted((ROOT / "vitexp").iterdir()):
         if p.is_dir() and (p / "__init__.py").exists():
-            assert f"**`{p.name}/`**" in layout, f"docs/layout.md misses vitexp/{p.name}/"
+            assert f"{p.name}/" in paragraphs, f"docs/layout.md misses vitexp/{p.name}/"
+            for child in sorted(p.iterdir()):
+                if child.name in ("__init__.py", "__pycache__"):
+                    continue
+                name = child.name + ("/" if child.is_dir() else "")
+                assert f"`{name}`" in paragraphs[f"{p.name}/"], (
+                    f"docs/layout.md misses vitexp/{p.name}/{name}"
+                )
         elif p.suffix == ".py" and p.name != "__init__.py":
-            assert f"**`{p.name}`**" in layout, f"docs/layout.md misses vitexp/{p.name}"
+            assert p.name in paragraphs, f"docs/layout.md misses vitexp/{p.name}"
 
 
 def test_the_progress_bar_shows_accuracy_in_percent(monkeypatch):

@@ -1,5 +1,5 @@
 """``WANDB_MODE`` from the environment: empty means unset, a value W&B refuses is a one-line config
-error before anything starts (vitexp.runs.loggers.wandb_mode, called by vitexp.config.composition.validate);
+error before anything starts (vitexp.runs.loggers.wandb_mode, called by vitexp.training.resolve.validate);
 the
 empty value is dropped from the environment only where W&B starts (build_logger)."""
 

@@ -1,7 +1,7 @@
 """vitexp: an experiment framework for efficient vision transformers (the layout: docs/layout.md).
 
-The package root holds only the checkout's paths. ``import vitexp.models`` registers vitexp's
-architectures with timm (``timm.create_model("vit_micro_patch4_32")``).
+The package root holds the checkout's paths, and importing it registers vitexp's architectures with
+timm (``timm.create_model("vit_micro_patch4_32")`` after ``import vitexp``).
 """
 
 from pathlib import Path
@@ -12,3 +12,5 @@ __version__ = "0.1.0"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = PROJECT_ROOT / "conf"
 SWEEPS_DIR = PROJECT_ROOT / "sweeps"
+
+from vitexp import models as _models  # noqa: E402,F401  (registers vitexp's architectures with timm)

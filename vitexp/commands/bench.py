@@ -44,6 +44,11 @@ def run_bench(cfg: DictConfig) -> dict[str, Any]:
     resolved = resolve(cfg, need_data=cfg.bench.mode == "overhead", need_trainer=False)
     if cfg.bench.mode in ("throughput", "overhead", "train_step"):
         resolved.objective.check_timed(cfg)
+    if cfg.bench.mode == "overhead" and resolved.method.objective != "classify":
+        raise ConfigError(
+            f"bench.mode=overhead times the classify objective; method {resolved.method.name} is"
+            f" {resolved.method.objective}"
+        )
     if cfg.bench.mode == "loader":
         _check_loader(cfg)
     with owned_run(cfg.name, "bench", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
@@ -103,11 +108,6 @@ def _run_model_timing(resolved: Resolved, run) -> None:
             f" {torch.get_num_threads()} threads"
         )
     else:
-        if method.objective != "classify":
-            raise ConfigError(
-                f"bench.mode=overhead times the classify objective; method {method.name} is"
-                f" {method.objective}"
-            )
         import copy
 
         datamodule = build_datamodule(cfg, data_config)

@@ -133,23 +133,21 @@ class Deployed(NamedTuple):
     path: Path
 
 
-def resolve_rebuild(cfg: DictConfig, record: dict[str, Any]):
-    """The one resolve step of a completed run's rebuild (:func:`rebuild_config`'s config): what
-    :func:`load_deployed` is handed."""
-    from vitexp.training.resolve import resolve
+class Rebuild(NamedTuple):
+    """A completed run's rebuild after the one resolve step (:func:`resolve_rebuild`): the rebuilt
+    config's resolved parts, the weights file to load and the name an error gives it."""
 
-    return resolve(rebuild_config(cfg, record))
+    resolved: Any
+    path: Path
+    key: str
 
 
-def load_deployed(resolved, cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> Deployed:
-    """The run's deployed model rebuilt from ``resolved`` (:func:`resolve_rebuild`) and loaded with its
-    weights (``weights``, else the run's own, else its W&B artifact's); a missing or unfitting file is a
-    :class:`~vitexp.errors.CheckpointError` naming it (module docstring). Writes nothing."""
-    import lightning as L
-
+def resolve_rebuild(cfg: DictConfig, record: dict[str, Any], weights: str | None = None) -> Rebuild:
+    """The one resolve step of a completed run's rebuild, before its eval run starts: its weights file
+    (``weights``, else the run's own, else its W&B artifact's; a missing or unreadable file is a
+    :class:`~vitexp.errors.CheckpointError` naming it) and :func:`rebuild_config`'s config resolved."""
     from vitexp.models.factory import check_file
-    from vitexp.training.build import build_backbone_and_method, load_weights
-    from vitexp.training.fit import datamodule_cache
+    from vitexp.training.resolve import resolve
 
     artifacts = record.get("artifacts") or {}
     key = "--weights" if weights else f"run {record['run_id']}'s weights"
@@ -163,17 +161,27 @@ def load_deployed(resolved, cfg: DictConfig, record: dict[str, Any], weights: st
     if (
         not weights and (path is None or not path.is_file()) and artifacts.get("wandb_model")
     ):  # trained elsewhere
-        path = Path(
-            fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)["artifacts"][
-                "weights"
-            ]
-        )
+        fetched = fetch_model(artifacts["wandb_model"], Path(cfg.results_dir) / ARTIFACTS_SUBDIR)
+        path = Path(fetched["artifacts"]["weights"])
     if path is None or not path.is_file():
         raise CheckpointError(
             f"{key}: {path} is not on this machine; pass --weights (weights.pth or "
             "checkpoints/last.ckpt of that run) or rerun it"
         )
     check_file(path, key)
+    return Rebuild(resolve(rebuild_config(cfg, record)), path, key)
+
+
+def load_deployed(rebuild: Rebuild, cfg: DictConfig, record: dict[str, Any]) -> Deployed:
+    """The run's deployed model rebuilt from its resolved parts (:func:`resolve_rebuild`) and loaded
+    with their weights file; a file that does not fit is a :class:`~vitexp.errors.CheckpointError`
+    naming it (module docstring). Writes nothing."""
+    import lightning as L
+
+    from vitexp.training.build import build_backbone_and_method, load_weights
+    from vitexp.training.fit import datamodule_cache
+
+    resolved, path, key = rebuild
     built, objective = resolved.cfg, resolved.objective
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     backbone, method, data_config = build_backbone_and_method(built, resolved.method, resolved.weights)
@@ -198,9 +206,9 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
     from vitexp.training.build import build_trainer
     from vitexp.training.fit import stage_config
 
-    resolved = resolve_rebuild(cfg, record)
+    rebuild = resolve_rebuild(cfg, record, weights)
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
-        objective, stage, model, datamodule_for, path = load_deployed(resolved, cfg, record, weights)
+        objective, stage, model, datamodule_for, path = load_deployed(rebuild, cfg, record)
         run.start({**to_container(cfg), "evaluates": record["run_id"]})
         scfg = stage_config(cfg, stage)
         trainer = build_trainer(scfg, False, Path(cfg.output_dir), test_only=True)

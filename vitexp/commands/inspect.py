@@ -144,8 +144,8 @@ def _run_report(
         with open_dict(checked):
             checked.backbone.pretrained = None
     resolve(checked, need_trainer=False)
+    reports.check_request(cfg, args.analysis, record)
     with owned_run(cfg.name, "analyze", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
-        reports.check_request(cfg, args.analysis, record)
         extra = {"analyzes": record["run_id"]} if record else {}
         run.start({**to_container(cfg), "analysis": vars(args), **extra})
         if args.analysis == "tokens":

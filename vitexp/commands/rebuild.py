@@ -143,6 +143,14 @@ def _remove_checkouts(scratch: Path) -> None:
         )
 
 
+def cli_module(tree: Path) -> str:
+    """The console scripts' module in a checkout of ``tree``'s commit: ``vitexp.commands.cli`` since the
+    package layout (docs/layout.md), ``vitexp.cli`` at the commits before it."""
+    return (
+        "vitexp.commands.cli" if (Path(tree) / "vitexp" / "commands" / "cli.py").is_file() else "vitexp.cli"
+    )
+
+
 def rerun(run: Mapping[str, Any], ledger: Ledger, scratch: Path) -> tuple[dict[str, Any] | None, str]:
     """Run ``run``'s command at its recorded commit; (the rerun's entry or ``None``, the output's tail)."""
     commit = (run.get("env") or {}).get("git_commit")
@@ -157,7 +165,7 @@ def rerun(run: Mapping[str, Any], ledger: Ledger, scratch: Path) -> tuple[dict[s
     own = arguments(run) if _has_experiment(commit, run) else config_arguments(run)
     args = [*own, f"hydra.run.dir={scratch / ('out-' + run['run_id'])}"]
     code = (
-        f"import sys; from vitexp.commands.cli import {ENTRY_POINTS[run['kind']]} as main; "
+        f"import sys; from {cli_module(tree)} import {ENTRY_POINTS[run['kind']]} as main; "
         f"sys.argv = ['vitexp-{run['kind']}', *{args!r}]; main()"
     )
     env = {**os.environ, **RERUN_ENV, "PYTHONPATH": str(tree), "VITEXP_RESULTS": str(results)}

@@ -1,5 +1,5 @@
 """``data=synthetic_coco``: random instance-segmentation samples at any image size, for the rehearsal of a
-detection row at full size (:mod:`vitexp.rehearse`): no dataset on disk, no download.
+detection row at full size (:mod:`vitexp.cost.rehearsal`): no dataset on disk, no download.
 
 Its reasoning: docs/full-size.md, "vitexp/detection/synthetic.py".
 """

@@ -20,7 +20,7 @@ def check_backbone_weights(cfg: DictConfig, weights: str | Path) -> None:
     from vitexp.training.build import build_configured_backbone
 
     try:
-        build_configured_backbone(cfg)
+        build_configured_backbone(cfg, str(weights))
     except CheckpointError:  # the loader's own one line (backbone.use_ema and the weights the file holds)
         raise
     except CheckpointMismatchError as err:
