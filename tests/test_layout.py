@@ -15,10 +15,25 @@ def test_the_top_level_holds_at_most_15_entries():
     assert len(entries) <= 15, entries
 
 
-def test_every_package_states_its_job_in_its_first_docstring_line():
+def test_every_package_states_its_job_in_one_line():
     for init in sorted(PACKAGE.rglob("__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text()))
-        assert doc and doc.splitlines()[0].strip(), init.relative_to(PROJECT_ROOT)
+        assert doc and len(doc.split("\n\n")[0].splitlines()) == 1, init.relative_to(PROJECT_ROOT)
+
+
+def test_every_module_docstring_is_at_most_ten_lines():
+    """A module says its job in a few lines and names the page that holds its reasoning (docs/)."""
+    long = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        if (
+            body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(getattr(body[0], "value", None), ast.Constant)
+        ):
+            if (n := body[0].end_lineno - body[0].lineno + 1) > 10:
+                long[str(path.relative_to(PROJECT_ROOT))] = n
+    assert not long, long
 
 
 def test_the_layers_picture_is_the_codes():

@@ -1,5 +1,8 @@
-"""Audits of the papers' claims (``vitexp-audit``) and analyses of models (``vitexp-analyze``);
-:func:`save_png`, the PNG writer of the token and head figures."""
+"""Audits of the papers' claims (vitexp-audit) and analyses of trained models (vitexp-analyze).
+
+Audits of the papers' claims (``vitexp-audit``) and analyses of models (``vitexp-analyze``);
+:func:`save_png`, the PNG writer of the token and head figures.
+"""
 
 from __future__ import annotations
 

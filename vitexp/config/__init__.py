@@ -1,1 +1,1 @@
-"""Config composition, typed schemas, value types and weight tags."""
+"""Config composition, typed schemas, value types, weight tags and a table row's runs."""

@@ -1,12 +1,8 @@
-"""What a table costs on a GPU cluster, row by row: GPU-hours anchored on measured rates, bounded by
-what the data loader can feed the GPU.
+"""What a table costs on a GPU cluster, row by row, and the full-size rehearsal of its rows.
 
-- :mod:`.anchors`: the measured rates (timm's benchmark files, an objective's published training time,
-  a GPU measured by ``scripts/gpu_check.sh anchor``) and the GPU factor table, ``conf/cost.yaml``.
-- :mod:`.loader`: a row's loader rate (``vitexp-bench bench.mode=loader``) and the workers it gets.
-- :mod:`.rows`: a row's hours, the larger of its GPU time and its loader time per phase; a table's sum.
-- :mod:`.render`: ``results/tables/<table>.cost.md`` and docs/cluster.md's summary.
-- :mod:`.validation`: the model against published training wall clocks (DeiT, Mask R-CNN).
+GPU-hours anchored on measured rates (``anchors.py``, ``conf/cost.yaml``), bounded by the loader's rate
+(``loader.py``): a row's hours (``rows.py``), the cost files (``render.py``), the model against published
+times (``validation.py``); ``rehearsal/`` runs each row at full size (docs/cluster.md).
 """
 
 from __future__ import annotations

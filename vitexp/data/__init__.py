@@ -1,2 +1,5 @@
-"""Datamodules, Fashion-MNIST and its IDX files, the tensor decoder, and the loader benchmark with its JPEG
-folder."""
+"""Datamodules, Fashion-MNIST and its IDX files, the tensor decoder and the loader benchmark.
+
+Datamodules, Fashion-MNIST and its IDX files, the tensor decoder, and the loader benchmark with its JPEG
+folder.
+"""

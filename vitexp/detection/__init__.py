@@ -1,7 +1,10 @@
-"""Object detection and instance segmentation (``objective=detect``): torchvision's Mask R-CNN
-around a vitexp backbone (:mod:`.model`), COCO data (:mod:`.coco_data`), the micro COCO
-(:mod:`.micro_coco`) and the LightningModule (:mod:`.module`). Runs reach them through the
-objective's plug-in, :mod:`vitexp.training.objectives.detection`."""
+"""Object detection (``objective=detect``): torchvision's Mask R-CNN around a backbone's stages.
+
+Object detection and instance segmentation (``objective=detect``): torchvision's Mask R-CNN around a
+vitexp backbone (:mod:`.model`), COCO data (:mod:`.coco_data`), the micro COCO (:mod:`.micro_coco`) and
+the LightningModule (:mod:`.module`). Runs reach them through the objective's plug-in,
+:mod:`vitexp.training.objectives.detection`.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The ledger: the one reader and writer of results. Nothing outside this package opens a run's entry;
-commands, tables and methods receive records from a :class:`Ledger` or write through a
-:class:`LedgerEntry`.
+"""The ledger: the one reader and writer of results.
+
+Nothing outside this package opens a run's entry; commands, tables and methods receive records from a
+:class:`Ledger` or write through a :class:`LedgerEntry`.
 
 Its reasoning: docs/ledger.md, "vitexp/ledger/__init__.py".
 """

@@ -419,14 +419,21 @@ def text(
     table spec for the caveats (:func:`vitexp.report.tables.load_spec`)."""
     from vitexp.report.protocol_prose import caveats, summary
 
+    filled: dict[str, list[dict[str, Any]]] = {}  # each table filled once (the cost row asks per cell)
+
+    def fill_once(table: str) -> list[dict[str, Any]]:
+        if table not in filled:
+            filled[table] = fill(table)
+        return filled[table]
+
     spec = load(name)
-    claims, costs = evaluate(spec, fill), cost(spec, fill, ledger)
+    claims, costs = evaluate(spec, fill_once), cost(spec, fill_once, ledger)
     return (
         render(spec, claims, costs)
         + "\n"
         + PROSE_HEAD
         + "\n\n"
-        + summary(spec, claims, costs, caveats(spec, fill, load_spec))
+        + summary(spec, claims, costs, caveats(spec, fill_once, load_spec))
     )
 
 

@@ -1,4 +1,6 @@
-"""``vitexp-sweep TABLE --rehearse``: every row of a table at full size, for a few optimiser steps, before
+"""``vitexp-sweep TABLE --rehearse``: every row of a table at full size, for a few optimiser steps.
+
+``vitexp-sweep TABLE --rehearse``: every row of a table at full size, for a few optimiser steps, before
 any cluster time is spent on it.
 
 Its reasoning: docs/cluster.md, "vitexp/cost/rehearsal/__init__.py".

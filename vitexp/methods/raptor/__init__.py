@@ -1,4 +1,6 @@
-"""RAPTOR (arXiv 2512.19941): block-recurrent surrogates of DINOv2, as vitexp reads it (``method=raptor``,
+"""RAPTOR (arXiv 2512.19941): block-recurrent surrogates of DINOv2, as vitexp reads it.
+
+RAPTOR (arXiv 2512.19941): block-recurrent surrogates of DINOv2, as vitexp reads it (``method=raptor``,
 ``budget=blocks budget.k=2|3|4``).
 
 Its reasoning: docs/reading-raptor.md, "vitexp/methods/raptor/__init__.py".

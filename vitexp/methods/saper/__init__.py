@@ -1,4 +1,6 @@
-"""SAPER: attention-head pruning with the LapSum soft top-k (arXiv 2608.00264), as vitexp reads it
+"""SAPER (arXiv 2608.00264): attention-head pruning with the LapSum soft top-k, as vitexp reads it.
+
+SAPER: attention-head pruning with the LapSum soft top-k (arXiv 2608.00264), as vitexp reads it
 (``method=saper_ft`` / ``saper_kd``, ``budget=heads budget.k=K``).
 
 Its reasoning: docs/reading-saper.md, "vitexp/methods/saper/__init__.py".

@@ -1,4 +1,6 @@
-"""Objectives as plug-ins: what a run trains, how it is tested and how it is counted, chosen by the
+"""Objectives as plug-ins: what a run trains, how it is tested and counted (the config's ``objective``).
+
+Objectives as plug-ins: what a run trains, how it is tested and how it is counted, chosen by the
 config's ``objective`` key. :mod:`vitexp.training.fit`, :mod:`vitexp.commands.evaluate`,
 :mod:`vitexp.commands.inspect` (``vitexp-flops``, ``vitexp-bench``),
 :func:`vitexp.training.resolve.validate` and the rehearsal plan call the run's
