@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from conftest import QUIET, ledger_entries
 
-#: The digits demo, six epochs: a real run with 359 validation and 360 test images, not yet accurate,
+#: The digits demo, three epochs: a real run with 359 validation and 360 test images, not yet accurate,
 #: so two seeds disagree on many images.
-DEMO = QUIET + ["recipe.epochs=6", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false"]
+DEMO = QUIET + ["recipe.epochs=3", "recipe.warmup_epochs=0", "eval.throughput=false", "eval.flops=false"]
 
 
 def analyze(capsys, *argv: str) -> dict:
