@@ -52,17 +52,16 @@ def check_request(cfg: DictConfig, analysis: str, record: dict[str, Any] | None)
         )
 
 
-def token_model(cfg: DictConfig):
-    """(model, method, data config, where its weights came from: ``backbone`` | ``method`` | ``none``)."""
-    from vitexp.config.weights import resolve_weights
+def token_model(cfg: DictConfig, path: str | None):
+    """(model, method, data config, where its weights came from: ``backbone`` | ``method`` | ``none``);
+    ``path``: ``backbone.pretrained`` as the command's resolve step found it (``None``: none)."""
     from vitexp.models import CheckpointMismatchError
     from vitexp.training.build import build_model, load_weights
 
     try:
-        model, method, data_config = build_model(cfg)
-        return model, method, data_config, "backbone" if cfg.backbone.get("pretrained") else "none"
+        model, method, data_config = build_model(cfg, None, path)
+        return model, method, data_config, "backbone" if path else "none"
     except CheckpointMismatchError as err:
-        path = resolve_weights(cfg.backbone.pretrained, cfg.results_dir)
         bare = copy.deepcopy(cfg)
         with open_dict(bare):
             bare.backbone.pretrained = None
@@ -78,13 +77,15 @@ def token_model(cfg: DictConfig):
         return model, method, data_config, "method"
 
 
-def token_report(cfg: DictConfig, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    """Source maps of the first ``args.images`` test images, one PNG each."""
+def token_report(
+    cfg: DictConfig, args: argparse.Namespace, out_dir: Path, path: str | None
+) -> dict[str, Any]:
+    """Source maps of the first ``args.images`` test images, one PNG each (``path``: the resolved weights)."""
     from vitexp.analysis import tokens
     from vitexp.analysis.token_plots import draw_token_maps
     from vitexp.training.build import build_datamodule
 
-    model, method, data_config, weights = token_model(cfg)
+    model, method, data_config, weights = token_model(cfg, path)
     model.eval()
     datamodule = build_datamodule(cfg, data_config)
     datamodule.setup("test")
@@ -112,23 +113,29 @@ def token_report(cfg: DictConfig, args: argparse.Namespace, out_dir: Path) -> di
     }
 
 
-def head_report(
-    cfg: DictConfig, record: dict[str, Any], args: argparse.Namespace, out_dir: Path
-) -> dict[str, Any]:
-    """The heads grid of SAPER run ``record`` beside the head clusters of its unpruned backbone."""
+def pin_teacher(cfg: DictConfig, record: dict[str, Any]) -> None:
+    """``backbone.pretrained: run:<experiment>`` pinned to the teacher SAPER run ``record`` loaded, not a
+    newer run of that name (before the command's resolve step)."""
     from vitexp.analysis.audit_saper import teacher_of
+    from vitexp.ledger import RUN_WEIGHTS_PREFIX
+
+    if str(cfg.backbone.get("pretrained") or "").startswith(RUN_WEIGHTS_PREFIX):
+        with open_dict(cfg):
+            cfg.backbone.pretrained = teacher_of(record, Path(cfg.results_dir))
+
+
+def head_report(
+    cfg: DictConfig, record: dict[str, Any], args: argparse.Namespace, out_dir: Path, path: str | None
+) -> dict[str, Any]:
+    """The heads grid of SAPER run ``record`` beside the head clusters of its unpruned backbone (built
+    with ``path``, the teacher's weights the command's resolve step found: :func:`pin_teacher`)."""
     from vitexp.analysis.head_grid import checkpoint_scores, draw_head_grid, kept_mask
     from vitexp.analysis.heads import head_clusters
-    from vitexp.ledger import RUN_WEIGHTS_PREFIX, local_path
+    from vitexp.ledger import local_path
     from vitexp.training.build import build_configured_backbone, build_datamodule, data_config_for
 
     kept = record["kept_heads"]
-    if str(cfg.backbone.get("pretrained") or "").startswith(
-        RUN_WEIGHTS_PREFIX
-    ):  # the teacher this run loaded,
-        with open_dict(cfg):  # not a newer one of that name
-            cfg.backbone.pretrained = teacher_of(record, Path(cfg.results_dir))
-    backbone = build_configured_backbone(cfg).eval()
+    backbone = build_configured_backbone(cfg, path).eval()
     heads = int(backbone.blocks[0].attn.num_heads)
     output_dir = local_path(record.get("output_dir"), cfg.results_dir)
     # the select stage's checkpoint holds the scores (a run before the two stages: checkpoints/last.ckpt)

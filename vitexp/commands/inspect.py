@@ -137,21 +137,25 @@ def _run_report(
 ) -> dict[str, Any]:
     """``vitexp-analyze tokens|heads`` (vitexp/analysis/reports.py): PNGs, W&B images, ledger paths."""
     from vitexp.analysis import reports
+    from vitexp.config.weights import resolve_weights
 
+    reports.check_request(cfg, args.analysis, record)
+    if args.analysis == "heads":
+        reports.pin_teacher(cfg, record)
     checked = cfg
     if args.analysis == "tokens" and cfg.backbone.get("pretrained"):  # a trained method model's weights
         checked = cfg.copy()  # do not fit the bare backbone: reports.token_model loads them, or says why not
         with open_dict(checked):
             checked.backbone.pretrained = None
-    resolve(checked, need_trainer=False)
-    reports.check_request(cfg, args.analysis, record)
+    resolved = resolve(checked, need_trainer=False)
+    path = resolved.weights if checked is cfg else resolve_weights(cfg.backbone.pretrained, cfg.results_dir)
     with owned_run(cfg.name, "analyze", cfg.results_dir, cfg.output_dir, cfg.logger) as run:
         extra = {"analyzes": record["run_id"]} if record else {}
         run.start({**to_container(cfg), "analysis": vars(args), **extra})
         if args.analysis == "tokens":
-            report = reports.token_report(cfg, args, analysis_dir)
+            report = reports.token_report(cfg, args, analysis_dir, path)
         else:
-            report = reports.head_report(cfg, record, args, analysis_dir)
+            report = reports.head_report(cfg, record, args, analysis_dir, path)
         figures = [Path(f) for f in report.pop("figures")]
         if run.logger and hasattr(run.logger, "log_image"):
             run.logger.log_image(key=args.analysis, images=[str(f) for f in figures])
