@@ -5,9 +5,9 @@ built and its objective picked, handed down as :class:`Resolved` (docs/commands.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -30,14 +30,12 @@ def _check(cond: bool, key: str, msg: str) -> None:
 class Resolved:
     """A run's parts after :func:`resolve`: the checked config (``backbone.pretrained: run:<experiment>``
     pinned to ``run:<run_id>``), the method built once, the objective, the backbone's starting weights
-    as a file (``None``: none) and the earlier runs the method reads
-    (:meth:`~vitexp.methods.Method.needs`)."""
+    as a file (``None``: none). The earlier runs the method reads are already handed to the method."""
 
     cfg: DictConfig
     method: Method
     objective: Objective
     weights: str | None = None
-    needs: Mapping[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def resolve(
@@ -52,10 +50,9 @@ def resolve(
     so a missing one fails before the run starts. Raises :class:`ConfigError` naming the key, or
     ``FileNotFoundError`` naming a missing earlier run."""
     method, weights = _checked(cfg, need_data, method, need_trainer)
-    needs = resolve_needs(method, cfg.results_dir) if runs else {}
     if runs:
-        method.lookup(cfg, needs)
-    return Resolved(cfg, method, objective_for(cfg), None if weights is None else str(weights), needs)
+        method.lookup(cfg, resolve_needs(method, cfg.results_dir))
+    return Resolved(cfg, method, objective_for(cfg), None if weights is None else str(weights))
 
 
 def resolve_needs(method: Method, results_dir: Any) -> dict[str, dict[str, Any]]:
