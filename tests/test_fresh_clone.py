@@ -37,8 +37,9 @@ KNOWN_ABSENT = {
 
 
 #: Tables whose rows still lack seeds that their verdicts ask for, with the runs their dry run plans on a
-#: fresh clone (none now); every other ``fmnist_*`` table plans none. A run that lands lowers its count here.
-STILL_TO_RUN: dict[str, int] = {}
+#: fresh clone; every other ``fmnist_*`` table plans none. A run that lands lowers its count here. Issue 57's
+#: new starts (in flight): each table's two starts and their fine-tunes.
+STILL_TO_RUN: dict[str, int] = {"fmnist_bspf_ft2_starts": 50, "fmnist_bspf_grid14_starts": 26}
 
 
 @pytest.fixture
@@ -94,7 +95,9 @@ def test_a_fresh_clone_plans_no_run_the_tables_hold(clone, capsys):
         starts = {row_name(r) for r in expand_rows(spec["rows"]) if shared_start(spec, r)}
         held = {row["experiment"]: _held(row) for row in fill(spec, ledger) if row.get("experiment")}
         for rows in todo.values():
-            assert not set(rows["launch"]) & starts, (
+            # a start not trained yet (its table in STILL_TO_RUN) is planned; one the table holds never is
+            retrained = {s for s in set(rows["launch"]) & starts if None in held.get(s, set())}
+            assert not retrained and (table in STILL_TO_RUN or not set(rows["launch"]) & starts), (
                 f"{table}: a fresh clone trains its start again: {rows['launch']}"
             )
             for name in rows["launch"]:

@@ -96,6 +96,27 @@ def test_row_names_and_job_arguments():
     rows.check_rows([plain, dict(plain)], "spec")  # the same run twice is one name
 
 
+def test_a_start_row_with_a_seed_of_its_own_runs_that_seed_under_its_name():
+    start = {"label": "s", "experiment": "demo", "name": "demo_start1", "seed": 1, "seeds": None}
+    assert rows.row_seed(start) == 1 and not rows.is_plain(start)
+    assert rows.job_arguments(start, seeded=False) == ["experiment=demo", "seed=1", "name='demo_start1'"]
+    assert rows.job_arguments({**start, "name": "demo", "seed": 2}, seeded=False)[1] == "seed=2"
+    with pytest.raises(ValueError, match="both recorded as 'x'"):
+        rows.check_rows([{**start, "name": "x"}, {**start, "name": "x", "seed": 2}], "spec")
+    for bad, match in (
+        ({"seed": "1"}, "must be an integer"),
+        ({"seed": True}, "must be an integer"),
+        ({"seeds": [0, 1]}, "one run's seed"),
+        ({"name": None}, "a name of its own"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            rows.row_seed({**start, **bad})
+    unseeded_key = dict(start)
+    del unseeded_key["seeds"]  # the table's seeds would run instead
+    with pytest.raises(ValueError, match="one run's seed"):
+        rows.row_seed(unseeded_key)
+
+
 def _unmarked(text: str) -> str:
     """A cell's text without the marks added since the capture (stale, no diff, busy: vitexp.ledger.marks),
     and without the derived mark †, which a paper value marked derived since then gained (peers_deit_small's

@@ -99,8 +99,29 @@ def row_name(row: dict[str, Any]) -> str | None:
 
 
 def is_plain(row: dict[str, Any]) -> bool:
-    """A row that is its experiment as configured (no overrides, recorded under the experiment's name)."""
-    return not row_overrides(row) and row_name(row) == row["experiment"]
+    """A row that is its experiment as configured (no overrides, no seed of its own, recorded under the
+    experiment's name)."""
+    return not row_overrides(row) and row_seed(row) is None and row_name(row) == row["experiment"]
+
+
+def row_seed(row: dict[str, Any]) -> int | None:
+    """The ``seed`` key of an unseeded row (a start pretrained with a seed other than its
+    experiment's: one start of several, docs/verdicts.md); ``None`` without the key. Refuses a
+    non-integer seed, a row without a name of its own, and a ``seed`` beside ``seeds`` other than
+    ``null``."""
+    if "seed" not in row:
+        return None
+    seed = row["seed"]
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"row {row.get('label')!r}: seed must be an integer, got {seed!r}")
+    if not row.get("name"):
+        raise ValueError(f"row {row.get('label')!r}: a row with a seed of its own needs a name of its own")
+    if row.get("seeds", "") is not None:
+        raise ValueError(
+            f"row {row.get('label')!r}: seed {seed} is one run's seed, for a row with seeds: null "
+            f"(this row's seeds: {row.get('seeds', 'those of the table')!r})"
+        )
+    return seed
 
 
 def row_weights(row: dict[str, Any]) -> str | None:
@@ -126,14 +147,15 @@ def job_arguments(row: dict[str, Any], seeded: bool, weights: bool = True) -> li
     """The Hydra arguments of the row's job (the seeds, for a seeded row, are the caller's):
     ``experiment=E`` for a plain unseeded row (``experiment=E seed=s`` names itself ``E+seed=s``),
     else the base, the overrides, the row's starting weights (``weights``: its ``weights`` key; a
-    FLOPs count or a timing loads none) and the row's name."""
+    FLOPs count or a timing loads none), an unseeded row's own ``seed`` and the row's name."""
     start = row_weights(row) if weights else None
     if is_plain(row) and start is None:
         return [f"experiment={row['experiment']}"]
     name = row_name(row)
     name = seeded_name(name, "${seed}") if seeded else name  # type: ignore[arg-type]
     loads = [f"backbone.pretrained={start}"] if start else []
-    return [f"experiment={row['experiment']}", *row_overrides(row), *loads, f"name='{name}'"]
+    own_seed = [] if seeded or row_seed(row) is None else [f"seed={row_seed(row)}"]
+    return [f"experiment={row['experiment']}", *row_overrides(row), *loads, *own_seed, f"name='{name}'"]
 
 
 def check_rows(rows: list[dict[str, Any]], where: str) -> None:
@@ -145,7 +167,7 @@ def check_rows(rows: list[dict[str, Any]], where: str) -> None:
         if name is None:
             continue
         row_weights(row)
-        what = (row["experiment"], tuple(row_overrides(row)))
+        what = (row["experiment"], tuple(row_overrides(row)), row_seed(row))
         if seen.setdefault(name, what) != what:
             raise ValueError(
                 f"{where}: rows {seen[name]} and {what} are both recorded as {name!r}; give one of them a"
