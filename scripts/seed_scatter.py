@@ -20,9 +20,8 @@ the same n ≥ 3 pairs on both splits (reference protocols left out, as in the v
 
 And, for the tables ``--gaps`` names, each run's validation − test top-1 and how many runs of the
 BSPF family (``--family``) and of the other rows score lower on validation, and the two groups' mean
-gaps (:func:`run_gaps`): ``fmnist_bspf_grid14`` and ``fmnist_bspf_grid14_split1`` (a second validation
-draw) by default, and for two tables the change of the family − others gap from one draw to the
-other over the rows both have (:func:`draw_contrast`).
+gaps (:func:`run_gaps`): the 14 × 14 grid's tables by default; then the family − others gap per
+pretrained start and across the starts, degrees of freedom starts − 1 (:func:`start_gaps`).
 
 Writes ``results/analysis/<table>_seed_scatter.json`` (atomically) from the committed ledger;
 seconds.
@@ -58,18 +57,19 @@ def scatter(claims: list[dict[str, Any]], image_ratio: float) -> dict[str, Any]:
             if cell.get("reference") or cell["sign"] is None or not val:
                 continue
             n = cell["n"]
-            if n < 3 or val["n"] != n or not cell["std"] or not val["std"]:
+            (sd_test, df), (sd_val, _) = (_seed_spread(c) for c in (cell, val))
+            if n < 3 or val["n"] != n or not sd_test or not sd_val:
                 continue
-            ratio = val["std"] / cell["std"]
+            ratio = sd_val / sd_test
             cells.append(
                 {
                     "claim": claim["claim"],
                     "protocol": cell["protocol"],
                     "pairs": n,
-                    "sd_test": cell["std"],
-                    "sd_val": val["std"],
+                    "sd_test": sd_test,
+                    "sd_val": sd_val,
                     "ratio": ratio,
-                    "p_high": float(stats.f.sf(ratio**2 / image_ratio, n - 1, n - 1)),
+                    "p_high": float(stats.f.sf(ratio**2 / image_ratio, df, df)),
                 }
             )
     if not cells:
@@ -88,6 +88,14 @@ def scatter(claims: list[dict[str, Any]], image_ratio: float) -> dict[str, Any]:
     }
 
 
+def _seed_spread(split: dict[str, Any]) -> tuple[float | None, int]:
+    """A split's spread of seeds and its degrees of freedom: the pooled std within starts (pairs − starts)
+    where a cell has several shared starts, else the std of its pairs (pairs − 1)."""
+    if split.get("starts", 1) > 1 and not split.get("own_starts"):
+        return split["stats"]["within"], split["n"] - split["starts"]
+    return split["std"], split["n"] - 1
+
+
 def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
     """Each seeded row's validation top-1 − test top-1 per seed (percentage points, the same deployed
     model), and how many runs of the rows whose experiment contains ``family`` and of the other rows
@@ -97,7 +105,7 @@ def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
     small groups without ties); ``splits``: each group's runs' test and validation top-1, so a gap can be
     told apart into its two splits. Every run scores the same fixed validation images, so a difference
     between the groups that every seed repeats can still be a property of those images (or of the
-    start every seed shares) rather than of the method: a second draw, :func:`draw_contrast`."""
+    start every seed shares) rather than of the method: :func:`start_gaps` compares starts."""
     out: dict[str, Any] = {"family": family, "rows": {}}
     counts = {True: [0, 0], False: [0, 0]}  # in family: [lower on validation, not lower]
     groups: dict[bool, list[float]] = {True: [], False: []}
@@ -135,62 +143,57 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _welch(family: list[float], others: list[float]) -> dict[str, float]:
-    """mean(family) − mean(others), its Welch standard error and the parts ``s²/n`` that
-    Welch–Satterthwaite's degrees of freedom are made of."""
-    parts = [(stats.tvar(g) / len(g), len(g) - 1) for g in (family, others)]
-    return {
-        "difference": sum(family) / len(family) - sum(others) / len(others),
-        "se": math.sqrt(sum(v for v, _ in parts)),
-        "parts": parts,
-    }
-
-
-def _satterthwaite(parts: list[tuple[float, int]]) -> float:
-    """Welch–Satterthwaite degrees of freedom of a sum of independent ``s²/n`` terms (each with its df)."""
-    return sum(v for v, _ in parts) ** 2 / sum(v * v / df for v, df in parts)
-
-
-def draw_contrast(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any] | None:
-    """Whether two :func:`run_gaps` of the same rows on two validation draws show the same family −
-    others gap: each draw's difference with its Welch standard error (from its runs' gaps), the change
-    from the first draw to the second, ``t`` = change / √(se₁² + se₂²) with Welch–Satterthwaite degrees of
-    freedom over the four groups and its two-sided p; ``by_split``: the same family − others
-    difference of each draw on test alone and on validation alone (the test images are the same in both
-    draws, the validation images are not), which says on which split the gap changed (no standard error:
-    the groups' rows differ in level, so a spread over their runs would not be one). A second draw
-    changes the start too (a start is pretrained without its validation images), so the change it
-    measures is the first draw's images and start together against the method. ``None`` while either
-    draw lacks two runs in each group."""
-    if any(len(g) < 2 for gaps in (first, second) for g in gaps["gaps"].values()):
-        return None
-    welch = [_welch(gaps["gaps"]["family"], gaps["gaps"]["others"]) for gaps in (first, second)]
-    draws = [
-        {"family_minus_others": w["difference"], "se": w["se"], "df": _satterthwaite(w["parts"])}
-        for w in welch
-    ]
-    change = draws[1]["family_minus_others"] - draws[0]["family_minus_others"]
-    se = math.hypot(draws[0]["se"], draws[1]["se"])
-    df = _satterthwaite(welch[0]["parts"] + welch[1]["parts"])
-    by_split = {
-        split: [
-            {
-                "difference": _welch(gaps["splits"]["family"][split], gaps["splits"]["others"][split])[
-                    "difference"
-                ]
+def start_gaps(
+    tables: list[list[dict[str, Any]]], family: str, ledger: Ledger, skip: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The family − others gap per pretrained start (docs/verdicts.md: the start is the unit): for each
+    start whose seeds the rows of ``tables`` fine-tuned, the mean validation − test gap of its runs of
+    the family rows minus that of its runs of the other rows, with the start's validation draw
+    (``data.split_seed``) and run counts; then across the starts, ``mean``, ``std`` (degrees of freedom:
+    starts − 1) and the 95 % t interval's half-width, ``half95`` (``None`` below two starts). Starts on
+    the same draw tell the start from the draw: their spread is the start's part alone. Rows whose name
+    holds a string of ``skip`` are left out (rows some starts lack)."""
+    start_of = protocols.start_of_run(ledger)
+    per: dict[str, dict[str, Any]] = {}
+    for rows in tables:
+        for row in rows:
+            if not row.get("experiment") or any(part in row["experiment"] for part in skip):
+                continue
+            cells = row.get("cells") or {}
+            test, val = ((cells.get(k) or {}).get("seeds") or {} for k in ("top1", "val_top1"))
+            ids = dict(zip(sorted(test), (cells.get("top1") or {}).get("run_ids") or []))
+            for seed in sorted(set(test) & set(val) & set(ids)):
+                start = start_of(ids[seed])
+                if start is None:
+                    continue
+                run = ledger.get(ids[seed]) or {}
+                entry = per.setdefault(
+                    str(start),
+                    {
+                        "draw": ((run.get("config") or {}).get("data") or {}).get("split_seed"),
+                        "family": [],
+                        "others": [],
+                    },
+                )
+                entry["family" if family in row["experiment"] else "others"].append(val[seed] - test[seed])
+    starts = {}
+    for start, entry in sorted(per.items()):
+        if entry["family"] and entry["others"]:
+            starts[start] = {
+                "draw": entry["draw"],
+                "runs": {"family": len(entry["family"]), "others": len(entry["others"])},
+                "family_minus_others": _mean(entry["family"]) - _mean(entry["others"]),
             }
-            for gaps in (first, second)
-        ]
-        for split in ("test", "val")
-    }
+    values = [s["family_minus_others"] for s in starts.values()]
+    k = len(values)
+    sd = stats.tstd(values) if k > 1 else None
     return {
-        "draws": draws,
-        "change": change,
-        "se": se,
-        "t": change / se,
-        "df": df,
-        "p": float(2 * stats.t.sf(abs(change / se), df)),
-        "by_split": by_split,
+        "starts": starts,
+        "n_starts": k,
+        "mean": _mean(values),
+        "std": sd,
+        "df": k - 1,
+        "half95": float(stats.t.ppf(0.975, k - 1) * sd / math.sqrt(k)) if sd is not None else None,
     }
 
 
@@ -203,13 +206,14 @@ def main() -> None:
     parser.add_argument(
         "--gaps",
         nargs="*",
-        default=["fmnist_bspf_grid14", "fmnist_bspf_grid14_split1"],
+        default=["fmnist_bspf_grid14", "fmnist_bspf_grid14_split1", "fmnist_bspf_grid14_starts"],
         help="tables whose runs' validation - test gaps are listed (run_gaps)",
     )
     parser.add_argument(
-        "--infix",
-        default="_split1",
-        help="what the second --gaps table adds to the names of the first's rows it repeats",
+        "--skip",
+        nargs="*",
+        default=["_tome", "_chunk"],
+        help="rows left out of start_gaps (those only the first start has)",
     )
     parser.add_argument(
         "--family", default="bspf", help="experiments containing this form run_gaps' first group"
@@ -223,7 +227,7 @@ def main() -> None:
             cache[table] = fill(load_spec(table), ledger)
         return cache[table]
 
-    claims = protocols.evaluate(protocols.load(args.table), fill_table)
+    claims = protocols.evaluate(protocols.load(args.table), fill_table, protocols.start_of_run(ledger))
     test_images = len(load_fashion_mnist(args.root, data_cfg.package)["test"][1])
     image_ratio = test_images / int(data_cfg.val_size)
     report = {
@@ -233,15 +237,11 @@ def main() -> None:
         **scatter(claims, image_ratio),
         "run_gaps": {table: run_gaps(fill_table(table), args.family) for table in args.gaps},
     }
-    if len(args.gaps) == 2:  # the first table's rows that the second repeats (its names without --infix)
-        first, second = (fill_table(t) for t in args.gaps)
-        repeated = {r["experiment"].replace(args.infix, "") for r in second if r.get("experiment")}
-        same_rows = [r for r in first if r.get("experiment") in repeated]
-        report["draw_contrast"] = {
-            "tables": args.gaps,
-            "rows": [r["experiment"] for r in same_rows],
-            **(draw_contrast(run_gaps(same_rows, args.family), run_gaps(second, args.family)) or {}),
-        }
+    report["start_gaps"] = {
+        "tables": args.gaps,
+        "left_out": args.skip,
+        **start_gaps([fill_table(t) for t in args.gaps], args.family, ledger, tuple(args.skip)),
+    }
     out = (
         Path(args.out)
         if args.out

@@ -219,59 +219,49 @@ def test_seed_scatter_counts_which_runs_score_lower_on_validation():
     assert only["family_minus_others"] is None and only["mannwhitney_p"] is None
 
 
-def test_seed_scatter_contrasts_two_validation_draws():
-    """draw_contrast: each draw's family - others mean gap with Welch's standard error, the change
-    between the draws, its t with Welch-Satterthwaite df over the four groups, and the same difference
-    on each split; None while a group has fewer than two runs."""
+def test_seed_scatter_compares_the_family_gap_start_by_start():
+    """start_gaps: runs are grouped by the start they loaded, each start gives one family - others gap,
+    and the spread and interval across starts have starts - 1 degrees of freedom (never the runs')."""
     from scipy import stats
 
+    from vitexp.ledger import Ledger
+
     module = _script("seed_scatter")
-    first = {
-        "family_minus_others": -0.9,
-        "gaps": {"family": [-0.3, -0.5, -0.1], "others": [0.6, 0.4, 0.8, 0.6]},
-        "splits": {
-            "family": {"test": [87.0, 87.2, 87.1], "val": [86.7, 86.7, 87.0]},
-            "others": {"test": [88.0, 88.2, 88.1, 88.3], "val": [88.6, 88.6, 88.9, 88.9]},
-        },
-    }
-    second = {
-        "family_minus_others": 0.1,
-        "gaps": {"family": [0.5, 0.3], "others": [0.2, 0.4]},
-        "splits": {
-            "family": {"test": [87.0, 87.2], "val": [87.5, 87.5]},
-            "others": {"test": [89.0, 89.2], "val": [89.2, 89.6]},
-        },
-    }
-    out = module.draw_contrast(first, second)
-    v = [0.04 / 3, (0.08 / 3) / 4, 0.02 / 2, 0.02 / 2]  # s^2 / n of the four groups
-    se1, se2 = (v[0] + v[1]) ** 0.5, (v[2] + v[3]) ** 0.5
-    assert out["draws"][0]["se"] == pytest.approx(se1) and out["draws"][1]["se"] == pytest.approx(se2)
-    assert out["change"] == pytest.approx(1.0)
-    assert out["t"] == pytest.approx(1.0 / (se1**2 + se2**2) ** 0.5)
-    df = sum(v) ** 2 / (v[0] ** 2 / 2 + v[1] ** 2 / 3 + v[2] ** 2 / 1 + v[3] ** 2 / 1)
-    assert out["df"] == pytest.approx(df)
-    assert out["p"] == pytest.approx(2 * stats.t.sf(out["t"], df))
-    test_first, test_second = out["by_split"]["test"]
-    assert test_first["difference"] == pytest.approx(87.1 - 88.15) and test_second[
-        "difference"
-    ] == pytest.approx(87.1 - 89.1)
-    assert out["by_split"]["val"][1]["difference"] == pytest.approx(87.5 - 89.4)
-    assert module.draw_contrast(first, {**second, "gaps": {"family": [0.5], "others": [0.2, 0.4]}}) is None
 
+    def run(rid, start, draw):
+        return {
+            "run_id": rid,
+            "experiment": rid,
+            "kind": "train",
+            "status": "completed",
+            "config": {"backbone": {"pretrained": f"run:{start}"}, "data": {"split_seed": draw}},
+            "started": "2026-12-01T00:00:00+00:00",
+        }
 
-def test_committed_draw_contrast_pairs_the_rows_the_second_draw_repeats():
-    """The committed report's draw_contrast takes from the first table exactly the rows the second
-    repeats (names without _split1), not every row of the first."""
-    import json
-
-    from vitexp import PROJECT_ROOT
-    from vitexp.report.tables import load_spec
-
-    report = json.loads(
-        (PROJECT_ROOT / "results" / "analysis" / "fmnist_bspf_protocols_seed_scatter.json").read_text()
-    )
-    contrast = report["draw_contrast"]
-    second = load_spec(contrast["tables"][1])
-    repeated = {(r.get("name") or r["experiment"]).replace("_split1", "") for r in second["rows"]}
-    assert set(contrast["rows"]) == repeated
-    assert "fmnist_vit_micro_grid14_tome" not in contrast["rows"]
+    starts = [run(s, None, d) | {"config": {"backbone": {}}} for s, d in (("A", 0), ("B", 0), ("C", 1))]
+    runs, rows = [], []
+    gaps = {"A": (-0.5, 0.5), "B": (-0.1, 0.1), "C": (0.2, 0.0)}  # (family, others) per start
+    for start, (fam, oth) in gaps.items():
+        for name, gap in ((f"grid_{start}_bspf", fam), (f"grid_{start}_ft", oth)):
+            ids = [f"{name}/{seed}" for seed in range(3)]
+            runs += [run(i, start, {"A": 0, "B": 0, "C": 1}[start]) for i in ids]
+            test = {seed: 88.0 + seed for seed in range(3)}
+            rows.append(
+                {
+                    "experiment": name,
+                    "cells": {
+                        "top1": {"seeds": test, "run_ids": ids},
+                        "val_top1": {"seeds": {k: v + gap for k, v in test.items()}},
+                    },
+                }
+            )
+    ledger = Ledger(starts + runs)
+    out = module.start_gaps([rows[:2], rows[2:]], "bspf", ledger)
+    values = [-1.0, -0.2, 0.2]
+    assert [round(s["family_minus_others"], 6) for s in out["starts"].values()] == values
+    assert [s["draw"] for s in out["starts"].values()] == [0, 0, 1]
+    assert out["n_starts"] == 3 and out["df"] == 2
+    assert out["std"] == pytest.approx(stats.tstd(values))
+    assert out["half95"] == pytest.approx(stats.t.ppf(0.975, 2) * stats.tstd(values) / 3**0.5)
+    one = module.start_gaps([rows[:2]], "bspf", ledger)
+    assert one["n_starts"] == 1 and one["std"] is None and one["half95"] is None

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from vitexp import PROJECT_ROOT
+from vitexp.config import rows
 from vitexp.ledger import Ledger
-from vitexp.report import protocols, tables
+from vitexp.report import protocols, tables, verdict_rule
 
 
 def _row(name: str, seeds: dict[int, float]) -> dict:
@@ -28,15 +29,15 @@ SPEC = {
 
 
 def test_the_sign_rule_and_a_verdict_only_where_the_protocols_agree():
-    assert [protocols.sign(p) for p in ([0.1, 0.2], [-0.1, -0.3], [0.2, -0.1], [])] == [
+    assert [verdict_rule.sign(p) for p in ([0.1, 0.2], [-0.1, -0.3], [0.2, -0.1], [])] == [
         "supports",
         "contradicts",
         "undecided",
         "not run",
     ]
     assert (
-        protocols.sign([0.1, 0.2], needed=3) == "incomplete"
-        and protocols.sign([0.1, 0.2, 0.3], needed=3) == "supports"
+        verdict_rule.sign([0.1, 0.2], needed=3) == "incomplete"
+        and verdict_rule.sign([0.1, 0.2, 0.3], needed=3) == "supports"
     )
     filled = {
         "t1": [_row("full", {0: 80.0, 1: 81.0, 2: 82.0}), _row("m", {0: 81.0, 1: 81.5, 2: 82.2})],
@@ -174,7 +175,7 @@ def test_a_protocols_cost_sums_its_runs_and_their_starts_once_and_the_total_a_sh
 
 
 def test_a_claim_holds_only_on_both_splits_and_a_protocol_may_ask_for_more_pairs():
-    """Every test pair above zero is no support when validation disagrees (split-dependent); a protocol
+    """Every test pair above zero is no support when validation is undecided (one split only); a protocol
     asking for 5 pairs shows its 3 with their sign so far and is not judged."""
 
     def row(name, test, val):
@@ -192,21 +193,21 @@ def test_a_claim_holds_only_on_both_splits_and_a_protocol_may_ask_for_more_pairs
         ],
     }
     (claim,) = protocols.evaluate(spec, filled.__getitem__)
-    assert [c["sign"] for c in claim["cells"]] == ["split-dependent", "supports"]
+    assert [c["sign"] for c in claim["cells"]] == ["one split only", "supports"]
     assert claim["cells"][0]["text"] == "test +0.57 ± 0.40 (3); val +0.23 ± 0.75 (3)"
     assert (
         claim["verdict"]
-        == "protocols disagree: supports under P2; split-dependent under P1 (2 of 2 protocols measured)"
+        == "protocols disagree: supports under P2; one split only under P1 (2 of 2 protocols measured)"
     )
     assert (
-        protocols.both("supports", "supports") == "supports"
-        and protocols.both("contradicts", "undecided") == "split-dependent"
-        and protocols.both("supports", None) == "supports"
+        verdict_rule.both("supports", "supports") == "supports"
+        and verdict_rule.both("contradicts", "undecided") == "one split only"
+        and verdict_rule.both("supports", None) == "supports"
     )
     five = {**spec, "protocols": [{**spec["protocols"][0], "pairs": 5}, spec["protocols"][1]]}
     (claim,) = protocols.evaluate(five, filled.__getitem__)
     assert [c["sign"] for c in claim["cells"]] == ["incomplete", "supports"]
-    assert "(incomplete: 3 of 5 pairs; split-dependent so far)" in protocols.render(five, [claim])
+    assert "(incomplete: 3 of 5 pairs; one split only so far)" in protocols.render(five, [claim])
     assert claim["verdict"].startswith(
         "holds under every measured protocol so far (1 of 2 protocols measured, 1 incomplete)"
     )
@@ -261,8 +262,8 @@ def test_a_complete_test_split_without_validation_is_incomplete_and_never_judged
         "t2": [row("full", full, full), row("m", {0: 81.0, 1: 82.0, 2: 83.0}, {0: 81.0})],
     }  # val: 1 of 3
     assert (
-        protocols.both("supports", "not run") == "incomplete"
-        and protocols.both("supports", "incomplete") == "incomplete"
+        verdict_rule.both("supports", "not run") == "incomplete"
+        and verdict_rule.both("supports", "incomplete") == "incomplete"
     )
     (claim,) = protocols.evaluate(spec, filled.__getitem__)
     assert [c["sign"] for c in claim["cells"]] == ["incomplete", "incomplete"]
@@ -285,9 +286,9 @@ def test_test_support_with_validation_contradicting_is_split_dependent():
         "t1": [row("full", full, full), row("m", {0: 81.0, 1: 82.0, 2: 83.0}, {0: 79.0, 1: 80.0, 2: 81.0})]
     }
     assert (
-        protocols.both("supports", "contradicts")
+        verdict_rule.both("supports", "contradicts")
         == "split-dependent"
-        == protocols.both("contradicts", "supports")
+        == verdict_rule.both("contradicts", "supports")
     )
     (claim,) = protocols.evaluate(spec, filled.__getitem__)
     assert (
@@ -337,11 +338,11 @@ def test_a_reference_to_a_row_the_table_lacks_is_an_error():
 def test_every_verdict_names_rows_of_its_tables_and_regenerates_its_committed_table(name):
     spec = protocols.load(name)
     for proto in spec["protocols"]:
-        for ref in proto["rows"].values():
+        for ref in protocols.all_refs(proto):
             table, row = ref.split(":")
             assert row in {
-                r.get("name") or r["experiment"]
-                for r in tables.load_spec(table)["rows"]
+                rows.row_name(r)
+                for r in rows.expand_rows(tables.load_spec(table)["rows"])
                 if r.get("experiment")
             }, ref
     ledger = Ledger.load(PROJECT_ROOT / "results")
@@ -377,10 +378,11 @@ BSPF_CAVEATS = {
     "from scratch is 10 epochs, not 300": ("'From scratch' is the tier's 10-epoch", "paper: 300 epochs"),
     "the tested BSPF-ViT has separate Q/K": ("separate-Q/K variant, not the titular shared Q/K",),
     "10 pretraining epochs are a cost cap": ("Ten pretraining epochs are a cost cap",),
-    "the split dependence belongs to the first validation draw": (
-        "is mostly not the method's",
-        "data.split_seed=1",
-        "draw_contrast",
+    "what carries the split dependence is open, start by start": (
+        "What carries the 14 × 14 grid's split dependence",
+        "one degree of freedom at the level of the start",
+        "start_gaps",
+        "fmnist_bspf_grid14_starts",
     ),
 }
 

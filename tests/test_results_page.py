@@ -189,7 +189,7 @@ def test_vitexp_tables_writes_the_page(tmp_path):
     )
     assert (
         "| BSPF-ViT (keep 0.5) beats full attention (bspf − full) | not run | not run | not run | not run |"
-        " not run | not run | not run (0 of 4" in text
+        " not run | not run (0 of 4" in text
     )
 
 

@@ -12,6 +12,7 @@ import yaml
 
 from vitexp import PROJECT_ROOT
 from vitexp.ledger.status import effective_status
+from vitexp.report import verdict_rule as rule
 from vitexp.report.aggregate import format_stat, paired_difference
 
 VERDICTS_DIR = PROJECT_ROOT / "sweeps" / "verdicts"
@@ -28,11 +29,13 @@ def load(name: str) -> dict[str, Any]:
         raise FileNotFoundError(f"verdict file {path} not found; valid: {verdict_files()}")
     spec = {**yaml.safe_load(path.read_text()), "name": name}
     for proto in spec["protocols"]:
-        for role, ref in proto["rows"].items():
-            if ref.count(":") != 1:
-                raise ValueError(
-                    f"{name}: protocol {proto['label']!r}, role {role!r}: {ref!r} is not <table>:<row name>"
-                )
+        for role in proto["rows"]:
+            for ref in refs(proto, role):
+                if not isinstance(ref, str) or ref.count(":") != 1:
+                    raise ValueError(
+                        f"{name}: protocol {proto['label']!r}, role {role!r}: {ref!r} is not"
+                        " <table>:<row name>"
+                    )
     roles = {r for p in spec["protocols"] for r in p["rows"]}
     for claim in spec["claims"]:
         unknown = {claim["a"], claim["b"]} - roles
@@ -43,8 +46,19 @@ def load(name: str) -> dict[str, Any]:
     return spec
 
 
+def refs(proto: dict[str, Any], role: str) -> list[str]:
+    """The ``table:row`` references of a protocol's role: one, or a list (the role's rows from several
+    starts, paired by start: docs/verdicts.md)."""
+    ref = proto["rows"][role]
+    return list(ref) if isinstance(ref, (list, tuple)) else [ref]
+
+
+def all_refs(proto: dict[str, Any]) -> list[str]:
+    return [ref for role in proto["rows"] for ref in refs(proto, role)]
+
+
 def tables_of(spec: dict[str, Any]) -> list[str]:
-    return sorted({ref.split(":")[0] for p in spec["protocols"] for ref in p["rows"].values()})
+    return sorted({ref.split(":")[0] for p in spec["protocols"] for ref in all_refs(p)})
 
 
 def _cell(fill: Callable[[str], list[dict[str, Any]]], ref: str, key: str) -> dict[str, Any]:
@@ -53,55 +67,6 @@ def _cell(fill: Callable[[str], list[dict[str, Any]]], ref: str, key: str) -> di
     if not match:
         raise ValueError(f"{ref}: table {table} has no row recorded as {row!r}")
     return match[0]["cells"][key]
-
-
-def sign(pairs: list[float], needed: int = 1) -> str:
-    """``supports``, ``contradicts`` or ``undecided`` (module docstring); ``not run`` without pairs,
-    ``incomplete`` with fewer than ``needed``."""
-    if not pairs:
-        return "not run"
-    if len(pairs) < needed:
-        return "incomplete"
-    if all(p > 0 for p in pairs):
-        return "supports"
-    if all(p < 0 for p in pairs):
-        return "contradicts"
-    return "undecided"
-
-
-def both(test: str, val: str | None) -> str:
-    """One protocol's sign from the test split's and the validation split's (module docstring)."""
-    if val is None or test in ("not run", "incomplete"):
-        return test
-    if val in ("not run", "incomplete"):
-        return "incomplete"
-    return test if test == val else "split-dependent"
-
-
-def verdict(signs: list[tuple[str, str]], noun: str = "protocol") -> str:
-    """One claim's verdict from ``(column label, sign)`` pairs (module docstring); ``noun``: what a
-    column is (``protocol``, ``backbone``)."""
-    measured = [(p, s) for p, s in signs if s not in ("not run", "incomplete")]
-    incomplete = sum(s == "incomplete" for _, s in signs)
-    of = f"{len(measured)} of {len(signs)} {noun}s measured" + (
-        f", {incomplete} incomplete" if incomplete else ""
-    )
-    if not measured:
-        return f"no {noun} measured yet ({of})" if incomplete else f"not run ({of})"
-    so_far = " so far" if len(measured) < len(signs) else ""  # a column still to come may disagree
-    kinds = {s for _, s in measured}
-    if kinds == {"supports"}:
-        return f"holds under every measured {noun}{so_far} ({of})"
-    if kinds == {"contradicts"}:
-        return f"fails under every measured {noun}{so_far} ({of})"
-    if len(kinds) == 1:  # undecided or split-dependent everywhere
-        return f"{kinds.pop()} under every measured {noun}{so_far} ({of})"
-    parts = [
-        f"{s} under {', '.join(p for p, k in measured if k == s)}"
-        for s in ("supports", "contradicts", "undecided", "split-dependent")
-        if s in kinds
-    ]
-    return f"{noun}s disagree: {'; '.join(parts)} ({of})"
 
 
 def _seconds(run: dict[str, Any]) -> float:
@@ -146,7 +111,7 @@ def cost(
     key, out = spec.get("key", "top1"), []
     for proto in spec["protocols"]:
         seen: dict[str, float] = {}
-        todo = [rid for ref in proto["rows"].values() for rid in _cell(fill, ref, key).get("run_ids") or []]
+        todo = [rid for ref in all_refs(proto) for rid in _cell(fill, ref, key).get("run_ids") or []]
         while todo:
             run = ledger.get(todo.pop())
             if run is None or run["run_id"] in seen:
@@ -155,7 +120,7 @@ def cost(
             start = ledger.start_of(run)
             if start:
                 todo.append(start)
-        names = {ref.split(":")[1] for ref in proto["rows"].values()}
+        names = {ref.split(":")[1] for ref in all_refs(proto)}
         names |= {ledger.experiment_of(rid).split("+seed=")[0] for rid in seen}
         spent = {
             r["run_id"]: _seconds(r)
@@ -166,7 +131,7 @@ def cost(
         }
         spent.update(seen)
         failed = sorted(rid for rid in spent if ledger.get(rid)["status"] != "completed")
-        cells = {ref: _cell(fill, ref, key) for ref in proto["rows"].values()}
+        cells = {ref: _cell(fill, ref, key) for ref in all_refs(proto)}
         missing = sum(
             max(0, (c.get("expected") or 0) - (c.get("n") or 0))
             for c in cells.values()
@@ -191,47 +156,137 @@ def cost(
     return out
 
 
-def _pairs(pair: list[dict[str, Any]], digits: int, needed: int) -> dict[str, Any]:
-    """The paired difference a − b of two table cells: its text (marks carried), pairs, stats and sign."""
-    a, b = (c.get("seeds") or {} for c in pair)
-    diff = paired_difference(a, b)
-    pairs = [a[s] - b[s] for s in diff["seeds"]]
-    marked = "".join(sorted(set("".join(c.get("marks") or "" for c in pair)))) if diff["n"] else ""
-    text = (format_stat(diff["mean"], diff["std"], diff["n"], digits, signed=True) or "not run") + (
-        f" {marked}" if marked else ""
-    )
-    return {**diff, "text": text, "pairs": pairs, "marks": marked, "sign": sign(pairs, needed)}
+#: A run id's start (:func:`start_of_run`): the run whose weights it loaded, its weights file, or
+#: ``None`` for a run trained from nothing.
+StartOf = Callable[[str], Any]
 
 
-def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def start_of_run(ledger: Any) -> StartOf:
+    """The start of a run of ``ledger`` (a :class:`vitexp.ledger.Ledger`): ``run:<id>`` of the run
+    whose weights it loaded (``run:<name>`` resolved as the run resolved it), else its
+    ``backbone.pretrained`` (a weights tag or file: one start), else ``None``."""
+
+    def start(run_id: str) -> Any:
+        run = ledger.get(run_id)
+        if run is None:
+            return None
+        loaded = ledger.start_of(run)
+        if loaded:
+            return f"run:{loaded}"
+        return ((run.get("config") or {}).get("backbone") or {}).get("pretrained") or None
+
+    return start
+
+
+def _by_start(cells: list[dict[str, Any]], start_of: StartOf | None) -> tuple[dict, dict]:
+    """A role's cells (one per reference) as ({start: {seed: value}}, {start: marks}): a seed of a run
+    trained from nothing is its own start; without ``start_of`` (or run ids) the i-th reference of
+    every role is one start."""
+    values: dict[Any, dict[Any, float]] = {}
+    marks: dict[Any, str] = {}
+    for i, cell in enumerate(cells):
+        seeds = cell.get("seeds") or {}
+        ids = cell.get("run_ids") or []
+        for j, (seed, value) in enumerate(sorted(seeds.items())):
+            if start_of is None or len(ids) != len(seeds):
+                key: Any = ("ref", i)
+            else:
+                loaded = start_of(ids[j])
+                key = ("seed", seed) if loaded is None else ("start", loaded)
+            values.setdefault(key, {})[seed] = value
+            marks[key] = marks.get(key, "") + (cell.get("marks") or "")
+    return values, marks
+
+
+def _pairs(
+    a: list[dict[str, Any]],
+    b: list[dict[str, Any]],
+    digits: int,
+    needed: tuple[int, int],
+    start_of: StartOf | None,
+) -> dict[str, Any]:
+    """The paired difference a − b of a role's cells against another's, paired by start and seed
+    (docs/verdicts.md): its text (marks carried), pairs by start, statistics across starts and sign;
+    ``needed``: (starts, pairs per start)."""
+    (ga, ma), (gb, mb) = _by_start(a, start_of), _by_start(b, start_of)
+    groups = {}
+    for key in sorted(ga.keys() & gb.keys(), key=str):
+        common = paired_difference(ga[key], gb[key])["seeds"]
+        if common:
+            groups[key] = [ga[key][s] - gb[key][s] for s in common]
+    pairs = [p for g in groups.values() for p in g]
+    own = bool(groups) and all(k[0] == "seed" for k in groups)
+    stats = rule.across_starts(groups)
+    marked = "".join(sorted(set("".join(ma.get(k, "") + mb.get(k, "") for k in groups))))
+    flat = paired_difference(dict(enumerate(pairs)), dict.fromkeys(range(len(pairs)), 0.0))
+    if len(groups) <= 1 or own:
+        text = format_stat(flat["mean"], flat["std"], flat["n"], digits, signed=True) or "not run"
+        if own and len(groups) > 1:
+            text = text.replace(f"({flat['n']})", f"({flat['n']} starts, a seed each)")
+    else:
+        means = ", ".join(f"{m:+.{digits}f}" for m in stats["means"])
+        within = f", ± {stats['within']:.{digits}f} within" if stats["within"] is not None else ""
+        text = (
+            f"{stats['mean']:+.{digits}f} ± {stats['std']:.{digits}f} across {stats['starts']} starts"
+            f" ({means}{within}; {len(pairs)} pairs)"
+        )
+    text += f" {marked}" if marked else ""
+    ok = rule.complete(groups, needed[0], needed[1], own)
+    sign = rule.NOT_RUN if not pairs else rule.sign(pairs) if ok else rule.INCOMPLETE
+    mean_, std_ = (flat["mean"], flat["std"]) if len(groups) <= 1 or own else (stats["mean"], stats["std"])
+    return {
+        "n": len(pairs),
+        "mean": mean_,
+        "std": std_,
+        "text": text,
+        "pairs": pairs,
+        "groups": groups,
+        "stats": stats,
+        "own_starts": own,
+        "marks": marked,
+        "sign": sign,
+    }
+
+
+def _roles(fill: Callable, proto: dict[str, Any], claim: dict[str, Any], column: str) -> tuple[list, list]:
+    """The cells of a claim's two roles (a, b) under a protocol, in one column."""
+    a, b = ([_cell(fill, ref, column) for ref in refs(proto, claim[r])] for r in ("a", "b"))
+    return a, b
+
+
+def evaluate(
+    spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]], start_of: StartOf | None = None
+) -> list[dict[str, Any]]:
     """Each claim with its cell per protocol (``text``, ``sign``, the difference's stats) and verdict;
-    ``fill(table)`` gives a table's filled rows (:func:`vitexp.report.tables.fill`)."""
+    ``fill(table)`` gives a table's filled rows (:func:`vitexp.report.tables.fill`), ``start_of`` a
+    run's start (:func:`start_of_run`; without it, the i-th row of every role is one start)."""
     filled = {t: fill(t) for t in tables_of(spec)}
     fill = filled.__getitem__
-    digits, needed, noun = (
-        int(spec.get("digits", 2)),
-        int(spec.get("pairs", 1)),
-        spec.get("column", "protocol"),
-    )
+    digits, noun = int(spec.get("digits", 2)), spec.get("column", "protocol")
     val_key = spec.get("val_key")
     out = []
     for claim in spec["claims"]:
         key = claim.get("key", spec.get("key", "top1"))
         cells = []
         for proto in spec["protocols"]:
-            rows = proto["rows"]
-            if claim["a"] not in rows or claim["b"] not in rows:
+            if claim["a"] not in proto["rows"] or claim["b"] not in proto["rows"]:
                 cells.append({"protocol": proto["label"], "text": "not in this protocol", "sign": None})
                 continue
-            need = int(proto.get("pairs", needed))
-            test = _pairs([_cell(fill, rows[claim[role]], key) for role in ("a", "b")], digits, need)
-            val = (
-                _pairs([_cell(fill, rows[claim[role]], val_key) for role in ("a", "b")], digits, need)
-                if val_key
+            need = (
+                int(proto.get("starts", spec.get("starts", 1))),
+                int(proto.get("pairs", spec.get("pairs", 1))),
+            )
+
+            test, val = (
+                _pairs(*_roles(fill, proto, claim, column), digits, need, start_of) if column else None
+                for column in (key, val_key)
+            )
+            sign_ = rule.both(test["sign"], val and val["sign"])
+            interim = (
+                rule.both(rule.sign(test["pairs"]), val and rule.sign(val["pairs"]))
+                if sign_ == rule.INCOMPLETE
                 else None
             )
-            sign_ = both(test["sign"], val and val["sign"])
-            interim = both(sign(test["pairs"]), val and sign(val["pairs"])) if sign_ == "incomplete" else None
             text = (
                 test["text"]
                 if val is None or not (test["n"] or val["n"])
@@ -242,26 +297,32 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
                     "protocol": proto["label"],
                     "text": text,
                     "sign": sign_,
-                    "needed": need,
+                    "needed": need[1],
+                    "needed_starts": need[0],
                     "interim": interim,
                     "marks": test["marks"],
                     "n": test["n"],
                     "mean": test["mean"],
                     "std": test["std"],
-                    "val": val and {k: val[k] for k in ("n", "mean", "std", "sign")},
+                    "starts": test["stats"]["starts"],
+                    "own_starts": test["own_starts"],
+                    "stats": test["stats"],
+                    "val": val
+                    and {k: val[k] for k in ("n", "mean", "std", "sign", "stats", "own_starts")}
+                    | {"starts": val["stats"]["starts"]},
                     "reference": bool(proto.get("reference")),
                 }
             )
         voting = [c for c in cells if not c.get("reference")]
         judged = [(c["protocol"], c["sign"]) for c in voting if c["sign"] is not None]
-        pending = [f"{c['protocol']}: {c['text']}" for c in voting if c["sign"] == "incomplete"]
+        pending = [f"{c['protocol']}: {c['text']}" for c in voting if c["sign"] == rule.INCOMPLETE]
         leaning = [
             f"{c['protocol']} ({c['marks']})"
             for c in voting
-            if c.get("marks") and c["sign"] in ("supports", "contradicts", "undecided", "split-dependent")
+            if c.get("marks") and c["sign"] not in (None, rule.NOT_RUN, rule.INCOMPLETE)
         ]
         text = (
-            verdict(judged, noun)
+            rule.verdict(judged, noun)
             + (f"; not yet judged: {'; '.join(pending)}" if pending else "")
             + (f"; rests on marked runs under {', '.join(leaning)}" if leaning else "")
         )
@@ -270,9 +331,12 @@ def evaluate(spec: dict[str, Any], fill: Callable[[str], list[dict[str, Any]]]) 
 
 
 def _count(cell: dict[str, Any]) -> str:
-    """An incomplete cell's pairs: per split where the splits have different numbers (validation not
-    run while the test split is complete), else one count."""
+    """An incomplete cell's starts (a protocol that needs more than one), else its pairs: per split where
+    the splits have different numbers (validation not run while the test split is complete), else one
+    count."""
     val = cell.get("val")
+    if cell.get("needed_starts", 1) > 1 and not cell.get("own_starts"):
+        return f"{cell['starts']} of {cell['needed_starts']} starts, {cell['needed']} pairs each"
     if val and val["n"] != cell["n"]:
         return f"test {cell['n']}, val {val['n']} of {cell['needed']} pairs"
     return f"{cell['n']} of {cell['needed']} pairs"
@@ -347,17 +411,15 @@ def render(
     lines += [
         "",
         "Cells: the paired difference of " + spec.get("unit", "top-1 (%)") + splits + ", a − b, over the "
-        "seeds both rows completed, mean ± sample std (n pairs). supports: every pair above 0"
-        + (" on both splits" if splits else "")
-        + "; contradicts: every pair below 0"
-        + (" on both splits" if splits else "")
-        + "; undecided: pairs of both signs"
-        + ("; split-dependent: the two splits' signs differ, which is no support" if splits else "")
-        + f". A verdict is given only where the measured {noun}s agree."
+        "seeds both rows completed from the same start, mean ± sample std (n pairs); where a protocol has "
+        "several starts, the mean and std across the starts' means (degrees of freedom: starts − 1), each "
+        "start's mean, and the pooled std of the pairs within a start. "
+        + rule.legend(bool(splits), True, noun)
+        + f" A verdict is given only where the measured {noun}s agree."
         + (
-            f" A cell with fewer than {spec['pairs']} pairs (or its {noun}'s own "
-            "pairs) is incomplete: it is shown with its sign so far, not judged, and counts as not measured."
-            if spec.get("pairs", 1) > 1
+            f" A cell with fewer starts or pairs than its {noun} needs is incomplete: it is shown with its"
+            " sign so far, not judged, and counts as not measured."
+            if spec.get("pairs", 1) > 1 or spec.get("starts", 1) > 1
             else ""
         ),
     ]
@@ -397,7 +459,7 @@ def render(
         f"- **{p['label']}**"
         + (f" (not counted: {' '.join(str(p['reference']).split())})" if p.get("reference") else "")
         + ": "
-        + ", ".join(f"{role} = `{ref}`" for role, ref in p["rows"].items())
+        + ", ".join(f"{role} = " + ", ".join(f"`{ref}`" for ref in refs(p, role)) for role in p["rows"])
         for p in spec["protocols"]
     ]
     lines += [f"- {n}" for n in spec.get("notes") or []]
@@ -427,7 +489,7 @@ def text(
         return filled[table]
 
     spec = load(name)
-    claims, costs = evaluate(spec, fill_once), cost(spec, fill_once, ledger)
+    claims, costs = evaluate(spec, fill_once, start_of_run(ledger)), cost(spec, fill_once, ledger)
     return (
         render(spec, claims, costs)
         + "\n"
