@@ -180,3 +180,23 @@ LOADER_RATES: dict[tuple, float] = {
     ("train", 256, "rand-m9-mstd0.5-inc1", 0.25, "pil"): 133.4,
     ("train", 256, "rand-m9-mstd0.5-inc1", 0.25, "tensor"): 173.2,
 }
+
+
+def test_a_tables_hours_carry_the_range_of_the_gpu_factor():
+    """Each end of the range is the table costed with one of Lambda's columns alone: a GPU-bound table
+    (COCO) spreads around its central value, a loader-bound one (every bspf_table1 row) does not move."""
+    from vitexp.cost import table_cost
+    from vitexp.report.tables import load_spec
+
+    for gpu, (_, low, high) in FACTORS.items():
+        ends = [round(anchors.gpu_factors(None, column=c)[gpu]["factor"], 3) for c in anchors.COLUMNS]
+        assert ends == [low, high], gpu
+    with pytest.raises(ValueError, match="not one of Lambda's columns"):
+        anchors.gpu_factors(None, column="vgg16")
+    ledger = Ledger.load(PROJECT_ROOT / "results")
+    coco = table_cost(load_spec("bspf_coco"), ledger)
+    low, high = coco["range_hours"]
+    assert low < coco["total_hours"] < high and high / low > 1.2
+    table1 = table_cost(load_spec("bspf_table1"), ledger)
+    assert table1["range_hours"] == (pytest.approx(table1["total_hours"]),) * 2
+    assert "range" in (PROJECT_ROOT / "results" / "tables" / "bspf_coco.cost.md").read_text()

@@ -91,8 +91,17 @@ def row_anchor(config: Mapping[str, Any], cost: Mapping[str, Any] | None = None)
     return RowAnchor(Anchor.named(cost["flops_only"], cost), "flops-only")
 
 
-def lambda_factor(entry: Mapping[str, Any], reference: Mapping[str, Any]) -> float:
-    """sqrt(resnet50 ratio × bert_base_squad ratio) of ``entry`` to ``reference`` (conf/cost.yaml)."""
+#: Lambda's two columns; a factor from one alone bounds the range of the geometric mean.
+COLUMNS = ("resnet50", "bert_base_squad")
+
+
+def lambda_factor(entry: Mapping[str, Any], reference: Mapping[str, Any], column: str | None = None) -> float:
+    """sqrt(resnet50 ratio × bert_base_squad ratio) of ``entry`` to ``reference`` (conf/cost.yaml); with
+    ``column``, that column's ratio alone (one end of the factor's range). Refuses another column."""
+    if column is not None:
+        if column not in COLUMNS:
+            raise ValueError(f"column {column!r} is not one of Lambda's columns {COLUMNS}")
+        return entry[column] / reference[column]
     return math.sqrt(
         entry["resnet50"] / reference["resnet50"] * entry["bert_base_squad"] / reference["bert_base_squad"]
     )
@@ -116,15 +125,18 @@ def measured_gpus(ledger) -> dict[str, dict[str, Any]]:
     return out
 
 
-def gpu_factors(ledger=None, cost: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def gpu_factors(
+    ledger=None, cost: Mapping[str, Any] | None = None, column: str | None = None
+) -> dict[str, dict[str, Any]]:
     """{GPU: {factor (RTX 3090 = 1), basis, source}}: the table's GPUs (module docstring), each replaced
-    by a DeiT-S training rate measured on it; a measured GPU outside the table is added under its name."""
+    by a DeiT-S training rate measured on it; a measured GPU outside the table is added under its name;
+    ``column``: Lambda's factors from that column alone (:func:`lambda_factor`)."""
     cost = cost or cost_config()
     gpus = cost["gpus"]
     reference = gpus["RTX 3090"]
     out = {
         name: {
-            "factor": lambda_factor(g, reference),
+            "factor": lambda_factor(g, reference, column),
             "basis": "vendor benchmark",
             "source": (
                 f"{cost['gpu_source']} line {g['line']}, geometric mean of resnet50 and bert_base_squad"

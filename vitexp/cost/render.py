@@ -46,6 +46,23 @@ def _loader_cell(c: Mapping[str, Any]) -> str:
     )
 
 
+def _range(cost: Mapping[str, Any]) -> str:
+    """The total's range from the GPU factor's two ends (Lambda's resnet50 and bert_base_squad columns)."""
+    if not cost.get("range_hours"):
+        return ""
+    low, high = cost["range_hours"]
+    return (
+        f" (range {hours(low)}–{hours(high)}: the GPU factor from Lambda's resnet50 or bert_base_squad"
+        " column alone)"
+    )
+
+
+def _span(cost: Mapping[str, Any]) -> str:
+    return (
+        f"{hours(cost['range_hours'][0])}–{hours(cost['range_hours'][1])}" if cost.get("range_hours") else "—"
+    )
+
+
 def render_cost(cost: Mapping[str, Any]) -> str:
     """The cost as markdown: one line per row, the totals, and what each figure is anchored on."""
     gpu = cost["gpu"]
@@ -75,8 +92,8 @@ def render_cost(cost: Mapping[str, Any]) -> str:
     lines += [
         "",
         (
-            f"**Total: {hours(cost['total_hours'])} {gpu}-hours**{missing}; "
-            f"GPU time alone {hours(cost['total_gpu_hours'])}."
+            f"**Total: {hours(cost['total_hours'])} {gpu}-hours**{missing}{_range(cost)}; "
+            f"GPU time alone {hours(cost['total_gpu_hours'])}; at {cost['cpus']} CPU cores per GPU."
         ),
         "",
         *_notes(cost),
@@ -245,25 +262,26 @@ def summary(costs: Iterable[Mapping[str, Any]], ledger=None) -> str:
         f"Per table ({gpu}-hours; each phase the larger of GPU and loader time at {cpus} CPU cores per GPU):",
         "",
         (
-            f"| table | {gpu}-hours | GPU time alone | CPU cores per GPU to keep it busy (most any row needs)"
-            " | rows loader-bound | rows without a cost |"
+            f"| table | {gpu}-hours | range (Lambda's two columns) | GPU time alone | CPU cores per GPU to"
+            " keep it busy (most any row needs) | rows loader-bound | rows without a cost |"
         ),
-        "|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in costs:
         rows = [r for r in c["rows"] if "cost" in r]
         cores = str(c["cores_needed"]) if c["cores_needed"] else "not measured"
         lines.append(
             f"| [{c['table']}](../results/tables/{c['table']}.cost.md) | {hours(c['total_hours'])} "
-            f"| {hours(c['total_gpu_hours'])} | {cores} | {len(c['loader_bound'])} of {len(rows)} | "
-            f"{len(c['missing'])} |"
+            f"| {_span(c)} | {hours(c['total_gpu_hours'])} | {cores} | "
+            f"{len(c['loader_bound'])} of {len(rows)} | {len(c['missing'])} |"
         )
     total = sum(c["total_hours"] for c in costs)
+    low, high = (sum((c.get("range_hours") or (c["total_hours"],) * 2)[i] for c in costs) for i in (0, 1))
     lines += [
         "",
         (
-            f"All tables: {hours(total)} {gpu}-hours (vitexp-tables, from the ledger and conf/cost.yaml; each"
-            " table's file names its anchors and loader measurements)."
+            f"All tables: {hours(total)} {gpu}-hours, range {hours(low)}–{hours(high)} (vitexp-tables, from"
+            " the ledger and conf/cost.yaml; each table's file names its anchors and loader measurements)."
         ),
         "",
         END,

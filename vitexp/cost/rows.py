@@ -6,10 +6,10 @@ Its reasoning: docs/cluster.md, "vitexp/cost/rows.py".
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from vitexp.cost.anchors import cost_config, gpu_factors, row_anchor, seconds_per_image
+from vitexp.cost.anchors import COLUMNS, cost_config, gpu_factors, row_anchor, seconds_per_image
 from vitexp.cost.loader import cpus_per_task, loader_runs, rate_for, workers
 
 #: Training / validation / test images of each dataset as the rows use it (source in the comment).
@@ -70,11 +70,12 @@ class CostContext:
     main_cores: int = 1
 
     @classmethod
-    def of(cls, ledger=None, gpu: str | None = None) -> "CostContext":
+    def of(cls, ledger=None, gpu: str | None = None, column: str | None = None) -> "CostContext":
+        """The context of ``ledger``; ``column``: GPU factors from one of Lambda's columns alone."""
         cost = cost_config()
         return cls(
             gpu or str(cost["target_gpu"]),
-            gpu_factors(ledger, cost),
+            gpu_factors(ledger, cost, column),
             loader_runs(ledger),
             cpus_per_task(),
             int(cost.get("main_process_cores", 1)),
@@ -179,10 +180,21 @@ def row_cost(
 
 def table_cost(spec: Mapping[str, Any], ledger, ctx: CostContext | None = None) -> dict[str, Any]:
     """{table, gpu, rows: [{label, name, runs, cost | missing}], total_hours, total_gpu_hours, missing,
-    cores_needed (the most any row needs per GPU), loader_bound (rows)}."""
+    cores_needed (the most any row needs per GPU), loader_bound (rows), range_hours (the total's low and
+    high with the GPU factors of Lambda's two columns alone)}."""
+    ctx = ctx or CostContext.of(ledger)
+    out = _table_cost(spec, ledger, ctx)
+    ends = [
+        _table_cost(spec, ledger, replace(ctx, factors=gpu_factors(ledger, None, c)))["total_hours"]
+        for c in COLUMNS
+    ]
+    out["range_hours"] = (min(ends), max(ends))
+    return out
+
+
+def _table_cost(spec: Mapping[str, Any], ledger, ctx: CostContext) -> dict[str, Any]:
     from vitexp.config.rows import composed_config, job_arguments, runnable_rows
 
-    ctx = ctx or CostContext.of(ledger)
     rows, total, total_gpu, missing = [], 0.0, 0.0, []
     for row, name, seeds in runnable_rows(spec):
         n = len(seeds) if seeds else 1
