@@ -51,6 +51,7 @@ def test_the_snapshot_covers_every_backbone_and_the_experiments_of_its_time():
     assert {f"backbone={b} method={m}" for b in backbones for m in ("bspf", "chunk")} <= set(BEFORE)
 
 
+@pytest.mark.slow  # a migration guard of the bspf_spec move (about 30 s on 2 loaded cores)
 def test_every_experiment_composes_to_the_same_method_settings_as_before():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -244,6 +244,7 @@ def _needs_selection(row: dict) -> bool:
     return any(ov.startswith("method.selection=") for ov in rows.row_overrides(row))
 
 
+@pytest.mark.slow  # a migration guard (about 100 s): every row also composes when its table fills
 def test_spec_rows_compose_the_configs_of_the_experiment_files_they_replace():
     """Every experiment file the grids replaced is a row of some spec, recorded under the
     same name, whose base + overrides compose the same backbone, method, budget, data, recipe,
