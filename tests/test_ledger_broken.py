@@ -256,3 +256,58 @@ def test_two_packs_at_once_leave_one_consistent_set_of_packs(results_dir, monkey
     packed_ids = [r["run_id"] for p in packs.pack_files(results_dir) for r in packs.read_snapshot(p)[0]]
     assert sorted(packed_ids) == sorted(ids) and not list((results_dir / "runs").glob("*.json"))
     assert packs.pack(results_dir)["packed"] == 0  # and once more, in a row
+
+
+@pytest.mark.parametrize("how", ["empty", "gunzipped", "other name", "orphan temp"])
+def test_nothing_in_the_ledger_folder_goes_unread_without_a_word(
+    how, results_dir, tmp_path, capsys, monkeypatch
+):
+    """Issue 58, edge 1: a 0-byte pack, a pack decompressed in place, a file of another name and a killed
+    write's temporary file are each named (the table is refused), and --skip-broken leaves them out."""
+    _entry(results_dir, "demo", 94.4, "2026-01-01T00:00:00+00:00")
+    pack = _packed(results_dir, monkeypatch)
+    _entry(results_dir, "demo", 11.1, "2025-01-01T00:00:00+00:00")  # an older run, loose
+    if how == "empty":
+        pack.write_bytes(b"")
+        name, why = pack.name, "an empty pack (0 bytes"
+    elif how == "gunzipped":
+        target = pack.with_suffix("")  # <time>.jsonl
+        target.write_bytes(gzip.decompress(pack.read_bytes()))
+        pack.unlink()
+        name, why = target.name, "not a pack"
+    elif how == "other name":
+        (pack.parent / "notes.txt").write_text("x")
+        name, why = "notes.txt", "not a pack"
+    else:
+        (pack.parent / f".{pack.name}.abc123.gz").write_bytes(b"\x1f")
+        name, why = f".{pack.name}.abc123.gz", "a temporary file of a pack write that was killed"
+    code, closing = _tables(results_dir, tmp_path, capsys)
+    assert code == 1 and f"ledger/{name}: {why}" in closing["error"], closing
+    code, closing = _tables(results_dir, tmp_path, capsys, "--skip-broken")
+    assert code == 0 and any(b.startswith(f"ledger/{name}") for b in closing["skipped_broken"])
+    if how == "orphan temp":  # the next pack cleans it (a pack's name is its second: wait for the next)
+        import time
+
+        time.sleep(1.05)
+        packs.pack(results_dir)
+        assert not (pack.parent / name).exists() and not Ledger.load(results_dir).broken
+
+
+def test_a_pack_write_that_fails_leaves_no_pack_and_every_loose_entry(results_dir, monkeypatch):
+    """Issue 58, edge 1: a pack write that fails for want of space removes its reserved file; the
+    entries stay loose and the ledger reads them all."""
+    import errno
+
+    ids = {_entry(results_dir, "demo", 90.0 + i, f"2026-01-0{i + 1}T00:00:00+00:00") for i in range(3)}
+    monkeypatch.setattr(packs, "SETTLED_S", 0)
+
+    def full(records, path):
+        Path(path).write_bytes(b"\x1f\x8b")  # a partial write, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(packs, "write_snapshot", full)
+    with pytest.raises(OSError, match="No space left"):
+        packs.pack(results_dir)
+    assert packs.pack_files(results_dir) == [] and not list((results_dir / packs.PACKS).glob("*.gz"))
+    ledger = Ledger.load(results_dir)
+    assert not ledger.broken and {r["run_id"] for r in ledger.records} == ids

@@ -721,6 +721,19 @@ def test_untracked_code_makes_a_run_dirty_and_goes_into_its_patch(tmp_path):
     git("apply", "code.patch", cwd=clone)
     for path in ("vitexp/new_method.py", "conf/method/new.yaml", "sweeps/new_table.yaml"):
         assert (clone / path).read_text() == (repo / path).read_text()
+    # issue 58: code an unanchored ignore rule hides (outputs/ matches vitexp/outputs/) is code still
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "more")
+    (repo / ".gitignore").write_text("__pycache__/\noutputs/\n")
+    git("add", ".gitignore")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "ignore")
+    (repo / "outputs").mkdir()
+    (repo / "outputs" / "run.log").write_text("a run's output\n")
+    assert code_state(repo)[1] is False
+    (repo / "vitexp" / "outputs").mkdir()
+    (repo / "vitexp" / "outputs" / "hidden.py").write_text("b = 2\n")
+    commit, dirty, diff = code_state(repo)
+    assert dirty is True and "vitexp/outputs/hidden.py" in diff and "run.log" not in diff
 
 
 def test_a_dirty_tree_keeps_its_diff_beside_the_run_and_its_hash_in_the_entry(

@@ -57,16 +57,26 @@ def _git(*args: str, ok: tuple[int, ...] = (0,), root: Path = PROJECT_ROOT) -> s
     return done.stdout if done.returncode in ok else None
 
 
+#: Files that are code wherever they lie in :data:`CODE_PATHS`, even where an ignore rule hides them.
+CODE_SUFFIXES = (".py", ".yaml", ".sh")
+
+
 def code_state(root: Path = PROJECT_ROOT) -> tuple[str | None, bool | None, str]:
     """(commit, dirty, diff) of :data:`CODE_PATHS` in the checkout ``root`` (``None`` outside a git
     checkout): ``git diff HEAD`` of the tracked files, then every untracked, not ignored file as a
-    new file (``git diff --no-index /dev/null FILE``, which ``git apply`` takes), in path order."""
+    new file (``git diff --no-index /dev/null FILE``, which ``git apply`` takes), in path order; an
+    ignored file with a suffix of :data:`CODE_SUFFIXES` counts as untracked."""
     commit = (_git("rev-parse", "HEAD", root=root) or "").strip() or None
     if commit is None:
         return None, None, ""
     diff = _git("diff", "HEAD", "--binary", "--", *CODE_PATHS, root=root) or ""
     listed = _git("ls-files", "--others", "--exclude-standard", "-z", "--", *CODE_PATHS, root=root) or ""
-    for path in sorted(p for p in listed.split("\0") if p):
+    # code that an ignore rule hides (an unanchored outputs/ matches vitexp/outputs/x.py) is code still
+    hidden = _git(
+        "ls-files", "--others", "--ignored", "--exclude-standard", "-z", "--", *CODE_PATHS, root=root
+    )
+    listed += "\0" + "\0".join(p for p in (hidden or "").split("\0") if p.endswith(CODE_SUFFIXES))
+    for path in sorted({p for p in listed.split("\0") if p}):
         diff += (
             _git("diff", "--no-index", "--binary", "--", "/dev/null", path, ok=(0, 1), root=root) or ""
         )  # 1: differ

@@ -29,6 +29,24 @@ def pack_files(root: Path) -> list[Path]:
     return sorted(folder.glob("*.jsonl.gz")) if folder.is_dir() else []
 
 
+def stray_files(root: Path) -> list[BrokenEntry]:
+    """Every file of the ledger folder that is not a pack or the lock, named as a broken entry: a pack
+    decompressed in place (``.jsonl``), any other name, a temporary file a killed pack write left
+    (removed by the next pack). Nothing in the folder goes unread without a word."""
+    folder = Path(root) / PACKS
+    out = []
+    for path in sorted(folder.iterdir()) if folder.is_dir() else ():
+        if path.name == LOCK or path.name.endswith(".jsonl.gz") and not path.name.startswith("."):
+            continue
+        why = (
+            "a temporary file of a pack write that was killed (the next vitexp-tables --pack removes it)"
+            if path.name.startswith(".")
+            else "not a pack (a pack is <time>.jsonl.gz; a decompressed one: gzip it again)"
+        )
+        out.append(BrokenEntry(f"{PACKS}/{path.name}", why))
+    return out
+
+
 @dataclass
 class PackIndex:
     """The packs of one results root as read now: their records oldest pack first (a run id in two
@@ -44,6 +62,7 @@ _PARSED: dict[str, tuple[tuple[int, int], list[dict[str, Any]], list[BrokenEntry
 
 
 def _read_pack(path: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
+    """A pack's records and broken entries; an empty pack (0 bytes, or no entry) is one broken entry."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -51,7 +70,13 @@ def _read_pack(path: Path) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
     key, signature = str(path.resolve()), (st.st_size, st.st_mtime_ns)
     cached = _PARSED.get(key)
     if cached is None or cached[0] != signature:
-        records, broken = read_snapshot(path, f"{PACKS}/{path.name}")
+        where = f"{PACKS}/{path.name}"
+        if st.st_size == 0:
+            records, broken = [], [BrokenEntry(where, "an empty pack (0 bytes: a pack write that failed)")]
+        else:
+            records, broken = read_snapshot(path, where)
+            if not records and not broken:
+                broken = [BrokenEntry(where, "a pack that holds no entry")]
         _PARSED[key] = cached = (signature, records, broken)
     return cached[1], cached[2]
 
@@ -66,6 +91,7 @@ def pack_index(root: Path) -> PackIndex:
                 index.by_id[r["run_id"]] = r
                 index.records.append(r)
         index.broken += broken
+    index.broken += stray_files(root)
     return index
 
 
@@ -126,6 +152,9 @@ def pack(root: Path) -> dict[str, Any]:
     root = Path(root)
     runs = root / "runs"
     with ledger_lock(root):
+        for orphan in (root / PACKS).glob(".*"):  # a killed pack write's temporary file
+            if orphan.name != LOCK and orphan.is_file():
+                orphan.unlink(missing_ok=True)
         records, broken = read_folder(runs)
         if broken:
             raise ValueError(
@@ -157,8 +186,12 @@ def pack(root: Path) -> dict[str, Any]:
             os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
         except FileExistsError:
             raise FileExistsError(f"{path} exists: pack again in a second") from None
-        write_snapshot(done, path)
-        back, bad = read_snapshot(path)
+        try:
+            write_snapshot(done, path)
+            back, bad = read_snapshot(path)
+        except BaseException:  # a full disk, a kill: the reserved file goes, every loose entry stays
+            path.unlink(missing_ok=True)
+            raise
         if bad or sorted(back, key=lambda r: r["run_id"]) != sorted(done, key=lambda r: r["run_id"]):
             path.unlink()
             raise RuntimeError(f"{path} did not read back as written; nothing removed")
