@@ -311,3 +311,32 @@ def test_a_pack_write_that_fails_leaves_no_pack_and_every_loose_entry(results_di
     assert packs.pack_files(results_dir) == [] and not list((results_dir / packs.PACKS).glob("*.gz"))
     ledger = Ledger.load(results_dir)
     assert not ledger.broken and {r["run_id"] for r in ledger.records} == ids
+
+
+def test_newest_is_by_time_not_by_the_text_of_started(results_dir, tmp_path, capsys):
+    """Issue 58, edge 2: 17:00+03:00 is 14:00 UTC, an hour older than 15:00+00:00, though its text sorts
+    after it; the run that started later fills the cell."""
+    _entry(results_dir, "demo", 94.7, "2026-12-05T15:00:00+00:00")
+    _entry(results_dir, "demo", 44.4, "2026-12-05T17:00:00+03:00")
+    code, _ = _tables(results_dir, tmp_path, capsys)
+    assert code == 0 and "| 94.7 " in (tmp_path / "t" / "demo.md").read_text()
+
+
+def test_a_tie_in_time_goes_to_the_run_id_wherever_the_entries_live(
+    results_dir, tmp_path, capsys, monkeypatch
+):
+    """Issue 58, edge 2: two runs started in the same second; the higher run id is the newer, before and
+    after one of them is packed (packing used to flip the cell)."""
+    same = "2026-12-05T15:00:00+00:00"
+    ids = {_entry(results_dir, "demo", top1, same): top1 for top1 in (11.1, 22.2)}
+    newest = ids[max(ids)]
+    code, _ = _tables(results_dir, tmp_path, capsys)
+    assert code == 0 and f"| {newest} " in (tmp_path / "t" / "demo.md").read_text()
+    monkeypatch.setattr(packs, "SETTLED_S", 0)
+    older = min(ids)
+    (results_dir / "runs" / f"{max(ids)}.json").rename(tmp_path / "held.json")  # pack only the older
+    packs.pack(results_dir)
+    (tmp_path / "held.json").rename(results_dir / "runs" / f"{max(ids)}.json")
+    assert not (results_dir / "runs" / f"{older}.json").exists()
+    code, _ = _tables(results_dir, tmp_path, capsys)
+    assert code == 0 and f"| {newest} " in (tmp_path / "t" / "demo.md").read_text()

@@ -9,13 +9,14 @@ Its reasoning: docs/ledger.md, "vitexp/ledger/index.py".
 from __future__ import annotations
 
 import bisect
+import datetime as _dt
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from vitexp.ledger import fingerprint as fp
 from vitexp.ledger.packs import read_root
-from vitexp.ledger.schema import BrokenEntry, LedgerError
+from vitexp.ledger.schema import BrokenEntry, LedgerError, started_at
 from vitexp.ledger.sources import is_snapshot, read_snapshot, read_wandb
 
 RUN_PREFIX = fp.RUN_PREFIX
@@ -36,8 +37,20 @@ def run_seed(run: Mapping[str, Any]) -> int | None:
     return int(seed) if isinstance(seed, (int, float)) and not isinstance(seed, bool) else None
 
 
+def time_key(stamp: Any) -> str:
+    """An ISO time as a string that sorts as time: UTC, microseconds, ``+00:00`` (a time that names no
+    zone is UTC, :func:`vitexp.ledger.schema.started_at`); an unreadable one as given, empty when none."""
+    if not stamp:
+        return ""
+    try:
+        return started_at(str(stamp)).astimezone(_dt.timezone.utc).isoformat(timespec="microseconds")
+    except ValueError:
+        return str(stamp)
+
+
 def _order(r: Mapping[str, Any]) -> tuple[str, str]:
-    return (r.get("started") or "", r.get("run_id", ""))
+    """A run's place in time: its start as time, ties by run id (wherever its entry lives)."""
+    return (time_key(r.get("started")), r.get("run_id", ""))
 
 
 @dataclass
@@ -86,9 +99,7 @@ class Ledger:
     def __init__(
         self, records: Iterable[dict[str, Any]], broken: Iterable[BrokenEntry] = (), source: str = ""
     ):
-        self.records = sorted(
-            records, key=lambda r: r.get("started") or ""
-        )  # stable: ties keep the given order
+        self.records = sorted(records, key=_order)  # by time, ties by run id (not by where an entry lives)
         self._rank = {id(r): i for i, r in enumerate(self.records)}
         self.broken = list(broken)
         self.source = source
@@ -264,14 +275,15 @@ class Ledger:
             return target
         if target not in self._finished:
             done = sorted(
-                ((r.get("finished") or "", r) for r in self.completed(target, "train")), key=lambda p: p[0]
+                ((time_key(r.get("finished")), r) for r in self.completed(target, "train")),
+                key=lambda p: (p[0], p[1]["run_id"]),
             )
             best: list[tuple[str, str]] = []
             for _, r in done:  # the newest start among the runs finished so far
                 best.append(max(best[-1], _order(r)) if best else _order(r))
             self._finished[target] = ([f for f, _ in done], best)
         finished, best = self._finished[target]
-        i = bisect.bisect_right(finished, run.get("started") or "")
+        i = bisect.bisect_right(finished, time_key(run.get("started")))
         return best[i - 1][1] if i else None
 
     def evaluations(self, before: Iterable[str] = ()) -> dict[str, dict[str, Any]]:
