@@ -245,6 +245,11 @@ BAD_INPUTS = [  # (overrides, what the one line names); {ckpt:NAME} is a file fr
     (["~recipe.lr"], "recipe.lr"),
     (["backbone=nope"], "Available options in 'backbone': caformer_micro"),
     (["recipe.epochs=0"], "recipe.epochs"),
+    (["name=.."], "name='..': the run folder outputs/../ would not be a folder of its own"),  # issue 58
+    (
+        ["++logger.tags=[" + "t" * 65 + "]"],
+        "logger.tags: '" + "t" * 65 + "' is not a tag of 1 to 64 characters",
+    ),
     (["recipe.lr=${nope}"], "recipe.lr: ${nope} does not resolve"),  # the key, not hydra.run.dir
     (["backbone.pretrained={ckpt:random}"], "{ckpt:random}"),
     (["backbone.pretrained={ckpt:empty}"], "{ckpt:empty}"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -734,3 +735,44 @@ def test_a_run_folder_outside_the_repository_leaves_no_absolute_path(make_cfg, r
     entry = json.loads(next(t for t in texts[1:] if '"flops"' in t))
     assert entry["output_dir"] == "../scratch/me/run1" and json.loads(closing)["ledger"].startswith("runs/")
     assert "'../scratch/me/run1/weights.pth'" in failed.record["error"]
+
+
+def test_two_runs_started_in_the_same_second_get_folders_of_their_own():
+    """Issue 58: outside SLURM the default run folder is the start time and six random hex digits, so
+    two processes started in the same second (a shell loop with &) never share one."""
+    import subprocess
+    import sys
+
+    code = "from vitexp.config.composition import run_stamp; print(run_stamp())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    stamps = [p.communicate()[0].strip() for p in procs]
+    assert stamps[0] != stamps[1] and all(len(s) == len("2026-12-07_21-00-00-abcdef") for s in stamps)
+
+
+def test_a_refused_lock_names_its_owner_even_while_the_owner_is_writing_itself(tmp_path):
+    """Issue 58: the owner writes its name just after it takes the lock; a process refused in between
+    waits for it instead of naming process '?'."""
+    import fcntl
+    import json
+    import threading
+    import time
+
+    from vitexp.errors import ConfigError
+    from vitexp.runs.lock import LOCK_NAME, RunFolderLock
+
+    path = tmp_path / LOCK_NAME
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # taken, owner not yet written
+
+    def write_owner():
+        time.sleep(0.3)
+        os.pwrite(fd, json.dumps({"host": "node7", "pid": 4242, "since": "now"}).encode(), 0)
+
+    threading.Thread(target=write_owner).start()
+    with pytest.raises(ConfigError, match="in use by process 4242 on node7"):
+        RunFolderLock(tmp_path).acquire()
+    os.close(fd)

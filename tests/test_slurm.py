@@ -58,7 +58,7 @@ def test_a_slurm_jobs_default_folder_is_named_by_its_job_id(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(config, "_STAMP", [])
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d", config.run_stamp())
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d-[0-9a-f]{6}", config.run_stamp())
     monkeypatch.setattr(config, "_STAMP", [])
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     GlobalHydra.instance().clear()

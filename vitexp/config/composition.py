@@ -5,6 +5,7 @@ Its reasoning: docs/commands.md, "vitexp/config/composition.py".
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import Any, Iterable
 
@@ -46,7 +47,15 @@ def _hydra_run_name(*, _root_: Any) -> str:
     from vitexp.ledger.entry import short_name
 
     name = run_name(OmegaConf.create({"name": str(name)}), choices, task_overrides(hc))
-    return short_name(name.replace("/", "_"), limit=120, keep="-_+=.,[]")
+    folder = short_name(name.replace("/", "_"), limit=120, keep="-_+=.,[]")
+    if folder.strip(".") == "":
+        from vitexp.errors import ConfigError
+
+        raise ConfigError(
+            f"name={name!r}: the run folder outputs/{folder}/ would not be a folder of its own inside "
+            "outputs/ (a name of dots only); give the run a name"
+        )
+    return folder
 
 
 def task_overrides(hydra_cfg: Any) -> list[str]:
@@ -72,12 +81,14 @@ def run_stamp() -> str:
     """The last part of a run's default folder (``hydra.run.dir``): ``slurm-<job id>`` inside a SLURM
     job, the same for every task of the job and for the job after a requeue (which runs the same
     command and must find the same folder: :mod:`vitexp.runs.slurm`); elsewhere the process's start time
-    to the second (fixed once per process)."""
+    to the second and six random hex digits, so two runs started in the same second never share a folder
+    (fixed once per process)."""
     from vitexp.runs import slurm
 
     if not _STAMP:
         job = slurm.job_id()
-        _STAMP.append(f"slurm-{job}" if job else time.strftime("%Y-%m-%d_%H-%M-%S"))
+        stamp = f"{time.strftime('%Y-%m-%d_%H-%M-%S')}-{secrets.token_hex(3)}"
+        _STAMP.append(f"slurm-{job}" if job else stamp)
     return _STAMP[0]
 
 

@@ -9,12 +9,15 @@ import fcntl
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 from vitexp.errors import ConfigError
 from vitexp.ledger.status import now
 
 LOCK_NAME = "run.lock"
+#: How long (× 0.05 s) a refused process waits for the lock's owner to have written itself.
+OWNER_WAIT_STEPS = 40
 #: {lock path: file descriptor} of the locks this process holds (an inner run of an outer one re-enters).
 _HELD: dict[str, int] = {}
 
@@ -44,6 +47,11 @@ class RunFolderLock:
         except OSError:
             os.close(fd)
             holder = self._holder()
+            for _ in range(OWNER_WAIT_STEPS):  # its owner writes itself just after taking the lock
+                if holder:
+                    break
+                time.sleep(0.05)
+                holder = self._holder()
             raise ConfigError(
                 f"run folder {self.folder} is in use by process {holder.get('pid', '?')} on"
                 f" {holder.get('host', '?')} (since {holder.get('since', '?')}); two runs never share a"

@@ -68,6 +68,10 @@ def resolve_needs(method: Method, results_dir: Any) -> dict[str, dict[str, Any]]
     return {key: ledger.find(ref, key) for key, ref in needs.items()}
 
 
+#: The longest tag W&B takes (``wandb.init`` fails on a longer one).
+MAX_TAG = 64
+
+
 def validate(cfg: DictConfig, need_data: bool = True, method=None, need_trainer: bool | None = None):
     """:func:`resolve`'s checks alone: returns the method (``method`` when the caller built it, else
     built here once)."""
@@ -96,6 +100,12 @@ def _checked(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
         from vitexp.runs.loggers import wandb_mode
 
         wandb_mode(cfg.logger.get("mode"))  # a bad WANDB_MODE fails here, before anything starts
+    for tag in cfg.logger.get("tags") or []:  # W&B refuses a longer tag once the run has started
+        _check(
+            isinstance(tag, str) and 0 < len(tag) <= MAX_TAG,
+            "logger.tags",
+            f"{tag!r} is not a tag of 1 to {MAX_TAG} characters (W&B's limit)",
+        )
 
     bb = cfg.backbone
     arch = bb.arch
