@@ -340,3 +340,24 @@ def test_a_tie_in_time_goes_to_the_run_id_wherever_the_entries_live(
     assert not (results_dir / "runs" / f"{older}.json").exists()
     code, _ = _tables(results_dir, tmp_path, capsys)
     assert code == 0 and f"| {newest} " in (tmp_path / "t" / "demo.md").read_text()
+
+
+def test_a_nan_metric_fails_the_run_naming_it_and_a_file_holding_one_is_named(results_dir):
+    """Issue 58: NaN or Infinity is no metric. A run closing with one is refused naming the metric (its
+    entry stays open, then fails); an entry file that holds one, written by hand, is a named broken entry
+    instead of a cell that reads "nan"."""
+    entry = LedgerEntry("demo", "train", config_of("demo"), results_dir).start()
+    with pytest.raises(ValueError, match=r"metric 'val_loss' = nan is NaN or Infinity"):
+        entry.finish({"top1": 90.0, "val_loss": float("nan")})
+    assert entry.record["status"] == "running"
+    entry.fail(ValueError("metric 'val_loss' = nan"))
+    assert json.loads(entry.path.read_text())["status"] == "failed"
+    done = LedgerEntry("demo", "train", config_of("demo"), results_dir).start()
+    done.finish({"top1": 90.0, "per_class": [1.0, 2.0]})
+    record = json.loads(done.path.read_text())
+    record["metrics"]["per_class"] = [1.0, float("inf")]
+    done.path.write_text(json.dumps(record))  # Python writes Infinity, which no JSON reader should take
+    broken = Ledger.load(results_dir).broken
+    assert [str(b) for b in broken] == [
+        f"runs/{done.path.name}: metric 'per_class' holds [1.0, inf]: not a finite number"
+    ]

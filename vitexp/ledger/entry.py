@@ -27,7 +27,7 @@ from vitexp.ledger.paths import (
     portable_path,
     portable_paths,
 )
-from vitexp.ledger.schema import FINAL_STATUSES, BrokenEntry, LedgerError
+from vitexp.ledger.schema import FINAL_STATUSES, BrokenEntry, LedgerError, non_finite
 from vitexp.ledger.status import INTERRUPTED, now
 
 #: What ``git_dirty`` and the stored diff cover: the code a run executes and the specs it is launched from.
@@ -345,6 +345,15 @@ class LedgerEntry:
         return self.path
 
     def finish(self, metrics: dict[str, Any], protocol: dict[str, Any] | None = None, **extra: Any) -> Path:
+        """Close the entry completed with ``metrics``; refuses a metric that holds NaN or Infinity
+        (``ValueError`` naming it: the run fails, its entry stays open for :meth:`fail`)."""
+        bad = non_finite(metrics)
+        if bad:
+            named = ", ".join(f"{k!r} = {metrics[k]!r}" for k in bad)
+            raise ValueError(
+                f"run {self.run_id}: metric {named} is NaN or Infinity, not a finite number, so the run"
+                " is not completed"
+            )
         return self._close("completed", metrics=dict(metrics), protocol=dict(protocol or {}), **extra)
 
     def fail(self, error: BaseException, **extra: Any) -> Path:

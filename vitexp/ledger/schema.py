@@ -6,6 +6,7 @@ Its reasoning: docs/ledger.md, "vitexp/ledger/schema.py".
 from __future__ import annotations
 
 import datetime as _dt
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -69,6 +70,23 @@ class LedgerError(ValueError):
         )
 
 
+def finite(value: Any) -> bool:
+    """Whether every number in ``value`` (at any depth of lists and objects) is finite: NaN and
+    Infinity are no metric (and not JSON)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(finite(v) for v in value)
+    if isinstance(value, dict):
+        return all(finite(v) for v in value.values())
+    return True
+
+
+def non_finite(metrics: dict[str, Any]) -> list[str]:
+    """The names of the metrics that hold NaN or Infinity."""
+    return [key for key, value in metrics.items() if not finite(value)]
+
+
 def problems(record: Any, stem: str | None = None) -> list[str]:
     """What breaks the schema in ``record`` (empty: nothing); ``stem``: the file's name without
     ``.json``, which must be the ``run_id``."""
@@ -96,6 +114,8 @@ def problems(record: Any, stem: str | None = None) -> list[str]:
     ):
         if not isinstance(value, _METRIC):
             out.append(f"metric {key!r} is {type(value).__name__}")
+        elif not finite(value):
+            out.append(f"metric {key!r} holds {value!r}: not a finite number")
     if isinstance(record.get("attempts"), list) and not all(isinstance(a, dict) for a in record["attempts"]):
         out.append("'attempts' holds something other than objects")
     return out

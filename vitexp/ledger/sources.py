@@ -128,7 +128,7 @@ def write_snapshot(records: Iterable[dict[str, Any]], path: Path) -> Path:
     from vitexp.ledger.paths import atomic_write, json_default
 
     lines = "".join(
-        json.dumps(r, separators=(",", ":"), default=json_default) + "\n"
+        json.dumps(r, separators=(",", ":"), default=json_default, allow_nan=False) + "\n"
         for r in sorted(records, key=lambda r: r["run_id"])
     )
     data = gzip.compress(lines.encode(), mtime=0) if str(path).endswith(".gz") else lines.encode()
