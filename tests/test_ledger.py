@@ -282,3 +282,37 @@ def test_stderr_and_the_closing_line_name_a_path_alike(tmp_path, capsys, monkeyp
     closing = json.loads(captured.out.strip().splitlines()[-1])
     assert closing["error"] == "FileNotFoundError: no checkpoint at outputs/r1/checkpoints/last.ckpt"
     assert captured.err.strip() == f"vitexp-train: failed: {closing['error']}"
+
+
+def test_each_attempt_records_the_slurm_job_and_nodes_it_ran_on(results_dir, monkeypatch):
+    """Issue 60: an entry written inside SLURM records its job id and node names, and a requeued run's
+    earlier attempt keeps its own; outside SLURM there is no such key."""
+    for var in (
+        "SLURM_JOB_ID",
+        "SLURM_JOB_NODELIST",
+        "SLURMD_NODENAME",
+        "SLURM_PROCID",
+        "SLURM_RESTART_COUNT",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    plain = LedgerEntry("demo", "train", {"i": 0}, results_dir).start()
+    assert "slurm" not in plain.record["env"]
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
+    monkeypatch.setenv("SLURMD_NODENAME", "node1")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    entry = LedgerEntry("demo", "train", {"i": 1}, results_dir).start()
+    assert entry.record["env"]["slurm"] == {
+        "job_id": "77",
+        "nodes": "node[1-2]",
+        "node": "node1",
+        "procid": "0",
+    }
+    monkeypatch.setenv("SLURMD_NODENAME", "node2")  # the requeue lands on the other node
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    entry.reopen({"i": 1})
+    assert entry.record["attempts"][0]["env"]["slurm"]["node"] == "node1"
+    assert (
+        entry.record["env"]["slurm"]["node"] == "node2"
+        and entry.record["env"]["slurm"]["restart_count"] == "1"
+    )

@@ -107,6 +107,24 @@ def machine_load() -> dict[str, Any]:
     return {"loadavg": loadavg, "cpus": os.cpu_count(), "threads": torch.get_num_threads()}
 
 
+#: Where a SLURM task runs, as SLURM tells it (the environment's name: the entry's key).
+SLURM_PLACE = {
+    "SLURM_JOB_ID": "job_id",
+    "SLURM_ARRAY_JOB_ID": "array_job_id",
+    "SLURM_ARRAY_TASK_ID": "array_task_id",
+    "SLURM_JOB_NODELIST": "nodes",
+    "SLURMD_NODENAME": "node",
+    "SLURM_PROCID": "procid",
+    "SLURM_RESTART_COUNT": "restart_count",
+}
+
+
+def slurm_place() -> dict[str, str]:
+    """The SLURM job and nodes of this process (empty outside SLURM): recorded with each attempt, so an
+    entry says where every attempt of a requeued run ran."""
+    return {key: os.environ[var] for var, key in SLURM_PLACE.items() if os.environ.get(var)}
+
+
 def environment(run_dir: Path | None = None, results_dir: Path | None = None) -> dict[str, Any]:
     """Package versions, device, the code (commit, dirty, the kept diff) and the machine's load."""
     import importlib.metadata as md
@@ -137,6 +155,9 @@ def environment(run_dir: Path | None = None, results_dir: Path | None = None) ->
         "load": machine_load(),
         "cpu": {"model": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability()},
     }
+    slurm = slurm_place()
+    if slurm:
+        env["slurm"] = slurm
     if dirty:
         env["code_patch"] = keep_patch(
             diff, run_dir, Path(results_dir) if results_dir else default_results_dir()
@@ -240,6 +261,8 @@ class LedgerEntry:
             previous["requeued"] = self.record.pop("requeued")
         previous["resumed_from"] = self.record.pop("resumed_from", None)
         previous["env"] = {k: (self.record.get("env") or {}).get(k) for k in ("hostname", "pid")}
+        if (self.record.get("env") or {}).get("slurm"):
+            previous["env"]["slurm"] = self.record["env"]["slurm"]
         previous["fit_time_s"] = dict(self.record.get("attempt_fit_time_s") or {})
         if previous["status"] == "running":  # its process died without closing it
             previous.update(
