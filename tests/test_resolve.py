@@ -92,3 +92,23 @@ def test_the_fit_builds_from_the_resolved_weights_and_resolves_nothing_again(
     result = fit_run(resolved)
     entry = json.loads((results_dir / result["ledger"]).read_text())
     assert entry["artifacts"]["pretrained"]["file"].endswith("start.pth")
+
+
+def test_the_raptor_audit_resolves_its_models_before_its_run_starts(checks, results_dir, monkeypatch):
+    """vitexp-audit raptor composes and checks each model's config at the command's top: every check
+    happens before the audit's ledger entry is opened, none inside the run."""
+    import argparse
+
+    from vitexp.commands import inspect
+    from vitexp.runs import owner
+
+    opened: list[int] = []
+    real = owner.owned_run
+
+    def spy(*args, **kwargs):
+        opened.append(len(checks))  # how many configs had been checked when the run began
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(inspect, "owned_run", spy)
+    inspect.run_audit(argparse.Namespace(paper="raptor", sizes=["s"]), results_dir)
+    assert opened == [len(checks)] and len(checks) == 6  # six models, all checked before the run

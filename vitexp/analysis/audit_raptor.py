@@ -43,16 +43,27 @@ def _rows(size: str) -> list[tuple[str, str, list[str]]]:
     ]
 
 
-def count(overrides: list[str]) -> dict[str, Any]:
-    """GMACs / GFLOPs / params of an experiment's deployed model, as ``vitexp-flops`` counts them."""
+def resolve_rows(sizes: Iterable[str] = ("b", "s")) -> dict[str, list[tuple[str, str, list[str], Any]]]:
+    """{size: [(key, label, overrides, resolved config)]}: every model of the audit composed and checked
+    once, before its run starts (:func:`vitexp.training.resolve.resolve`); a bad one raises
+    :class:`vitexp.errors.ConfigError` naming its key."""
     from vitexp.config.composition import compose
+    from vitexp.training.resolve import resolve
+
+    return {
+        size: [(key, label, ov, resolve(compose(ov), need_data=False)) for key, label, ov in _rows(size)]
+        for size in sizes
+    }
+
+
+def count(resolved: Any, overrides: list[str]) -> dict[str, Any]:
+    """GMACs / GFLOPs / params of a resolved experiment's deployed model, as ``vitexp-flops`` counts
+    them."""
     from vitexp.measure.flops import count_macs
     from vitexp.training.build import build_model, registers_of
-    from vitexp.training.resolve import validate
 
-    cfg = compose(overrides)
-    validate(cfg, need_data=False)
-    model, method, _ = build_model(cfg)
+    cfg = resolved.cfg
+    model, method, _ = build_model(cfg, method=resolved.method, weights=resolved.weights)
     registers = registers_of(cfg)
     report = count_macs(method.deploy(model), int(cfg.backbone.img_size), registers=registers)
     tokens = (int(cfg.backbone.img_size) // int(cfg.backbone.arch.patch_size)) ** 2 + int(
@@ -61,10 +72,15 @@ def count(overrides: list[str]) -> dict[str, Any]:
     return {**report.metrics(), "registers": registers, "tokens": tokens, "overrides": overrides}
 
 
-def audit(sizes: Iterable[str] = ("b", "s")) -> dict[str, Any]:
+def audit(
+    sizes: Iterable[str] = ("b", "s"),
+    resolved: dict[str, list[tuple[str, str, list[str], Any]]] | None = None,
+) -> dict[str, Any]:
+    """The audit's findings per size, from :func:`resolve_rows` (resolved here when not given)."""
+    resolved = resolved or resolve_rows(sizes)
     findings: dict[str, Any] = {}
     for size in sizes:
-        rows = {key: {"label": label, **count(ov)} for key, label, ov in _rows(size)}
+        rows = {key: {"label": label, **count(res, ov)} for key, label, ov, res in resolved[size]}
         g = {k: r["gflops"] for k, r in rows.items()}
         findings[size] = {
             "rows": rows,

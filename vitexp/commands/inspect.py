@@ -50,12 +50,14 @@ def run_audit(args: argparse.Namespace, results_dir: Path) -> dict[str, Any]:
     """``vitexp-audit {bspf,saper,raptor}``: the report ``results/audit/<paper>.md`` and a ledger entry (kind
     audit)."""
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    if args.paper == "raptor":  # its models' configs composed and checked here, before the run starts
+        from vitexp.analysis import audit_raptor as auditor
+
+        resolved = auditor.resolve_rows(args.sizes)
     with owned_run(f"{args.paper}_audit", "audit", results_dir) as run:
         run.start(config)
         if args.paper == "raptor":
-            from vitexp.analysis import audit_raptor as auditor
-
-            findings = auditor.audit(args.sizes)
+            findings = auditor.audit(args.sizes, resolved)
         elif args.paper == "saper":
             from vitexp.analysis import audit_saper as auditor
 
