@@ -197,7 +197,8 @@ def test_a_claim_holds_only_on_both_splits_and_a_protocol_may_ask_for_more_pairs
     assert claim["cells"][0]["text"] == "test +0.57 ± 0.40 (3); val +0.23 ± 0.75 (3)"
     assert (
         claim["verdict"]
-        == "protocols disagree: supports under P2; one split only under P1 (2 of 2 protocols measured)"
+        == "protocols disagree: supports under P2; one split only (test supports, val undecided) under P1"
+        " (2 of 2 protocols measured)"
     )
     assert (
         verdict_rule.both("supports", "supports") == "supports"
@@ -294,7 +295,10 @@ def test_test_support_with_validation_contradicting_is_split_dependent():
     assert (
         claim["cells"][0]["sign"] == "split-dependent" and claim["cells"][0]["val"]["sign"] == "contradicts"
     )
-    assert claim["verdict"] == "split-dependent under every measured protocol (1 of 1 protocols measured)"
+    assert (
+        claim["verdict"] == "split-dependent (test supports, val contradicts) under every measured protocol"
+        " (1 of 1 protocols measured)"
+    )
 
 
 def test_a_reference_protocol_is_shown_and_never_votes():

@@ -164,3 +164,23 @@ def test_the_definitions_are_the_docs_and_the_tables_legend():
         assert f"{label}: {rule.DEFINITIONS[label]}" in legend
     md = protocols.render({**_spec(rows=THREE), "val_key": "val_top1"}, [])
     assert legend in md
+
+
+def test_two_protocols_agree_on_a_one_split_label_only_where_their_splits_point_the_same_way():
+    """A gain on validation only and a loss on validation only are both "one split only": the verdict
+    names each with its direction instead of calling them agreement."""
+    gain = rule.directed(rule.both("undecided", "supports"), "undecided", "supports")
+    loss = rule.directed(rule.both("undecided", "contradicts"), "undecided", "contradicts")
+    assert gain == "one split only (test undecided, val supports)" and gain != loss
+    assert rule.verdict([("P1", gain), ("P2", loss)]).startswith("protocols disagree")
+    assert rule.verdict([("P1", gain), ("P2", gain)]).startswith(
+        "one split only (test undecided, val supports)"
+    )
+    assert rule.directed("supports", "supports", "supports") == "supports"
+
+
+def test_two_rows_of_one_role_from_the_same_start_and_seed_are_refused():
+    rows = {"full_a": (FULL, "A"), "full_b": (FULL, "A"), "m_s0": ({0: 81.0, 1: 82.0, 2: 83.0}, "A")}
+    spec = _spec(rows={"full": ["t:full_a", "t:full_b"], "m": "t:m_s0"})
+    with pytest.raises(ValueError, match="list one row per start"):
+        _evaluate(spec, rows)

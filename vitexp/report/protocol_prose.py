@@ -54,7 +54,7 @@ def summary(
     ]
     for claim in claims:
         cells = [
-            f"{c['protocol']}: {c['text']}{_interval(c)} ({c['sign']}"
+            f"{c['protocol']}: {c['text']}{_interval(c)} ({c.get('shown', c['sign'])}"
             + (f", {c['interim']} so far" if c.get("interim") not in (None, "not run", "incomplete") else "")
             + ("; not counted" if c.get("reference") else "")
             + ")"

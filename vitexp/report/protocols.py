@@ -193,7 +193,12 @@ def _by_start(cells: list[dict[str, Any]], start_of: StartOf | None) -> tuple[di
             else:
                 loaded = start_of(ids[j])
                 key = ("seed", seed) if loaded is None else ("start", loaded)
-            values.setdefault(key, {})[seed] = value
+            if seed in values.setdefault(key, {}):
+                raise ValueError(
+                    f"two rows of one role give seed {seed} from the same start {key[1]!r}: list one row per"
+                    " start (docs/verdicts.md)"
+                )
+            values[key][seed] = value
             marks[key] = marks.get(key, "") + (cell.get("marks") or "")
     return values, marks
 
@@ -223,6 +228,8 @@ def _pairs(
         text = format_stat(flat["mean"], flat["std"], flat["n"], digits, signed=True) or "not run"
         if own and len(groups) > 1:
             text = text.replace(f"({flat['n']})", f"({flat['n']} starts, a seed each)")
+        elif groups and next(iter(groups))[0] == "start":  # fine-tuned from one start: its seeds share it
+            text = text.replace(f"({flat['n']})", f"({flat['n']}, one start)")
     else:
         means = ", ".join(f"{m:+.{digits}f}" for m in stats["means"])
         within = f", ± {stats['within']:.{digits}f} within" if stats["within"] is not None else ""
@@ -282,6 +289,7 @@ def evaluate(
                 for column in (key, val_key)
             )
             sign_ = rule.both(test["sign"], val and val["sign"])
+            shown = rule.directed(sign_, test["sign"], val and val["sign"])
             interim = (
                 rule.both(rule.sign(test["pairs"]), val and rule.sign(val["pairs"]))
                 if sign_ == rule.INCOMPLETE
@@ -297,6 +305,7 @@ def evaluate(
                     "protocol": proto["label"],
                     "text": text,
                     "sign": sign_,
+                    "shown": shown,
                     "needed": need[1],
                     "needed_starts": need[0],
                     "interim": interim,
@@ -314,7 +323,7 @@ def evaluate(
                 }
             )
         voting = [c for c in cells if not c.get("reference")]
-        judged = [(c["protocol"], c["sign"]) for c in voting if c["sign"] is not None]
+        judged = [(c["protocol"], c["shown"]) for c in voting if c["sign"] is not None]
         pending = [f"{c['protocol']}: {c['text']}" for c in voting if c["sign"] == rule.INCOMPLETE]
         leaning = [
             f"{c['protocol']} ({c['marks']})"
@@ -363,7 +372,8 @@ def render(
                     )
                     + ("; not counted)" if x.get("reference") else ")")
                     if x["sign"] == "incomplete"
-                    else f"{x['text']} ({x['sign']}{'; not counted' if x.get('reference') else ''})"
+                    else f"{x['text']} ({x.get('shown', x['sign'])}"
+                    + ("; not counted)" if x.get("reference") else ")")
                 )
             )
             for x in c["cells"]

@@ -65,6 +65,14 @@ def both(test: str, val: str | None) -> str:
     return ONE_SPLIT if any(decided) else UNDECIDED
 
 
+def directed(label: str, test: str, val: str | None) -> str:
+    """``label`` with the way each split points where the label alone does not say it (split-dependent,
+    one split only): two protocols agree only where their splits point the same way."""
+    if label not in (SPLIT_DEPENDENT, ONE_SPLIT) or val is None:
+        return label
+    return f"{label} (test {test}, val {val})"
+
+
 def complete(groups: Mapping[Hashable, Sequence[float]], starts: int, pairs: int, own: bool) -> bool:
     """Whether a split's pairs, grouped by start, are enough to judge: at least ``starts`` starts, each
     with ``pairs`` pairs; where every seed is its own start (``own``: no shared start), ``pairs`` counts
@@ -133,5 +141,10 @@ def verdict(signs: list[tuple[str, str]], noun: str = "protocol") -> str:
         return f"fails under every measured {noun}{so_far} ({of})"
     if len(kinds) == 1:
         return f"{kinds.pop()} under every measured {noun}{so_far} ({of})"
-    parts = [f"{s} under {', '.join(p for p, k in measured if k == s)}" for s in ORDER if s in kinds]
+
+    def rank(kind: str) -> tuple[int, str]:
+        base = kind.split(" (", 1)[0]
+        return (ORDER.index(base) if base in ORDER else len(ORDER), kind)
+
+    parts = [f"{s} under {', '.join(p for p, k in measured if k == s)}" for s in sorted(kinds, key=rank)]
     return f"{noun}s disagree: {'; '.join(parts)} ({of})"
