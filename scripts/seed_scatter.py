@@ -21,7 +21,8 @@ the same n ≥ 3 pairs on both splits (reference protocols left out, as in the v
 And, for the tables ``--gaps`` names, each run's validation − test top-1 and how many runs of the
 BSPF family (``--family``) and of the other rows score lower on validation, and the two groups' mean
 gaps (:func:`run_gaps`): the 14 × 14 grid's tables by default; then the family − others gap per
-pretrained start and across the starts, degrees of freedom starts − 1 (:func:`start_gaps`).
+pretrained start and across the starts, degrees of freedom starts − 1 (:func:`start_gaps`). ``run_gaps``
+is taken per table and start (:func:`rows_by_start`): a test never pools the runs of two starts.
 
 Writes ``results/analysis/<table>_seed_scatter.json`` (atomically) from the committed ledger;
 seconds.
@@ -94,6 +95,28 @@ def _seed_spread(split: dict[str, Any]) -> tuple[float | None, int]:
     if split.get("starts", 1) > 1 and not split.get("own_starts"):
         return split["stats"]["within"], split["n"] - split["starts"]
     return split["std"], split["n"] - 1
+
+
+def rows_by_start(rows: list[dict[str, Any]], start_of: Any) -> dict[str, list[dict[str, Any]]]:
+    """A table's rows split by the start their runs loaded (one table may hold several starts): {start:
+    the rows with only that start's seeds in their top1 and val_top1 cells}, in the order found; runs
+    trained from nothing are grouped under ``none``. The runs of two starts never share a test."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        cells = row.get("cells") or {}
+        top1 = cells.get("top1") or {}
+        ids = dict(zip(sorted(top1.get("seeds") or {}), top1.get("run_ids") or []))
+        seeds_of: dict[str, set] = {}
+        for seed, rid in ids.items():
+            seeds_of.setdefault(str(start_of(rid) or "none"), set()).add(seed)
+        for start, seeds in seeds_of.items():
+            kept = {
+                key: {**cell, "seeds": {s: v for s, v in (cell.get("seeds") or {}).items() if s in seeds}}
+                for key, cell in cells.items()
+                if key in ("top1", "val_top1")
+            }
+            out.setdefault(start, []).append({**row, "cells": kept})
+    return out
 
 
 def run_gaps(rows: list[dict[str, Any]], family: str) -> dict[str, Any]:
@@ -235,7 +258,11 @@ def main() -> None:
         "images": {"val": int(data_cfg.val_size), "test": test_images},
         "method": __doc__.split("\n\n")[1].replace("\n", " "),
         **scatter(claims, image_ratio),
-        "run_gaps": {table: run_gaps(fill_table(table), args.family) for table in args.gaps},
+        "run_gaps": {
+            f"{table} from {start}": run_gaps(rows, args.family)
+            for table in args.gaps
+            for start, rows in rows_by_start(fill_table(table), protocols.start_of_run(ledger)).items()
+        },
     }
     report["start_gaps"] = {
         "tables": args.gaps,
