@@ -184,3 +184,21 @@ def test_two_rows_of_one_role_from_the_same_start_and_seed_are_refused():
     spec = _spec(rows={"full": ["t:full_a", "t:full_b"], "m": "t:m_s0"})
     with pytest.raises(ValueError, match="list one row per start"):
         _evaluate(spec, rows)
+
+
+def test_an_incomplete_cell_counts_each_splits_starts_where_they_differ():
+    """Three starts on the test split and two on validation: the cell says so, not "3 of 3 starts"."""
+    cell = {
+        "sign": "incomplete",
+        "text": "t",
+        "needed": 3,
+        "needed_starts": 3,
+        "starts": 3,
+        "own_starts": False,
+        "n": 9,
+        "val": {"n": 6, "starts": 2, "sign": "incomplete"},
+    }
+    md = protocols.render(
+        {**_spec(rows=THREE), "val_key": "val_top1"}, [{"claim": "c", "cells": [cell], "verdict": "v"}]
+    )
+    assert "(incomplete: test 3, val 2 of 3 starts, 3 pairs each)" in md

@@ -345,7 +345,12 @@ def _count(cell: dict[str, Any]) -> str:
     count."""
     val = cell.get("val")
     if cell.get("needed_starts", 1) > 1 and not cell.get("own_starts"):
-        return f"{cell['starts']} of {cell['needed_starts']} starts, {cell['needed']} pairs each"
+        both_ = (
+            f"{cell['starts']}"
+            if not val or val["starts"] == cell["starts"]
+            else (f"test {cell['starts']}, val {val['starts']}")
+        )
+        return f"{both_} of {cell['needed_starts']} starts, {cell['needed']} pairs each"
     if val and val["n"] != cell["n"]:
         return f"test {cell['n']}, val {val['n']} of {cell['needed']} pairs"
     return f"{cell['n']} of {cell['needed']} pairs"
