@@ -13,7 +13,7 @@ import yaml
 from vitexp import PROJECT_ROOT
 from vitexp.ledger.status import effective_status
 from vitexp.report import verdict_rule as rule
-from vitexp.report.aggregate import format_stat, paired_difference
+from vitexp.report.aggregate import format_stat, summarize
 
 VERDICTS_DIR = PROJECT_ROOT / "sweeps" / "verdicts"
 
@@ -216,14 +216,14 @@ def _pairs(
     (ga, ma), (gb, mb) = _by_start(a, start_of), _by_start(b, start_of)
     groups = {}
     for key in sorted(ga.keys() & gb.keys(), key=str):
-        common = paired_difference(ga[key], gb[key])["seeds"]
+        common = sorted(set(ga[key]) & set(gb[key]))
         if common:
             groups[key] = [ga[key][s] - gb[key][s] for s in common]
     pairs = [p for g in groups.values() for p in g]
     own = bool(groups) and all(k[0] == "seed" for k in groups)
     stats = rule.across_starts(groups)
     marked = "".join(sorted(set("".join(ma.get(k, "") + mb.get(k, "") for k in groups))))
-    flat = paired_difference(dict(enumerate(pairs)), dict.fromkeys(range(len(pairs)), 0.0))
+    flat = summarize(pairs)
     if len(groups) <= 1 or own:
         text = format_stat(flat["mean"], flat["std"], flat["n"], digits, signed=True) or "not run"
         if own and len(groups) > 1:
