@@ -20,6 +20,19 @@ import vitexp.config.composition as vconfig  # noqa: E402
 
 #: Overrides that keep a test run small and quiet (no logger, no progress bar).
 QUIET = ["logger=none", "trainer.enable_progress_bar=false"]
+#: A training run of a few seconds: the demo on 32 synthetic images, one epoch, no costs measured.
+TINY_TRAIN = [
+    "experiment=demo",
+    "data=synthetic",
+    "data.num_train=32",
+    "data.num_val=16",
+    "data.num_test=16",
+    "recipe.batch_size=16",
+    "recipe.epochs=1",
+    "recipe.warmup_epochs=0",
+    "eval.throughput=false",
+    "eval.flops=false",
+]
 
 
 #: The backbone every method runs on in the default suite, and the methods every backbone runs under.
@@ -141,6 +154,7 @@ def recorded(spec: dict | None, runs: list[dict], start: str = "2026-01-01T00:00
     import re
 
     from vitexp.config import rows as vrows
+    from vitexp.ledger import portable_paths
 
     queries = {}
     if spec is not None:
@@ -159,8 +173,8 @@ def recorded(spec: dict | None, runs: list[dict], start: str = "2026-01-01T00:00
             seed = (run.get("config") or {}).get("seed", int(match.group(2)) if match else None)
             with vrows.composing():
                 config = query.composed(seed if query.seeds is not None else None)
-            if config is not None:
-                run["config"] = _merged(copy.deepcopy(dict(config)), run.get("config") or {})
+            if config is not None:  # its paths as an entry stores them (vitexp.ledger.portable_paths)
+                run["config"] = portable_paths(_merged(copy.deepcopy(dict(config)), run.get("config") or {}))
         out.append(run)
     return out
 
@@ -168,18 +182,26 @@ def recorded(spec: dict | None, runs: list[dict], start: str = "2026-01-01T00:00
 def config_of(name: str, seed: int | None = None, top: dict | None = None) -> dict:
     """The config a run of ``name`` records: its experiment (the name before ``+``) composed with
     ``seed`` (``None``: the experiment's own), ``top`` on top; for a name with no experiment file,
-    ``{"seed": seed}`` and ``top`` (a stub, matched by name)."""
+    :func:`run_config` of ``seed`` and ``top`` (a stub, matched by name)."""
     import copy
 
     from vitexp import CONF_DIR
     from vitexp.config.rows import composed_config, composing
 
     base = name.split("+", 1)[0]
-    config: dict = {"seed": seed}
+    config: dict = run_config(seed)
     if (CONF_DIR / "experiment" / f"{base}.yaml").is_file():
         with composing():
             config = copy.deepcopy(composed_config((f"experiment={base}",), seed))
     return _merged(config, top or {})
+
+
+def run_config(seed: int | None = None, top: dict | None = None) -> dict:
+    """A minimal full run config, what a train entry's config must be: every group a run composes
+    (:data:`vitexp.ledger.schema.RUN_GROUPS`), each an empty object here, with ``seed`` and ``top``."""
+    from vitexp.ledger.schema import RUN_GROUPS
+
+    return _merged({"seed": seed, **{group: {} for group in RUN_GROUPS}}, top or {})
 
 
 def _merged(base: dict, top: dict) -> dict:

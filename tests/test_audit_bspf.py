@@ -23,7 +23,8 @@ def _demo_run(results_dir, weights_dir, seed: int, started: str | None = None) -
     torch.save(timm.create_model("vit_micro_patch4_32", num_classes=10).state_dict(), weights)
     cfg = compose(["experiment=demo"])
     config = {
-        k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("backbone", "method", "data", "recipe")
+        k: OmegaConf.to_container(cfg[k], resolve=True)
+        for k in ("backbone", "method", "data", "recipe", "budget", "trainer")
     }
     entry = LedgerEntry("demo", "train", {**config, "name": "demo"}, results_dir).start()
     if started:

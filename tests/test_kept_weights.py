@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import QUIET, TINY_TRAIN, run_config
 
 from vitexp.ledger import (
     KeptWeightsError,
@@ -37,7 +38,7 @@ def _start(results_dir, tmp_path, record_hash=True, state=None):
     weights.parent.mkdir(parents=True)
     torch.save(state or {"w": torch.arange(6.0), "pad": torch.zeros(300_000)}, weights)
     artifacts = {"weights": str(weights), **({"weights_sha256": sha256(weights)} if record_hash else {})}
-    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir).start()
+    entry = LedgerEntry("demo", "train", run_config(0), results_dir).start()
     entry.finish({"top1": 1.0}, artifacts=artifacts)
     return entry.record, weights
 
@@ -187,22 +188,6 @@ def test_keep_starts_says_which_start_has_no_weights_here_and_fails(results_dir,
 def test_a_train_run_records_the_sha256_of_the_weights_it_saved(make_cfg, results_dir):
     from vitexp.commands.train import train
 
-    train(
-        make_cfg(
-            [
-                "logger=none",
-                "trainer.enable_progress_bar=false",
-                "data=synthetic",
-                "data.num_train=32",
-                "data.num_val=16",
-                "data.num_test=16",
-                "recipe.batch_size=16",
-                "recipe.epochs=1",
-                "recipe.warmup_epochs=0",
-                "eval.throughput=false",
-                "eval.flops=false",
-            ]
-        )
-    )
+    train(make_cfg([*QUIET, *TINY_TRAIN]))  # the demo's experiment (digits model) on synthetic images
     (run,) = [r for r in Ledger.load(results_dir) if r["kind"] == "train"]
     assert run["artifacts"]["weights_sha256"] == sha256(weights_file(run, results_dir))

@@ -7,13 +7,14 @@ import multiprocessing as mp
 import os
 
 import pytest
+from conftest import run_config
 from ledger_records import completed_runs, iter_runs
 
 from vitexp.ledger import LedgerEntry, atomic_write_json
 
 
 def test_entry_lifecycle_and_schema(results_dir):
-    entry = LedgerEntry("demo", "train", {"a": 1}, results_dir).start()
+    entry = LedgerEntry("demo", "train", run_config(top={"a": 1}), results_dir).start()
     on_disk = json.loads(entry.path.read_text())
     assert on_disk["status"] == "running"
     path = entry.finish({"top1": 90.0}, {"unit": "GMACs"}, wandb_url=None)
@@ -52,7 +53,7 @@ def test_entry_lifecycle_and_schema(results_dir):
 
 
 def test_failed_entry_records_the_error(results_dir):
-    entry = LedgerEntry("demo", "train", {}, results_dir).start()
+    entry = LedgerEntry("demo", "train", run_config(), results_dir).start()
     entry.fail(FloatingPointError("loss is nan"))
     record = json.loads(entry.path.read_text())
     assert record["status"] == "failed" and "loss is nan" in record["error"]
@@ -75,7 +76,7 @@ def test_atomic_write_keeps_the_old_file_when_serialisation_fails(tmp_path):
 
 def _writer(args):
     results_dir, i = args
-    entry = LedgerEntry(f"exp{i % 3}", "train", {"i": i}, results_dir).start()
+    entry = LedgerEntry(f"exp{i % 3}", "train", run_config(top={"i": i}), results_dir).start()
     entry.finish({"top1": float(i)})
     return entry.run_id
 
@@ -117,7 +118,9 @@ def test_a_broken_file_is_an_error_that_names_it_never_skipped(results_dir):
             "not JSON (Expecting property name enclosed in double quotes at line 1, column 2: "
             "a truncated copy or a merge conflict?)"
         ),
-        "runs/wrong.json": "status 'done' is not one of ['running', 'completed', 'failed', 'interrupted']",
+        "runs/wrong.json": (
+            "status 'done' is not one of ['running', 'completed', 'failed', 'interrupted']; no 'config'"
+        ),
     }
     with pytest.raises(
         LedgerError, match="2 broken ledger entries.*runs/broken.json: not JSON.*runs/wrong.json"
@@ -176,7 +179,7 @@ def test_run_weights_resolve_to_a_file_on_this_machine(results_dir, tmp_path, mo
     weights = results_dir / "outputs" / "teacher" / "weights.pth"
     weights.parent.mkdir(parents=True)
     weights.write_bytes(b"")
-    LedgerEntry("teacher", "train", {}, results_dir).start().finish(
+    LedgerEntry("teacher", "train", run_config(), results_dir).start().finish(
         {"top1": 1.0}, artifacts={"weights": weights}
     )
     monkeypatch.chdir(tmp_path)
@@ -227,7 +230,8 @@ def test_validation_pins_a_run_reference_and_the_build_reads_that_entry_only(
                     "status": "completed",
                     "kind": "train",
                     "started": started,
-                    "artifacts": {"weights": str(weights)},
+                    "config": run_config(),
+                    "artifacts": {"weights": "outputs/t/weights.pth"},  # relative to the results root
                 }
             )
         )
@@ -295,13 +299,13 @@ def test_each_attempt_records_the_slurm_job_and_nodes_it_ran_on(results_dir, mon
         "SLURM_RESTART_COUNT",
     ):
         monkeypatch.delenv(var, raising=False)
-    plain = LedgerEntry("demo", "train", {"i": 0}, results_dir).start()
+    plain = LedgerEntry("demo", "train", run_config(top={"i": 0}), results_dir).start()
     assert "slurm" not in plain.record["env"]
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-2]")
     monkeypatch.setenv("SLURMD_NODENAME", "node1")
     monkeypatch.setenv("SLURM_PROCID", "0")
-    entry = LedgerEntry("demo", "train", {"i": 1}, results_dir).start()
+    entry = LedgerEntry("demo", "train", run_config(top={"i": 1}), results_dir).start()
     assert entry.record["env"]["slurm"] == {
         "job_id": "77",
         "nodes": "node[1-2]",
@@ -310,7 +314,7 @@ def test_each_attempt_records_the_slurm_job_and_nodes_it_ran_on(results_dir, mon
     }
     monkeypatch.setenv("SLURMD_NODENAME", "node2")  # the requeue lands on the other node
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    entry.reopen({"i": 1})
+    entry.reopen(run_config(top={"i": 1}))
     assert entry.record["attempts"][0]["env"]["slurm"]["node"] == "node1"
     assert (
         entry.record["env"]["slurm"]["node"] == "node2"

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import config_of
+from conftest import config_of, run_config
 
 from vitexp.ledger import Ledger, LedgerEntry, LedgerError, packs
 from vitexp.report import tables
@@ -135,7 +135,7 @@ def test_a_resumed_run_whose_own_entry_is_unreadable_is_refused(results_dir, tmp
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir).start()
+    entry = LedgerEntry("demo", "train", run_config(0), results_dir).start()
     entry.path.write_text(entry.path.read_text()[:100])
     (run_dir / RUN_MARKER).write_text(json.dumps({"run_id": entry.run_id, "wandb_id": "abc"}))
     with pytest.raises(LedgerError, match=f"runs/{entry.run_id}.json: unreadable"):
@@ -347,7 +347,9 @@ def test_a_nan_metric_fails_the_run_naming_it_and_a_file_holding_one_is_named(re
     entry stays open, then fails); an entry file that holds one, written by hand, is a named broken entry
     instead of a cell that reads "nan"."""
     entry = LedgerEntry("demo", "train", config_of("demo"), results_dir).start()
-    with pytest.raises(ValueError, match=r"metric 'val_loss' = nan is NaN or Infinity"):
+    with pytest.raises(
+        ValueError, match=r"is not completed: metric 'val_loss' holds nan: not a finite number$"
+    ):
         entry.finish({"top1": 90.0, "val_loss": float("nan")})
     assert entry.record["status"] == "running"
     entry.fail(ValueError("metric 'val_loss' = nan"))

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_config
 
 from vitexp.commands import recheck
 from vitexp.config import rows
 from vitexp.config.rows import composed_config, row_query
-from vitexp.ledger import Ledger, LedgerEntry, RowQuery
+from vitexp.ledger import Ledger, LedgerEntry, RowQuery, portable_paths
 from vitexp.ledger.fingerprint import fingerprint
 from vitexp.report import tables
 
@@ -31,6 +32,7 @@ SHARED = {
 
 
 def _entry(results_dir: Path, name: str, config: dict, top1: float, started: str, kind: str = "train") -> str:
+    config = run_config(top=config) if kind == "train" else config  # a train entry's config is a run's
     entry = LedgerEntry(name, kind, config, results_dir).start()
     entry.record["started"] = started
     entry.finish({"top1": top1})
@@ -181,7 +183,7 @@ def test_a_run_from_before_a_new_default_stays_in_its_row_and_a_stray_key_keeps_
     older["trainer"] = {k: v for k, v in older["trainer"].items() if k != "deterministic"}
     for path in (results_dir / "runs").glob("*.json"):  # written before trainer.deterministic existed
         record = json.loads(path.read_text())
-        record["config"], record["fingerprint"] = older, fingerprint(older)
+        record["config"], record["fingerprint"] = portable_paths(older, results_dir), fingerprint(older)
         path.write_text(json.dumps(record))
     assert "deterministic" in _demo_config()["trainer"]
     (row,) = tables.fill(DEMO, Ledger.load(results_dir))
@@ -375,7 +377,7 @@ def test_a_pack_leaves_every_table_as_it_was_and_keeps_what_may_resume(
     _entry(results_dir, "ft+seed=0", {"seed": 0}, 80.0, "2026-01-03T00:00:00+00:00")
     assert packs.pack(results_dir)["packed"] == 0  # written just now: its process may still be closing it
     monkeypatch.setattr(packs, "SETTLED_S", 0)
-    open_entry = LedgerEntry("ft+seed=0", "train", {"seed": 0}, results_dir).start()
+    open_entry = LedgerEntry("ft+seed=0", "train", run_config(0), results_dir).start()
     open_entry.interrupt("SIGTERM")
     spec = _spec_file(tmp_path, SHARED)
     assert tables.main([str(spec), "--results-dir", str(results_dir), "--out", str(tmp_path / "before")]) == 0
@@ -408,7 +410,7 @@ def test_a_pack_keeps_each_entry_as_written_and_readable_by_the_group(results_di
     old_mask = os.umask(0o022)
     try:
         entry = LedgerEntry(
-            "two_stage", "train", {"seed": 0, "method": {"z": 1, "a": 2}}, results_dir
+            "two_stage", "train", run_config(top={"seed": 0, "method": {"z": 1, "a": 2}}), results_dir
         ).start()
         entry.finish({"top1": 1.0, "stage_times": {"select": 2.0, "recover": 1.0}})
         written = json.loads(entry.path.read_text())
@@ -453,7 +455,7 @@ def _write_many(runs_dir: Path, n: int) -> None:
         for seed in range(3):
             config = copy.deepcopy(base)
             config["seed"] = seed
-            configs[j, seed] = (config, fingerprint(config))
+            configs[j, seed] = (portable_paths(config, runs_dir.parent), fingerprint(config))
     for i in range(n):
         seed = _seed_of(i)
         record = {
@@ -463,7 +465,7 @@ def _write_many(runs_dir: Path, n: int) -> None:
             "metrics": {"top1": float(i % 97)},
             "protocol": {"data_order": "seed*1000003+epoch"},
             "env": {},
-            "started": f"2026-01-01T{i % 24:02d}:00:00",
+            "started": f"2026-01-01T{i % 24:02d}:00:00+00:00",
             "finished": None,
             "error": None,
             "wandb_url": None,
@@ -474,7 +476,7 @@ def _write_many(runs_dir: Path, n: int) -> None:
                 experiment=f"demo_lr{(i // 2) % len(LRS)}+seed={seed}", config=config, fingerprint=fp
             )
         else:
-            record.update(experiment=f"exp{(i // 2) % 2000}+seed={seed}", config={"seed": seed})
+            record.update(experiment=f"exp{(i // 2) % 2000}+seed={seed}", config=run_config(seed))
         (runs_dir / f"r{i:05d}.json").write_text(json.dumps(record))
 
 
@@ -540,6 +542,7 @@ def test_twenty_thousand_entries_fill_every_committed_table(results_dir):
                     config = query.composed(seed)
                     if config is not None:
                         name = query.name if seed is None else aggregate.seeded_name(query.name, seed)
+                        config = portable_paths(dict(config), results_dir)  # as an entry stores it
                         targets.append(
                             (name, seed, row.get("run", "train"), spec.get("protocol") or {}, config)
                         )
@@ -561,7 +564,7 @@ def test_twenty_thousand_entries_fill_every_committed_table(results_dir):
         }
         if i % 5 == 4:
             records.append(
-                {**record, "experiment": f"unrelated{i % 500}", "kind": "train", "config": {"seed": 0}}
+                {**record, "experiment": f"unrelated{i % 500}", "kind": "train", "config": run_config(0)}
             )
             continue
         name, seed, kind, protocol, config = targets[i % len(targets)]
@@ -600,8 +603,9 @@ def test_start_of_and_newest_come_from_the_index():
             "experiment": "pre",
             "status": "completed",
             "kind": "train",
-            "started": f"2026-01-0{i}T00:00:00",
-            "finished": f"2026-01-0{i}T01:00:00",
+            "started": f"2026-01-0{i}T00:00:00+00:00",
+            "finished": f"2026-01-0{i}T01:00:00+00:00",
+            "config": run_config(),
         }
         for i in (1, 2, 3)
     ]
@@ -610,8 +614,8 @@ def test_start_of_and_newest_come_from_the_index():
         "experiment": "ft",
         "status": "completed",
         "kind": "train",
-        "started": "2026-01-02T12:00:00",
-        "config": {"backbone": {"pretrained": "run:pre"}},
+        "started": "2026-01-02T12:00:00+00:00",
+        "config": run_config(top={"backbone": {"pretrained": "run:pre"}}),
     }
     ledger = Ledger.of([*runs, ft])
     assert ledger.start_of(ft) == "s2" and ledger.newest("pre")["run_id"] == "s3"
@@ -634,7 +638,7 @@ def test_find_run_takes_the_short_id_a_table_prints(results_dir):
     with pytest.raises(FileNotFoundError, match="short id or experiment 'ffffff0'"):
         find_run("ffffff0", results_dir)
     twin = LedgerEntry(
-        "pre", "train", {"seed": 2}, results_dir, run_id=f"{a.rsplit('-', 1)[0]}x-{a.rsplit('-', 1)[-1]}"
+        "pre", "train", run_config(2), results_dir, run_id=f"{a.rsplit('-', 1)[0]}x-{a.rsplit('-', 1)[-1]}"
     )
     twin.start().finish({"top1": 82.0})
     with pytest.raises(FileNotFoundError, match="names 2 completed train runs"):
@@ -746,7 +750,7 @@ def test_a_dirty_tree_keeps_its_diff_beside_the_run_and_its_hash_in_the_entry(
     diff = "diff --git a/vitexp/x.py b/vitexp/x.py\n+changed = True\n"
     monkeypatch.setattr(entry_module, "code_state", lambda: ("abc123", True, diff))
     run_dir = results_dir / "outputs" / "r1"
-    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir, run_dir=run_dir).start()
+    entry = LedgerEntry("demo", "train", run_config(0), results_dir, run_dir=run_dir).start()
     patch = entry.record["env"]["code_patch"]
     digest = hashlib.sha256(diff.encode()).hexdigest()
     # beside the ledger (committed with the entries; run folders are not), a copy in the run folder

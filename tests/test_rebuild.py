@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from conftest import run_config
+
 from vitexp.commands import rebuild
 from vitexp.ledger import Ledger, LedgerEntry, marks
 from vitexp.report import tables
@@ -74,7 +76,7 @@ def test_a_table_drops_the_mark_of_a_rebuilt_run_only_and_counts_it(results_dir)
     ‡ and is counted in the notes; the other (rebuilt once, then not) keeps it."""
     ids = {}
     for name in ("a", "b"):
-        entry = LedgerEntry(name, "train", {}, results_dir).start()
+        entry = LedgerEntry(name, "train", run_config(), results_dir).start()
         entry.record["env"].update(git_dirty=True, code_patch=None)
         entry.finish({"top1": 80.0})
         ids[name] = entry.run_id

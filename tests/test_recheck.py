@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 import yaml
+from conftest import run_config
 from ledger_records import iter_runs
 
 from vitexp.commands import recheck, sweep
@@ -30,7 +31,7 @@ SPEC = {
 
 
 def _train(results_dir, name, seed, top1, started=None):
-    entry = LedgerEntry(name, "train", {"seed": seed}, results_dir).start()
+    entry = LedgerEntry(name, "train", run_config(seed), results_dir).start()
     if started:
         entry.record["started"] = started
     entry.finish({"top1": top1})
@@ -120,9 +121,13 @@ def _detector_eval(results_dir, run_id, ap_box, ap_mask):
 @pytest.mark.parametrize("ap_mask, agrees", [(25.0, True), (25.02, False)])
 def test_a_detector_run_is_checked_on_both_aps(results_dir, ap_mask, agrees):
     spec = {**SPEC, "rows": [{"label": "Detector", "experiment": "det"}]}
-    entry = LedgerEntry("det+seed=0", "train", {"seed": 0, "objective": "detect"}, results_dir).start()
+    entry = LedgerEntry(
+        "det+seed=0", "train", run_config(top={"seed": 0, "objective": "detect"}), results_dir
+    ).start()
     entry.finish({"ap_box": 30.0, "ap_mask": 25.0})
-    no_aps = LedgerEntry("det+seed=1", "train", {"seed": 1, "objective": "detect"}, results_dir).start()
+    no_aps = LedgerEntry(
+        "det+seed=1", "train", run_config(top={"seed": 1, "objective": "detect"}), results_dir
+    ).start()
     no_aps.finish({"top1": 50.0})  # recorded no AP: nothing to compare
     run_id = entry.record["run_id"]
     result = recheck.recheck(

@@ -14,7 +14,7 @@ import tokenize
 from pathlib import Path
 
 import pytest
-from conftest import QUIET, cli_env, config_of, ledger_entries
+from conftest import QUIET, cli_env, config_of, ledger_entries, run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_RUN = [
@@ -440,7 +440,16 @@ def test_a_resumed_run_may_pin_a_newer_run_of_its_teacher_but_not_another_teache
     (tmp_path / "runs").mkdir()
     for run_id, experiment in (("a1", "teacher"), ("a2", "teacher"), ("b1", "other")):
         (tmp_path / "runs" / f"{run_id}.json").write_text(
-            json.dumps({"run_id": run_id, "experiment": experiment})
+            json.dumps(
+                {
+                    "run_id": run_id,
+                    "experiment": experiment,
+                    "status": "completed",
+                    "kind": "train",
+                    "started": "2026-01-01T00:00:00+00:00",
+                    "config": run_config(0),
+                }
+            )
         )
 
     def config(pin):
@@ -616,10 +625,10 @@ def test_a_signal_to_pytest_ends_the_session_and_the_run_is_interrupted(tmp_path
 def test_an_attempt_killed_without_closing_its_entry_is_closed_interrupted_on_resume(results_dir):
     from vitexp.ledger import LedgerEntry
 
-    entry = LedgerEntry("demo", "train", {"seed": 0}, results_dir).start()
+    entry = LedgerEntry("demo", "train", run_config(0), results_dir).start()
     entry.fitting("main", 12.5)
     entry.beat()  # then SIGKILL: the entry stays running
-    again = LedgerEntry.load(entry.run_id, results_dir).reopen({"seed": 0})
+    again = LedgerEntry.load(entry.run_id, results_dir).reopen(run_config(0))
     (attempt,) = again.record["attempts"]
     assert attempt["status"] == "interrupted" and "killed" in attempt["error"]
     assert attempt["fit_time_s"] == {"main": 12.5} and attempt["finished"] == entry.record["heartbeat"]
@@ -723,7 +732,7 @@ def test_a_run_folder_outside_the_repository_leaves_no_absolute_path(make_cfg, r
     run_flops(make_cfg(["experiment=demo", "logger=csv"], output_dir=elsewhere))
     closing = capsys.readouterr().out.strip().splitlines()[-1]
     failed = LedgerEntry(
-        "demo", "train", {}, results_dir
+        "demo", "train", run_config(), results_dir
     ).start()  # closed as Run._fail closes it: with its folder
     failed.fail(
         FileNotFoundError(f"[Errno 2] No such file or directory: '{elsewhere}/weights.pth'"),

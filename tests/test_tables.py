@@ -9,7 +9,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from conftest import recorded
+from conftest import recorded, run_config
 
 from vitexp import SWEEPS_DIR
 from vitexp.ledger import LedgerEntry
@@ -43,15 +43,15 @@ SPEC = {
 
 @pytest.fixture
 def ledger(results_dir):
-    old = LedgerEntry("exp_a", "train", {}, results_dir).start()
+    old = LedgerEntry("exp_a", "train", run_config(), results_dir).start()
     old.record["started"] = "2000-01-01T00:00:00+00:00"  # the older of the two
     old.finish({"top1": 50.0, "gmacs": 1.0})
-    new = LedgerEntry("exp_a", "train", {}, results_dir).start()
+    new = LedgerEntry("exp_a", "train", run_config(), results_dir).start()
     new.finish({"top1": 71.23, "gmacs": 1.254})
     LedgerEntry("exp_b", "flops", {}, results_dir).start().finish({"gmacs": 4.5989})
-    failed = LedgerEntry("exp_c", "train", {}, results_dir).start()
+    failed = LedgerEntry("exp_c", "train", run_config(), results_dir).start()
     failed.fail(RuntimeError("crash"))
-    LedgerEntry("exp_d", "train", {}, results_dir).start().finish({"top1": 60.0})
+    LedgerEntry("exp_d", "train", run_config(), results_dir).start().finish({"top1": 60.0})
     return results_dir
 
 
@@ -106,7 +106,7 @@ def test_wandb_source(monkeypatch, tmp_path):
         SimpleNamespace(
             id="r1",
             name="x",
-            config={"name": "exp_a"},
+            config=run_config(top={"name": "exp_a"}),
             state="finished",
             job_type="train",
             summary={"top1": 70.0, "gmacs": 1.2, "_step": 3},
@@ -116,7 +116,7 @@ def test_wandb_source(monkeypatch, tmp_path):
         SimpleNamespace(
             id="r2",
             name="y",
-            config={"name": "exp_b"},
+            config=run_config(top={"name": "exp_b"}),
             state="crashed",
             job_type="flops",
             summary={"gmacs": 4.6},
@@ -211,10 +211,10 @@ def test_seeded_row_trained_without_an_optional_metric_says_na(results_dir):
         ],
     }
     for seed in (0, 1):  # runs of today's sampler (data_order): no stale mark
-        LedgerEntry(f"probe+seed={seed}", "train", {"seed": seed}, results_dir).start().finish(
+        LedgerEntry(f"probe+seed={seed}", "train", run_config(seed), results_dir).start().finish(
             {"top1": 80.0 + seed}, {"data_order": DATA_ORDER}
         )
-        LedgerEntry(f"pruned+seed={seed}", "train", {"seed": seed}, results_dir).start().finish(
+        LedgerEntry(f"pruned+seed={seed}", "train", run_config(seed), results_dir).start().finish(
             {"top1": 60.0, "soft_top1": 70.0}, {"data_order": DATA_ORDER}
         )
     md = re.sub(r" +", " ", tables.render_markdown(spec, tables.fill(spec, list(iter_runs(results_dir)))))
@@ -259,7 +259,7 @@ def test_a_column_that_repeats_another_by_construction_says_so_and_shows_its_num
             LedgerEntry(
                 f"{name}+seed={seed}",
                 "train",
-                {"seed": seed, "method": {"straight_through": st}},
+                run_config(seed, {"method": {"straight_through": st}}),
                 results_dir,
             ).start().finish(
                 {"selected_top1": 70.0 + seed, "soft_top1": soft[seed]}, {"data_order": DATA_ORDER}

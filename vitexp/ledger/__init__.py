@@ -66,8 +66,9 @@ __all__ = [
 
 def load_entry(run_id: str, results_dir: Path | str | None = None) -> dict[str, Any] | None:
     """The record of entry ``run_id`` (its file; a completed entry folded into a pack, from the packs),
-    or ``None``."""
-    entry = LedgerEntry.load(run_id, results_dir)
+    or ``None``; :class:`LedgerError` naming its file when that is there but broken (unreadable, or
+    breaking the schema): a lookup by run id never reads a broken entry as no entry."""
+    entry = LedgerEntry.load(run_id, results_dir, strict=True)
     if entry is not None:
         return entry.record
     from vitexp.ledger.packs import packed_record
@@ -96,6 +97,9 @@ def weights_run(
     target = str(spec).removeprefix(RUN_WEIGHTS_PREFIX)
     where = Path(results_dir) if results_dir else default_results_dir()
     pinned = load_entry(target, where) if ledger is None else ledger.get(target)
+    own = [b for b in (ledger.broken if ledger is not None else ()) if b.path == f"runs/{target}.json"]
+    if pinned is None and own:  # the run id's own file, broken: named, not "no such run"
+        raise LedgerError(own, f"{where / 'runs'} (backbone.pretrained={spec})")
     if pinned is not None:
         run = pinned if pinned.get("status") == "completed" and pinned.get("kind") == "train" else None
     else:  # the newest of an experiment: a broken entry of it could be the newest

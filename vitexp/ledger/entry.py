@@ -24,10 +24,11 @@ from vitexp.ledger.paths import (
     atomic_write,
     atomic_write_json,
     default_results_dir,
+    json_default,
     portable_path,
     portable_paths,
 )
-from vitexp.ledger.schema import FINAL_STATUSES, BrokenEntry, LedgerError, non_finite
+from vitexp.ledger.schema import FINAL_STATUSES, BrokenEntry, LedgerError, bad_metrics, problems, validated
 from vitexp.ledger.status import INTERRUPTED, now
 
 #: What ``git_dirty`` and the stored diff cover: the code a run executes and the specs it is launched from.
@@ -234,6 +235,12 @@ class LedgerEntry:
                     str(entry.dir / "runs"),
                 ) from None
             return None
+        if strict:
+            wrong = problems(entry.record, run_id)
+            if wrong:
+                raise LedgerError(
+                    [BrokenEntry(f"runs/{entry.path.name}", "; ".join(wrong))], str(entry.dir / "runs")
+                )
         return entry if isinstance(entry.record, dict) else None
 
     def experiment_of(self, run_id: str) -> str:
@@ -320,8 +327,11 @@ class LedgerEntry:
         self.record["attempt_fit_time_s"] = dict(self.fit_times)
 
     def _write(self) -> None:
-        """Write the record, its paths made portable (:func:`vitexp.ledger.paths.portable_paths`)."""
-        self.record = portable_paths(self.record, self.dir)
+        """Write the record, its paths made portable (:func:`vitexp.ledger.paths.portable_paths`),
+        checked against the schema and its times in UTC (:func:`vitexp.ledger.schema.validated`: a
+        record that breaks it raises ``ValueError`` and nothing is written)."""
+        record = json.loads(json.dumps(portable_paths(self.record, self.dir), default=json_default))
+        self.record = validated(record)
         atomic_write_json(self.path, self.record)
 
     def resumed(self, stage: str, checkpoint: Path | str, epoch: int, global_step: int) -> None:
@@ -360,23 +370,24 @@ class LedgerEntry:
     def _close(self, status: str, **fields: Any) -> Path:
         if self.record["status"] in FINAL_STATUSES:
             raise RuntimeError(f"ledger entry {self.path} is already {self.record['status']}")
+        before = dict(self.record)
         self.record.update(fields)
         self.record["status"] = status
         self.record["finished"] = now()
         self._clock()
-        self._write()
+        try:
+            self._write()
+        except BaseException:  # not written (a full disk, a record the schema refuses): still open
+            self.record = before
+            raise
         return self.path
 
     def finish(self, metrics: dict[str, Any], protocol: dict[str, Any] | None = None, **extra: Any) -> Path:
         """Close the entry completed with ``metrics``; refuses a metric that holds NaN or Infinity
         (``ValueError`` naming it: the run fails, its entry stays open for :meth:`fail`)."""
-        bad = non_finite(metrics)
+        bad = bad_metrics(json.loads(json.dumps(dict(metrics), default=json_default)))
         if bad:
-            named = ", ".join(f"{k!r} = {metrics[k]!r}" for k in bad)
-            raise ValueError(
-                f"run {self.run_id}: metric {named} is NaN or Infinity, not a finite number, so the run"
-                " is not completed"
-            )
+            raise ValueError(f"run {self.run_id} is not completed: {'; '.join(bad)}")
         return self._close("completed", metrics=dict(metrics), protocol=dict(protocol or {}), **extra)
 
     def fail(self, error: BaseException, **extra: Any) -> Path:

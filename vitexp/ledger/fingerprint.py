@@ -11,6 +11,8 @@ import json
 from functools import lru_cache
 from typing import Any, Callable, Iterable, Mapping
 
+from vitexp.ledger.schema import RUN_GROUPS
+
 VERSION = "v3"  # v3: bspf_spec and the groups of another objective left out, moved keys read where they lie
 RUN_PREFIX = "run:"
 #: Config keys (dotted; ``*.key`` at any depth) that do not change what a run measures.
@@ -260,9 +262,8 @@ def weightless(config: Mapping[str, Any]) -> str:
     return digest(config, WEIGHTLESS_EXCLUDED)
 
 
-#: The groups a composed vitexp config has; a config without them (an audit's arguments, a test's
-#: stub) gets no fingerprint, and its runs are matched by name.
-RUN_GROUPS = ("backbone", "method", "budget", "data", "recipe", "trainer")
+# RUN_GROUPS (vitexp.ledger.schema): the groups a composed vitexp config has; a config without them (an
+# audit's arguments) gets no fingerprint, and its runs are matched by name.
 
 
 def is_run_config(config: Any) -> bool:

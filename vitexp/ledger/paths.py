@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import tempfile
 from pathlib import Path
@@ -68,51 +69,79 @@ def atomic_write_json(path: Path, payload: dict[str, Any]) -> None:
     atomic_write(path, json.dumps(payload, indent=2, sort_keys=False, default=json_default) + "\n")
 
 
-def portable_path(path: Path | str | None, results_dir: Path | str | None = None) -> str | None:
+#: A path outside the checkout and the results root, named with its machine: ``file://<host>/<path>``.
+MACHINE_PREFIX = "file://"
+
+
+def machine_path(path: Path | str, host: str | None = None) -> str:
+    """``path`` (absolute) named as a path of the machine ``host`` (default: this one)."""
+    return f"{MACHINE_PREFIX}{host or platform.node()}{os.path.normpath(str(path))}"
+
+
+def portable_path(
+    path: Path | str | None, results_dir: Path | str | None = None, host: str | None = None
+) -> str | None:
     """``path`` relative to the project root when it lies inside the checkout, else relative to the
-    results root (``..`` when outside it); a relative path is returned as given. ``offline:<dir>``
-    (an offline W&B run) keeps its prefix."""
+    results root when it lies inside that or shares a folder with it (``../scratch/run1``), else named
+    with its machine (:func:`machine_path`: ``file://<host>/<path>``; a ``..`` path up to ``/``, such as
+    ``../../../usr/share/x``, would mean something at one depth of the tree only).
+    ``..`` and ``file:///`` paths are read as the ledger wrote them (relative to the results root; this
+    machine's); any other relative path and a path already named with its machine are returned as
+    given. ``offline:<dir>`` (an offline W&B run) keeps its prefix."""
     if path is None:
         return None
     text = str(path)
     prefix = ""
     if text.startswith("offline:"):
         prefix, text = "offline:", text[len("offline:") :]
+    results = Path(results_dir) if results_dir else default_results_dir()
+    if text.startswith("file:///"):
+        text = text[len("file://") :]
+    elif text == ".." or text.startswith("../"):
+        text = os.path.normpath(os.path.join(os.path.realpath(results), text))
     p = Path(text)
     if not p.is_absolute():
         return prefix + text
-    results = Path(results_dir) if results_dir else default_results_dir()
-    resolved = Path(os.path.realpath(p))
+    resolved = Path(os.path.realpath(p)) if host is None else Path(os.path.normpath(p))
     for root in (PROJECT_ROOT, results):
         try:
             return prefix + str(resolved.relative_to(Path(os.path.realpath(root))))
         except ValueError:
             continue
-    return prefix + os.path.relpath(resolved, os.path.realpath(results))
+    here = os.path.realpath(results)
+    if os.path.commonpath([str(resolved), here]) != os.sep:  # beside the results root: ../run1 moves with it
+        return prefix + os.path.relpath(resolved, here)
+    return prefix + machine_path(resolved, host)
 
 
-def portable_paths(value: Any, results_dir: Path | str | None = None) -> Any:
-    """``value`` (a ledger record, or any part of one) with every string that is an absolute path
-    made :func:`portable_path`, at any depth, and every error text made :func:`portable_text`."""
+def portable_paths(value: Any, results_dir: Path | str | None = None, host: str | None = None) -> Any:
+    """``value`` (a ledger record, or any part of one) with every string that is a path of one
+    machine (absolute, ``..``, ``file:///``) made :func:`portable_path`, at any depth, every error
+    text made :func:`portable_text`, and a ``file:///`` URL quoted in any text named with its
+    machine. ``host``: whose paths they are (default: this machine's, resolved here)."""
     if isinstance(value, dict):
         run_dir = value.get("output_dir") if isinstance(value.get("output_dir"), (str, Path)) else None
         run_dirs = (
-            (local_path(str(run_dir), results_dir),) if run_dir else ()
+            (local_path(str(run_dir), results_dir),) if run_dir and host is None else ()
         )  # an error may quote the run's folder
         return {
             k: (
-                portable_text(v, results_dir, run_dirs)
+                portable_text(v, results_dir, run_dirs, host)
                 if k == "error" and isinstance(v, str)
-                else portable_paths(v, results_dir)
+                else portable_paths(v, results_dir, host)
             )
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):
-        return [portable_paths(v, results_dir) for v in value]
+        return [portable_paths(v, results_dir, host) for v in value]
     if isinstance(value, Path):
         value = str(value)
-    if isinstance(value, str) and value.removeprefix("offline:").startswith("/"):
-        return portable_path(value, results_dir)
+    if isinstance(value, str):
+        bare = value.removeprefix("offline:")
+        if bare.startswith(("/", "../", "file:///")) or bare == "..":
+            return portable_path(value, results_dir, host)
+        if "file:///" in value:
+            return value.replace("file:///", f"{MACHINE_PREFIX}{host or platform.node()}/")
     return value
 
 
@@ -122,12 +151,16 @@ _QUOTED_PATH = re.compile(r"(?<![\w.~:/>])/[^\s'\"`,;:()\[\]{}<>]+")
 
 
 def portable_text(
-    text: str | None, results_dir: Path | str | None = None, run_dirs: Iterable[Path | str | None] = ()
+    text: str | None,
+    results_dir: Path | str | None = None,
+    run_dirs: Iterable[Path | str | None] = (),
+    host: str | None = None,
 ) -> str | None:
     """``text`` (an error message) with every absolute path it quotes that lies in the checkout, the
     results root or one of ``run_dirs`` (the run's own folder, wherever it is) made
-    :func:`portable_path`; any other (a system file, a placeholder such as ``/path/to/dataset``) is
-    left as written: it names no folder of this machine's runs."""
+    :func:`portable_path`, and every ``file:///`` URL named with its machine; any other path (a system
+    file, a placeholder such as ``/path/to/dataset``) is left as written: it names no folder of this
+    machine's runs."""
     if not text:
         return text
     results = Path(results_dir) if results_dir else default_results_dir()
@@ -138,14 +171,19 @@ def portable_text(
         inside = any(where == r or where.startswith(r.rstrip("/") + "/") for r in roots)
         return (portable_path(match.group(0), results) or match.group(0)) if inside else match.group(0)
 
-    return _QUOTED_PATH.sub(rewrite, text)
+    text = text.replace("file:///", f"{MACHINE_PREFIX}{host or platform.node()}/")
+    return _QUOTED_PATH.sub(rewrite, text) if host is None else text
 
 
 def local_path(path: str | None, results_dir: Path | str | None = None) -> Path | None:
-    """A stored path on this machine: absolute as given, else under the project root or the
-    results root (the first that exists; the project root's when neither does)."""
+    """A stored path on this machine: absolute as given (``file://<host>/<path>``: ``/<path>``), else
+    under the project root or the results root (the first that exists; the project root's when neither
+    does)."""
     if not path:
         return None
+    if path.startswith(MACHINE_PREFIX):  # file://<host>/<path>: the same path here
+        host_and_path = path[len(MACHINE_PREFIX) :]
+        return Path("/" + host_and_path.partition("/")[2])
     p = Path(path)
     if p.is_absolute():
         return p

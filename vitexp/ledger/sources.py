@@ -10,6 +10,7 @@ import gzip
 import json
 import re
 import zlib
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -145,6 +146,16 @@ WANDB_STATES = {
 }
 
 
+def _zoned(stamp: Any) -> str:
+    """W&B's ``created_at`` (UTC, naming no zone) as the ledger's time, ``+00:00``."""
+    text = str(stamp or "")
+    try:
+        then = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return text
+    return (then if then.tzinfo else then.replace(tzinfo=timezone.utc)).isoformat()
+
+
 class WandbError(RuntimeError):
     """A W&B project that cannot be listed (no login, no network, no such project)."""
 
@@ -173,7 +184,7 @@ def read_wandb(path: str) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
                     config
                 ),  # its seed places the run in a seeded row; its fingerprint is computed from it
                 "metrics": summary,
-                "started": str(getattr(run, "created_at", None) or ""),
+                "started": _zoned(getattr(run, "created_at", None)),
                 "wandb_url": getattr(run, "url", None),
             }
         except Exception as err:  # noqa: BLE001 - one run W&B cannot give back: named, never skipped

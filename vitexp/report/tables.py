@@ -17,7 +17,7 @@ from vitexp import SWEEPS_DIR
 from vitexp.config import rows as vrows
 from vitexp.config.rows import check_rows, composing, expand_rows, row_name, row_query
 from vitexp.cost import CostContext, table_cost, write_cost, write_summary
-from vitexp.errors import one_line
+from vitexp.errors import ConfigError, one_line
 from vitexp.ledger import (
     BrokenEntry,
     Ledger,
@@ -361,6 +361,32 @@ def main(argv: list[str] | None = None) -> int:
             protocols.load(verdict)
     except (FileNotFoundError, ValueError) as err:
         return _closing("invalid", one_line(err), 2)
+    from vitexp.runs.lock import RunFolderLock
+
+    created = not out_dir.exists()
+    try:  # one writer per output folder: a second is refused, naming the first
+        lock = RunFolderLock(out_dir, TABLES_LOCK, TABLES_REFUSAL).acquire()
+    except ConfigError as err:
+        return _closing("failed", one_line(err), 1)
+    try:
+        return _tables(args, specs, verdicts, overrides, results_dir, out_dir)
+    finally:
+        lock.release()
+        if created and [p.name for p in out_dir.iterdir()] == [TABLES_LOCK]:  # nothing written: as it was
+            lock.path.unlink(missing_ok=True)
+            out_dir.rmdir()
+
+
+#: The lock of a ``--out`` folder (:class:`vitexp.runs.lock.RunFolderLock`: ``flock``, naming its owner).
+TABLES_LOCK = ".tables.lock"
+TABLES_REFUSAL = (
+    "{folder} is being written by vitexp-tables, process {pid} on {host} (since {since}); one writer per"
+    " output folder: wait for it to end, or write to another --out"
+)
+
+
+def _tables(args, specs, verdicts, overrides, results_dir: Path, out_dir: Path) -> int:
+    """The body of :func:`main` under the output folder's lock."""
     if args.pack:
         from vitexp.ledger.packs import pack
 

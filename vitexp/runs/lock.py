@@ -22,12 +22,21 @@ OWNER_WAIT_STEPS = 40
 _HELD: dict[str, int] = {}
 
 
-class RunFolderLock:
-    """The lock of one run folder (module docstring)."""
+#: What a refused process is told (``{folder}``, ``{pid}``, ``{host}``, ``{since}``).
+RUN_REFUSAL = (
+    "run folder {folder} is in use by process {pid} on {host} (since {since}); two runs never share a"
+    " folder: give this one another hydra.run.dir, or wait for that run to end"
+)
 
-    def __init__(self, folder: Path | str):
+
+class RunFolderLock:
+    """The lock of one run folder (module docstring); ``name`` and ``refusal``: another folder's lock
+    (``vitexp-tables --out``'s, :data:`vitexp.report.tables.TABLES_LOCK`) and what its refusal says."""
+
+    def __init__(self, folder: Path | str, name: str = LOCK_NAME, refusal: str = RUN_REFUSAL):
         self.folder = Path(folder)
-        self.path = self.folder / LOCK_NAME
+        self.path = self.folder / name
+        self.refusal = refusal
         self.held = False
 
     def _holder(self) -> dict:
@@ -53,9 +62,12 @@ class RunFolderLock:
                 time.sleep(0.05)
                 holder = self._holder()
             raise ConfigError(
-                f"run folder {self.folder} is in use by process {holder.get('pid', '?')} on"
-                f" {holder.get('host', '?')} (since {holder.get('since', '?')}); two runs never share a"
-                " folder: give this one another hydra.run.dir, or wait for that run to end"
+                self.refusal.format(
+                    folder=self.folder,
+                    pid=holder.get("pid", "?"),
+                    host=holder.get("host", "?"),
+                    since=holder.get("since", "?"),
+                )
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": platform.node(), "pid": os.getpid(), "since": now()}).encode(), 0)

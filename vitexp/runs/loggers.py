@@ -11,6 +11,7 @@ import logging
 import netrc
 import os
 import re
+import unicodedata
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import urlparse
@@ -214,33 +215,58 @@ def wandb_url(logger) -> str | None:
 ARTIFACT_NAME_MAX = 128
 
 
+def wandb_name(run_id: str) -> str:
+    """The run id as W&B takes it in a name: letters, digits, ``-``, ``_`` and ``.`` of ASCII (an
+    accented letter loses its accent, any other character is ``-``); the ledger records it beside the
+    run id (``wandb_name``). The run id's random suffix keeps it unique."""
+    out = []
+    for char in run_id:
+        if char.isascii() and (char.isalnum() or char in "-_."):
+            out.append(char)
+            continue
+        plain = "".join(c for c in unicodedata.normalize("NFKD", char) if c.isascii() and c.isalnum())
+        out.append(plain or "-")
+    return re.sub(r"-{2,}", "-", "".join(out))
+
+
 def model_artifact_name(run_id: str) -> str:
-    """``weights-<run_id>``, shortened to W&B's limit keeping the run id's random suffix."""
-    name = f"weights-{run_id}"
-    return name if len(name) <= ARTIFACT_NAME_MAX else name[: ARTIFACT_NAME_MAX - 7] + "-" + run_id[-6:]
+    """``weights-<wandb_name(run_id)>``, shortened to W&B's limit keeping the run id's random suffix."""
+    safe = wandb_name(run_id)
+    name = f"weights-{safe}"
+    return name if len(name) <= ARTIFACT_NAME_MAX else name[: ARTIFACT_NAME_MAX - 7] + "-" + safe[-6:]
+
+
+class WandbRefused(RuntimeError):
+    """W&B refused a run's model artifact: the upload step failed (the run's weights are still on disk)."""
 
 
 def log_model(logger, weights: Path, run_id: str, metadata: Mapping[str, Any]) -> str | None:
     """``weights`` as the W&B model artifact :func:`model_artifact_name` (file ``weights.pth``,
     ``metadata``: the run's ledger record) of the logger's run; an offline run keeps it for
     ``wandb sync``. Returns its reference ``[ENTITY/]PROJECT/NAME:latest`` (no entity offline: the
-    default one when synced), or ``None`` without a W&B logger or when W&B fails (never the run)."""
+    default one when synced), ``None`` without a W&B logger; :class:`WandbRefused` naming the artifact
+    when W&B refuses it (the caller records it: the run's metrics stand)."""
     from lightning.pytorch.loggers import WandbLogger
 
     if not isinstance(logger, WandbLogger):
         return None
+    name = model_artifact_name(run_id)
     try:
         import wandb
 
         run = logger.experiment
-        artifact = wandb.Artifact(model_artifact_name(run_id), type="model", metadata=dict(metadata))
+        artifact = wandb.Artifact(name, type="model", metadata=dict(metadata))
         artifact.add_file(str(weights), name="weights.pth")
         run.log_artifact(artifact, aliases=["latest"])
         entity = None if getattr(run, "offline", False) else run.entity
         return "/".join(p for p in (entity, run.project, f"{artifact.name}:latest") if p)
-    except Exception as err:  # pragma: no cover - a broken W&B never fails a finished run
-        log.warning("W&B model artifact of %s failed: %s", run_id, err)
-        return None
+    except Exception as err:  # noqa: BLE001 - W&B's own errors: the upload step fails, named
+        from vitexp.errors import one_line
+
+        raise WandbRefused(
+            f"W&B refused the model artifact {name} of run {run_id}:"
+            f" {type(err).__name__}: {one_line(err)[:300]}"
+        ) from None
 
 
 def fetch_model(reference: str, root: Path) -> dict[str, Any]:

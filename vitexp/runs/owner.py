@@ -17,6 +17,13 @@ from typing import Any, Iterator, Mapping
 
 from vitexp.errors import ConfigError, one_line
 from vitexp.ledger import LedgerEntry, atomic_write_json, portable_path, portable_text
+from vitexp.runs.pending import (
+    NO_SPACE,
+    PENDING_CLOSE,
+    ClosedFromPending,
+    EntryNotWritten,
+    keep_pending,
+)
 from vitexp.runs.signals import catch_signals, pass_on
 
 RUN_MARKER = "run.json"
@@ -182,6 +189,7 @@ class Run:
                 )
             if entry is not None and not done:
                 self.ledger, self.wandb_id = entry.reopen(config, self.output_dir), previous.get("wandb_id")
+                self._close_from_pending(previous["run_id"])
         if self.ledger is None:
             self.ledger = LedgerEntry(
                 self.name, self.kind, config, self.results_dir, run_dir=self.output_dir
@@ -198,12 +206,40 @@ class Run:
                     },
                 )
         self.ledger.record["wandb_id"] = self.wandb_id
+        if (self.logger_cfg or {}).get("kind") == "wandb":  # the names W&B is given (vitexp.runs.loggers)
+            from vitexp.runs.loggers import wandb_name
+
+            self.ledger.record["wandb_name"] = wandb_name(self.ledger.run_id)
         if self.resumable:
             self.ledger.record.setdefault(
                 "resumed_from", None
             )  # a fresh start (vitexp.runs.callbacks.ResumedFrom)
         self.ledger.on_beat = self.lock.touch if self.lock else None
         return self
+
+    def _close_from_pending(self, run_id: str) -> None:
+        """The previous attempt ended with its metrics but no space to write them
+        (:data:`PENDING_CLOSE`): close the reopened entry ``completed`` with them, and end the command
+        (:class:`ClosedFromPending`) instead of running it again."""
+        pending_file = self.output_dir / PENDING_CLOSE if self.output_dir else None
+        if pending_file is None or not pending_file.is_file():
+            return
+        pending = json.loads(pending_file.read_text())
+        if pending.get("run_id") != run_id:
+            return
+        where = portable_path(pending_file, self.results_dir)
+        path = self.ledger.finish(
+            pending["metrics"], pending.get("protocol"), recovered_from=where, **pending.get("record", {})
+        )
+        pending_file.unlink()
+        self.result = {
+            "metrics": pending["metrics"],
+            **pending.get("out", {}),
+            "ledger": portable_path(path, self.results_dir),
+            "run_id": run_id,
+            "recovered_from": where,
+        }
+        raise ClosedFromPending(run_id)
 
     def _check_same_run(self, previous: Mapping[str, Any], marker: Path) -> None:
         """Resuming continues the run the folder holds, never another: the name and the config
@@ -288,13 +324,20 @@ class Run:
                 c["record"].setdefault("output_dir", self.output_dir)
             self._log_code()
             self._log_weights(c)
-            path = self.ledger.finish(
-                c["metrics"], c["protocol"], wandb_url=wandb_url(self.logger), **c["record"]
-            )
+            c["record"]["wandb_url"] = wandb_url(self.logger)
+            try:
+                path = self.ledger.finish(c["metrics"], c["protocol"], **c["record"])
+            except OSError as err:
+                if err.errno not in NO_SPACE:
+                    raise
+                self.pending_metrics = c["metrics"]
+                raise keep_pending(self.ledger, self.output_dir, self.results_dir, c, err) from err
         except BaseException:
             finish(self._logger, failed=True)
             raise
         finish(self._logger)
+        if c["record"].get("wandb_error"):
+            result["wandb_error"] = c["record"]["wandb_error"]
         return {**result, "ledger": portable_path(path, self.results_dir), "run_id": self.ledger.run_id}
 
     def _log_weights(self, c: dict[str, Any]) -> None:
@@ -302,7 +345,7 @@ class Run:
         metadata the ledger record as it closes (what ``vitexp-eval`` needs on another machine); the
         ledger records its reference as ``artifacts.wandb_model``."""
         from vitexp.ledger import local_path, portable_paths
-        from vitexp.runs.loggers import log_model
+        from vitexp.runs.loggers import WandbRefused, log_model
 
         artifacts = dict(c["record"].get("artifacts") or {})
         if not artifacts.get("weights") or not self.logger:
@@ -315,9 +358,18 @@ class Run:
             **c["record"],
         }
         metadata = json.loads(json.dumps(portable_paths(record, self.results_dir), default=str))
-        reference = log_model(
-            self.logger, local_path(artifacts["weights"], self.results_dir), self.ledger.run_id, metadata
-        )
+        try:
+            reference = log_model(
+                self.logger,
+                local_path(artifacts["weights"], self.results_dir),
+                self.ledger.run_id,
+                metadata,
+            )
+        except WandbRefused as err:  # the upload step failed: said on stderr, in the entry and the line
+            print(f"vitexp: {err}", file=sys.stderr)
+            c["record"]["wandb_error"] = str(err)
+            c["record"]["artifacts"] = {**artifacts, "wandb_model": None}
+            return
         if reference:
             c["record"]["artifacts"] = {**artifacts, "wandb_model": reference}
 
@@ -333,12 +385,24 @@ class Run:
         if invalid:
             remove_if_empty(self.output_dir)
         elif self.ledger is not None and self.ledger.record["status"] == "running":
-            if signame:
-                self.ledger.interrupt(signame, **extra)
-            else:
-                self.ledger.fail(err, **extra)
+            try:
+                if signame:
+                    self.ledger.interrupt(signame, **extra)
+                else:
+                    self.ledger.fail(err, **extra)
+            except OSError as again:
+                if again.errno not in NO_SPACE:
+                    raise
+                extra["entry"] = "running: not closed (no space), resume=auto closes it"
         finish(self._logger, failed=True)
         ledger = portable_path(self.ledger.path, self.results_dir) if self.ledger else None
+        kept = (
+            {"metrics": getattr(self, "pending_metrics", None), "pending": err.pending}
+            if isinstance(err, EntryNotWritten)
+            else {}
+        )
+        if "entry" in extra:
+            kept["entry"] = extra["entry"]
         if signame:
             return {
                 "status": "interrupted",
@@ -352,6 +416,7 @@ class Run:
                 f"{type(err).__name__}: {one_line(err)}", self.results_dir, [self.output_dir]
             ),
             "ledger": ledger,
+            **kept,
         }
 
 
@@ -381,6 +446,8 @@ def owned_run(
     try:
         yield run
         run.result = run._close()
+    except ClosedFromPending:  # run.start closed the entry from the kept metrics: run.result holds them
+        pass
     except BaseException as err:
         payload = run._fail(err)  # the entry is closed before SLURM's requeue kills the job
         if run.requeued and run.signal == "SIGUSR1":  # (submitit's SIGUSR2 has requeued the job itself)
