@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
-from slurm_cluster import slurm_cluster  # noqa: E402,F401  (the one-node SLURM of the slurm tests)
+from slurm_cluster import slurm_cluster  # noqa: E402,F401  (the two-node SLURM of the slurm tests)
 
 import vitexp.config.composition as vconfig  # noqa: E402
 

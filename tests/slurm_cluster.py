@@ -1,8 +1,8 @@
-"""The one-node SLURM the ``slurm`` tests run on (scripts/local_slurm.sh), and their helpers.
+"""The two-node SLURM the ``slurm`` tests run on (scripts/local_slurm.sh ``--nodes 2``), and their helpers.
 
 The cluster starts once per session (per xdist worker) in a temporary folder and stops at the
-session's end. Where slurm-wlm or munge is missing, or this is not root, the tests skip with the
-reason; ``VITEXP_REQUIRE_SLURM=1`` (CI) makes that a failure.
+session's end. Where slurm-wlm, munge or iproute2 is missing, or this is not root, the tests skip with
+the reason; ``VITEXP_REQUIRE_SLURM=1`` (CI) makes that a failure.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOLS = ("sbatch", "srun", "scontrol", "scancel", "squeue", "slurmctld", "slurmd", "munged")
+TOOLS = ("sbatch", "srun", "scontrol", "scancel", "squeue", "slurmctld", "slurmd", "munged", "ip", "nsenter")
 
 
 def missing() -> list[str]:
@@ -81,20 +81,19 @@ class Cluster:
         )
 
 
-def start(folder: Path) -> Cluster:
+def start(folder: Path, nodes: int = 2) -> Cluster:
+    """The guide's start line for one node or two, run as written in ``folder``."""
     from doc_commands import run_doc
 
     env = {**os.environ, "PATH": f"{os.environ['PATH']}{os.pathsep}/usr/sbin"}
-    done = run_doc(
-        "bash scripts/local_slurm.sh start <folder>",
-        {"<folder>": str(folder)},
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-    )
+    fill, options = {"<folder>": str(folder)}, {"env": env, "cwd": ROOT, "timeout": 120}
+    if nodes == 2:
+        done = run_doc("bash scripts/local_slurm.sh start <folder> --nodes 2", fill, **options)
+    else:
+        done = run_doc("bash scripts/local_slurm.sh start <folder>", fill, **options)
     if done.returncode != 0:
         logs = "".join(p.read_text()[-1500:] for p in sorted((folder / "log").glob("*.log")))
-        raise RuntimeError(f"the one-node SLURM did not start: {done.stderr[-1500:]}\n{logs}")
+        raise RuntimeError(f"the {nodes}-node SLURM did not start: {done.stderr[-1500:]}\n{logs}")
     assert done.stdout.strip().splitlines()[-1] == f"export SLURM_CONF={folder}/slurm.conf", done.stdout
     return Cluster(folder, folder / "slurm.conf")
 
@@ -113,11 +112,12 @@ def stop(cluster: Cluster) -> None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """The one-node cluster of this session (module docstring)."""
+    """The two-node cluster of this session (module docstring)."""
     gone = missing()
     if gone:
         reason = (
-            f"no one-node SLURM here: missing {', '.join(gone)} (as root: apt-get install -y slurm-wlm munge)"
+            f"no two-node SLURM here: missing {', '.join(gone)}"
+            " (as root: apt-get install -y slurm-wlm munge iproute2)"
         )
         if os.environ.get("VITEXP_REQUIRE_SLURM") == "1":
             pytest.fail(f"{reason}; VITEXP_REQUIRE_SLURM=1 requires it")

@@ -1,5 +1,5 @@
 """docs/cluster.md holds only commands a test runs (tests/doc_commands.py): each command of its code
-blocks is the literal text of a ``run_doc`` call in the tests, which runs it against the one-node SLURM."""
+blocks is the literal text of a ``run_doc`` call in the tests, which runs it against the two-node SLURM."""
 
 from __future__ import annotations
 
