@@ -29,6 +29,11 @@
 #     autocast, batch 256, synthetic 224 px images, median of 5 rounds of 10 steps). That rate over timm's
 #     DeiT-S rate on the RTX 3090 becomes the GPU's factor (vitexp/cost/anchors.py gpu_factors), in place of the
 #     vendor table's; then every table's cost on that GPU: vitexp-tables with conf/cost.yaml target_gpu set to it.
+# `bash scripts/gpu_check.sh compile` (also the first row of set 1, the default call):
+#  8. eager against torch.compile (compile.enabled=true: each model timed eager and compiled, interleaved, its
+#     first compiled call timed) for DeiT-S and each token method (BSPF-ViT, chunk-only, EViT, ToMe), bf16
+#     autocast, batch 128, 224 px: the compiled/eager ratio, the compile time, and each method's speedup over
+#     DeiT-S under compile beside its GMACs ratio (docs/measurements.md, "Compiled"; the CPU run's numbers there).
 # Ledger entries go to $OUT/results/runs (copy its new files into results/runs afterwards).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,6 +72,10 @@ row() {
   timeout -k 10 "$(( worst - 10 ))" "$@" logger=none 2>&1 | grep -v -i warn | tail -4 | cut -c1-1500  # SIGKILL 10 s after SIGTERM
 }
 vx=(python3 -m vitexp.commands.cli)
+compiled_row() {  # 8.: the same comparison as the CPU's in docs/measurements.md, in bf16 on the GPU
+  row 360 "${vx[@]}" bench 'bench.compare=[deit_small_baseline,bspf_deit_small,chunk_deit_small,evit_deit_small,tome_deit_small]' \
+      compile.enabled=true bench.device=cuda bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10 bench.warmup=3
+}
 if [ "$dry" = 0 ]; then  # the device first: nothing starts on a machine that cannot run it
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || { echo "gpu_check: no nvidia-smi"; exit 1; }
   python3 - <<'PY' || exit 1
@@ -103,6 +112,8 @@ PY
   for table in bspf_table1 bspf_table2 bspf_coco saper_table1 bspf_table6 bspf_table7 bspf_table8 peers_deit_small saper_table2 demo; do
     row "$per_row" rehearse "$table" --rehearse-trainer gpu --rehearse-budget-s "$(( $(left) - 10 ))"
   done ;;
+compile)
+  compiled_row ;;
 anchor)
   row 240 "${vx[@]}" bench bench.mode=train_step experiment=deit_small_baseline bench.device=cuda bench.batch_size=256 bench.amp=true \
       bench.rounds=5 bench.iters=10 bench.warmup=5 ;;
@@ -113,12 +124,13 @@ anchor)
       data.num_train=1024 data.num_val=128 data.num_test=256 recipe.epochs=2 recipe.batch_size=128 eval.throughput_batch=128 \
       bench.amp=true trainer.enable_progress_bar=false ;;
 1)
+  compiled_row
   row 240 "${vx[@]}" bench experiment=raptor_dinov2 backbone=dinov2_vitb14_reg bench.batch_size=128 bench.amp=true bench.rounds=5 bench.iters=10
   row 240 "${vx[@]}" bench experiment=saper_dinov2 backbone=dinov2_vitb14 budget.k=24 name=saper_ft_vitb14_k24_in1k bench.batch_size=128 \
       bench.amp=true bench.rounds=5 bench.iters=10
   row 300 "${vx[@]}" train experiment=raptor_dinov2 backbone=dinov2_vitb14_reg data=synthetic data.num_train=2048 data.num_val=128 \
       data.num_test=256 recipe.epochs=1 recipe.warmup_steps=8 method.probe.epochs=1 method.probe.batch_size=128 \
       method.phase_images=128 eval.throughput_batch=128 trainer.enable_progress_bar=false ;;
-*) echo "usage: $0 [1|2|rehearse|anchor|build] [--dry-run]" >&2; exit 2 ;;
+*) echo "usage: $0 [1|2|compile|rehearse|anchor|build] [--dry-run]" >&2; exit 2 ;;
 esac
 [ "$dry" = 1 ] || nvidia-smi --query-gpu=memory.used --format=csv,noheader

@@ -32,7 +32,7 @@ def dry_run(which: str, budget: int) -> list[tuple[str, int, int]]:
     return rows
 
 
-@pytest.mark.parametrize("which", ["1", "2", "anchor", "rehearse"])
+@pytest.mark.parametrize("which", ["1", "2", "compile", "anchor", "rehearse"])
 def test_no_row_starts_unless_its_worst_case_fits_the_budget_left(which):
     rows = dry_run(which, 400)
     assert rows, "the dry run listed no row"
@@ -55,3 +55,28 @@ def test_a_rehearsal_of_two_rows_counts_both_worst_cases():
     assert [worst for _, worst, _ in rows[:3]] == [150, 300, 150]
     skipped = dry_run("rehearse", 150 + 299)
     assert skipped[0][0] == "run" and skipped[1] == ("skip", 300, 299)
+
+
+def test_the_compile_row_composes_on_this_machine():
+    """Set 1's first row (``compile``): its overrides compose and type-check here, compile enabled, so
+    the GPU's one call does not fail on its config."""
+    import shlex
+
+    import vitexp.config.composition as vconfig
+    from vitexp.config.schema import check_types
+
+    line = next(
+        r
+        for r in subprocess.run(
+            ["bash", str(SCRIPT), "compile", "--dry-run"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "OUT": "/nonexistent"},
+        ).stdout.splitlines()
+        if "would run" in r
+    )
+    overrides = shlex.split(line.split(" bench ", 1)[1])
+    cfg = vconfig.compose(overrides)
+    check_types(cfg)
+    assert cfg.compile.enabled and cfg.bench.amp and len(cfg.bench.compare) == 5

@@ -90,6 +90,7 @@ def _run_model_timing(resolved: Resolved, run) -> None:
             iters=int(b.iters),
             amp=b.amp,
             progress=True,
+            compiled=_compile_options(cfg),
         )
         metrics = {
             "throughput": res["method"]["throughput"],
@@ -98,14 +99,14 @@ def _run_model_timing(resolved: Resolved, run) -> None:
             "gmacs": macs_m,
             "baseline_gmacs": macs_b,
             "gmacs_ratio": macs_b / macs_m,
+            **compiled_metrics(res["method"], res["baseline"]),
         }
-        protocol = {"mode": "throughput", "interleaved": True, **res["method"]}
-        protocol.pop("throughput", None)
+        protocol = {"mode": "throughput", "interleaved": True, **_timing_protocol(res["method"])}
         print(
             f"{cfg.name}: {metrics['throughput']:.1f} vs baseline {metrics['baseline_throughput']:.1f}"
             f" images/s (ratio {metrics['throughput_ratio']:.2f}; GMACs ratio {metrics['gmacs_ratio']:.2f}),"
             f" batch {protocol['batch_size']}, {img} px, {protocol['device_name']}, {protocol['precision']},"
-            f" {torch.get_num_threads()} threads"
+            f" {torch.get_num_threads()} threads" + _compiled_line(metrics, "baseline")
         )
     else:
         import copy
@@ -141,6 +142,57 @@ def _run_model_timing(resolved: Resolved, run) -> None:
             f" {100 * metrics['lightning_overhead']:+.1f} %"
         )
     run.complete(metrics, protocol)
+
+
+def _compile_options(cfg: DictConfig):
+    """The ``compile`` block as :func:`vitexp.measure.throughput.compare_throughput` takes it: enabled,
+    each model is timed eager and compiled, interleaved."""
+    from vitexp.models.compiled import CompileOptions
+
+    return CompileOptions.of(cfg.get("compile"))
+
+
+#: A timing's keys that are metrics, not protocol (:func:`compiled_metrics`).
+_MEASURED = (
+    "throughput",
+    "compiled_throughput",
+    "compiled_throughput_min",
+    "compiled_throughput_max",
+    "compiled_ratio",
+    "compile_s",
+)
+
+
+def _timing_protocol(res: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in res.items() if k not in _MEASURED}
+
+
+def compiled_metrics(res: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """The metrics of a timing with ``compile`` enabled: the model's compiled images/s, its compiled
+    over eager ratio and the seconds of its first compiled call (``compile_s``), the reference's
+    (``baseline_*``), and the speedup over the reference under compile (``compiled_throughput_ratio``);
+    ``{}`` when the timing was eager only."""
+    if "compiled_throughput" not in res:
+        return {}
+    return {
+        "compiled_throughput": res["compiled_throughput"],
+        "compiled_ratio": res["compiled_ratio"],
+        "compile_s": res["compile_s"],
+        "baseline_compiled_throughput": ref["compiled_throughput"],
+        "baseline_compiled_ratio": ref["compiled_ratio"],
+        "baseline_compile_s": ref["compile_s"],
+        "compiled_throughput_ratio": res["compiled_throughput"] / ref["compiled_throughput"],
+    }
+
+
+def _compiled_line(metrics: dict[str, Any], ref: str) -> str:
+    if "compiled_throughput" not in metrics:
+        return ""
+    return (
+        f"; compiled {metrics['compiled_throughput']:.1f} images/s ({metrics['compiled_ratio']:.2f} x eager,"
+        f" first call {metrics['compile_s']:.1f} s), speedup over {ref} under compile"
+        f" {metrics['compiled_throughput_ratio']:.2f}"
+    )
 
 
 def _loader_datamodule(cfg: DictConfig, data_config: dict[str, Any], root: str, decoder: str):
@@ -414,11 +466,12 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
     for name in names:
         sub = _compose_experiment(name)
         with open_dict(sub):
-            sub.output_dir, sub.results_dir, sub.bench, sub.logger = (
+            sub.output_dir, sub.results_dir, sub.bench, sub.logger, sub.compile = (
                 cfg.output_dir,
                 cfg.results_dir,
                 cfg.bench,
                 cfg.logger,
+                cfg.compile,
             )
         subs[name] = resolve(sub, need_data=False)
         subs[name].objective.check_timed(sub)
@@ -452,6 +505,7 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                 iters=int(b.iters),
                 amp=b.amp,
                 progress=True,
+                compiled=_compile_options(cfg),
             )
             load_after = os.getloadavg()
             ref = names[0]
@@ -463,13 +517,14 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                     "gmacs": gmacs[name],
                     "baseline_gmacs": gmacs[ref],
                     "gmacs_ratio": gmacs[ref] / gmacs[name],
+                    **compiled_metrics(res[name], res[ref]),
                 }
                 protocol = {
                     "mode": "compare",
                     "interleaved": True,
                     "interleaved_with": names,
                     "reference": ref,
-                    **{k: v for k, v in res[name].items() if k != "throughput"},
+                    **_timing_protocol(res[name]),
                     "statistic": "median over rounds",
                     "load_average_1m_before_after": [load_before[0], load_after[0]],
                     "cpu_count": os.cpu_count(),
@@ -477,6 +532,7 @@ def run_compare(cfg: DictConfig) -> dict[str, Any]:
                 print(
                     f"{name}: {metrics['throughput']:.1f} images/s, speedup {metrics['throughput_ratio']:.2f}"
                     f" over {ref} (GMACs ratio {metrics['gmacs_ratio']:.2f}, {gmacs[name]:.3f} GMACs)"
+                    + _compiled_line(metrics, ref)
                 )
                 runs[name].complete(metrics, protocol)
             print(

@@ -84,6 +84,8 @@ def eval_config(run: str, overrides: Iterable[str] = ()) -> tuple[DictConfig, di
         ):
             OmegaConf.update(cfg, key, str(local_path(value, results_dir)), merge=False)
     with open_dict(cfg):
+        if "compile" not in cfg:  # recorded before the compile block: compiled off, overridable
+            cfg.compile = compose([]).compile
         cfg.results_dir = str(results_dir)
         cfg.name = record["experiment"]
         cfg.output_dir = str(results_dir / "eval" / record["run_id"])
@@ -204,7 +206,7 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
     from vitexp.config.composition import to_container
     from vitexp.runs.owner import owned_run
     from vitexp.training.build import build_trainer
-    from vitexp.training.fit import stage_config
+    from vitexp.training.fit import compile_protocol, stage_config
 
     rebuild = resolve_rebuild(cfg, record, weights)
     with owned_run(cfg.name, "eval", cfg.results_dir, cfg.output_dir, cfg.logger, job_type="eval") as run:
@@ -224,7 +226,7 @@ def evaluate(cfg: DictConfig, record: dict[str, Any], weights: str | None = None
         )
         run.complete(
             metrics,
-            {"accuracy_unit": "%", "weights": portable_path(path, cfg.results_dir)},
+            {"accuracy_unit": "%", "weights": portable_path(path, cfg.results_dir), **compile_protocol(cfg)},
             out={"evaluates": record["run_id"]},
             evaluates=record["run_id"],
         )

@@ -138,6 +138,14 @@ class Eval:
 
 
 @dataclass
+class Compile:
+    enabled: bool
+    mode: str
+    fullgraph: bool
+    backend: str
+
+
+@dataclass
 class BenchLoader:
     root: Optional[str]
     split: str
@@ -175,6 +183,7 @@ class Config:
     output_dir: str
     results_dir: str
     eval: Eval
+    compile: Compile
     bench: Bench
     backbone: Backbone
     bspf_spec: BspfSpec

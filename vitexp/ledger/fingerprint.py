@@ -36,6 +36,7 @@ EXCLUDED = (
     "eval.throughput_batch",
     "eval.throughput_iters",
     "trainer.num_sanity_val_steps",
+    "compile",  # torch.compile: the speed, not what is measured (docs/measurements.md, "Compiled")
     "bench",
     "*._target_",
 )

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
+
+from vitexp.models.compiled import CompileOptions
 
 #: (batch size, bf16 autocast) by device type when the config leaves them null.
 PROTOCOL = {"cuda": (256, True), "cpu": (64, False)}
@@ -38,7 +40,7 @@ def throughput_protocol(
     return int(batch_size or default_batch), default_amp if amp is None else bool(amp)
 
 
-def _timer(model: nn.Module, x: torch.Tensor, amp: bool):
+def _timer(model: Callable[[torch.Tensor], Any], x: torch.Tensor, amp: bool):
     from torch.utils import benchmark
 
     def forward() -> None:
@@ -83,9 +85,14 @@ def compare_throughput(
     in_chans: int = 3,
     amp: bool | None = None,
     progress: bool = False,
+    compiled: CompileOptions | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Time each model on the same input in interleaved rounds; report the median images/s.
-    ``batch_size`` / ``amp`` None: the device's protocol (:func:`throughput_protocol`)."""
+    ``batch_size`` / ``amp`` None: the device's protocol (:func:`throughput_protocol`).
+    ``compiled`` (enabled): each model is also timed compiled (:func:`vitexp.models.compiled.compile_call`),
+    in the same rounds, eager and compiled interleaved; its entry adds ``compiled_throughput`` (and
+    its min and max), ``compiled_ratio`` (compiled over eager) and ``compile_s`` (the first compiled
+    call, compilation included, after the eager warm-up)."""
     from tqdm.auto import tqdm
 
     from vitexp.ledger import machine_load
@@ -97,12 +104,16 @@ def compare_throughput(
     device = _device_of(next(iter(models.values())))
     batch_size, amp = throughput_protocol(device, batch_size, amp)
     x = torch.randn(batch_size, in_chans, img_size, img_size, device=device)
-    timers = {name: _timer(m, x, amp) for name, m in models.items()}
+    calls: dict[str, Callable[[torch.Tensor], Any]] = dict(models)
+    compile_s = {}
+    if compiled is not None and compiled.enabled:
+        calls.update(_compiled_calls(models, x, amp, compiled, compile_s))
+    timers = {name: _timer(m, x, amp) for name, m in calls.items()}
     for t in timers.values():
         t.timeit(max(1, warmup))
-    samples: dict[str, list[float]] = {k: [] for k in models}
+    samples: dict[str, list[float]] = {k: [] for k in calls}
     bar = tqdm(
-        total=rounds * len(models), desc="throughput", unit="model", disable=not progress or None, leave=False
+        total=rounds * len(calls), desc="throughput", unit="model", disable=not progress or None, leave=False
     )
     for _ in range(rounds):
         for name, t in timers.items():
@@ -111,24 +122,78 @@ def compare_throughput(
     bar.close()
     for k, m in models.items():
         m.train(was_training[k])
+    out = {
+        name: _entry(samples[name], batch_size, img_size, rounds, iters, warmup, device, amp, load)
+        for name in models
+    }
+    for name in compile_s:
+        c = samples[name + COMPILED]
+        out[name].update(
+            compiled_throughput=statistics.median(c),
+            compiled_throughput_min=min(c),
+            compiled_throughput_max=max(c),
+            compiled_ratio=statistics.median(c) / out[name]["throughput"],
+            compile_s=compile_s[name],
+            compile=compiled.record(),
+        )
+    return out
+
+
+#: The key of a model's compiled call among :func:`compare_throughput`'s timers.
+COMPILED = ":compiled"
+
+
+def _compiled_calls(
+    models: Mapping[str, nn.Module], x: torch.Tensor, amp: bool, options: CompileOptions, seconds: dict
+) -> dict[str, Callable[[torch.Tensor], Any]]:
+    """{name + :data:`COMPILED`: the model compiled}, each compiled by a first call timed into
+    ``seconds`` (dynamo's cache limit raised to hold every model: they share timm's code objects)."""
+    from vitexp.models.compiled import compile_call
+
+    out = {}
+    limit = max(int(torch._dynamo.config.recompile_limit), 2 * len(models) + 2)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        for name, m in models.items():
+            call = compile_call(m, options)
+            _sync(x.device)
+            start = time.perf_counter()
+            with torch.no_grad(), torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
+                call(x)
+            _sync(x.device)
+            seconds[name] = time.perf_counter() - start
+            out[name + COMPILED] = call
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _facts(batch_size, img_size, rounds, iters, warmup, device, amp) -> dict[str, Any]:
+    """What a timing ran: batch, resolution, rounds, device and precision."""
     return {
-        name: {
-            "throughput": statistics.median(s),
-            "throughput_min": min(s),
-            "throughput_max": max(s),
-            "batch_size": batch_size,
-            "img_size": img_size,
-            "rounds": rounds,
-            "iters": iters,
-            "warmup": warmup,
-            "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "precision": "bf16 autocast" if amp else "fp32",
-            "threads": torch.get_num_threads(),
-            "timer": "torch.utils.benchmark.Timer.timeit, median over rounds",
-            "load": load,
-        }
-        for name, s in samples.items()
+        "batch_size": batch_size,
+        "img_size": img_size,
+        "rounds": rounds,
+        "iters": iters,
+        "warmup": warmup,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "precision": "bf16 autocast" if amp else "fp32",
+    }
+
+
+def _entry(s, batch_size, img_size, rounds, iters, warmup, device, amp, load) -> dict[str, Any]:
+    """One model's result of :func:`compare_throughput` from its rounds' images/s ``s``."""
+    return {
+        "throughput": statistics.median(s),
+        "throughput_min": min(s),
+        "throughput_max": max(s),
+        **_facts(batch_size, img_size, rounds, iters, warmup, device, amp),
+        "threads": torch.get_num_threads(),
+        "timer": "torch.utils.benchmark.Timer.timeit, median over rounds",
+        "load": load,
     }
 
 
@@ -179,14 +244,7 @@ def measure_train_step(
         "train_images_per_s": statistics.median(rates),
         "train_images_per_s_min": min(rates),
         "train_images_per_s_max": max(rates),
-        "batch_size": batch_size,
-        "img_size": img_size,
-        "rounds": rounds,
-        "iters": iters,
-        "warmup": warmup,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "precision": "bf16 autocast" if amp else "fp32",
+        **_facts(batch_size, img_size, rounds, iters, warmup, device, amp),
         "optimizer": "AdamW",
         "timer": "time.perf_counter over iters steps, median over rounds",
         "load": load,

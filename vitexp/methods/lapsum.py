@@ -81,9 +81,11 @@ def soft_topk(scores: torch.Tensor, k: float | torch.Tensor, alpha: float | torc
     n = scores.shape[-1]
     k_t = torch.as_tensor(k, dtype=scores.dtype, device=scores.device)
     a_t = torch.as_tensor(alpha, dtype=scores.dtype, device=scores.device)
-    if torch.any(k_t <= 0) or torch.any(k_t >= n):
+    # checked in eager only: a branch on a tensor's value is a graph break under torch.compile, where
+    # the caller's schedule (SAPER's HeadSelector) keeps k and alpha in range
+    if not torch.compiler.is_compiling() and (torch.any(k_t <= 0) or torch.any(k_t >= n)):
         raise ValueError(f"soft_topk: k must lie in (0, {n}), got {k}")
-    if torch.any(a_t <= 0):
+    if not torch.compiler.is_compiling() and torch.any(a_t <= 0):
         raise ValueError(f"soft_topk: alpha must be > 0, got {alpha}")
     batch = scores.shape[:-1]
     k_b = k_t.expand(batch).unsqueeze(-1) if k_t.dim() <= len(batch) else k_t

@@ -92,9 +92,38 @@ class DetectModule(ObjectiveModule):
         self.val_map = mean_average_precision()
         self.test_map = mean_average_precision()
 
+    def compiled(self, entry: str = "forward"):
+        """Under ``compile``, the detector's backbone and FPN (``model.backbone``) compiled whole; the
+        RPN, RoI heads and transform stay eager: torchvision's box code has data-dependent shapes
+        (NMS, the proposals kept, ``.item()`` in the resize), 37 graph breaks in training
+        (docs/measurements.md, "Compiled")."""
+        if entry != "backbone":
+            return super().compiled(entry)
+        backbone = self.model.backbone
+        if self.compile_options is None:
+            return backbone
+        key = (id(self.model), entry)
+        if key not in self._compiled:
+            from vitexp.models.compiled import compile_call
+
+            self._compiled[key] = compile_call(type(backbone).forward.__get__(backbone), self.compile_options)
+        return self._compiled[key]
+
+    def detect(self, images, targets=None):
+        """``self.model(images[, targets])`` with its backbone's forward compiled for this call only
+        (the model itself is never left patched: FLOPs counts and copies see the plain module)."""
+        if self.compile_options is None:
+            return self.model(images) if targets is None else self.model(images, targets)
+        backbone = self.model.backbone
+        backbone.forward = self.compiled("backbone")
+        try:
+            return self.model(images) if targets is None else self.model(images, targets)
+        finally:
+            del backbone.forward
+
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         images, targets = batch
-        losses = self.model(images, targets)
+        losses = self.detect(images, targets)
         loss = sum(losses.values())
         if not torch.isfinite(loss):  # the guard's error, with the loss terms
             self.check_finite(loss, f"detection loss ({ {k: float(v) for k, v in losses.items()} })")
@@ -108,7 +137,7 @@ class DetectModule(ObjectiveModule):
 
     def _eval_step(self, batch, batch_idx: int, metric, split: str) -> None:
         images, targets = batch
-        preds, gts = to_metric_inputs(self.model(images), targets)
+        preds, gts = to_metric_inputs(self.detect(images), targets)
         for i in self._padding(batch_idx, len(gts), split):  # scored as an image with nothing on it
             preds[i] = {k: v[:0] for k, v in preds[i].items()}
             gts[i] = {k: v[:0] for k, v in gts[i].items()}

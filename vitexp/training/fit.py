@@ -130,6 +130,16 @@ def fit_stage(
     return module, trainer, time.perf_counter() - start, scfg, last.metrics
 
 
+def compile_protocol(cfg: DictConfig) -> dict[str, Any]:
+    """``{"compile": ...}`` for the ledger's protocol of a run that compiled its model (the mode,
+    fullgraph, backend, torch version: :meth:`vitexp.models.compiled.CompileOptions.record`); ``{}``
+    for an eager run."""
+    from vitexp.models.compiled import CompileOptions
+
+    options = CompileOptions.of(cfg.get("compile"))
+    return {"compile": options.record()} if options.enabled else {}
+
+
 def datamodule_cache(data_config: dict[str, Any]) -> Callable[[DictConfig], L.LightningDataModule]:
     """One datamodule per batch size (stages may change the recipe's)."""
     datamodules: dict[int, L.LightningDataModule] = {}
@@ -228,7 +238,7 @@ def fit_run(
                 output_dir / "weights.pth", lambda tmp: torch.save(deployed_model.state_dict(), tmp)
             )
             deployed_metrics, protocol = objective.deployed_cost(cfg, method.deploy(deployed_model))
-            protocol.update({**order.protocol(), **evaluated})
+            protocol.update({**order.protocol(), **evaluated, **compile_protocol(cfg)})
             metrics.update(deployed_metrics)
             # a resumed run: every attempt's, as fit_time_s (vitexp.ledger.LedgerEntry.previous_wall_time)
             metrics["wall_time_s"] = time.perf_counter() - started + run.ledger.previous_wall_time()

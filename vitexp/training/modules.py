@@ -18,6 +18,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from vitexp.errors import NonFiniteLossError
+from vitexp.models.compiled import CompileOptions
 
 
 class ObjectiveModule(L.LightningModule):
@@ -31,9 +32,32 @@ class ObjectiveModule(L.LightningModule):
         self.model = model
         self.num_classes = int(num_classes)
         self.recipe = dict(recipe)
+        self.compile_options: CompileOptions | None = None
+        self._compiled: dict[tuple[int, str], Any] = {}  # (id of the model, entry) -> compiled call
+
+    def set_compile(self, options: CompileOptions | None) -> None:
+        """Compile the model's entries (:meth:`compiled`) with ``options`` (the config's ``compile``
+        block, :mod:`vitexp.models.compiled`); ``None`` or not enabled: eager."""
+        self.compile_options = options if options is not None and options.enabled else None
+        self._compiled = {}
+
+    def compiled(self, entry: str = "forward"):
+        """``self.model``'s ``entry`` (``forward``: the model itself; ``distill_targets``,
+        ``stage_loss``: the objectives' own), compiled once per model when the run compiles
+        (a deployed model, which replaces ``self.model`` before the test, gets its own)."""
+        call = self.model if entry == "forward" else getattr(self.model, entry)
+        if self.compile_options is None:
+            return call
+        key = (id(self.model), entry)
+        if key not in self._compiled:
+            from vitexp.models.compiled import compile_call
+
+            self._compiled = {k: v for k, v in self._compiled.items() if k[0] == id(self.model)}
+            self._compiled[key] = compile_call(call, self.compile_options)
+        return self._compiled[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
+        return self.compiled()(x)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         """Models with a training schedule of their own (SAPER's annealed head budget) expose
@@ -279,7 +303,7 @@ class DistillModule(ClassifyModule):
         return {"knn_bank": self.knn_bank} if self.knn_bank is not None else {}
 
     def distill_loss(self, x: torch.Tensor) -> torch.Tensor:
-        student, teacher = self.model.distill_targets(x)
+        student, teacher = self.compiled("distill_targets")(x)
         if self.loss_kind == "mse":
             return F.mse_loss(student, teacher)
         return (1 - F.cosine_similarity(student, teacher, dim=-1)).mean()
@@ -373,7 +397,7 @@ class RaptorStageModule(ClassifyModule):
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         progress = self.progress()
         loss = self.check_finite(
-            self.model.stage_loss(batch[0], self.stage, progress), f"RAPTOR stage {self.stage} loss"
+            self.compiled("stage_loss")(batch[0], self.stage, progress), f"RAPTOR stage {self.stage} loss"
         )
         self.log(
             f"train/stage{self.stage}_loss", loss, prog_bar=True, on_step=True, on_epoch=True, sync_dist=True
@@ -384,7 +408,7 @@ class RaptorStageModule(ClassifyModule):
 
     def _eval_step(self, batch, split: str) -> None:
         self.log_eval_loss(
-            split, self.model.stage_loss(batch[0], self.stage, 1.0), len(batch[0]), prog_bar=True
+            split, self.compiled("stage_loss")(batch[0], self.stage, 1.0), len(batch[0]), prog_bar=True
         )
 
     def configure_gradient_clipping(

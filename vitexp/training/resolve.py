@@ -186,6 +186,7 @@ def _checked(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
     _check(r.sched in SCHEDULES, "recipe.sched", f"{r.sched!r} is not one of {SCHEDULES}")
     objective_for(cfg).validate(cfg)
 
+    _check_compile(cfg)
     _check(
         cfg.bench.device in ("auto", "cpu", "cuda"),
         "bench.device",
@@ -209,6 +210,25 @@ def _checked(cfg: DictConfig, need_data: bool = True, method=None, need_trainer:
     if bb.pretrained:  # last: it builds the backbone
         check_backbone_weights(cfg, weights)
     return method, weights
+
+
+#: ``compile.backend`` choices (``inductor`` generates code; the others only capture graphs).
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def _check_compile(cfg: DictConfig) -> None:
+    """The ``compile`` block (absent in a config recorded before it: compiled off)."""
+    from vitexp.models.compiled import MODES
+
+    block = cfg.get("compile")
+    if block is None:
+        return
+    _check(block.mode in MODES, "compile.mode", f"{block.mode!r} is not one of {MODES}")
+    _check(
+        block.backend in COMPILE_BACKENDS,
+        "compile.backend",
+        f"{block.backend!r} is not one of {COMPILE_BACKENDS}",
+    )
 
 
 def _check_bspf_spec(cfg: DictConfig) -> None:

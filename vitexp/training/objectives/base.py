@@ -60,13 +60,19 @@ class Objective(abc.ABC):
 
     def module(self, scfg: DictConfig, stage: Stage, model: nn.Module | None = None) -> L.LightningModule:
         """``stage``'s LightningModule around ``model`` (default: the stage's own); ``scfg`` is the
-        stage's config (:func:`vitexp.training.fit.stage_config`)."""
-        return self.module_class(stage)(
+        stage's config (:func:`vitexp.training.fit.stage_config`), whose ``compile`` block the module
+        compiles the model with (:meth:`vitexp.training.modules.ObjectiveModule.set_compile`)."""
+        from vitexp.models.compiled import CompileOptions
+
+        module = self.module_class(stage)(
             stage.model() if model is None else model,
             num_classes=int(scfg.data.num_classes),
             recipe=scfg.recipe,
             **dict(stage.module_kwargs),
         )
+        if hasattr(module, "set_compile"):
+            module.set_compile(CompileOptions.of(scfg.get("compile")))
+        return module
 
     def test(
         self, trainer: L.Trainer, module: L.LightningModule, datamodule, prefix: str = ""
