@@ -202,3 +202,38 @@ def test_an_incomplete_cell_counts_each_splits_starts_where_they_differ():
         {**_spec(rows=THREE), "val_key": "val_top1"}, [{"claim": "c", "cells": [cell], "verdict": "v"}]
     )
     assert "(incomplete: test 3, val 2 of 3 starts, 3 pairs each)" in md
+
+
+def test_a_start_the_ledger_cannot_resolve_is_named_in_the_cell():
+    """``run:<experiment>`` that no completed run resolves (the run it loaded is not in the ledger) is
+    an :class:`~vitexp.report.protocols.Unresolved` start; the cell says which, instead of keying the
+    runs by the raw name in silence. A resolved start and a weights file stay as they were."""
+
+    class StubLedger:
+        runs = {
+            "lost": {"config": {"backbone": {"pretrained": "run:teacher"}}},
+            "found": {"config": {"backbone": {"pretrained": "run:teacher"}}},
+            "tagged": {"config": {"backbone": {"pretrained": "deit_small.fb_in1k"}}},
+        }
+
+        def get(self, run_id):
+            return self.runs.get(run_id)
+
+        def start_of(self, run):
+            return "teacher-20261201" if run is self.runs["found"] else None
+
+    start_of = protocols.start_of_run(StubLedger())
+    assert isinstance(start_of("lost"), protocols.Unresolved) and start_of("lost") == "run:teacher"
+    assert start_of("found") == "run:teacher-20261201" and not isinstance(
+        start_of("found"), protocols.Unresolved
+    )
+    assert start_of("tagged") == "deit_small.fb_in1k" and not isinstance(
+        start_of("tagged"), protocols.Unresolved
+    )
+    cells = {True: protocols.Unresolved("run:teacher"), False: "run:teacher-20261201"}
+    for unresolved, start in cells.items():
+        a = [{"seeds": {0: 82.0, 1: 83.0}, "run_ids": ["a0", "a1"]}]
+        b = [{"seeds": {0: 81.0, 1: 81.5}, "run_ids": ["b0", "b1"]}]
+        got = protocols._pairs(a, b, 2, (1, 2), lambda run_id, start=start: start)
+        assert ("run:teacher not found in the ledger" in got["text"]) is unresolved, got["text"]
+        assert got["sign"] == "supports"

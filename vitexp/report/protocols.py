@@ -161,10 +161,17 @@ def cost(
 StartOf = Callable[[str], Any]
 
 
+class Unresolved(str):
+    """A start ``run:<experiment>`` that the ledger cannot resolve (no completed train run of that
+    experiment had finished when the run started): which run it was is unknown, so every run that
+    names it shares one start, and the claim cell says so."""
+
+
 def start_of_run(ledger: Any) -> StartOf:
     """The start of a run of ``ledger`` (a :class:`vitexp.ledger.Ledger`): ``run:<id>`` of the run
-    whose weights it loaded (``run:<name>`` resolved as the run resolved it), else its
-    ``backbone.pretrained`` (a weights tag or file: one start), else ``None``."""
+    whose weights it loaded (``run:<name>`` resolved as the run resolved it; :class:`Unresolved` where
+    the ledger cannot), else its ``backbone.pretrained`` (a weights tag or file: one start), else
+    ``None``."""
 
     def start(run_id: str) -> Any:
         run = ledger.get(run_id)
@@ -173,7 +180,10 @@ def start_of_run(ledger: Any) -> StartOf:
         loaded = ledger.start_of(run)
         if loaded:
             return f"run:{loaded}"
-        return ((run.get("config") or {}).get("backbone") or {}).get("pretrained") or None
+        pretrained = ((run.get("config") or {}).get("backbone") or {}).get("pretrained") or None
+        if isinstance(pretrained, str) and pretrained.startswith("run:"):
+            return Unresolved(pretrained)
+        return pretrained
 
     return start
 
@@ -238,6 +248,9 @@ def _pairs(
             f" ({means}{within}; {len(pairs)} pairs)"
         )
     text += f" {marked}" if marked else ""
+    unresolved = sorted({k[1] for k in groups if isinstance(k[1], Unresolved)})
+    if unresolved:
+        text += f" (start {', '.join(unresolved)} not found in the ledger: its runs counted as one start)"
     ok = rule.complete(groups, needed[0], needed[1], own)
     sign = rule.NOT_RUN if not pairs else rule.sign(pairs) if ok else rule.INCOMPLETE
     mean_, std_ = (flat["mean"], flat["std"]) if len(groups) <= 1 or own else (stats["mean"], stats["std"])
