@@ -76,3 +76,31 @@ def test_every_page_is_in_the_nav():
                 yield from pages(v)
 
     assert set(pages(nav)) == {p.name for p in (ROOT / "docs").glob("*.md")}
+
+
+def test_reading_saper_types_the_folds_paired_differences_and_intervals_of_the_committed_table():
+    """docs/reading-saper.md's numbers for the fold (today's start − the folded one, k = 6): each mode's
+    mean ± std is the committed fmnist_saper_table1's Δ of its folded row with the sign turned, the
+    three pairs it lists have that mean and std, and the 95 % t interval it types is T975 · std / √n."""
+    import math
+    import re
+    import statistics
+
+    from vitexp import PROJECT_ROOT
+    from vitexp.report.verdict_rule import T975
+
+    table = (PROJECT_ROOT / "results" / "tables" / "fmnist_saper_table1.md").read_text()
+    page = " ".join((PROJECT_ROOT / "docs" / "reading-saper.md").read_text().split())
+    for mode, label in (("fine-tune", "SAPER fine-tune"), ("distill", "SAPER distill (k-NN)")):
+        row = next(
+            line for line in table.splitlines() if line.startswith(f"| {label}, k = 6, LapSum with the old")
+        )
+        mean, std, n = re.search(r"(-?\d+\.\d+) ± (\d+\.\d+) \((\d+)\)\s*\|\s*$", row).groups()
+        mean, std, n = -float(mean), float(std), int(n)  # the table's Δ is folded − today's
+        assert f"{mode} {mean:+.2f} ± {std:.2f}" in page, mode
+        pairs = re.search(rf"{mode} ([−+]\d\.\d\d), ([−+]\d\.\d\d), ([−+]\d\.\d\d)\)?", page).groups()
+        pairs = [float(p.replace("−", "-")) for p in pairs]
+        assert len(pairs) == n and round(statistics.mean(pairs), 2) == round(mean, 2), (mode, pairs)
+        assert abs(statistics.stdev(pairs) - std) < 0.01, (mode, pairs)
+        half = T975[n - 2] * std / math.sqrt(n)
+        assert f"± {half:.1f} ({mode})" in page, (mode, half)
