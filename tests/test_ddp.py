@@ -149,6 +149,9 @@ def _fixed_model_on_two_processes_and_one(
     return ddp, one
 
 
+# slow: the slurm set checks the same bank of 301 images and the same top-1 with one rank on each of two
+# nodes (tests/test_slurm_cluster.py, test_ddp_across_two_nodes_equals_one_process_on_odd_splits)
+@pytest.mark.slow
 def test_knn_top1_of_a_fixed_model_under_ddp_equals_one_process(results_dir, tmp_path, make_cfg):
     """The k-NN memory bank under DDP holds each training image once (301 images: a padding
     sampler would repeat one, and a bank encoded whole on every rank would hold each twice): the
