@@ -55,8 +55,10 @@ stop() {
   fi
 }
 
-# Two nodes: a bridge holding this host's address on a free 10.x.y.0/24, and one network namespace per
-# node linked to it by a veth pair; names derive from DIR, so two clusters never share them.
+# Two nodes: a bridge holding this host's address on a 10.x.y.0/24 that no route of this host uses,
+# and one network namespace per node linked to it by a veth pair; names derive from DIR, so two clusters
+# never share them. Traffic between the nodes crosses the bridge: on a host whose firewall filters
+# bridged packets (br_netfilter with a FORWARD policy of DROP, as Docker sets it), it must be let through.
 make_network() {
   local tag ns i
   tag=$(printf '%s' "$dir" | md5sum | cut -c1-6)
@@ -116,6 +118,8 @@ if [ "$nodes" = 2 ]; then
   done
 fi
 stop  # a cluster left in DIR by an earlier start
+# a start that fails part way (a step of `set -e`, nodes that never come up) leaves nothing behind
+trap 'status=$?; if [ "$status" != 0 ]; then stop; fi; exit "$status"' EXIT
 host=$(hostname -s)
 rm -rf "$dir/state" "$dir/spool"  # no job or node state of an earlier start
 mkdir -p "$dir/munge" "$dir/state" "$dir/spool" "$dir/log"

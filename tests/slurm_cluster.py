@@ -91,7 +91,7 @@ def start(folder: Path, nodes: int = 2) -> Cluster:
         done = run_doc("bash scripts/local_slurm.sh start <folder> --nodes 2", fill, **options)
     else:
         done = run_doc("bash scripts/local_slurm.sh start <folder>", fill, **options)
-    if done.returncode != 0:
+    if done.returncode != 0:  # the script stopped what it had started
         logs = "".join(p.read_text()[-1500:] for p in sorted((folder / "log").glob("*.log")))
         raise RuntimeError(f"the {nodes}-node SLURM did not start: {done.stderr[-1500:]}\n{logs}")
     assert done.stdout.strip().splitlines()[-1] == f"export SLURM_CONF={folder}/slurm.conf", done.stdout
@@ -101,13 +101,14 @@ def start(folder: Path, nodes: int = 2) -> Cluster:
 def stop(cluster: Cluster) -> None:
     from doc_commands import run_doc
 
-    run_doc(
+    done = run_doc(
         "bash scripts/local_slurm.sh stop <folder>",
         {"<folder>": str(cluster.folder)},
         cwd=ROOT,
         timeout=120,
         env={**os.environ, "PATH": f"{os.environ['PATH']}{os.pathsep}/usr/sbin"},
     )
+    assert done.returncode == 0, done.stderr[-1500:]
 
 
 @pytest.fixture(scope="session")

@@ -128,7 +128,7 @@ def assert_requeued_once(entry: dict, signal: str, expected: dict) -> None:
         "resumed_from"
     ]
     steps_per_epoch = expected["steps"] // expected["epochs"]
-    assert 0 < resumed["epoch"] < 3 and resumed["global_step"] == steps_per_epoch * resumed["epoch"], resumed
+    assert 0 < resumed["epoch"] <= 3 and resumed["global_step"] == steps_per_epoch * resumed["epoch"], resumed
 
 
 def started_and_finished(entry: dict) -> tuple[dt.datetime, dt.datetime]:
@@ -140,7 +140,7 @@ def test_the_guides_local_cluster_runs_jobs(slurm_cluster, tmp_path):
     points SLURM's commands at it, whose one node is idle in partition ``local``, and ``stop`` ends it.
     Then its two-node lines on the session's cluster: ``srun`` runs one task on each node, each under
     its node's own hostname."""
-    one = start(tmp_path / "one", nodes=1)
+    one = start(tmp_path / "one", nodes=1)  # a start that fails stops what it started (local_slurm.sh)
     try:
         env = slurm_cluster.env(tmp_path / "results")
         env.pop("SLURM_CONF")
@@ -155,13 +155,37 @@ def test_the_guides_local_cluster_runs_jobs(slurm_cluster, tmp_path):
         assert re.search(r"local\*\s+up\s+infinite\s+1\s+idle", done.stdout), done.stdout
     finally:
         stop(one)
-    assert not (one.folder / "slurmctld.pid").exists()
+    assert not list(one.folder.glob("*.pid"))
     env = slurm_cluster.env(tmp_path / "results")
     done = run_doc("sinfo", env=env)
     assert re.search(r"local\*\s+up\s+infinite\s+2\s+\w+\s+node\[1-2\]", done.stdout), done.stdout
     done = run_doc("srun --nodes=2 --ntasks-per-node=1 hostname", env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.split()) == ["node1", "node2"], done.stdout
+
+
+def test_stop_removes_the_two_node_clusters_namespaces_bridge_and_links(slurm_cluster, tmp_path):
+    """A second two-node cluster beside the session's: ``stop`` ends its daemons and removes the network
+    namespaces, the bridge and the veth links ``start`` made, and the machine's /etc/hosts is unchanged."""
+    hosts = Path("/etc/hosts").read_text()
+    other = start(tmp_path / "two", nodes=2)
+    made = dict(re.findall(r'^(\w+)="?([^"\n]*)"?$', (other.folder / "network").read_text(), flags=re.M))
+    names = [made["bridge"], *made["links"].split(), *made["namespaces"].split()]
+    assert len(names) == 5 and all(n in _network_names() for n in names), (names, _network_names())
+    assert Path("/etc/hosts").read_text() == hosts
+    stop(other)
+    assert not list(other.folder.glob("*.pid")) and not (other.folder / "network").exists()
+    assert not set(names) & _network_names(), names
+    assert Path("/etc/hosts").read_text() == hosts
+
+
+def _network_names() -> set[str]:
+    """The machine's links (without their ``@peer``) and network namespaces."""
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {m.split("@")[0] for m in re.findall(r"^\d+: ([^:]+):", links, flags=re.M)} | {
+        line.split()[0] for line in spaces.splitlines() if line.strip()
+    }
 
 
 def test_first_command_of_the_guide_sweeps_the_demo_over_both_nodes_and_builds_its_table(
@@ -183,8 +207,8 @@ def test_first_command_of_the_guide_sweeps_the_demo_over_both_nodes_and_builds_i
     out, err = sweep.communicate()
     assert sweep.returncode == 0, (out[-2000:], err[-3000:])
     assert "R" in seen, "no job was seen running in squeue"
-    files = sorted((results / "runs").glob("*.json"))
-    entries = [json.loads(f.read_text()) for f in files]  # each file whole JSON: none torn
+    entries = ledger_entries(results)  # each entry whole JSON (none torn), no temp file left
+    assert not list((results / "runs").glob(".*")), "a write left its temporary file"
     assert sorted((e["kind"], e["experiment"]) for e in entries) == [
         ("flops", "deit_small_baseline"),
         ("flops", "deit_tiny_baseline"),
