@@ -78,6 +78,7 @@ def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_findin
 
     from vitexp.analysis import audit_saper
     from vitexp.config.composition import to_container
+    from vitexp.ledger import portable_paths
     from vitexp.models import build_backbone
 
     def record(run_id, experiment, cfg, started, finished, **extra):
@@ -85,17 +86,20 @@ def test_the_audit_pins_the_teacher_the_saper_run_loaded_and_reports_each_findin
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(
             json.dumps(
-                {
-                    "run_id": run_id,
-                    "experiment": experiment,
-                    "status": "completed",
-                    "kind": "train",
-                    "config": cfg,
-                    "metrics": {"top1": 50.0},
-                    "started": started,
-                    "finished": finished,
-                    **extra,
-                }
+                portable_paths(  # as an entry stores its paths
+                    {
+                        "run_id": run_id,
+                        "experiment": experiment,
+                        "status": "completed",
+                        "kind": "train",
+                        "config": cfg,
+                        "metrics": {"top1": 50.0},
+                        "started": started,
+                        "finished": finished,
+                        **extra,
+                    },
+                    results_dir,
+                )
             )
         )
 

@@ -128,6 +128,7 @@ def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, caps
     import vitexp.report.tables
     from vitexp.commands.cli import eval_main, tables_main
     from vitexp.config.composition import to_container
+    from vitexp.ledger import portable_paths
 
     (results_dir / "runs").mkdir(parents=True, exist_ok=True)
     (results_dir / "runs" / "r1.json").write_text(
@@ -138,7 +139,7 @@ def test_every_exit_of_eval_and_tables_ends_with_the_json_line(monkeypatch, caps
                 "status": "completed",
                 "kind": "train",
                 "started": "2026-01-01T00:00:00+00:00",
-                "config": to_container(make_cfg(["logger=none"])),
+                "config": portable_paths(to_container(make_cfg(["logger=none"])), results_dir),
             }
         )
     )

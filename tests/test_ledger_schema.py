@@ -205,3 +205,47 @@ def test_a_second_tables_writer_of_one_folder_is_refused_naming_the_first(result
     finally:
         holder.communicate("", timeout=30)
     assert tables.main(["demo", "--results-dir", str(results_dir), "--out", str(out)]) == 0
+
+
+def test_the_migration_rewrites_a_ledger_once_through_the_schema(results_dir, capsys):
+    """scripts/migrate_ledger.py: a loose entry and a pack written before the schema (an absolute
+    dataset path, a depth-bound ``..`` run folder, a NaN token, a start at +03:00, a ``file:///`` URL
+    in a text) come out keeping it; a second run changes nothing."""
+    import gzip
+    import importlib.util
+
+    from vitexp import PROJECT_ROOT
+
+    spec = importlib.util.spec_from_file_location(
+        "migrate_ledger", PROJECT_ROOT / "scripts" / "migrate_ledger.py"
+    )
+    migrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(migrate)
+    depth = "../" * (len(results_dir.resolve().parts) - 1)
+    old = _record(
+        started="2026-01-01T03:00:00+03:00",
+        config=run_config(0, {"data": {"root": "/usr/share/x"}}),
+        output_dir=f"{depth}srv/reh/run1",
+        env={"hostname": "node7"},
+        differences=["path=file:///tmp/scratch/conf"],
+    )
+    (results_dir / "runs").mkdir(parents=True)
+    (results_dir / "runs" / "r1.json").write_text(json.dumps(old))
+    (results_dir / "ledger").mkdir()
+    packed = {**old, "run_id": "r2", "metrics": {"top1": float("nan")}}
+    with gzip.open(results_dir / "ledger" / "20260101-000000.jsonl.gz", "wt") as fh:
+        fh.write(json.dumps(packed) + "\n")  # a NaN token, as Python writes it
+    assert problems(old, "r1") and migrate.main([str(results_dir)]) == 0
+    assert json.loads(capsys.readouterr().out)["entries"] == 2
+    ledger = Ledger.load(results_dir)
+    assert not ledger.broken and len(ledger) == 2
+    new = ledger.get("r1")
+    assert (
+        new["started"] == "2026-01-01T00:00:00+00:00"
+        and new["config"]["data"]["root"] == "file://node7/usr/share/x"
+    )
+    assert new["output_dir"] == "file://node7/srv/reh/run1" and new["differences"] == [
+        "path=file://node7/tmp/scratch/conf"
+    ]
+    assert ledger.get("r2")["metrics"]["top1"] is None
+    assert migrate.main([str(results_dir)]) == 0 and json.loads(capsys.readouterr().out)["entries"] == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+from conftest import run_config
 
 import vitexp  # noqa: F401
 from vitexp.config.composition import ConfigError
@@ -412,7 +413,7 @@ def test_teacher_probe_run_reads_the_teachers_accuracy_from_the_ledger(make_cfg,
     probe = LedgerEntry(
         "probe_micro",
         "train",
-        {"backbone": {"name": "dinov2_micro_reg"}, "data": {"name": "digits"}},
+        run_config(top={"backbone": {"name": "dinov2_micro_reg"}, "data": {"name": "digits"}}),
         results_dir,
     ).start()
     probe.finish({"top1": 91.5, "top5": 99.0})

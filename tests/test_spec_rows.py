@@ -157,7 +157,7 @@ def _fake_run(name: str, seed: int | None, metrics: dict, query) -> dict:
         "kind": "train",
         "config": dict(query.composed(seed)),
         "metrics": metrics,
-        "started": "2000-01-01",
+        "started": "2000-01-01T00:00:00+00:00",
     }
 
 

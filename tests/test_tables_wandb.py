@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import config_of
 
-from vitexp.ledger import local_path
+from vitexp.ledger import local_path, portable_paths
 from vitexp.report import tables
 
 
@@ -75,8 +75,8 @@ def test_log_wandb_logs_the_local_ledger_offline(monkeypatch, tmp_path, capsys, 
                 "experiment": "demo",
                 "status": "completed",
                 "kind": "train",
-                "started": "2026-01-01T00:00:00",
-                "config": config_of("demo"),
+                "started": "2026-01-01T00:00:00+00:00",
+                "config": portable_paths(config_of("demo"), results),  # as an entry stores it
                 "metrics": {"top1": 93.25, "gmacs": 0.0226},
             }
         )

@@ -146,12 +146,16 @@ class Ledger:
 
     @classmethod
     def of(cls, runs: "Ledger | Iterable[dict[str, Any]]") -> "Ledger":
-        """``runs`` as a ledger: itself, or records (checked like files)."""
+        """``runs`` as a ledger: itself, or records of this process (their paths made portable as a
+        run writes them, :func:`vitexp.ledger.paths.portable_paths`; then checked like files)."""
         if isinstance(runs, Ledger):
             return runs
+        from vitexp.ledger.paths import portable_paths
         from vitexp.ledger.sources import check
 
-        pairs = [check(r, f"record {i}") for i, r in enumerate(runs)]
+        pairs = [
+            check(portable_paths(r) if isinstance(r, dict) else r, f"record {i}") for i, r in enumerate(runs)
+        ]
         return cls([g for g, _ in pairs if g], [b for _, b in pairs if b], "records")
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

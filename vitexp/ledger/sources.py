@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable
 
+from vitexp.ledger.paths import portable_paths
 from vitexp.ledger.schema import BrokenEntry, problems
 
 SNAPSHOT_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -192,6 +193,8 @@ def read_wandb(path: str) -> tuple[list[dict[str, Any]], list[BrokenEntry]]:
             continue
         if config.get("fingerprint"):
             record["fingerprint"] = config["fingerprint"]
+        # the config as the run logged it: its paths are its machine's (W&B's host, when it says)
+        record = portable_paths(record, host=str(getattr(run, "host", None) or "wandb-run"))
         good, bad = check(record, where)
         records += [good] if good else []
         broken += [bad] if bad else []
