@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, ledger_entries
+from conftest import cli_env, ledger_entries, run_config
 
 SMALL = [
     "data=synthetic",
@@ -210,7 +210,7 @@ def test_slurms_signals_while_an_interrupted_entry_closes_are_noted_never_raised
     stopped = None
     try:
         with owned_run("demo", "train", results_dir, tmp_path / "run", resumable=True) as run:
-            run.start({"seed": 0})
+            run.start(run_config(0))
             os.kill(os.getpid(), signal.SIGUSR2)
             time.sleep(5)  # (the signal's handler runs before this line)
     except BaseException as err:  # what ends the run, read after its entry
@@ -236,7 +236,7 @@ def test_a_run_closing_completed_is_never_requeued_and_a_sigterm_then_ends_it(
     monkeypatch.setattr(LedgerEntry, "finish", _signalled(LedgerEntry.finish, signal.SIGUSR2, signal.SIGTERM))
     with pytest.raises(_Stopped):
         with owned_run("demo", "train", results_dir, tmp_path / "run", resumable=True) as run:
-            run.start({"seed": 0})
+            run.start(run_config(0))
             run.complete({"top1": 50.0})
     assert submitit_job == [] and run.deferred == ["SIGUSR2", "SIGTERM"]
     (entry,) = ledger_entries(results_dir)

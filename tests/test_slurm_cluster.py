@@ -73,8 +73,10 @@ def one_completed_entry(results: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def guide_jobs(slurm_cluster, tmp_path_factory):
-    """The guide's two sbatch lines, submitted as written from one folder on first use (so they run
-    beside the tests that compare with them); ``wait(line)`` gives that job's one completed entry."""
+    """The guide's two sbatch lines, submitted as written from one folder on first use: the SIGUSR1
+    test's setup, so they run beside its job (the test waits for them only after its own) and are done
+    by the time the SIGUSR2 test and the template's own test read them; ``wait(line)`` gives that job's
+    one completed entry and its log."""
     folder = tmp_path_factory.mktemp("guide")
     results = folder / "results"
     (folder / "scripts").symlink_to(ROOT / "scripts")  # the guide's paths are the checkout's
@@ -239,18 +241,6 @@ def test_first_command_of_the_guide_sweeps_the_demo_over_both_nodes_and_builds_i
     assert len(ledger_entries(results)) == 3
 
 
-def test_the_sbatch_template_as_written_on_one_process_and_across_two_nodes(guide_jobs):
-    """The guide's two sbatch lines, as written: one process; then one task on each node, which
-    Lightning's SLURM environment joins (rank 1 on node2 finds rank 0 on node1 by name) into one run
-    with one ledger entry, written by rank 0."""
-    one, _ = guide_jobs(ONE_PROCESS)
-    two, log = guide_jobs(TWO_NODES)
-    assert one["metrics"]["world_size"] == 1 and two["metrics"]["world_size"] == 2
-    assert two["env"]["slurm"]["nodes"] == "node[1-2]" and two["env"]["slurm"]["procid"] == "0"
-    assert two["env"]["slurm"]["node"] == "node1" == two["env"]["hostname"]
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log  # the second node's task joined the group
-
-
 def test_sbatch_template_requeue_across_two_nodes_on_sigusr1_ends_as_the_uninterrupted_run(
     slurm_cluster, tmp_path, guide_jobs
 ):
@@ -301,6 +291,18 @@ def test_submitit_requeue_on_sigusr2_closes_the_attempt_interrupted(slurm_cluste
     entry = one_completed_entry(results)
     assert entry["attempts"][0].get("requeued") == "submitit: checkpoint and scontrol requeue"
     assert_requeued_once(entry, "SIGUSR2", guide_jobs(ONE_PROCESS)[0]["metrics"])
+
+
+def test_the_sbatch_template_as_written_on_one_process_and_across_two_nodes(guide_jobs):
+    """The guide's two sbatch lines, as written: one process; then one task on each node, which
+    Lightning's SLURM environment joins (rank 1 on node2 finds rank 0 on node1 by name) into one run
+    with one ledger entry, written by rank 0."""
+    one, _ = guide_jobs(ONE_PROCESS)
+    two, log = guide_jobs(TWO_NODES)
+    assert one["metrics"]["world_size"] == 1 and two["metrics"]["world_size"] == 2
+    assert two["env"]["slurm"]["nodes"] == "node[1-2]" and two["env"]["slurm"]["procid"] == "0"
+    assert two["env"]["slurm"]["node"] == "node1" == two["env"]["hostname"]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in log  # the second node's task joined the group
 
 
 def test_ddp_across_two_nodes_equals_one_process_on_odd_splits(slurm_cluster, tmp_path):
