@@ -18,19 +18,6 @@ from slurm_cluster import slurm_cluster  # noqa: E402,F401  (the two-node SLURM 
 
 import vitexp.config.composition as vconfig  # noqa: E402
 
-
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: a worker per core, and one more where the slurm tests will run (one group on one
-    worker, mostly waiting for its SLURM jobs), so that the rest keeps a worker per core."""
-    from _pytest.mark.expression import Expression
-    from slurm_cluster import missing
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    marks = config.getoption("markexpr") or ""
-    selected = not marks or Expression.compile(marks).evaluate(lambda name, **_: name == "slurm")
-    return cores + (1 if selected and not missing() else 0)
-
-
 #: Overrides that keep a test run small and quiet (no logger, no progress bar).
 QUIET = ["logger=none", "trainer.enable_progress_bar=false"]
 #: A training run of a few seconds: the demo on 32 synthetic images, one epoch, no costs measured.

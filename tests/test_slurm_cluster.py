@@ -1,8 +1,7 @@
 """vitexp's cluster path on a real scheduler: the two-node SLURM of scripts/local_slurm.sh
 (tests/slurm_cluster.py), every command of docs/cluster.md run as written (tests/doc_commands.py).
 
-Marker ``slurm``, in the default suite as one xdist group (``pytest -m slurm`` runs them alone; CI requires
-them with VITEXP_REQUIRE_SLURM=1): a table swept through
+Marker ``slurm`` (``pytest -m slurm``; CI runs it with VITEXP_REQUIRE_SLURM=1): a table swept through
 ``hydra/launcher=slurm`` with jobs on both nodes at once, DDP across the two nodes started by ``srun``,
 preemption through both requeue paths (the sbatch template's SIGUSR1, on a job spanning both nodes, and
 submitit's SIGUSR2), and the sbatch template submitted as written. The guide's two sbatch lines (one
@@ -23,8 +22,7 @@ from doc_commands import run_doc
 from slurm_cluster import ROOT, start, stop
 from test_ddp import FROZEN_CLASSIFIER, assert_same_bank
 
-# one group: one worker runs them in order, on one cluster (pyproject's --dist loadgroup)
-pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
+pytestmark = pytest.mark.slurm
 
 TEMPLATE = ROOT / "scripts" / "slurm" / "vitexp.sbatch"
 ONE_PROCESS = "sbatch scripts/slurm/vitexp.sbatch experiment=demo recipe.epochs=3"
