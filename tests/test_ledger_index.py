@@ -795,3 +795,23 @@ def test_cells_of_a_stale_protocol_a_busy_machine_and_a_lost_diff_are_marked(res
     }
     marks, md = _marked(results_dir / "d", git_dirty=True, code_patch=None)
     assert marks == {"top1": "‡", "throughput": "‡", "gmacs": "‡"} and "‡ trained from a dirty tree" in md
+
+
+def test_a_compiled_bench_entry_fills_only_a_row_that_asks_for_compiled_runs(results_dir):
+    """bench.* and compile.* are not in the fingerprint, so a newer compiled timing of the same model is
+    a run of its row; it measures the compiled model's speed, so it fills a throughput cell only where
+    the table's protocol names ``compile``, and an eager table keeps its eager run."""
+    config = copy.deepcopy(composed_config(("experiment=demo",), None))
+    eager = LedgerEntry("demo", "bench", config, results_dir).start()
+    eager.finish({"throughput": 123.4}, {"mode": "compare", "device": "cpu"})
+    time.sleep(1.1)  # the compiled one is the newer run (start times have a resolution of one second)
+    compiled = LedgerEntry("demo", "bench", config, results_dir).start()
+    compiled.finish(
+        {"throughput": 55.5}, {"mode": "compare", "device": "cpu", "compile": {"mode": "default"}}
+    )
+    (row,) = tables.fill({**DEMO, "protocol": {"mode": "compare"}}, Ledger.load(results_dir))
+    assert row["cells"]["throughput"]["value"] == 123.4
+    (row,) = tables.fill(
+        {**DEMO, "protocol": {"mode": "compare", "compile": {"mode": "default"}}}, Ledger.load(results_dir)
+    )
+    assert row["cells"]["throughput"]["value"] == 55.5

@@ -185,6 +185,8 @@ def _fill_row(
             if r["status"] == "completed"
             and r["kind"] not in ("eval", "rehearsal")
             and all((r.get("protocol") or {}).get(k) == v for k, v in wanted.items())
+            # a compiled run measures the compiled model's speed: only a row that asks for it takes it
+            and ("compile" in wanted or not (r.get("protocol") or {}).get("compile"))
         ]
         for seed, rs in found.items()
     }
