@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import cli_env
+from conftest import TINY_TRAIN, cli_env
 
 import vitexp.config.composition as vconfig
 
@@ -151,16 +151,8 @@ def test_a_multirun_ends_with_one_summary_line(results_dir, tmp_path):
     proc = vitexp_cli(
         "train",
         "-m",
-        "data=synthetic",
+        *TINY_TRAIN[1:],  # without experiment=demo, the default
         "data.noise=nan,0.5",
-        "data.num_train=32",
-        "data.num_val=16",
-        "data.num_test=16",
-        "recipe.batch_size=16",
-        "recipe.epochs=1",
-        "recipe.warmup_epochs=0",
-        "eval.throughput=false",
-        "eval.flops=false",
         "logger=none",
         "trainer.enable_progress_bar=false",
         results_dir=results_dir,
